@@ -1,0 +1,37 @@
+# Two commands from a fresh clone:
+#   make train     runs the pipeline's main target on the embedded default
+#   make test      runs the test suite
+# Each creates its Python environment (.venvs/$(STACK)) from envs/$(STACK).yaml if it is missing or
+# older than the env file, and reuses it otherwise. STACK=pinned (default) or STACK=current.
+
+STACK ?= pinned
+PYTHON ?= python3
+CORES ?= 8
+VENV := .venvs/$(STACK)
+BIN := $(VENV)/bin
+SNAKEMAKE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: env train test lint clean
+
+$(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(PYTHON) tools/pip_pins.py envs/$(STACK).yaml > $(VENV)/requirements.txt
+	$(BIN)/python -m pip install --quiet -r $(VENV)/requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+env: $(VENV)/.installed
+
+train: env
+	STACK=$(STACK) $(BIN)/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) train
+
+test: env
+	STACK=$(STACK) $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: env
+	STACK=$(STACK) $(BIN)/snakemake --lint
+
+clean:
+	rm -rf results/pinned results/current .snakemake

@@ -1,0 +1,31 @@
+# The expert-coverage validation set: route the held-out pool through the base model and pick
+# documents so that every (layer, expert) and the frequent expert pairs are exercised.
+
+COVERAGES = {mfconfig.coverage_key(cfg): cfg for cfg in RUNS.values()}
+
+
+def coverage_dir(cfg):
+    return f"{RESULTS}/coverage/{mfconfig.coverage_key(cfg)}"
+
+
+rule coverage_valset:
+    input:
+        model=lambda wc: base_model_dir(COVERAGES[wc.covkey]),
+        pool=lambda wc: [data_dir(COVERAGES[wc.covkey], c) for c in COVERAGES[wc.covkey]["coverage"]["pool_corpora"]],
+        lib=lib("modeling", "collate", "routing", "coverage"),
+    output:
+        valset=directory(f"{RESULTS}/coverage/{{covkey}}/valset"),
+        json=f"{RESULTS}/coverage/{{covkey}}/coverage.json",
+        heatmap=report(f"{RESULTS}/coverage/{{covkey}}/heatmap.png", caption="../report/coverage.rst", category="Coverage"),
+    params:
+        settings=lambda wc: mfconfig.coverage_settings(COVERAGES[wc.covkey]) | {"config": COVERAGES[wc.covkey]["coverage"]},
+        runtime=runtime(),
+    threads: config["threads"]
+    log:
+        log_path("coverage_valset", "{covkey}"),
+    benchmark:
+        bench_path("coverage_valset", "{covkey}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/coverage_valset.py"

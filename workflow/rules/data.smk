@@ -1,0 +1,59 @@
+# Tokenization: a tokenizer (trained here for a model built from config), then one packed Arrow shard
+# set per corpus and split, keyed by the data settings so that runs that agree on data share it.
+
+
+def tokenizer_dir(settings):
+    """The tokenizer folder for a set of tokenizer settings: the pretrained model's, or one trained here."""
+    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{mfconfig.stable_hash(settings)}"
+
+
+def corpus_files(wc):
+    """Source files of a corpus, so that editing one reruns the stage (stdlib is recorded in the manifest)."""
+    from moeflow.corpus import source_files
+
+    return source_files(DATASETS[wc.datakey]["data"]["sources"][wc.corpus])
+
+
+rule train_tokenizer:
+    input:
+        lib=lib("corpus", "tokenize"),
+    output:
+        directory(f"{RESULTS}/tokenizer/{{tokkey}}"),
+    params:
+        settings=lambda wc: TOKENIZERS[wc.tokkey],
+        runtime=runtime(),
+    threads: config["threads"]
+    log:
+        log_path("train_tokenizer", "{tokkey}"),
+    benchmark:
+        bench_path("train_tokenizer", "{tokkey}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/train_tokenizer.py"
+
+
+rule tokenize:
+    input:
+        tokenizer=lambda wc: tokenizer_dir(DATASETS[wc.datakey]["tokenizer"]),
+        sources=corpus_files,
+        lib=lib("corpus", "tokenize"),
+    output:
+        directory(f"{RESULTS}/data/{{datakey}}/{{corpus}}"),
+    params:
+        settings=lambda wc: DATASETS[wc.datakey],
+        corpus=lambda wc: wc.corpus,
+        runtime=runtime(),
+    threads: config["threads"]
+    log:
+        log_path("tokenize", "{datakey}", "{corpus}"),
+    benchmark:
+        bench_path("tokenize", "{datakey}", "{corpus}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/tokenize.py"
+
+
+def data_dir(cfg, corpus):
+    return f"{RESULTS}/data/{mfconfig.data_key(cfg)}/{corpus}"

@@ -1,0 +1,25 @@
+# Stage 1: what environment is this? Facts only (no timestamps), so an unchanged environment gives
+# the same bytes and reruns nothing downstream. The fingerprint param reruns it when packages change.
+
+
+rule verify_env:
+    input:
+        env_file=ENV_FILE,
+        lib=lib("env"),
+    output:
+        json=f"{RESULTS}/env/report.json",
+        md=report(f"{RESULTS}/env/report.md", caption="../report/verify_env.rst", category="Environment"),
+    params:
+        env=config["env"],
+        trust_remote_code={run: cfg["model"].get("trust_remote_code", False) for run, cfg in RUNS.items()},
+        fingerprint=environment_fingerprint(),
+        runtime=runtime(),
+    threads: 1
+    log:
+        log_path("verify_env"),
+    benchmark:
+        bench_path("verify_env")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/verify_env.py"

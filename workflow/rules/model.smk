@@ -1,0 +1,29 @@
+# The base model. A user's pretrained folder (model.pretrained) is used as it is; the embedded default
+# first pretrains its own small MoE on the base corpus, saved with save_pretrained plus its tokenizer.
+
+BASES = {mfconfig.base_key(cfg): cfg for cfg in RUNS.values() if not cfg["model"].get("pretrained")}
+
+
+def base_model_dir(cfg):
+    return cfg["model"].get("pretrained") or f"{RESULTS}/base/{mfconfig.base_key(cfg)}"
+
+
+rule pretrain_base:
+    input:
+        tokenizer=lambda wc: tokenizer_dir(mfconfig.tokenizer_settings(BASES[wc.basekey])),
+        data=lambda wc: data_dir(BASES[wc.basekey], BASES[wc.basekey]["data"]["base_corpus"]),
+        lib=lib("modeling"),
+    output:
+        directory(f"{RESULTS}/base/{{basekey}}"),
+    params:
+        settings=lambda wc: mfconfig.base_model_settings(BASES[wc.basekey]),
+        runtime=lambda wc: runtime() | {"precision": BASES[wc.basekey]["precision"], "seed": BASES[wc.basekey]["seed"]},
+    threads: config["threads"]
+    log:
+        log_path("pretrain_base", "{basekey}"),
+    benchmark:
+        bench_path("pretrain_base", "{basekey}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/pretrain_base.py"

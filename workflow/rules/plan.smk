@@ -1,0 +1,23 @@
+# The memory planner: per-device memory from the model config alone, before anything is trained.
+# Only the training stages depend on it, so a training setting never reruns the data stages.
+
+
+rule plan_memory:
+    input:
+        env=rules.verify_env.output.json,
+        lib=lib("plan"),
+    output:
+        json=f"{RESULTS}/runs/{{run}}/plan.json",
+        md=report(f"{RESULTS}/runs/{{run}}/plan.md", caption="../report/plan_memory.rst", category="Memory plan", subcategory="{run}"),
+    params:
+        settings=lambda wc: mfconfig.plan_settings(RUNS[wc.run]),
+        runtime=lambda wc: runtime(wc.run),
+    threads: 1
+    log:
+        log_path("plan_memory", "{run}"),
+    benchmark:
+        bench_path("plan_memory", "{run}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/plan_memory.py"
