@@ -19,7 +19,7 @@ $(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(PYTHON) tools/pip_pins.py envs/$(STACK).yaml > $(VENV)/requirements.txt
 	$(BIN)/python -m pip install --quiet -r $(VENV)/requirements.txt
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 env: $(VENV)/.installed
