@@ -15,19 +15,21 @@ configfile: "config/config.yaml"
 
 
 include: "workflow/rules/common.smk"
+
+
+wildcard_constraints:
+    run="[A-Za-z0-9][A-Za-z0-9_.-]*",
+    tokkey="t-[0-9a-f]+",
+    datakey="d-[0-9a-f]+",
+    basekey="b-[0-9a-f]+",
+    covkey="c-[0-9a-f]+",
+
+
 include: "workflow/rules/env.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/coverage.smk"
 include: "workflow/rules/plan.smk"
-
-
-def run_targets(cfg, run):
-    """Everything a run needs before fine-tuning starts."""
-    return [
-        f"{RESULTS}/runs/{run}/plan.json",
-        f"{coverage_dir(cfg)}/coverage.json",
-    ] + [data_dir(cfg, c) for c in [cfg["data"]["finetune_corpus"], *cfg["data"]["eval_corpora"]]]
 
 
 rule train:

@@ -1,5 +1,6 @@
-# Shared by every rule file: config validation, the stack, the runs, result paths and the library
-# modules each rule lists as inputs (Snakemake does not track code imported by a script otherwise).
+# Shared by all stage files: config validation, the stack, the runs, result paths, and the library
+# modules each stage lists as inputs (Snakemake does not track code imported by a script otherwise).
+# Functions live here only; workflow/rules/<stage>.smk hold rules only.
 
 import os
 import re
@@ -12,8 +13,8 @@ SRC = Path(workflow.basedir) / "src"
 sys.path.insert(0, str(SRC))
 # Stage scripts run in their own interpreter (the rule's conda env, or Snakemake's own Python):
 # they find the moeflow package through PYTHONPATH.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(SRC)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+os.environ.update(
+    PYTHONPATH=os.pathsep.join([str(SRC)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 )
 
 from moeflow import config as mfconfig
@@ -35,11 +36,6 @@ if not RUNS:
 TOKENIZERS = {mfconfig.tokenizer_key(cfg): mfconfig.tokenizer_settings(cfg) for cfg in RUNS.values()}
 DATASETS = {mfconfig.data_key(cfg): mfconfig.data_settings(cfg) for cfg in RUNS.values()}
 
-wildcard_constraints:
-    run="[A-Za-z0-9][A-Za-z0-9_.-]*",
-    tokkey="t-[0-9a-f]+",
-    datakey="d-[0-9a-f]+",
-
 
 def lib(*modules):
     """The package modules a rule's script imports, as inputs: editing one reruns the rule."""
@@ -59,3 +55,44 @@ def log_path(rule, *parts):
 
 def bench_path(rule, *parts):
     return f"{RESULTS}/benchmarks/{rule}/{'/'.join(parts) or rule}.tsv"
+
+
+# --- paths shared between stages
+
+
+def tokenizer_dir(settings):
+    """The tokenizer folder for a set of tokenizer settings: the pretrained model's, or one trained here."""
+    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{mfconfig.stable_hash(settings)}"
+
+
+def corpus_files(wc):
+    """Source files of a corpus, so that editing one reruns the stage (stdlib is recorded in the manifest)."""
+    from moeflow.corpus import source_files
+
+    return source_files(DATASETS[wc.datakey]["data"]["sources"][wc.corpus])
+
+
+def data_dir(cfg, corpus):
+    return f"{RESULTS}/data/{mfconfig.data_key(cfg)}/{corpus}"
+
+
+BASES = {mfconfig.base_key(cfg): cfg for cfg in RUNS.values() if not cfg["model"].get("pretrained")}
+
+
+def base_model_dir(cfg):
+    return cfg["model"].get("pretrained") or f"{RESULTS}/base/{mfconfig.base_key(cfg)}"
+
+
+COVERAGES = {mfconfig.coverage_key(cfg): cfg for cfg in RUNS.values()}
+
+
+def coverage_dir(cfg):
+    return f"{RESULTS}/coverage/{mfconfig.coverage_key(cfg)}"
+
+
+def run_targets(cfg, run):
+    """Everything a run needs before fine-tuning starts."""
+    return [
+        f"{RESULTS}/runs/{run}/plan.json",
+        f"{coverage_dir(cfg)}/coverage.json",
+    ] + [data_dir(cfg, c) for c in [cfg["data"]["finetune_corpus"], *cfg["data"]["eval_corpora"]]]

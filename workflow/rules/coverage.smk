@@ -1,13 +1,6 @@
 # The expert-coverage validation set: route the held-out pool through the base model and pick
 # documents so that every (layer, expert) and the frequent expert pairs are exercised.
 
-COVERAGES = {mfconfig.coverage_key(cfg): cfg for cfg in RUNS.values()}
-
-
-def coverage_dir(cfg):
-    return f"{RESULTS}/coverage/{mfconfig.coverage_key(cfg)}"
-
-
 rule coverage_valset:
     input:
         model=lambda wc: base_model_dir(COVERAGES[wc.covkey]),

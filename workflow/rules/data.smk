@@ -2,18 +2,6 @@
 # set per corpus and split, keyed by the data settings so that runs that agree on data share it.
 
 
-def tokenizer_dir(settings):
-    """The tokenizer folder for a set of tokenizer settings: the pretrained model's, or one trained here."""
-    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{mfconfig.stable_hash(settings)}"
-
-
-def corpus_files(wc):
-    """Source files of a corpus, so that editing one reruns the stage (stdlib is recorded in the manifest)."""
-    from moeflow.corpus import source_files
-
-    return source_files(DATASETS[wc.datakey]["data"]["sources"][wc.corpus])
-
-
 rule train_tokenizer:
     input:
         lib=lib("corpus", "tokenize"),
@@ -53,7 +41,3 @@ rule tokenize:
         ENV_FILE
     script:
         "../scripts/tokenize.py"
-
-
-def data_dir(cfg, corpus):
-    return f"{RESULTS}/data/{mfconfig.data_key(cfg)}/{corpus}"

@@ -1,13 +1,6 @@
 # The base model. A user's pretrained folder (model.pretrained) is used as it is; the embedded default
 # first pretrains its own small MoE on the base corpus, saved with save_pretrained plus its tokenizer.
 
-BASES = {mfconfig.base_key(cfg): cfg for cfg in RUNS.values() if not cfg["model"].get("pretrained")}
-
-
-def base_model_dir(cfg):
-    return cfg["model"].get("pretrained") or f"{RESULTS}/base/{mfconfig.base_key(cfg)}"
-
-
 rule pretrain_base:
     input:
         tokenizer=lambda wc: tokenizer_dir(mfconfig.tokenizer_settings(BASES[wc.basekey])),
