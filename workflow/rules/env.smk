@@ -4,8 +4,8 @@
 
 rule verify_env:
     input:
-        env_file=ENV_FILE,
-        lib=lib("env"),
+        env_file=f"envs/{STACK}.yaml",
+        lib=lib("env", "pins"),
     output:
         json=f"{RESULTS}/env/report.json",
         md=report(f"{RESULTS}/env/report.md", caption="../report/verify_env.rst", category="Environment"),

@@ -1,0 +1,818 @@
+"""The memory planner: count parameters from a model config (no weights) and estimate per-device memory.
+
+Parameters
+    :func:`model_shape` reads a ``model.config`` mapping (``model_type`` plus the family's keys) into a
+    :class:`Shape` for the families in ``FAMILIES``. :func:`count_parameters` counts exactly by building
+    the model on PyTorch's meta device (no memory, no weights) wherever the installed transformers knows
+    the family, and falls back to the closed-form :func:`formula_count` where it does not (step3p5 has
+    no causal-LM class in transformers 4.57 or 5.x). Both report the same categories; the tests check
+    the formula against the meta count. *Active* parameters per token are everything except the routed
+    experts, plus ``top_k / num_experts`` of them; embeddings and the LM head count as active (the usual
+    convention: Step-3.5-Flash's "11B active" includes them).
+
+Memory per device (bytes), for a job of ``micro_batch_size`` sequences of ``seq_len`` tokens
+    * weights: parameters x 2 (bf16) or 4 (fp32);
+    * gradients: trainable parameters x the same width;
+    * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16;
+      either way 16 bytes per trainable parameter, the same total as moeflow.train's bf16 autocast
+      (fp32 weights 4 + fp32 gradients 4 + moments 8);
+    * with ``num_devices > 1`` these three are sharded over the devices (FSDP full sharding), and each
+      device also holds the largest layer unsharded while it runs (its weights and its gradient, in
+      the weights' width); with expert parallelism (``Job.expert_parallel``) the routed experts stay
+      with their devices and only the rest of that layer is gathered;
+    * activations, per device (each device runs its own micro-batch), in the compute width ``a`` (2 for
+      bf16, 4 for fp32), with ``T = micro_batch_size x seq_len`` tokens:
+        - per layer and token, the tensors kept for the backward pass: attention ``2H + (q + 2kv) d +
+          q d + q`` (layer input, norm output, q/k/v, attention output, softmax statistics; plus the
+          head gates where the model has them), plus ``q x seq_len`` attention probabilities with eager
+          attention; ``2H`` for the FFN's norm input and output; then a dense FFN ``3 I``, or an MoE FFN
+          ``2E + k (2H + 3 I_e) + 3 I_s + H`` (router scores, each token's copy into and out of its
+          k experts with their gate/up/activation, the shared expert); MLA (deepseek_v3) uses its
+          latent and per-head widths for q/k/v;
+        - without checkpointing: ``T x a x sum over layers``; with gradient checkpointing: ``T x a x
+          (layers x H + the largest layer)`` (layer inputs kept, one layer recomputed at a time);
+        - logits: ``T x vocab x (a + 8)`` (the logits, their fp32 copy for the loss and its gradient);
+    * a fixed runtime overhead (CUDA context, or the interpreter and libraries on CPU).
+
+The job *fits* when the total is at most ``1 - HEADROOM`` of the device memory, is *tight* up to the
+full memory (a warning), and *does not fit* above it: :func:`enforce` then raises with the numbers and
+what would make it fit (the smallest device count, checkpointing, shorter sequences, micro-batch 1).
+
+``train.method: lora`` is planned with the base weights frozen (no gradients or optimizer states for
+them); the adapters themselves are not counted yet, since the LoRA settings do not exist yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+log = logging.getLogger("moeflow.plan")
+
+GIB = 2**30
+HEADROOM = 0.10
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
+ADAM_MOMENT_BYTES = 8  # two fp32 moments
+MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the weights are bf16
+RUNTIME_OVERHEAD_BYTES = {"cuda": 1 * GIB, "cpu": GIB // 2}
+LOGITS_EXTRA_BYTES = 8  # fp32 copy of the logits for the loss, and its fp32 gradient
+
+
+class PlanError(ValueError):
+    """A model config the planner cannot read, or a job that does not fit (with the numbers)."""
+
+
+# --------------------------------------------------------------------------- the model's shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the parameter count and the activation estimate need from a decoder-only MoE config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    tie_word_embeddings: bool
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dense_ffn: int  # FFN width of the dense layers
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int = 0  # width of the always-active shared expert(s); 0 when there is none
+    shared_gate: bool = False  # qwen2_moe: a sigmoid gate (H -> 1) on the shared expert
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # "head": RMSNorm over head_dim; "full": over all heads (olmoe)
+    head_gate: int = 0  # step3p5: outputs of g_proj (one gate per head, or per head dimension)
+    sinks: bool = False  # gpt_oss: one learned attention sink per head
+    expert_bias: bool = False  # gpt_oss: biases on the experts' projections
+    router_bias: bool = False  # gpt_oss
+    # Multi-head latent attention (deepseek_v3); attention == "mla" uses these instead of num_kv_heads/head_dim.
+    attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    attention_bias: bool = False
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        moe = set(self.moe_layers)
+        return tuple(i for i in range(self.num_layers) if i not in moe)
+
+
+_MISSING = object()
+
+
+def _get(fields: Mapping[str, Any], *keys: str, default: Any = _MISSING) -> Any:
+    """The first of ``keys`` present (and not null) in ``fields``; an error naming them if none is."""
+    for key in keys:
+        if fields.get(key) is not None:
+            return fields[key]
+    if default is _MISSING:
+        raise PlanError(
+            f"config key 'model.config.{keys[0]}' is required for model_type {fields.get('model_type')!r}"
+            + (f" (also read as: {', '.join(keys[1:])})" if len(keys) > 1 else "")
+        )
+    return default
+
+
+def _attention_fields(f: Mapping[str, Any]) -> dict[str, Any]:
+    hidden = int(_get(f, "hidden_size"))
+    heads = int(_get(f, "num_attention_heads"))
+    return {
+        "hidden_size": hidden,
+        "num_layers": int(_get(f, "num_hidden_layers")),
+        "num_heads": heads,
+        "num_kv_heads": int(_get(f, "num_key_value_heads", "num_attention_groups", default=heads)),
+        "head_dim": int(_get(f, "head_dim", default=hidden // heads)),
+        "tie_word_embeddings": bool(_get(f, "tie_word_embeddings", default=False)),
+    }
+
+
+def _qwen_moe_layers(f: Mapping[str, Any], num_layers: int, num_experts: int) -> tuple[int, ...]:
+    """qwen2_moe / qwen3_moe: MoE every ``decoder_sparse_step`` layers, except ``mlp_only_layers``."""
+    step = int(_get(f, "decoder_sparse_step", default=1))
+    dense = set(_get(f, "mlp_only_layers", default=[]) or [])
+    return tuple(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+
+
+def _qwen3_moe(f: Mapping[str, Any]) -> dict[str, Any]:
+    base = _attention_fields(f)
+    experts = int(_get(f, "num_experts"))
+    return base | {
+        "dense_ffn": int(_get(f, "intermediate_size")),
+        "moe_layers": _qwen_moe_layers(f, base["num_layers"], experts),
+        "num_experts": experts,
+        "top_k": int(_get(f, "num_experts_per_tok")),
+        "expert_ffn": int(_get(f, "moe_intermediate_size")),
+        "qkv_bias": bool(_get(f, "attention_bias", default=False)),
+        "o_bias": bool(_get(f, "attention_bias", default=False)),
+        "qk_norm": "head",
+    }
+
+
+def _qwen2_moe(f: Mapping[str, Any]) -> dict[str, Any]:
+    base = _attention_fields(f)
+    experts = int(_get(f, "num_experts"))
+    return base | {
+        "dense_ffn": int(_get(f, "intermediate_size")),
+        "moe_layers": _qwen_moe_layers(f, base["num_layers"], experts),
+        "num_experts": experts,
+        "top_k": int(_get(f, "num_experts_per_tok")),
+        "expert_ffn": int(_get(f, "moe_intermediate_size")),
+        "shared_ffn": int(_get(f, "shared_expert_intermediate_size")),
+        "shared_gate": True,
+        "qkv_bias": bool(_get(f, "qkv_bias", default=True)),
+    }
+
+
+def _all_moe(f: Mapping[str, Any], experts_key: str) -> dict[str, Any]:
+    """mixtral, olmoe, gpt_oss: every layer is MoE and ``intermediate_size`` is the expert width."""
+    base = _attention_fields(f)
+    return base | {
+        "dense_ffn": 0,
+        "moe_layers": tuple(range(base["num_layers"])),
+        "num_experts": int(_get(f, experts_key)),
+        "top_k": int(_get(f, "num_experts_per_tok")),
+        "expert_ffn": int(_get(f, "intermediate_size")),
+    }
+
+
+def _mixtral(f: Mapping[str, Any]) -> dict[str, Any]:
+    return _all_moe(f, "num_local_experts")
+
+
+def _olmoe(f: Mapping[str, Any]) -> dict[str, Any]:
+    bias = bool(_get(f, "attention_bias", default=False))
+    return _all_moe(f, "num_experts") | {"qk_norm": "full", "qkv_bias": bias, "o_bias": bias}
+
+
+def _gpt_oss(f: Mapping[str, Any]) -> dict[str, Any]:
+    bias = bool(_get(f, "attention_bias", default=True))
+    return _all_moe(f, "num_local_experts") | {
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "sinks": True,
+        "expert_bias": True,
+        "router_bias": True,
+    }
+
+
+def _deepseek_v3(f: Mapping[str, Any]) -> dict[str, Any]:
+    base = _attention_fields(f)
+    first_dense = int(_get(f, "first_k_dense_replace", default=0))
+    expert_ffn = int(_get(f, "moe_intermediate_size"))
+    q_lora = _get(f, "q_lora_rank", default=None)
+    return base | {
+        "attention": "mla",
+        "dense_ffn": int(_get(f, "intermediate_size")),
+        "moe_layers": tuple(range(first_dense, base["num_layers"])),
+        "num_experts": int(_get(f, "n_routed_experts")),
+        "top_k": int(_get(f, "num_experts_per_tok")),
+        "expert_ffn": expert_ffn,
+        "shared_ffn": int(_get(f, "n_shared_experts", default=0)) * expert_ffn,
+        "q_lora_rank": int(q_lora) if q_lora is not None else None,
+        "kv_lora_rank": int(_get(f, "kv_lora_rank")),
+        "qk_nope_head_dim": int(_get(f, "qk_nope_head_dim")),
+        "qk_rope_head_dim": int(_get(f, "qk_rope_head_dim")),
+        "v_head_dim": int(_get(f, "v_head_dim")),
+        "attention_bias": bool(_get(f, "attention_bias", default=False)),
+    }
+
+
+def _step3p5(f: Mapping[str, Any]) -> dict[str, Any]:
+    """Step-3.5-Flash, from transformers 5's Step3p7TextConfig keys or the hub config's legacy ones."""
+    base = _attention_fields(f)
+    n = base["num_layers"]
+    sliding_heads = f.get("num_sliding_attention_heads")
+    if sliding_heads is not None and int(sliding_heads) != base["num_heads"]:
+        raise PlanError(
+            "config key 'model.config.num_sliding_attention_heads': a head count for sliding-window layers "
+            "that differs from num_attention_heads is not supported by the planner"
+        )
+    if f.get("mlp_layer_types"):
+        moe_layers = tuple(i for i, kind in enumerate(f["mlp_layer_types"][:n]) if kind == "sparse")
+    elif f.get("moe_layers_enum") is not None:
+        enum = f["moe_layers_enum"]
+        items = enum.split(",") if isinstance(enum, str) else enum
+        moe_layers = tuple(sorted(i for i in {int(x) for x in items if str(x).strip()} if i < n))
+    else:
+        moe_layers = tuple(range(3, n))  # transformers' default: layers 0-2 dense
+    gating = f.get("gating", True)
+    per_head = gating is True or gating == "per-head"
+    expert_ffn = int(_get(f, "moe_intermediate_size"))
+    return base | {
+        "dense_ffn": int(_get(f, "intermediate_size")),
+        "moe_layers": moe_layers,
+        "num_experts": int(_get(f, "n_routed_experts", "moe_num_experts", "num_local_experts")),
+        "top_k": int(_get(f, "num_experts_per_tok", "moe_top_k")),
+        "expert_ffn": expert_ffn,
+        "shared_ffn": int(_get(f, "share_expert_dim", "share_expert_dims", default=expert_ffn)),
+        "qkv_bias": bool(_get(f, "attention_bias", default=False)),
+        "o_bias": bool(_get(f, "attention_bias", default=False)),
+        "qk_norm": "head",
+        "head_gate": (base["num_heads"] if per_head else base["num_heads"] * base["head_dim"]) if gating else 0,
+    }
+
+
+FAMILIES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
+    "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
+    "step3p5": _step3p5,
+}
+
+
+def resolve_vocab_size(config_fields: Mapping[str, Any], tokenizer_vocab: int | None) -> int:
+    """``model.config.vocab_size`` when present (large published configs), else the tokenizer's size."""
+    vocab = config_fields.get("vocab_size") or tokenizer_vocab
+    if not vocab:
+        raise PlanError("no vocabulary size: set model.config.vocab_size or tokenizer.vocab_size")
+    return int(vocab)
+
+
+def model_shape(config_fields: Mapping[str, Any], vocab_size: int) -> Shape:
+    model_type = config_fields.get("model_type")
+    if model_type not in FAMILIES:
+        raise PlanError(
+            f"config key 'model.config.model_type': the planner knows {', '.join(sorted(FAMILIES))}; "
+            f"got {model_type!r}"
+        )
+    fields = FAMILIES[model_type](config_fields)
+    return Shape(model_type=model_type, vocab_size=int(vocab_size), **fields)
+
+
+# --------------------------------------------------------------------------- counting parameters
+
+
+CATEGORIES = ("embedding", "lm_head", "attention", "norms", "dense_ffn", "routed_experts", "shared_experts", "router")
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameter counts by category, with the totals the planner uses."""
+
+    method: str  # "meta" (exact, transformers built it on the meta device) or "formula"
+    by_category: dict[str, int]
+    largest_layer: int  # parameters of the largest decoder layer (the FSDP unit gathered at once)
+    largest_layer_without_routed: int  # the same without its routed experts (the unit under expert parallelism)
+    num_experts: int
+    top_k: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_category.values())
+
+    @property
+    def active(self) -> int:
+        routed = self.by_category["routed_experts"]
+        return self.total - routed + routed * self.top_k // self.num_experts if self.num_experts else self.total
+
+    @property
+    def embeddings(self) -> int:
+        return self.by_category["embedding"] + self.by_category["lm_head"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "total": self.total,
+            "active_per_token": self.active,
+            "active_per_token_without_embeddings": self.active - self.embeddings,
+            "by_category": dict(self.by_category),
+            "largest_layer": self.largest_layer,
+            "largest_layer_without_routed_experts": self.largest_layer_without_routed,
+        }
+
+
+def attention_params(s: Shape) -> int:
+    """One layer's self-attention parameters (projections, their biases, q/k norms, gates, sinks)."""
+    h = s.hidden_size
+    if s.attention == "mla":
+        qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
+        bias = int(s.attention_bias)
+        if s.q_lora_rank is None:
+            q = h * s.num_heads * qk_head
+        else:
+            q = h * s.q_lora_rank + bias * s.q_lora_rank + s.q_lora_rank + s.q_lora_rank * s.num_heads * qk_head
+        kv_a = (h + bias) * (s.kv_lora_rank + s.qk_rope_head_dim) + s.kv_lora_rank
+        kv_b = s.kv_lora_rank * s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)
+        o = s.num_heads * s.v_head_dim * h + bias * h
+        return q + kv_a + kv_b + o
+    q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    total = h * (q_dim + 2 * kv_dim) + q_dim * h
+    total += int(s.qkv_bias) * (q_dim + 2 * kv_dim) + int(s.o_bias) * h
+    total += {"head": 2 * s.head_dim, "full": q_dim + kv_dim, None: 0}[s.qk_norm]
+    total += h * s.head_gate + int(s.sinks) * s.num_heads
+    return total
+
+
+def moe_params(s: Shape) -> dict[str, int]:
+    """One MoE layer's feed-forward parameters by category."""
+    h = s.hidden_size
+    per_expert = 3 * h * s.expert_ffn + int(s.expert_bias) * (2 * s.expert_ffn + h)
+    return {
+        "routed_experts": s.num_experts * per_expert,
+        "shared_experts": 3 * h * s.shared_ffn + int(s.shared_gate) * h,
+        "router": s.num_experts * h + int(s.router_bias) * s.num_experts,
+    }
+
+
+def formula_count(s: Shape) -> ParamCount:
+    """Parameters in closed form from the shape (see the module docstring)."""
+    h, layers = s.hidden_size, s.num_layers
+    moe = moe_params(s)
+    n_moe, n_dense = len(s.moe_layers), len(s.dense_layers)
+    by_category = {
+        "embedding": s.vocab_size * h,
+        "lm_head": 0 if s.tie_word_embeddings else s.vocab_size * h,
+        "attention": layers * attention_params(s),
+        "norms": (2 * layers + 1) * h,
+        "dense_ffn": n_dense * 3 * h * s.dense_ffn,
+        **{k: n_moe * v for k, v in moe.items()},
+    }
+    common = attention_params(s) + 2 * h
+    dense_layer = [common + 3 * h * s.dense_ffn] * bool(n_dense)
+    moe_layer = [common + sum(moe.values())] * bool(n_moe)
+    without_routed = [common + moe["shared_experts"] + moe["router"]] * bool(n_moe)
+    return ParamCount(
+        "formula", by_category, max(moe_layer + dense_layer), max(without_routed + dense_layer), s.num_experts, s.top_k
+    )
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_ROUTED = re.compile(r"(^|\.)experts\.")
+_ROUTER = re.compile(r"\.(gate|router)\.(weight|bias)$|e_score_correction_bias$")
+
+
+def categorise(name: str) -> str:
+    """The category of a parameter from its name in a transformers model (both stacks' layouts)."""
+    if "embed_tokens" in name:
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if "shared_expert" in name:
+        return "shared_experts"
+    if _ROUTED.search(name):
+        return "routed_experts"
+    if _ROUTER.search(name):
+        return "router"
+    if ".self_attn." in name:
+        return "attention"
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return "norms"
+    if ".mlp." in name:
+        return "dense_ffn"
+    raise PlanError(f"parameter {name!r}: the planner cannot tell what it belongs to")
+
+
+def count_module(model: Any, shape: Shape) -> ParamCount:
+    """Count a (meta-device or real) transformers model's parameters by category; tied weights once."""
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    per_layer: dict[int, int] = {}
+    routed_per_layer: dict[int, int] = {}
+    for name, param in model.named_parameters():
+        category = categorise(name)
+        by_category[category] += param.numel()
+        match = _LAYER.search(name)
+        if match:
+            layer = int(match.group(1))
+            per_layer[layer] = per_layer.get(layer, 0) + param.numel()
+            if category == "routed_experts":
+                routed_per_layer[layer] = routed_per_layer.get(layer, 0) + param.numel()
+    largest = max(per_layer.values(), default=0)
+    without_routed = max((n - routed_per_layer.get(i, 0) for i, n in per_layer.items()), default=0)
+    return ParamCount("meta", by_category, largest, without_routed, shape.num_experts, shape.top_k)
+
+
+class ConfigView(Mapping[str, Any]):
+    """A transformers config read by key (its attribute names and aliases, defaults filled in), over the raw mapping."""
+
+    def __init__(self, config: Any, raw: Mapping[str, Any]):
+        self._config, self._raw = config, dict(raw)
+
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self._config, key, None)
+        if value is None and key in self._raw:
+            return self._raw[key]
+        if value is None and not hasattr(self._config, key):
+            raise KeyError(key)
+        return value
+
+    def __iter__(self):
+        return iter(sorted(set(self._raw) | set(self._config.to_dict())))
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+def hf_config_fields(model_cfg: Mapping[str, Any], vocab_size: int) -> tuple[Mapping[str, Any], Any]:
+    """The config as transformers reads it (defaults included) and the config object, if it knows the type."""
+    from .modeling import ModelError, build_config
+
+    raw = dict(model_cfg["config"]) | {"vocab_size": vocab_size}
+    try:
+        config = build_config(model_cfg, vocab_size)
+    except (ModelError, KeyError, ValueError, TypeError):
+        return raw, None
+    return ConfigView(config, raw), config
+
+
+def meta_count(config: Any, shape: Shape) -> ParamCount | None:
+    """Exact counts from a meta-device instance, or None where transformers has no causal-LM class for it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError):
+        return None
+    return count_module(model, shape)
+
+
+def model_config_fields(model: Mapping[str, Any]) -> dict[str, Any]:
+    """``model.config``, or the ``config.json`` of ``model.pretrained`` when a pretrained folder is used."""
+    if model.get("pretrained"):
+        path = Path(model["pretrained"]) / "config.json"
+        if not path.is_file():
+            raise PlanError(f"config key 'model.pretrained': {path} does not exist")
+        return json.loads(path.read_text(encoding="utf-8"))
+    return dict(model["config"])
+
+
+def count_parameters(model: Mapping[str, Any], tokenizer_vocab: int | None = None) -> tuple[Shape, ParamCount, ParamCount]:
+    """The shape, the count the planner uses (meta where possible), and the formula's count."""
+    fields = model_config_fields(model)
+    vocab = resolve_vocab_size(fields, tokenizer_vocab)
+    hf_fields, hf_config = hf_config_fields({**model, "config": fields}, vocab)
+    shape = model_shape(hf_fields, vocab)
+    formula = formula_count(shape)
+    exact = meta_count(hf_config, shape) if hf_config is not None else None
+    return shape, exact or formula, formula
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class Job:
+    """The training settings memory depends on."""
+
+    precision: str = "fp32"
+    method: str = "full"
+    micro_batch_size: int = 1
+    seq_len: int = 512
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    device: str = "cpu"
+    num_devices: int = 1
+    expert_parallel: bool = False  # experts split over the devices (transformers 5's DistributedConfig)
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "Job":
+        train, hardware = settings["train"], settings["hardware"]
+        if train.get("optimizer", "adamw") != "adamw":
+            raise PlanError(f"config key 'train.optimizer': the planner knows adamw, got {train['optimizer']!r}")
+        return cls(
+            precision=settings["precision"],
+            method=train.get("method", "full"),
+            micro_batch_size=int(train.get("micro_batch_size", 1)),
+            seq_len=int(settings["seq_len"]),
+            gradient_checkpointing=bool(train.get("gradient_checkpointing", False)),
+            attn_implementation=settings["model"].get("attn_implementation", "sdpa"),
+            device=hardware["device"],
+            num_devices=int(hardware["num_devices"]),
+        )
+
+
+def layer_activation_elements(s: Shape, seq_len: int, eager: bool, moe: bool) -> int:
+    """Elements kept for the backward pass per token by one decoder layer (module docstring)."""
+    h = s.hidden_size
+    if s.attention == "mla":
+        qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
+        qkv = (s.q_lora_rank or 0) + s.kv_lora_rank + s.qk_rope_head_dim
+        qkv += s.num_heads * (2 * qk_head + s.qk_nope_head_dim + s.v_head_dim)
+        attn_out = s.num_heads * s.v_head_dim
+    else:
+        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        attn_out = s.num_heads * s.head_dim
+    attention = 2 * h + qkv + attn_out + s.num_heads + s.head_gate + (s.num_heads * seq_len if eager else 0)
+    ffn_in = 2 * h  # residual into the second norm, and the norm's output
+    if moe:
+        ffn = 2 * s.num_experts + s.top_k * (2 * h + 3 * s.expert_ffn) + (3 * s.shared_ffn + h if s.shared_ffn else 0)
+    else:
+        ffn = 3 * s.dense_ffn
+    return attention + ffn_in + ffn
+
+
+def activation_bytes(s: Shape, job: Job) -> int:
+    tokens = job.micro_batch_size * job.seq_len
+    width = WEIGHT_BYTES[job.precision]
+    eager = job.attn_implementation == "eager"
+    moe_layer = layer_activation_elements(s, job.seq_len, eager, moe=True) if s.moe_layers else 0
+    dense_layer = layer_activation_elements(s, job.seq_len, eager, moe=False) if s.dense_layers else 0
+    if job.gradient_checkpointing:
+        per_token = s.num_layers * s.hidden_size + max(moe_layer, dense_layer)
+    else:
+        per_token = len(s.moe_layers) * moe_layer + len(s.dense_layers) * dense_layer
+    per_token += 2 * s.hidden_size  # final norm
+    logits = tokens * s.vocab_size * (width + LOGITS_EXTRA_BYTES)
+    return tokens * per_token * width + logits
+
+
+def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
+    """Bytes per device by component (module docstring); ``total`` is their sum."""
+    width = WEIGHT_BYTES[job.precision]
+    trainable = params.total if job.method == "full" else 0  # LoRA: base frozen, adapters not counted yet
+    shards = job.num_devices
+    # FSDP gathers one layer at a time (and holds its full gradient until the reduce-scatter); under
+    # expert parallelism each device keeps its own experts whole, so only the rest of a layer is gathered.
+    unit = params.largest_layer_without_routed if job.expert_parallel else params.largest_layer
+    out = {
+        "weights": math.ceil(params.total * width / shards),
+        "gradients": math.ceil(trainable * width / shards),
+        "optimizer": math.ceil(trainable * (ADAM_MOMENT_BYTES + MASTER_WEIGHT_BYTES[job.precision]) / shards),
+        "unsharded_layer": unit * (width + (width if trainable else 0)) if shards > 1 else 0,
+        "activations": activation_bytes(s, job),
+        "runtime": RUNTIME_OVERHEAD_BYTES[job.device],
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def verdict(total: int, memory: int) -> str:
+    if total <= (1 - HEADROOM) * memory:
+        return "fits"
+    return "tight" if total <= memory else "does_not_fit"
+
+
+def device_memory(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> tuple[int, str]:
+    """One device's memory: ``hardware.memory_gib_per_device``, else measured by verify_env."""
+    from .env import device_memory_bytes
+
+    hardware = settings["hardware"]
+    if hardware.get("memory_gib_per_device"):
+        return int(hardware["memory_gib_per_device"] * GIB), "hardware.memory_gib_per_device"
+    measured, source = device_memory_bytes(env_report, hardware["device"])
+    if measured is None:
+        raise PlanError(
+            f"hardware.device is {hardware['device']!r} but {source}: set hardware.memory_gib_per_device to plan "
+            "for a machine you do not have, or hardware.device: cpu"
+        )
+    if hardware["device"] == "cpu" and hardware["num_devices"] > 1:
+        return measured // hardware["num_devices"], f"{source}, shared by {hardware['num_devices']} CPU ranks"
+    return measured, source
+
+
+def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int = 1_000_000) -> int | None:
+    """The smallest device count at which the job fits with headroom, or None if no count does."""
+    if verdict(memory_per_device(s, params, dataclasses.replace(job, num_devices=1))["total"], memory) == "fits":
+        return 1
+    at_two = memory_per_device(s, params, dataclasses.replace(job, num_devices=2))
+    sharded = 2 * (at_two["weights"] + at_two["gradients"] + at_two["optimizer"])
+    replicated = at_two["total"] - sharded / 2
+    room = (1 - HEADROOM) * memory - replicated
+    if room <= 0:
+        return None
+    n = max(2, math.ceil(sharded / room))
+    while n <= limit:  # ceil() of the shards can add a byte or two: step up until it really fits
+        if verdict(memory_per_device(s, params, dataclasses.replace(job, num_devices=n))["total"], memory) == "fits":
+            return n
+        n += 1
+    return None
+
+
+def max_seq_len(s: Shape, params: ParamCount, job: Job, memory: int) -> int | None:
+    """The longest sequence (at most the job's) that fits on the job's devices, or None."""
+    lo, hi = 0, job.seq_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if verdict(memory_per_device(s, params, dataclasses.replace(job, seq_len=mid))["total"], memory) == "fits":
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo or None
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 2)
+
+
+def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dict[str, Any]]:
+    """What would make the job fit: each change with the devices it needs and the per-device total there."""
+    lean = {"gradient_checkpointing": True, "micro_batch_size": 1}
+    candidates = [("shard over more devices (FSDP, one layer gathered at a time)", job)]
+    if s.moe_layers and not job.expert_parallel:
+        ep = dataclasses.replace(job, expert_parallel=True)
+        candidates += [
+            ("FSDP with expert parallelism (transformers 5 only)", ep),
+            ("expert parallelism, gradient checkpointing and micro-batch 1", dataclasses.replace(ep, **lean)),
+        ]
+    candidates += [
+        ("train.gradient_checkpointing: true", dataclasses.replace(job, gradient_checkpointing=True)),
+        ("train.micro_batch_size: 1", dataclasses.replace(job, micro_batch_size=1)),
+        ("gradient checkpointing and micro-batch 1", dataclasses.replace(job, **lean)),
+        ("model.attn_implementation: sdpa", dataclasses.replace(job, attn_implementation="sdpa")),
+    ]
+    for base, label in ((job, ""), (dataclasses.replace(job, **lean), " with gradient checkpointing and micro-batch 1")):
+        longest = max_seq_len(s, params, base, memory)
+        if longest and longest < job.seq_len:
+            candidates.append((f"data.seq_len: {longest}{label}", dataclasses.replace(base, seq_len=longest)))
+    options, seen = [], {job}
+    for change, variant in candidates:
+        if variant in seen and variant != job:
+            continue
+        seen.add(variant)
+        devices = min_devices(s, params, variant, memory)
+        at = dataclasses.replace(variant, num_devices=devices or variant.num_devices)
+        sharded = memory_per_device(s, params, dataclasses.replace(variant, num_devices=max(2, variant.num_devices)))
+        options.append(
+            {
+                "change": change,
+                "unshardable_gib": _gib(sharded["unsharded_layer"] + sharded["activations"] + sharded["runtime"]),
+                "fits_as_is": verdict(memory_per_device(s, params, variant)["total"], memory) == "fits",
+                "min_devices": devices,
+                "per_device_gib_at_min_devices": _gib(memory_per_device(s, params, at)["total"]) if devices else None,
+            }
+        )
+    return [o for o in options if o["fits_as_is"] or o["min_devices"] or o["change"] == candidates[0][0]]
+
+
+def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> dict[str, Any]:
+    """The full plan for one run: parameters, memory per device, the verdict and what would make it fit."""
+    shape, params, formula = count_parameters(settings["model"], settings.get("vocab_size"))
+    job = Job.from_settings(settings)
+    memory, source = device_memory(settings, env_report)
+    per_device = memory_per_device(shape, params, job)
+    result = verdict(per_device["total"], memory)
+    out = {
+        "model_type": shape.model_type,
+        "shape": dataclasses.asdict(shape) | {"moe_layers": list(shape.moe_layers), "dense_layers": list(shape.dense_layers)},
+        "parameters": params.as_dict() | {"formula_total": formula.total, "formula_matches": formula.total == params.total},
+        "job": dataclasses.asdict(job),
+        "device_memory_bytes": memory,
+        "device_memory_source": source,
+        "per_device_bytes": per_device,
+        "per_device_gib": {k: _gib(v) for k, v in per_device.items()},
+        "usable_fraction": 1 - HEADROOM,
+        "verdict": result,
+        "min_devices": min_devices(shape, params, job, memory),
+        "suggestions": suggestions(shape, params, job, memory) if result != "fits" else [],
+    }
+    if job.method == "lora":
+        out["caveat"] = "LoRA: base weights frozen; adapter parameters and their optimizer states are not counted yet"
+    return out
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
+
+def _size(n: float) -> str:
+    if n == 0:
+        return "0"
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"
+
+
+def summary(p: Mapping[str, Any]) -> str:
+    """The plan in a few lines: parameters, memory per device by component, the verdict and the options."""
+    job, mem, gib, params = p["job"], p["per_device_bytes"], p["per_device_gib"], p["parameters"]
+    memory = p["device_memory_bytes"] / GIB
+    usable = p["usable_fraction"] * memory
+    lines = [
+        f"{job['method']} fine-tune of {p['model_type']} with {_count(params['total'])} parameters "
+        f"({_count(params['active_per_token'])} active per token), {job['precision']}, micro-batch "
+        f"{job['micro_batch_size']} x {job['seq_len']} tokens, gradient checkpointing "
+        f"{'on' if job['gradient_checkpointing'] else 'off'}, on {job['num_devices']} x {job['device']} of "
+        f"{memory:.1f} GiB ({p['device_memory_source']}):",
+        f"  per device {_size(mem['total'])} = weights {_size(mem['weights'])} + gradients {_size(mem['gradients'])} + "
+        f"AdamW states {_size(mem['optimizer'])} + unsharded layer {_size(mem['unsharded_layer'])} + activations "
+        f"{_size(mem['activations'])} + runtime {_size(mem['runtime'])}",
+        f"  verdict: {p['verdict'].replace('_', ' ')} (usable {usable:.1f} of {memory:.1f} GiB, "
+        f"{round(100 * (1 - p['usable_fraction']))}% headroom)",
+    ]
+    if p["suggestions"]:
+        states = gib["weights"] + gib["gradients"] + gib["optimizer"]
+        if states > usable:
+            lines.append(
+                f"  weights, gradients and AdamW states alone take {states:.2f} GiB per device: only more devices "
+                f"(or frozen weights) help; shorter sequences or checkpointing cannot"
+            )
+        lines.append(f"  what would make it fit (devices of {memory:.1f} GiB):")
+        for option in p["suggestions"]:
+            if option["fits_as_is"]:
+                where = f"fits on {job['num_devices']} device(s)"
+            elif option["min_devices"]:
+                where = (
+                    f"at least {option['min_devices']} devices "
+                    f"({option['per_device_gib_at_min_devices']:.2f} GiB per device there)"
+                )
+            else:
+                where = (
+                    f"no number of these devices: the gathered layer, activations and runtime alone take "
+                    f"{option['unshardable_gib']:.2f} GiB per device"
+                )
+            lines.append(f"    - {option['change']}: {where}")
+    return "\n".join(lines)
+
+
+def enforce(p: Mapping[str, Any]) -> None:
+    """Fail when the job does not fit (with the numbers and the options); warn when it is tight."""
+    if p["verdict"] == "does_not_fit":
+        raise PlanError("the training job does not fit in memory:\n" + summary(p))
+    if p["verdict"] == "tight":
+        log.warning("the training job fits with less than %d%% headroom:\n%s", round(HEADROOM * 100), summary(p))
+
+
+def render_markdown(p: Mapping[str, Any]) -> str:
+    params, mem = p["parameters"], p["per_device_bytes"]
+    rows = [f"| {k} | {v:,} |" for k, v in params["by_category"].items()]
+    mem_rows = [f"| {k.replace('_', ' ')} | {_size(v)} | {v:,} |" for k, v in mem.items()]
+    return "\n".join(
+        [
+            f"# Memory plan: {p['model_type']}",
+            "",
+            "```",
+            summary(p),
+            "```",
+            "",
+            f"## Parameters ({params['method']} count; formula {'agrees' if params['formula_matches'] else 'differs: ' + format(params['formula_total'], ',')})",
+            "",
+            "| category | parameters |",
+            "|---|---|",
+            *rows,
+            f"| **total** | {params['total']:,} |",
+            f"| active per token | {params['active_per_token']:,} |",
+            f"| active per token without embeddings | {params['active_per_token_without_embeddings']:,} |",
+            "",
+            "## Memory per device",
+            "",
+            "| component | size | bytes |",
+            "|---|---|---|",
+            *mem_rows,
+            "",
+            "The formulas are in the docstring of `moeflow.plan`.",
+            *([f"", f"Note: {p['caveat']}."] if "caveat" in p else []),
+        ]
+    ) + "\n"

@@ -1,0 +1,236 @@
+"""The memory planner: parameter counts from config (checked against transformers), memory, verdicts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import active_stack
+from moeflow import compat, config, env, plan
+from moeflow.config import REPO_ROOT
+from moeflow.io import dumps_json
+from moeflow.modeling import build_model
+
+STEP3P5 = REPO_ROOT / "config" / "models" / "step3p5-flash.yaml"
+QWEN3_30B = REPO_ROOT / "config" / "models" / "qwen3-30b-a3b.yaml"
+SMALL = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96}
+MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "n_group": 2, "topk_group": 1}
+FAMILY_CONFIGS = {
+    "qwen3_moe": {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1]},
+    "qwen3_moe-tied-sparse-step": {
+        "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+        "num_experts_per_tok": 2, "decoder_sparse_step": 2, "tie_word_embeddings": True,
+    },
+    "qwen2_moe": {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 48},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
+    "deepseek_v3": {
+        "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "q_lora_rank": 24, **MLA,
+    },
+    "deepseek_v3-no-q-lora": {
+        "model_type": "deepseek_v3", "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_shared_experts": 2, "first_k_dense_replace": 2, "q_lora_rank": None, **MLA,
+    },
+    "gpt_oss": {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def env_report():
+    return env.collect(active_stack(), REPO_ROOT / "envs" / f"{active_stack()}.yaml")
+
+
+def model_section(name: str) -> dict:
+    fields = {"model_type": name, **SMALL, **FAMILY_CONFIGS[name]}
+    return {"config": fields, "attn_implementation": "eager"}
+
+
+def settings_of(*overlays, overrides=None) -> dict:
+    return config.plan_settings(config.run_config(config.load(*overlays, overrides=overrides), "moe"))
+
+
+# --------------------------------------------------------------------------- parameter counts
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_formula_matches_the_meta_device_count(name):
+    shape, exact, formula = plan.count_parameters(model_section(name), tokenizer_vocab=300)
+    assert exact.method == "meta"
+    assert formula.by_category == exact.by_category
+    assert (formula.largest_layer, formula.largest_layer_without_routed) == (exact.largest_layer, exact.largest_layer_without_routed)
+    assert formula.active == exact.active < exact.total
+    assert exact.by_category["routed_experts"] > 0 and exact.by_category["router"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_meta_count_matches_a_real_model(name):
+    section = model_section(name)
+    _, exact, _ = plan.count_parameters(section, tokenizer_vocab=300)
+    model = build_model(section, vocab_size=300)
+    assert exact.total == sum(p.numel() for p in model.parameters())
+
+
+def test_shared_experts_and_dense_first_layers_are_counted():
+    shape, _, formula = plan.count_parameters(model_section("deepseek_v3"), tokenizer_vocab=300)
+    assert shape.dense_layers == (0,) and shape.moe_layers == (1, 2)
+    assert formula.by_category["dense_ffn"] == 3 * 64 * 96
+    assert formula.by_category["shared_experts"] == 2 * 3 * 64 * 32
+    # active: everything but the routed experts, plus top_k / num_experts of them
+    routed = formula.by_category["routed_experts"]
+    assert formula.active == formula.total - routed + routed * 2 // 8
+
+
+def test_tied_embeddings_are_counted_once():
+    _, tied, _ = plan.count_parameters(model_section("qwen3_moe-tied-sparse-step"), tokenizer_vocab=300)
+    assert tied.by_category["lm_head"] == 0 and tied.by_category["embedding"] == 300 * 64
+
+
+def test_step3p5_flash_has_about_196b_parameters_11b_active():
+    settings = settings_of(STEP3P5)
+    shape, counted, formula = plan.count_parameters(settings["model"], settings["vocab_size"])
+    assert counted.method == "formula"  # no transformers causal-LM class knows step3p5
+    assert shape.vocab_size == 128_896 and len(shape.moe_layers) == 42 and shape.dense_layers == (0, 1, 2)
+    assert (shape.num_experts, shape.top_k, shape.expert_ffn, shape.shared_ffn) == (288, 8, 1280, 1280)
+    assert counted.total == pytest.approx(196e9, rel=0.01)
+    assert counted.active == pytest.approx(11e9, rel=0.03)
+
+
+@pytest.mark.skipif(not compat.is_transformers_v5(), reason="transformers 5 ships the Step3p7 text model")
+def test_step3p5_formula_matches_transformers_step3p7_text_model():
+    import torch
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+
+    from moeflow.modeling import build_config
+
+    settings = settings_of(STEP3P5)
+    small = {**settings["model"], "config": {**settings["model"]["config"], "hidden_size": 64, "num_hidden_layers": 5,
+             "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 3, "layer_types": ["full_attention"] * 5,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+             "n_routed_experts": 6, "moe_intermediate_size": 32, "share_expert_dim": 24, "vocab_size": 300}}
+    with torch.device("meta"):
+        model = Step3p7TextModel(build_config(small, 300))
+    _, counted, _ = plan.count_parameters(small)
+    assert counted.total == sum(p.numel() for p in model.parameters()) + 300 * 64  # + the untied LM head
+
+
+def test_qwen3_30b_a3b_counts_like_the_published_model():
+    settings = settings_of(QWEN3_30B)
+    shape = plan.model_shape(dict(settings["model"]["config"]), 151_936)
+    count = plan.formula_count(shape)
+    assert count.total == pytest.approx(30.5e9, rel=0.01) and count.active == pytest.approx(3.3e9, rel=0.03)
+    job = plan.Job.from_settings(settings)
+    assert plan.verdict(plan.memory_per_device(shape, count, job)["total"], 80 * plan.GIB) == "fits"
+    one = dataclasses.replace(job, num_devices=1)
+    assert plan.verdict(plan.memory_per_device(shape, count, one)["total"], 80 * plan.GIB) == "does_not_fit"
+
+
+def test_model_config_vocab_size_is_preferred_to_the_tokenizer():
+    assert plan.resolve_vocab_size({"vocab_size": 128_896}, 4096) == 128_896
+    assert plan.resolve_vocab_size({}, 4096) == 4096
+    with pytest.raises(plan.PlanError, match="vocab_size"):
+        plan.resolve_vocab_size({}, None)
+
+
+def test_unknown_family_and_missing_key_name_the_key():
+    with pytest.raises(plan.PlanError, match=r"model\.config\.model_type.*qwen3_moe"):
+        plan.model_shape({"model_type": "llama"}, 100)
+    fields = {"model_type": "step3p5", **SMALL, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
+    with pytest.raises(plan.PlanError, match=r"model\.config\.n_routed_experts.*moe_num_experts"):
+        plan.model_shape(fields, 100)
+
+
+# --------------------------------------------------------------------------- memory and verdicts
+
+
+def tiny_shape_and_count():
+    shape, exact, _ = plan.count_parameters(model_section("qwen3_moe"), tokenizer_vocab=300)
+    return shape, exact
+
+
+def test_states_take_16_bytes_per_parameter_in_both_precisions():
+    shape, count = tiny_shape_and_count()
+    for precision in ("fp32", "bf16"):
+        mem = plan.memory_per_device(shape, count, plan.Job(precision=precision))
+        assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * count.total
+    bf16 = plan.memory_per_device(shape, count, plan.Job(precision="bf16"))
+    assert bf16["weights"] == 2 * count.total and bf16["optimizer"] == 12 * count.total
+
+
+def test_sharding_checkpointing_and_lora_lower_what_they_should():
+    shape, count = tiny_shape_and_count()
+    job = plan.Job(micro_batch_size=2, seq_len=256)
+    base = plan.memory_per_device(shape, count, job)
+    four = plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=4))
+    assert four["optimizer"] == pytest.approx(base["optimizer"] / 4, abs=1)
+    assert four["unsharded_layer"] == count.largest_layer * 8 and base["unsharded_layer"] == 0
+    checkpointed = plan.memory_per_device(shape, count, dataclasses.replace(job, gradient_checkpointing=True))
+    assert checkpointed["activations"] < base["activations"]
+    sdpa = plan.memory_per_device(shape, count, dataclasses.replace(job, attn_implementation="sdpa"))
+    eager = plan.memory_per_device(shape, count, dataclasses.replace(job, attn_implementation="eager"))
+    assert eager["activations"] - sdpa["activations"] == 2 * 256 * shape.num_layers * shape.num_heads * 256 * 4
+    lora = plan.memory_per_device(shape, count, dataclasses.replace(job, method="lora"))
+    assert lora["gradients"] == lora["optimizer"] == 0 and lora["weights"] == base["weights"]
+
+
+def test_min_devices_is_the_smallest_count_that_fits():
+    settings = settings_of(STEP3P5)
+    shape, count, _ = plan.count_parameters(settings["model"], settings["vocab_size"])
+    job = dataclasses.replace(plan.Job.from_settings(settings), expert_parallel=True)
+    memory = 24 * plan.GIB
+    n = plan.min_devices(shape, count, job, memory)
+    assert n and n > 100
+
+    def fits(k):
+        return plan.verdict(plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=k))["total"], memory)
+
+    assert fits(n) == "fits" and fits(n - 1) != "fits"
+
+
+def test_full_fine_tune_of_step3p5_flash_on_one_24gb_card_is_refused_with_the_numbers(env_report):
+    result = plan.plan(settings_of(STEP3P5), env_report)
+    assert result["verdict"] == "does_not_fit"
+    assert result["device_memory_bytes"] == 24 * plan.GIB
+    assert result["per_device_bytes"]["total"] > 100 * 24 * plan.GIB
+    with pytest.raises(plan.PlanError) as err:
+        plan.enforce(result)
+    message = str(err.value)
+    gib = result["per_device_gib"]
+    assert "195.84B parameters (10.88B active per token)" in message
+    assert "1 x cuda of 24.0 GiB" in message and "does not fit" in message
+    assert f"per device {gib['total']:.2f} GiB" in message and f"AdamW states {gib['optimizer']:.2f} GiB" in message
+    assert "weights, gradients and AdamW states alone" in message
+    ep = next(o for o in result["suggestions"] if o["change"].startswith("FSDP with expert parallelism"))
+    assert ep["min_devices"] > 100 and f"at least {ep['min_devices']} devices" in message
+
+
+def test_the_embedded_default_fits_on_this_machine(env_report):
+    result = plan.plan(settings_of(), env_report)
+    assert result["verdict"] == "fits" and result["suggestions"] == []
+    plan.enforce(result)
+    assert result["device_memory_bytes"] == env_report["system"]["ram_usable_bytes"]  # hardware.device: cpu
+    assert result["parameters"]["method"] == "meta" and result["parameters"]["formula_matches"]
+    assert dumps_json(plan.plan(settings_of(), env_report)) == dumps_json(result)
+    assert "fits" in plan.render_markdown(result)
+
+
+def test_cuda_without_a_gpu_or_a_memory_setting_says_what_to_set(env_report):
+    if env_report["torch"]["gpus"]:
+        pytest.skip("this machine has a GPU")
+    settings = settings_of(overrides={"hardware": {"device": "cuda"}})
+    with pytest.raises(plan.PlanError, match="hardware.memory_gib_per_device"):
+        plan.plan(settings, env_report)
+
+
+def test_a_tight_job_warns_and_goes_on(env_report, caplog):
+    needed = plan.plan(settings_of(), env_report)["per_device_bytes"]["total"]
+    settings = settings_of(overrides={"hardware": {"memory_gib_per_device": needed / 0.95 / plan.GIB}})
+    result = plan.plan(settings, env_report)
+    assert result["verdict"] == "tight" and result["suggestions"]
+    with caplog.at_level("WARNING", logger="moeflow.plan"):
+        plan.enforce(result)
+    assert "less than 10% headroom" in caplog.text
