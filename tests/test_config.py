@@ -11,8 +11,11 @@ SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
 
 def test_default_and_smoke_configs_are_valid():
     for cfg in (mfconfig.load(), mfconfig.load(SMOKE)):
-        assert mfconfig.run_names(cfg) == ["moe"]
+        assert mfconfig.run_names(cfg) == ["moe", "dense"]
         mfconfig.run_config(cfg, "moe")
+        dense = mfconfig.run_config(cfg, "dense")["model"]["config"]  # the MoE's active parameters per token
+        moe = cfg["model"]["config"]
+        assert dense["num_experts"] == 0 and dense["intermediate_size"] == moe["num_experts_per_tok"] * moe["moe_intermediate_size"]
 
 
 def test_wrong_type_names_the_key():

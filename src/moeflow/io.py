@@ -25,6 +25,17 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _default_mode(path: Path, is_dir: bool) -> None:
+    """mkstemp/mkdtemp create private (0600/0700) entries; give outputs the usual umask-based mode."""
+    os.chmod(path, (0o777 if is_dir else 0o666) & ~_umask())
+
+
 def dumps_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
 
@@ -40,6 +51,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
+        _default_mode(Path(tmp), is_dir=False)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException:
@@ -74,6 +86,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        _default_mode(tmp, is_dir=True)
         _fsync_dir(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")

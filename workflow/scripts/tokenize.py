@@ -1,0 +1,15 @@
+"""Tokenize one corpus: read its source, split by content hash, pack into seq_len rows and write
+Arrow shards per split plus manifest.json (see moeflow.tokenize for the row format)."""
+
+from moeflow.stage import Stage
+from moeflow.tokenize import tokenize_corpus
+
+stage = Stage.from_snakemake(snakemake)
+tokenize_corpus(
+    snakemake.params.corpus,
+    snakemake.params.settings,
+    snakemake.input.tokenizer,
+    snakemake.output[0],
+    threads=stage.threads,
+    provenance=stage.provenance(),
+)
