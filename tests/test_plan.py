@@ -173,8 +173,12 @@ def test_sharding_checkpointing_and_lora_lower_what_they_should():
     sdpa = plan.memory_per_device(shape, count, dataclasses.replace(job, attn_implementation="sdpa"))
     eager = plan.memory_per_device(shape, count, dataclasses.replace(job, attn_implementation="eager"))
     assert eager["activations"] - sdpa["activations"] == 2 * 256 * shape.num_layers * shape.num_heads * 256 * 4
-    lora = plan.memory_per_device(shape, count, dataclasses.replace(job, method="lora"))
-    assert lora["gradients"] == lora["optimizer"] == 0 and lora["weights"] == base["weights"]
+    lora_job = dataclasses.replace(job, method="lora", lora=plan.LoraSettings(rank=4))
+    lora = plan.memory_per_device(shape, count, lora_job)
+    adapters = plan.lora_count(shape, lora_job.lora)
+    assert 0 < adapters.trainable < count.total / 2
+    assert lora["weights"] == base["weights"] + 4 * adapters.added  # frozen base + the adapters
+    assert lora["gradients"] == 4 * adapters.trainable and lora["optimizer"] == 8 * adapters.trainable
 
 
 def test_min_devices_is_the_smallest_count_that_fits():
@@ -234,3 +238,61 @@ def test_a_tight_job_warns_and_goes_on(env_report, caplog):
     with caplog.at_level("WARNING", logger="moeflow.plan"):
         plan.enforce(result)
     assert "less than 10% headroom" in caplog.text
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+LORA_FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe"]
+
+
+@pytest.mark.parametrize("router", ["frozen", "trainable", "adapter"])
+@pytest.mark.parametrize("name", LORA_FAMILIES)
+def test_lora_arithmetic_matches_peft_trainable_parameters(name, router):
+    """rank x (in + out) per adapted matrix, experts included, against what peft actually creates."""
+    from moeflow import lora
+
+    if router == "adapter" and name == "deepseek_v3" and not compat.is_transformers_v5():
+        pytest.skip("a DeepSeek-V3 router adapter needs transformers 5 (tests/test_lora.py checks the error)")
+    settings = lora.LoraSettings(rank=4, alpha=8, targets=("all",), router=router)
+    section = model_section(name)
+    shape, _, _ = plan.count_parameters(section, tokenizer_vocab=300)
+    counted = plan.lora_count(shape, settings)
+    report = lora.trainable_parameter_report(lora.apply_lora(build_model(section, vocab_size=300), settings, False))
+    assert counted.trainable == report["trainable"] and counted.added == report["adapter"]
+    for category, n in counted.by_category.items():
+        expected = n + (counted.router_weights if category == "router" else 0)
+        assert report["by_category"].get(category, {"trainable": 0})["trainable"] == expected, category
+
+
+def test_lora_counts_each_expert_and_only_the_chosen_targets():
+    shape, _, _ = plan.count_parameters(model_section("deepseek_v3"), tokenizer_vocab=300)
+    attention_only = plan.lora_count(shape, plan.LoraSettings(rank=8, targets=("attention",)))
+    assert set(k for k, v in attention_only.by_category.items() if v) == {"attention"}
+    experts = plan.lora_count(shape, plan.LoraSettings(rank=8, targets=("routed_experts",)))
+    h, f, e = shape.hidden_size, shape.expert_ffn, shape.num_experts
+    per_expert = 8 * ((h + 2 * f) + (f + h)) if plan.experts_fused("deepseek_v3") else 8 * 3 * (h + f)
+    assert experts.by_category["routed_experts"] == len(shape.moe_layers) * e * per_expert
+    assert experts.router_weights == 0 and experts.trainable == experts.added
+
+
+def test_lora_makes_a_refused_step3p5_flash_fine_tune_fit_on_enough_cards(env_report):
+    """Full fine-tuning on 80 GiB cards needs FSDP over many cards; LoRA (frozen bf16 weights) needs far
+    fewer, and the planner says how many, both as its own plan and as a suggestion for the full one."""
+    full = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}}), env_report)
+    assert full["verdict"] == "does_not_fit" and full["min_devices"] > 40
+    lora = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}, "train": {"method": "lora"}}), env_report)
+    assert lora["verdict"] == "does_not_fit" and lora["lora"]["trainable"] > 1e9  # every one of the 288 x 42 experts
+    n = lora["min_devices"]
+    assert 5 <= n < full["min_devices"] / 4
+    at_n = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n}, "train": {"method": "lora"}}), env_report)
+    fewer = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n - 1}, "train": {"method": "lora"}}), env_report)
+    assert at_n["verdict"] == "fits" and fewer["verdict"] != "fits"
+    per_device = at_n["per_device_bytes"]
+    # bf16: frozen weights 2 bytes each; trainable ones also a 2-byte gradient and 12 bytes of AdamW state
+    assert per_device["optimizer"] == pytest.approx(6 * per_device["gradients"], abs=6)
+    assert per_device["gradients"] == pytest.approx(2 * lora["lora"]["trainable"] / n, abs=1)
+    suggestion = next(o for o in full["suggestions"] if o["change"].startswith("train.method: lora (rank 16 on all, router frozen)"))
+    assert suggestion["min_devices"] == n
+    assert f"train.method: lora (rank 16 on all, router frozen): at least {n} devices" in plan.summary(full)
+    assert "LoRA rank 16 on all, router frozen" in plan.summary(lora) and "## LoRA adapters" in plan.render_markdown(lora)

@@ -38,8 +38,17 @@ The job *fits* when the total is at most ``1 - HEADROOM`` of the device memory, 
 full memory (a warning), and *does not fit* above it: :func:`enforce` then raises with the numbers and
 what would make it fit (the smallest device count, checkpointing, shorter sequences, micro-batch 1).
 
-``train.method: lora`` is planned with the base weights frozen (no gradients or optimizer states for
-them); the adapters themselves are not counted yet, since the LoRA settings do not exist yet.
+``train.method: lora`` (settings ``train.lora``, see moeflow.lora): the base weights are frozen (weights
+only, no gradients or optimizer states); the adapters get all three (16 bytes per parameter, as above),
+and so do the routers' weights with ``router: trainable``. Adapter parameters are counted from the config:
+``rank x (in + out)`` for every adapted matrix (:func:`lora_matrices`), i.e. per layer q/k/v/o (plus
+step3p5's head gate; MLA: its down/up projections), the dense or shared SwiGLU's gate/up/down, a router
+adapter ``rank x (hidden + experts)``, and per routed expert gate/up/down on transformers 4.57 (separate
+linear layers) or its fused gate_up ``rank x (hidden + 2 I_e)`` and down projection on transformers 5
+(``target_parameters``; GPT-OSS fuses on both), so the same config plans slightly differently per stack.
+Activations add, per adapted matrix a token passes through (k of the routed experts), the rank-r
+intermediate and, with dropout, a copy of the matrix's input. A full fine-tune that does not fit is
+offered LoRA (the ``train.lora`` settings) among the suggestions, with the devices it needs.
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
+
+from .lora import LoraSettings
 
 log = logging.getLogger("moeflow.plan")
 
@@ -506,6 +517,117 @@ def count_parameters(model: Mapping[str, Any], tokenizer_vocab: int | None = Non
     return shape, exact or formula, formula
 
 
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+def experts_fused(model_type: str) -> bool:
+    """Whether the installed transformers keeps a layer's routed experts as fused 3D parameters (gate and
+    up projections in one ``gate_up_proj``): every family on transformers 5, GPT-OSS on both stacks."""
+    from .compat import is_transformers_v5
+
+    return model_type == "gpt_oss" or is_transformers_v5()
+
+
+def attention_matrices(s: Shape) -> list[tuple[int, int]]:
+    """(in_features, out_features) of one layer's attention projections (the linear layers under self_attn)."""
+    h = s.hidden_size
+    if s.attention == "mla":
+        qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
+        q = [(h, s.num_heads * qk_head)] if s.q_lora_rank is None else [(h, s.q_lora_rank), (s.q_lora_rank, s.num_heads * qk_head)]
+        return q + [
+            (h, s.kv_lora_rank + s.qk_rope_head_dim),
+            (s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)),
+            (s.num_heads * s.v_head_dim, h),
+        ]
+    q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return [(h, q_dim), (h, kv_dim), (h, kv_dim), (q_dim, h)] + ([(h, s.head_gate)] if s.head_gate else [])
+
+
+def lora_matrices(s: Shape, lora: LoraSettings, moe: bool) -> dict[str, list[tuple[int, int, int]]]:
+    """The matrices one decoder layer adapts, by category, as moeflow.lora.find_targets picks them:
+    (in_features, out_features, copies), copies being the routed experts that each hold one (else 1)."""
+    h, categories = s.hidden_size, set(lora.categories)
+    swiglu = lambda width: [(h, width, 1), (h, width, 1), (width, h, 1)]  # noqa: E731
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    if "attention" in categories:
+        out["attention"] = [(i, o, 1) for i, o in attention_matrices(s)]
+    if moe:
+        if "routed_experts" in categories:
+            f = s.expert_ffn
+            pairs = [(h, 2 * f), (f, h)] if experts_fused(s.model_type) else [(h, f), (h, f), (f, h)]
+            out["routed_experts"] = [(i, o, s.num_experts) for i, o in pairs]
+        if "shared_experts" in categories and s.shared_ffn:
+            out["shared_experts"] = swiglu(s.shared_ffn)
+        if lora.router == "adapter":
+            out["router"] = [(h, s.num_experts, 1)]
+    elif "dense_ffn" in categories and s.dense_ffn:
+        out["dense_ffn"] = swiglu(s.dense_ffn)
+    return out
+
+
+@dataclass(frozen=True)
+class LoraCount:
+    """Adapter parameters of a LoRA fine-tune, counted from the config."""
+
+    by_category: dict[str, int]  # adapter parameters (added to the model) by category
+    router_weights: int  # router weights trained in full (router: trainable); part of the base count
+    moe_layer: tuple[int, int, int]  # one MoE layer's adapter parameters, those of its routed experts, its trainable router weights
+    dense_layer: int  # one dense layer's adapter parameters
+    fused_experts: bool
+
+    def largest_layer(self, expert_parallel: bool) -> tuple[int, int]:
+        """(adapter, trainable) parameters of the largest layer as FSDP gathers it; under expert
+        parallelism the routed experts' adapters stay with their devices."""
+        added, routed, router = self.moe_layer
+        added -= routed if expert_parallel else 0
+        return max(added, self.dense_layer), max(added + router, self.dense_layer)
+
+    @property
+    def added(self) -> int:
+        return sum(self.by_category.values())
+
+    @property
+    def trainable(self) -> int:
+        return self.added + self.router_weights
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "by_category": dict(self.by_category),
+            "adapter": self.added,
+            "router_weights": self.router_weights,
+            "trainable": self.trainable,
+            "fused_experts": self.fused_experts,
+        }
+
+
+def lora_count(s: Shape, lora: LoraSettings) -> LoraCount:
+    """``rank x (in + out)`` per adapted matrix (each expert's included), plus trainable router weights."""
+    def per_layer(moe: bool) -> dict[str, int]:
+        return {c: sum(lora.rank * (i + o) * n for i, o, n in mats) for c, mats in lora_matrices(s, lora, moe).items()}
+
+    moe, dense = per_layer(True) if s.moe_layers else {}, per_layer(False) if s.dense_layers else {}
+    router = moe_params(s)["router"] if s.moe_layers and lora.router == "trainable" else 0
+    by_category = {
+        c: moe.get(c, 0) * len(s.moe_layers) + dense.get(c, 0) * len(s.dense_layers)
+        for c in ("attention", "dense_ffn", "shared_experts", "routed_experts", "router")
+    }
+    return LoraCount(
+        by_category, router * len(s.moe_layers), (sum(moe.values()), moe.get("routed_experts", 0), router),
+        sum(dense.values()), experts_fused(s.model_type),
+    )
+
+
+def lora_activation_elements(s: Shape, lora: LoraSettings, moe: bool) -> int:
+    """Elements per token kept by one layer's adapters: the rank-r intermediate of each adapted matrix a
+    token passes through (top_k of the routed experts), and with dropout a copy of its input."""
+    total = 0
+    for category, mats in lora_matrices(s, lora, moe).items():
+        for in_features, _, copies in mats:
+            seen = min(copies, s.top_k) if category == "routed_experts" else copies
+            total += seen * (lora.rank + (in_features if lora.dropout else 0))
+    return total
+
+
 # --------------------------------------------------------------------------- memory
 
 
@@ -522,6 +644,7 @@ class Job:
     device: str = "cpu"
     num_devices: int = 1
     expert_parallel: bool = False  # experts split over the devices (transformers 5's DistributedConfig)
+    lora: LoraSettings = LoraSettings()  # train.lora: used when method is lora (and for the LoRA suggestion)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "Job":
@@ -537,10 +660,11 @@ class Job:
             attn_implementation=settings["model"].get("attn_implementation", "sdpa"),
             device=hardware["device"],
             num_devices=int(hardware["num_devices"]),
+            lora=LoraSettings.from_config(train.get("lora")),
         )
 
 
-def layer_activation_elements(s: Shape, seq_len: int, eager: bool, moe: bool) -> int:
+def layer_activation_elements(s: Shape, seq_len: int, eager: bool, moe: bool, lora: LoraSettings | None = None) -> int:
     """Elements kept for the backward pass per token by one decoder layer (module docstring)."""
     h = s.hidden_size
     if s.attention == "mla":
@@ -557,15 +681,16 @@ def layer_activation_elements(s: Shape, seq_len: int, eager: bool, moe: bool) ->
         ffn = 2 * s.num_experts + s.top_k * (2 * h + 3 * s.expert_ffn) + (3 * s.shared_ffn + h if s.shared_ffn else 0)
     else:
         ffn = 3 * s.dense_ffn
-    return attention + ffn_in + ffn
+    return attention + ffn_in + ffn + (lora_activation_elements(s, lora, moe) if lora else 0)
 
 
 def activation_bytes(s: Shape, job: Job) -> int:
     tokens = job.micro_batch_size * job.seq_len
     width = WEIGHT_BYTES[job.precision]
     eager = job.attn_implementation == "eager"
-    moe_layer = layer_activation_elements(s, job.seq_len, eager, moe=True) if s.moe_layers else 0
-    dense_layer = layer_activation_elements(s, job.seq_len, eager, moe=False) if s.dense_layers else 0
+    lora = job.lora if job.method == "lora" else None
+    moe_layer = layer_activation_elements(s, job.seq_len, eager, True, lora) if s.moe_layers else 0
+    dense_layer = layer_activation_elements(s, job.seq_len, eager, False, lora) if s.dense_layers else 0
     if job.gradient_checkpointing:
         per_token = s.num_layers * s.hidden_size + max(moe_layer, dense_layer)
     else:
@@ -578,16 +703,21 @@ def activation_bytes(s: Shape, job: Job) -> int:
 def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     """Bytes per device by component (module docstring); ``total`` is their sum."""
     width = WEIGHT_BYTES[job.precision]
-    trainable = params.total if job.method == "full" else 0  # LoRA: base frozen, adapters not counted yet
     shards = job.num_devices
     # FSDP gathers one layer at a time (and holds its full gradient until the reduce-scatter); under
     # expert parallelism each device keeps its own experts whole, so only the rest of a layer is gathered.
     unit = params.largest_layer_without_routed if job.expert_parallel else params.largest_layer
+    if job.method == "lora":  # frozen base: weights only; adapters (and a trainable router) get everything
+        adapters = lora_count(s, job.lora)
+        added, trainable = adapters.added, adapters.trainable
+        unit_added, unit_trainable = adapters.largest_layer(job.expert_parallel)
+    else:
+        added, trainable, unit_added, unit_trainable = 0, params.total, 0, unit
     out = {
-        "weights": math.ceil(params.total * width / shards),
+        "weights": math.ceil((params.total + added) * width / shards),
         "gradients": math.ceil(trainable * width / shards),
         "optimizer": math.ceil(trainable * (ADAM_MOMENT_BYTES + MASTER_WEIGHT_BYTES[job.precision]) / shards),
-        "unsharded_layer": unit * (width + (width if trainable else 0)) if shards > 1 else 0,
+        "unsharded_layer": ((unit + unit_added) * width + unit_trainable * width) if shards > 1 else 0,
         "activations": activation_bytes(s, job),
         "runtime": RUNTIME_OVERHEAD_BYTES[job.device],
     }
@@ -663,6 +793,18 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
             ("FSDP with expert parallelism (transformers 5 only)", ep),
             ("expert parallelism, gradient checkpointing and micro-batch 1", dataclasses.replace(ep, **lean)),
         ]
+    if job.method == "full":
+        lora = dataclasses.replace(job, method="lora")
+        what = f"rank {job.lora.rank} on {', '.join(job.lora.targets)}, router {job.lora.router}"
+        candidates += [
+            (f"train.method: lora ({what})", lora),
+            (f"train.method: lora ({what}), gradient checkpointing and micro-batch 1", dataclasses.replace(lora, **lean)),
+        ]
+        if s.moe_layers and not job.expert_parallel:
+            candidates.append(
+                (f"train.method: lora ({what}) with expert parallelism, gradient checkpointing and micro-batch 1",
+                 dataclasses.replace(lora, expert_parallel=True, **lean))
+            )
     candidates += [
         ("train.gradient_checkpointing: true", dataclasses.replace(job, gradient_checkpointing=True)),
         ("train.micro_batch_size: 1", dataclasses.replace(job, micro_batch_size=1)),
@@ -715,7 +857,7 @@ def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> dict[str
         "suggestions": suggestions(shape, params, job, memory) if result != "fits" else [],
     }
     if job.method == "lora":
-        out["caveat"] = "LoRA: base weights frozen; adapter parameters and their optimizer states are not counted yet"
+        out["lora"] = {**job.lora.as_dict(), **lora_count(shape, job.lora).as_dict()}
     return out
 
 
@@ -746,6 +888,12 @@ def summary(p: Mapping[str, Any]) -> str:
         f"{job['micro_batch_size']} x {job['seq_len']} tokens, gradient checkpointing "
         f"{'on' if job['gradient_checkpointing'] else 'off'}, on {job['num_devices']} x {job['device']} of "
         f"{memory:.1f} GiB ({p['device_memory_source']}):",
+        *(
+            [f"  LoRA rank {p['lora']['rank']} on {', '.join(p['lora']['targets'])}, router {p['lora']['router']}: "
+             f"{_count(p['lora']['trainable'])} trainable parameters ({_count(p['lora']['adapter'])} in adapters); "
+             f"the {_count(params['total'])} base weights are frozen"]
+            if "lora" in p else []
+        ),
         f"  per device {_size(mem['total'])} = weights {_size(mem['weights'])} + gradients {_size(mem['gradients'])} + "
         f"AdamW states {_size(mem['optimizer'])} + unsharded layer {_size(mem['unsharded_layer'])} + activations "
         f"{_size(mem['activations'])} + runtime {_size(mem['runtime'])}",
@@ -813,6 +961,12 @@ def render_markdown(p: Mapping[str, Any]) -> str:
             *mem_rows,
             "",
             "The formulas are in the docstring of `moeflow.plan`.",
-            *([f"", f"Note: {p['caveat']}."] if "caveat" in p else []),
+            *(
+                ["", "## LoRA adapters", "", "| category | adapter parameters |", "|---|---|",
+                 *[f"| {k} | {v:,} |" for k, v in p["lora"]["by_category"].items() if v],
+                 f"| router weights trained in full | {p['lora']['router_weights']:,} |",
+                 f"| **trainable** | {p['lora']['trainable']:,} |"]
+                if "lora" in p else []
+            ),
         ]
     ) + "\n"

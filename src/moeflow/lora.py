@@ -1,0 +1,455 @@
+"""LoRA fine-tuning through peft: which weights get adapters, saving and loading them, merging.
+
+Settings (``train.lora``, used when ``train.method: lora``; see config/config.yaml)::
+
+    rank, alpha, dropout           the adapters' rank r, scaling alpha / r, and dropout on their input
+    targets                        attention | dense_ffn | shared_experts | routed_experts | all
+    router                         frozen (default) | trainable (its full weight) | adapter (its own LoRA)
+
+Where the adapters go is read from the model, not from a per-family table. Every ``nn.Linear`` is put in
+a category by its place: under ``self_attn`` (attention), inside a routed expert (``experts.<n>.``),
+inside a shared expert (``shared_expert(s).``/``share_expert.``), the router of an MoE block (found
+as ``moeflow.routing`` finds it), or a dense MLP (``mlp.``/``feed_forward.`` outside any MoE block).
+Those go to peft as ``target_modules`` (one regular expression, layer and expert indices generalised).
+Routed experts stored as fused 3D parameters (transformers 5: ``mlp.experts.gate_up_proj`` and
+``down_proj``, shape (experts, out, in)) go to peft as ``target_parameters``; peft then trains one
+rank-r adapter per expert (``lora_A``: in -> r x experts, ``lora_B``: r x experts -> out). A transformers
+5 router is a module with a ``weight`` parameter, so a router adapter is a ``target_parameters`` entry
+there and a ``target_modules`` entry on 4.57 (an ``nn.Linear``).
+
+Limits (each raises a clear error): peft cannot apply dropout to ``target_parameters`` adapters, so
+``dropout`` must be 0 when fused experts (or a transformers-5 router) get adapters; transformers 4.57
+keeps only GPT-OSS's experts fused, in an (experts, in, out) layout peft cannot tell from (experts,
+out, in), so LoRA on them needs transformers 5 (``compat.UnsupportedOnStack``); a router adapter on
+4.57 needs an ``nn.Linear`` router, because moeflow.routing recomputes the DeepSeek-V3/GPT-OSS router
+logits from the raw weight there.
+
+Gradient checkpointing with frozen embeddings: the embedding output does not require grad, so the
+*reentrant* checkpoint function sees no input that needs grad and returns outputs without a graph: no
+gradient reaches the adapters of the checkpointed layers (tests/test_lora.py shows it). Non-reentrant
+checkpointing does not have that problem, but :func:`apply_lora` calls ``enable_input_require_grads``
+whenever checkpointing is on, so either variant trains the adapters.
+
+Checkpoints hold only what training changes: ``save_pretrained`` of the peft model (adapter_config.json,
+adapter_model.safetensors), the router's weights when it is trainable (router.safetensors) and the
+LoRA settings (moeflow_lora.json). :func:`merge_and_save` folds the adapters into the base weights and
+writes a folder that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+This module imports torch and peft lazily: moeflow.plan (imported at DAG-build time) uses LoraSettings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import compat
+
+log = logging.getLogger("moeflow.lora")
+
+TARGETS = ("attention", "dense_ffn", "shared_experts", "routed_experts")
+ALL = "all"
+ROUTER_MODES = ("frozen", "trainable", "adapter")
+ADAPTER_NAME = "default"
+SETTINGS_FILE = "moeflow_lora.json"
+ROUTER_FILE = "router.safetensors"
+
+_ATTENTION = re.compile(r"(^|\.)(self_attn|attention)\.")
+_ROUTED_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+_SHARED_EXPERT = re.compile(r"(^|\.)(shared_experts?|share_expert)\.")
+_DENSE_FFN = re.compile(r"(^|\.)(mlp|feed_forward)\.")
+_PEFT_PREFIX = "base_model.model."
+_LORA_PARAM = re.compile(r"\.lora_(A|B)\.[^.]+\.(weight|bias)$")
+
+
+class LoraConfigError(ValueError):
+    """A LoRA setting that cannot work for this model, naming the key and what to do."""
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``train.lora``. ``targets`` keeps what the config names; ``categories`` resolves ``all``."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = (ALL,)
+    router: str = "frozen"
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | None) -> "LoraSettings":
+        s = dict(section or {})
+        unknown = sorted(set(s) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise LoraConfigError(f"config key 'train.lora.{unknown[0]}' is unknown; LoRA settings are {', '.join(cls.__dataclass_fields__)}")
+        targets = s.get("targets", [ALL])
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        bad = [t for t in targets if t not in TARGETS + (ALL,)]
+        if bad or not targets:
+            raise LoraConfigError(f"config key 'train.lora.targets': {bad or 'empty'}; use a list of {', '.join(TARGETS + (ALL,))}")
+        router = s.get("router", "frozen")
+        if router not in ROUTER_MODES:
+            raise LoraConfigError(f"config key 'train.lora.router': {router!r}; use one of {', '.join(ROUTER_MODES)}")
+        rank, alpha, dropout = int(s.get("rank", cls.rank)), float(s.get("alpha", cls.alpha)), float(s.get("dropout", cls.dropout))
+        if rank < 1 or alpha <= 0 or not 0 <= dropout < 1:
+            raise LoraConfigError(f"config keys 'train.lora.rank/alpha/dropout': need rank >= 1, alpha > 0, 0 <= dropout < 1; got {rank}, {alpha}, {dropout}")
+        return cls(rank=rank, alpha=alpha, dropout=dropout, targets=tuple(dict.fromkeys(targets)), router=router)
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        return TARGETS if ALL in self.targets else tuple(t for t in TARGETS if t in self.targets)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"targets": list(self.targets)}
+
+
+def _settings(lora_cfg: "LoraSettings | Mapping[str, Any] | None") -> LoraSettings:
+    return lora_cfg if isinstance(lora_cfg, LoraSettings) else LoraSettings.from_config(lora_cfg)
+
+
+# --------------------------------------------------------------------------- where the adapters go
+
+
+def is_lora_model(model: Any) -> bool:
+    """True for a model wrapped by :func:`apply_lora` / :func:`load_adapter` (a peft PeftModel)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is pinned in both stacks
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _base(model: Any) -> Any:
+    return model.get_base_model() if is_lora_model(model) else model
+
+
+def router_modules(model: Any) -> dict[str, Any]:
+    """Qualified name (in the base model) -> router module of each MoE block, as moeflow.routing finds them."""
+    from .routing import FAMILIES
+
+    base = _base(model)
+    family = FAMILIES.get(getattr(base.config, "model_type", None))
+    if family is None:
+        return {}
+    return {
+        f"{name}.{family.router_attr}": getattr(module, family.router_attr)
+        for name, module in base.named_modules()
+        if type(module).__name__ == family.block_class and getattr(module, family.router_attr, None) is not None
+    }
+
+
+@dataclass
+class Targets:
+    """What peft gets: module names (``target_modules``) and parameter names (``target_parameters``),
+    each with its category, names relative to the base model."""
+
+    modules: dict[str, str]
+    parameters: dict[str, str]
+
+
+def _category_of_linear(name: str, routers: set[str], blocks: list[str]) -> str | None:
+    if name in routers:
+        return "router"
+    if _ATTENTION.search(name):
+        return "attention"
+    if _ROUTED_EXPERT.search(name):
+        return "routed_experts"
+    if _SHARED_EXPERT.search(name):
+        return "shared_experts"
+    if any(name.startswith(block + ".") for block in blocks):
+        return None  # e.g. qwen2_moe's shared_expert_gate (hidden -> 1): not worth an adapter
+    if _DENSE_FFN.search(name):
+        return "dense_ffn"
+    return None  # lm_head and anything else outside the decoder layers' projections
+
+
+def find_targets(model: Any, settings: LoraSettings) -> Targets:
+    """The modules and parameters that get adapters under ``settings`` (see the module docstring)."""
+    import torch
+
+    routers = router_modules(model)
+    blocks = sorted(name.rsplit(".", 1)[0] for name in routers)
+    wanted = set(settings.categories) | ({"router"} if settings.router == "adapter" else set())
+    modules: dict[str, str] = {}
+    parameters: dict[str, str] = {}
+    fused: list[str] = []
+    for name, module in _base(model).named_modules():
+        if isinstance(module, torch.nn.Linear):
+            category = _category_of_linear(name, set(routers), blocks)
+            if category in wanted:
+                modules[name] = category
+            continue
+        if name in routers:
+            if "router" in wanted:
+                if not compat.is_transformers_v5():
+                    raise compat.UnsupportedOnStack(
+                        f"config key 'train.lora.router': an adapter on the {type(module).__name__} router needs "
+                        f"transformers 5 (the 'current' stack; on {compat.version_of('transformers')} moeflow.routing "
+                        "reads this router's logits from its raw weight); use router: trainable or frozen here"
+                    )
+                parameters[f"{name}.weight"] = "router"
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.ndim == 3 and re.search(r"(^|\.)experts$", name):
+                fused.append(f"{name}.{param_name}")
+                if "routed_experts" in wanted:
+                    parameters[f"{name}.{param_name}"] = "routed_experts"
+    if fused and "routed_experts" in wanted and not compat.is_transformers_v5():
+        raise compat.UnsupportedOnStack(
+            f"config key 'train.lora.targets': {getattr(_base(model).config, 'model_type', '?')} keeps its routed experts as "
+            f"fused 3D parameters ({fused[0]}) in an (experts, in, out) layout on transformers "
+            f"{compat.version_of('transformers')}, which peft's target_parameters cannot read; LoRA on these experts "
+            "needs transformers 5 (the 'current' stack). Leave routed_experts out of train.lora.targets here"
+        )
+    if parameters and settings.dropout:
+        raise LoraConfigError(
+            f"config key 'train.lora.dropout': {settings.dropout}, but {sorted(set(parameters.values()))} are adapted through "
+            f"peft's target_parameters ({next(iter(parameters))}: a fused parameter, not an nn.Linear), which cannot "
+            "apply dropout. Set train.lora.dropout: 0, or leave those out of train.lora.targets"
+        )
+    found = set(modules.values()) | set(parameters.values())
+    missing = [c for c in ([*settings.categories] if ALL not in settings.targets else []) if c not in found]
+    if settings.router == "adapter" and "router" not in found:
+        missing.append("router")
+    if settings.router == "trainable" and not routers:
+        missing.append("router")
+    if missing or not found:
+        raise LoraConfigError(
+            f"config key 'train.lora.{'router' if missing == ['router'] else 'targets'}': model_type "
+            f"{getattr(_base(model).config, 'model_type', '?')} has no {', '.join(missing) or 'adaptable weights in ' + ', '.join(settings.categories)}; "
+            f"it has {', '.join(sorted(found | ({'router'} if routers else set()))) or 'none of them'}"
+        )
+    return Targets(modules=modules, parameters=parameters)
+
+
+def module_pattern(names: list[str]) -> str:
+    """One regular expression (peft full-matches it against module names) for ``names``, with layer and
+    expert indices generalised so the adapter config stays short for models with thousands of experts."""
+    generic = {r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split(".")) for name in names}
+    return "(?:" + "|".join(sorted(generic)) + ")"
+
+
+def parameter_suffixes(names: list[str]) -> list[str]:
+    """``target_parameters`` as names below the decoder layer (peft matches them as suffixes)."""
+    return sorted({re.sub(r"^.*?(^|\.)layers\.\d+\.", "", name) for name in names})
+
+
+# --------------------------------------------------------------------------- applying, saving, loading
+
+
+@contextlib.contextmanager
+def _native_layout():
+    """On transformers 5, peft rewrites the targets and adapter weights of some MoE families (qwen3_moe,
+    mixtral, deepseek_v3, olmoe, ...) as if they named transformers 4.57 modules, so that adapters trained
+    on 4.57 still load: every ``gate_proj``/``up_proj``/``down_proj`` becomes the fused expert parameter.
+    That drops the adapters of DeepSeek-V3's shared experts and dense layers. moeflow's targets are this
+    model's own names (results of the two stacks never mix), so the conversion is skipped while moeflow
+    creates or loads adapters."""
+    if not compat.is_transformers_v5():
+        yield
+        return
+    from peft.utils import transformers_weight_conversion as conversion
+
+    saved = conversion.convert_peft_config_for_transformers, conversion.convert_peft_adapter_state_dict_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda peft_config, model, conversions=None: None
+    conversion.convert_peft_adapter_state_dict_for_transformers = lambda model, peft_config, adapter_state_dict, adapter_name="default": adapter_state_dict
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers, conversion.convert_peft_adapter_state_dict_for_transformers = saved
+
+
+def apply_lora(model: Any, lora_cfg: "LoraSettings | Mapping[str, Any] | None", gradient_checkpointing: bool) -> Any:
+    """Wrap a transformers causal LM with LoRA adapters (peft) and freeze everything else; return the
+    peft model. ``lora_cfg``: the ``train.lora`` mapping or LoraSettings. With ``gradient_checkpointing``
+    it turns on non-reentrant checkpointing and makes the embedding output require grad."""
+    from peft import LoraConfig, get_peft_model
+
+    settings = _settings(lora_cfg)
+    if is_lora_model(model):
+        raise LoraConfigError("the model already has LoRA adapters: apply_lora takes the base model")
+    targets = find_targets(model, settings)
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        bias="none",
+        target_modules=module_pattern(sorted(targets.modules)) if targets.modules else [],
+        target_parameters=parameter_suffixes(sorted(targets.parameters)) or None,
+    )
+    with _native_layout():
+        peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+    tuner = peft_model.base_model
+    got_modules, got_params = set(tuner.targeted_module_names), set(getattr(tuner, "targeted_parameter_names", []))
+    if got_modules != set(targets.modules) or got_params != set(targets.parameters):
+        raise RuntimeError(  # the generalised pattern matched something else: a bug here, not a user error
+            f"peft adapted {sorted(got_modules ^ set(targets.modules))[:5]} / {sorted(got_params ^ set(targets.parameters))[:5]} "
+            "differently from moeflow.lora.find_targets"
+        )
+    if settings.router == "trainable":
+        for router in router_modules(peft_model).values():
+            for param in router.parameters():
+                param.requires_grad_(True)
+    if gradient_checkpointing:
+        enable_checkpointing(peft_model.get_base_model(), reentrant=False)
+        peft_model.get_base_model().enable_input_require_grads()
+    peft_model._moeflow_lora = settings
+    return peft_model
+
+
+def enable_checkpointing(model: Any, reentrant: bool = False) -> None:
+    """Activation checkpointing of a transformers model (5.x renamed the method; the old name warns)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
+def lora_settings(model: Any) -> LoraSettings:
+    settings = getattr(model, "_moeflow_lora", None)
+    if settings is None:
+        raise LoraConfigError("the model has no moeflow LoRA adapters (use moeflow.lora.apply_lora or load_adapter)")
+    return settings
+
+
+def _router_state(model: Any) -> dict[str, Any]:
+    return {
+        f"{name}.{param_name}": param.detach().cpu().contiguous()
+        for name, router in sorted(router_modules(model).items())
+        for param_name, param in router.named_parameters()
+    }
+
+
+def save_adapter(model: Any, folder: str | os.PathLike) -> None:
+    """Write the adapters (peft ``save_pretrained``: adapter_config.json + adapter_model.safetensors),
+    the router's weights when it is trainable, and the LoRA settings into ``folder``. Call it inside
+    ``moeflow.io.atomic_dir`` (or a checkpoint folder that is renamed into place)."""
+    from safetensors.torch import save_file
+
+    from .io import write_json
+
+    settings = lora_settings(model)
+    folder = Path(folder)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    if settings.router == "trainable":
+        save_file(_router_state(model), str(folder / ROUTER_FILE))
+    write_json(folder / SETTINGS_FILE, settings.as_dict())
+
+
+def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: bool = False) -> Any:
+    """Adapters saved by :func:`save_adapter`, trainable. ``model``: the base model (it is wrapped as
+    :func:`apply_lora` does, ``gradient_checkpointing`` as there), or a model already wrapped with the same
+    LoRA settings (resume: its adapter weights are replaced). Returns the peft model."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    from safetensors.torch import load_file
+
+    from .io import read_json
+
+    folder = Path(folder)
+    if not (folder / SETTINGS_FILE).is_file():
+        raise LoraConfigError(f"{folder} is not a moeflow LoRA adapter folder (no {SETTINGS_FILE})")
+    saved = LoraSettings.from_config(read_json(folder / SETTINGS_FILE))
+    if not is_lora_model(model):
+        model = apply_lora(model, saved, gradient_checkpointing)
+    elif lora_settings(model) != saved:
+        raise LoraConfigError(f"the adapter in {folder} was trained with train.lora {saved.as_dict()}, the model has {lora_settings(model).as_dict()}")
+    with _native_layout():
+        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"), adapter_name=ADAPTER_NAME)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise LoraConfigError(f"the adapter in {folder} does not fit this model: missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
+    if saved.router == "trainable":
+        import torch
+
+        state = load_file(str(folder / ROUTER_FILE))
+        with torch.no_grad():
+            for name, router in router_modules(model).items():
+                for param_name, param in router.named_parameters():
+                    param.copy_(state[f"{name}.{param_name}"])
+    return model
+
+
+def merge_and_save(model: Any, tokenizer: Any, folder: str | os.PathLike) -> Any:
+    """Fold the adapters into the base weights and write a model folder (safetensors, config, and the
+    tokenizer if given) that ``AutoModelForCausalLM.from_pretrained`` loads; atomic. This consumes the
+    peft wrapper: the merged transformers model is returned."""
+    from .io import atomic_dir
+
+    merged = model.merge_and_unload(safe_merge=True)
+    merged.config.use_cache = True  # a saved model generates with a cache; training turned it off
+    with atomic_dir(folder) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return merged
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def parameter_category(name: str) -> str:
+    """The moeflow.plan category of a parameter of a plain or peft-wrapped model (adapters: the weight they adapt)."""
+    from .plan import categorise
+
+    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    name = _LORA_PARAM.sub(".weight", name.replace(".base_layer", ""))
+    return categorise(name)
+
+
+def trainable_parameter_report(model: Any) -> dict[str, Any]:
+    """Trainable and total parameters (tied weights once), overall and by moeflow.plan category; for a
+    LoRA model also the adapter parameters and the settings."""
+    by_category: dict[str, dict[str, int]] = {}
+    trainable = total = adapter = 0
+    for name, param in model.named_parameters():
+        n = param.numel()
+        entry = by_category.setdefault(parameter_category(name), {"trainable": 0, "total": 0})
+        entry["total"] += n
+        total += n
+        if _LORA_PARAM.search(name):
+            adapter += n
+        if param.requires_grad:
+            entry["trainable"] += n
+            trainable += n
+    report = {
+        "method": "lora" if is_lora_model(model) else "full",
+        "trainable": trainable,
+        "total": total,
+        "trainable_fraction": trainable / total if total else 0.0,
+        "adapter": adapter,
+        "by_category": {k: by_category[k] for k in sorted(by_category)},
+        "router_trainable": router_is_trainable(model),
+    }
+    if is_lora_model(model):
+        report["lora"] = lora_settings(model).as_dict()
+    return report
+
+
+def router_is_trainable(model: Any) -> bool:
+    """Whether any router weight (or a router adapter) gets gradients. False for a LoRA model with a
+    frozen router, a model whose routers were frozen (train.freeze_router), or a model with no router.
+    With a frozen router the balancing loss cannot move the routers themselves; its gradient still
+    reaches adapters upstream of them (attention and earlier layers) through the routers' input."""
+    return any(p.requires_grad for router in router_modules(model).values() for p in router.parameters())
+
+
+def describe(model: Any) -> str:
+    """One line for the log: trainable parameters and where the adapters are."""
+    r = trainable_parameter_report(model)
+    parts = [f"{k} {v['trainable']:,}" for k, v in r["by_category"].items() if v["trainable"]]
+    return f"{r['method']}: {r['trainable']:,} of {r['total']:,} parameters trainable ({100 * r['trainable_fraction']:.2f}%): " + ", ".join(parts)
+
+
+__all__ = [
+    "LoraSettings", "LoraConfigError", "apply_lora", "save_adapter", "load_adapter", "merge_and_save",
+    "trainable_parameter_report", "router_is_trainable", "is_lora_model", "find_targets", "describe",
+]

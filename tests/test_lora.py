@@ -1,0 +1,321 @@
+"""LoRA through peft: targets on both stacks' expert layouts, clear errors, gradients under checkpointing,
+adapter-only save/load and resume, merge equivalence, router modes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moeflow import compat, config, lora, routing
+from moeflow.modeling import build_model, load_model
+
+VOCAB = 100
+SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+FAMILIES = {
+    "qwen3_moe": {"head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2},
+    "mixtral": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "deepseek_v3": {
+        "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 8, "n_group": 2, "topk_group": 1, "num_key_value_heads": 4,
+    },
+    "gpt_oss": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["full_attention", "sliding_attention"]},
+}
+V5 = compat.is_transformers_v5()
+
+
+def section(name: str) -> dict:
+    return {"config": {"model_type": name, **SMALL, **FAMILIES[name]}, "attn_implementation": "eager"}
+
+
+def tiny(name: str = "qwen3_moe", seed: int = 0):
+    return build_model(section(name), vocab_size=VOCAB, seed=seed)
+
+
+def inputs(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def perturb_adapters(model, seed: int = 2) -> None:
+    """Give the adapters non-zero weights (peft starts lora_B at zero, so they would do nothing)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+def logits(model, x) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=x, use_cache=False).logits
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_settings_resolve_all_and_name_the_bad_key():
+    settings = lora.LoraSettings.from_config({"rank": 8, "alpha": 16, "targets": ["all"]})
+    assert settings.categories == lora.TARGETS and settings.router == "frozen"
+    assert lora.LoraSettings.from_config({"targets": ["attention"]}).categories == ("attention",)
+    with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.targets.*experts"):
+        lora.LoraSettings.from_config({"targets": ["experts"]})
+    with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.router"):
+        lora.LoraSettings.from_config({"router": "unfrozen"})
+    with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.r\b"):
+        lora.LoraSettings.from_config({"r": 8})
+
+
+def test_config_schema_checks_train_lora():
+    cfg = config.load(overrides={"train": {"method": "lora", "lora": {"router": "adapter"}}})
+    assert lora.LoraSettings.from_config(cfg["train"]["lora"]).router == "adapter"
+    with pytest.raises(config.ConfigError, match="unfrozen"):
+        config.load(overrides={"train": {"lora": {"router": "unfrozen"}}})
+
+
+# --------------------------------------------------------------------------- where adapters go
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_all_targets_adapt_attention_and_every_expert_and_freeze_the_rest(name):
+    model = lora.apply_lora(tiny(name), {"rank": 4, "targets": ["all"]}, gradient_checkpointing=False)
+    report = lora.trainable_parameter_report(model)
+    adapted = {k for k, v in report["by_category"].items() if v["trainable"]}
+    expected = {"attention", "routed_experts"} | ({"shared_experts", "dense_ffn"} if name == "deepseek_v3" else set())
+    assert adapted == expected
+    assert report["trainable"] == report["adapter"] > 0 and not report["router_trainable"]
+    targets = lora.find_targets(tiny(name), lora.LoraSettings(rank=4))
+    if V5:  # fused 3D experts: peft's target_parameters, one adapter per expert inside
+        assert set(targets.parameters.values()) == {"routed_experts"} and all(k.endswith(("gate_up_proj", "down_proj")) for k in targets.parameters)
+    else:  # separate nn.Linear per expert: target_modules
+        assert not targets.parameters
+        moe_layers = 1 if name == "deepseek_v3" else 2  # DeepSeek-V3's first layer is dense (first_k_dense_replace)
+        assert sum(c == "routed_experts" for c in targets.modules.values()) == moe_layers * 4 * 3  # x experts x gate/up/down
+    for param_name, param in model.named_parameters():
+        if "lora_" not in param_name:
+            assert not param.requires_grad, param_name
+    assert torch.equal(logits(model, inputs()), logits(tiny(name), inputs()))  # lora_B starts at zero
+
+
+def test_targets_that_the_model_lacks_are_named():
+    with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.targets.*no shared_experts"):
+        lora.apply_lora(tiny("qwen3_moe"), {"targets": ["shared_experts"]}, False)
+    dense = build_model({"config": {"model_type": "qwen3_moe", **SMALL, "head_dim": 8, "num_experts": 0}, "attn_implementation": "eager"}, VOCAB)
+    with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.router.*no router"):
+        lora.apply_lora(dense, {"targets": ["all"], "router": "trainable"}, False)
+    model = lora.apply_lora(dense, {"targets": ["all"]}, False)  # a dense model: attention and its MLPs
+    assert set(k for k, v in lora.trainable_parameter_report(model)["by_category"].items() if v["trainable"]) == {"attention", "dense_ffn"}
+
+
+def test_stack_limits_raise_clear_errors():
+    if V5:
+        with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.dropout.*target_parameters"):
+            lora.apply_lora(tiny("qwen3_moe"), {"dropout": 0.1, "targets": ["routed_experts"]}, False)
+        model = lora.apply_lora(tiny("qwen3_moe"), {"dropout": 0.1, "targets": ["attention"]}, False)
+        assert lora.trainable_parameter_report(model)["trainable"] > 0
+        lora.apply_lora(tiny("gpt_oss"), {"rank": 4}, False)  # fused experts declared (experts, in, out): fine on 5
+    else:
+        model = lora.apply_lora(tiny("qwen3_moe"), {"dropout": 0.1}, False)  # separate linear experts take dropout
+        assert lora.trainable_parameter_report(model)["by_category"]["routed_experts"]["trainable"] > 0
+        with pytest.raises(compat.UnsupportedOnStack, match=r"gpt_oss.*fused 3D.*needs transformers 5"):
+            lora.apply_lora(tiny("gpt_oss"), {"rank": 4}, False)
+        with pytest.raises(compat.UnsupportedOnStack, match=r"train\.lora\.router.*DeepseekV3TopkRouter.*needs transformers 5"):
+            lora.apply_lora(tiny("deepseek_v3"), {"rank": 4, "router": "adapter"}, False)
+        lora.apply_lora(tiny("gpt_oss"), {"rank": 4, "targets": ["attention"]}, False)
+
+
+# --------------------------------------------------------------------------- gradients under checkpointing
+
+
+def adapter_grads(model, x) -> dict[str, torch.Tensor]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(input_ids=x, labels=x, use_cache=False).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def test_adapters_get_the_same_gradients_under_non_reentrant_checkpointing():
+    plain = lora.apply_lora(tiny(), {"rank": 4}, gradient_checkpointing=False)
+    checkpointed = lora.apply_lora(tiny(), {"rank": 4}, gradient_checkpointing=True)
+    perturb_adapters(plain)
+    perturb_adapters(checkpointed)
+    base = checkpointed.get_base_model()
+    checkpointing = base.is_activation_checkpointing if V5 else base.is_gradient_checkpointing
+    assert checkpointing and not base.get_input_embeddings().weight.requires_grad
+    expected, got = adapter_grads(plain, inputs()), adapter_grads(checkpointed, inputs())
+    trainable = [n for n, p in checkpointed.named_parameters() if p.requires_grad]
+    assert sorted(got) == sorted(trainable)  # every adapter, experts included, gets a gradient
+    assert all(got[n].abs().sum() > 0 for n in got)
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=1e-7)
+
+
+def test_reentrant_checkpointing_without_input_grads_trains_nothing_on_4_57():
+    """What enable_input_require_grads is for: with frozen embeddings the reentrant checkpoint sees no
+    input that needs grad, so no layer output carries a graph. transformers 5 turns input grads on
+    itself when checkpointing is enabled; 4.57 does so only for adapters it loaded itself."""
+    model = lora.apply_lora(tiny(), {"rank": 4, "targets": ["attention"]}, gradient_checkpointing=False)
+    perturb_adapters(model)
+    lora.enable_checkpointing(model.get_base_model(), reentrant=True)
+    if V5:
+        assert all(g.abs().sum() > 0 for g in adapter_grads(model, inputs()).values())
+    else:
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            adapter_grads(model, inputs())
+    model.get_base_model().enable_input_require_grads()  # what apply_lora does
+    grads = adapter_grads(model, inputs())
+    assert len(grads) == 2 * 4 * 2 and all(g.abs().sum() > 0 for g in grads.values())
+
+
+# --------------------------------------------------------------------------- save, load, resume, merge
+
+
+@pytest.mark.parametrize("name,router", [("qwen3_moe", "frozen"), ("mixtral", "trainable"), ("deepseek_v3", "adapter" if V5 else "trainable")])
+def test_adapter_round_trip_saves_only_what_training_changes(tmp_path, name, router):
+    model = lora.apply_lora(tiny(name), {"rank": 4, "router": router}, False)
+    perturb_adapters(model)
+    expected = logits(model, inputs())
+    lora.save_adapter(model, tmp_path / "adapter")
+    files = sorted(p.name for p in (tmp_path / "adapter").iterdir())
+    assert {"adapter_config.json", "adapter_model.safetensors", lora.SETTINGS_FILE} <= set(files)
+    assert (lora.ROUTER_FILE in files) == (router == "trainable")
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in key for key in saved)  # no base weight in the adapter file
+    assert sum(t.numel() for t in saved.values()) == lora.trainable_parameter_report(model)["adapter"]
+
+    fresh = lora.load_adapter(tiny(name), tmp_path / "adapter")  # a new process: base model + adapter
+    assert torch.equal(logits(fresh, inputs()), expected)
+    assert lora.trainable_parameter_report(fresh)["trainable"] == lora.trainable_parameter_report(model)["trainable"]
+
+    wrapped = lora.apply_lora(tiny(name), {"rank": 4, "router": router}, False)  # resume: adapters already in place
+    assert lora.load_adapter(wrapped, tmp_path / "adapter") is wrapped
+    assert torch.equal(logits(wrapped, inputs()), expected)
+    with pytest.raises(lora.LoraConfigError, match="trained with train.lora"):
+        lora.load_adapter(lora.apply_lora(tiny(name), {"rank": 8, "router": router}, False), tmp_path / "adapter")
+
+
+def test_resumed_lora_training_continues_bit_for_bit(tmp_path):
+    """Adapters + AdamW state saved at step 2 and loaded into a fresh base model give the same steps 3-4."""
+    from safetensors.torch import load_file, save_file
+
+    def step(model, optimizer, seed):
+        model.train()
+        x = inputs(seed)
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def optimizer_for(model):
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    settings = {"rank": 4, "router": "trainable"}
+    model = lora.apply_lora(tiny(), settings, gradient_checkpointing=True)
+    optimizer = optimizer_for(model)
+    for seed in (10, 11):
+        step(model, optimizer, seed)
+    lora.save_adapter(model, tmp_path / "ckpt")
+    state = optimizer.state_dict()
+    save_file({f"{i}.{k}": v for i, s in state["state"].items() for k, v in s.items()}, str(tmp_path / "ckpt" / "optimizer.safetensors"))
+    uninterrupted = [step(model, optimizer, seed) for seed in (12, 13)]
+
+    resumed_model = lora.load_adapter(tiny(), tmp_path / "ckpt", gradient_checkpointing=True)
+    resumed_optimizer = optimizer_for(resumed_model)
+    flat = load_file(str(tmp_path / "ckpt" / "optimizer.safetensors"))
+    resumed_state = {"state": {}, "param_groups": state["param_groups"]}
+    for key, value in flat.items():
+        index, name = key.split(".", 1)
+        resumed_state["state"].setdefault(int(index), {})[name] = value
+    resumed_optimizer.load_state_dict(resumed_state)
+    assert [step(resumed_model, resumed_optimizer, seed) for seed in (12, 13)] == uninterrupted
+
+
+@pytest.mark.parametrize("name,router", [("qwen3_moe", "adapter" if V5 else "trainable"), ("mixtral", "adapter"), ("deepseek_v3", "trainable")])
+def test_merged_model_matches_the_adapters_and_loads_with_from_pretrained(tmp_path, name, router):
+    from transformers import AutoModelForCausalLM
+
+    model = lora.apply_lora(tiny(name), {"rank": 4, "router": router}, gradient_checkpointing=True)
+    perturb_adapters(model)
+    unmerged = logits(model, inputs())
+    merged = lora.merge_and_save(model, None, tmp_path / "merged")
+    torch.testing.assert_close(logits(merged, inputs()), unmerged, rtol=0, atol=1e-5)
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()  # else from_pretrained would treat it as an adapter
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True, torch_dtype=torch.float32)
+    assert not any("lora" in n for n, _ in loaded.named_parameters())
+    torch.testing.assert_close(logits(loaded, inputs()), unmerged, rtol=0, atol=1e-5)
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["use_cache"] is True
+    assert torch.equal(logits(load_model(tmp_path / "merged"), inputs()), logits(loaded, inputs()))
+    base = logits(tiny(name), inputs())
+    assert (unmerged - base).abs().max() > 1e-3  # the adapters changed something, so the match above means something
+
+
+# --------------------------------------------------------------------------- routers
+
+
+@pytest.mark.parametrize("router,trainable", [("frozen", False), ("trainable", True), ("adapter", True)])
+def test_router_is_trainable_follows_the_router_mode(router, trainable):
+    model = lora.apply_lora(tiny("mixtral"), {"rank": 4, "targets": ["attention"], "router": router}, False)
+    assert lora.router_is_trainable(model) is trainable
+    report = lora.trainable_parameter_report(model)
+    assert (report["by_category"]["router"]["trainable"] > 0) is trainable
+    full = tiny("mixtral")
+    assert lora.router_is_trainable(full)
+    for router_module in lora.router_modules(full).values():
+        router_module.requires_grad_(False)  # what train.freeze_router does
+    assert not lora.router_is_trainable(full)
+
+
+@pytest.mark.parametrize(
+    "router",
+    [
+        "frozen",
+        "trainable",
+        pytest.param("adapter", marks=pytest.mark.xfail(
+            V5, raises=routing.UnsupportedModel, strict=True,
+            reason="moeflow.routing reads top_k from the router module, which peft wraps in a ParamWrapper on "
+                   "transformers 5; routing._top_k/_num_experts must look through router.get_base_layer()")),
+    ],
+)
+def test_routing_capture_sees_the_adapted_router_and_the_balance_gradient_path(router):
+    """Routing telemetry works on the LoRA model. With a frozen router a balancing loss trains no router
+    weight, yet its gradient reaches adapters upstream of the routers (attention, earlier layers)."""
+    model = lora.apply_lora(tiny("qwen3_moe"), {"rank": 4, "targets": ["attention"], "router": router}, False)
+    perturb_adapters(model)
+    model.train()
+    adapter = routing.adapter_for(model)
+    with routing.capture(model, adapter) as captured:
+        model(input_ids=inputs(), use_cache=False)
+    assert [layer.layer for layer in captured.layers] == [0, 1]
+    balance = sum((layer.probs().mean(0) ** 2).sum() * layer.num_experts for layer in captured.layers)
+    balance.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    attention = [g for n, g in grads.items() if "self_attn" in n]
+    assert attention and all(g is not None and g.abs().sum() > 0 for g in attention)
+    router_grads = [g for n, g in grads.items() if ".mlp.gate" in n]
+    assert bool(router_grads) is (router != "frozen") and all(g.abs().sum() > 0 for g in router_grads)
+
+
+# --------------------------------------------------------------------------- the embedded default
+
+
+def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
+    cfg = config.load()
+    full = build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"])
+    full_report = lora.trainable_parameter_report(full)
+    lora_model = lora.apply_lora(build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"]), cfg["train"]["lora"], False)
+    report = lora.trainable_parameter_report(lora_model)
+    assert full_report["trainable"] == full_report["total"]
+    assert report["total"] == full_report["total"] + report["adapter"]
+    assert 0 < report["trainable"] < 0.3 * full_report["trainable"]
+    from moeflow import plan  # the planner's arithmetic agrees with the model peft built
+
+    shape, counted, _ = plan.count_parameters(cfg["model"], cfg["tokenizer"]["vocab_size"])
+    assert counted.total == full_report["total"]
+    assert plan.lora_count(shape, lora.LoraSettings.from_config(cfg["train"]["lora"])).trainable == report["trainable"]
+    print(f"\nembedded default: full {full_report['trainable']:,} trainable; LoRA {report['trainable']:,} "
+          f"({100 * report['trainable_fraction']:.2f}%) {report['by_category']}")
