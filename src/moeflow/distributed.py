@@ -1,0 +1,397 @@
+"""Ranks, sharding and expert parallelism for the training loop, on PyTorch's and transformers' own engines.
+
+The training rules start their script through torchrun; this module turns torchrun's environment into
+a process group and the config's ``parallel`` section into a sharded model:
+
+* :func:`init` / :func:`teardown` (or the :func:`process_group` context): one process group from
+  ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, gloo on CPU, nccl on CUDA; nothing at all in one process.
+* ``parallel.strategy``:
+
+  - ``none``: every rank holds the whole model; :func:`reduce_gradients` sums the gradients over ranks.
+  - ``fsdp``: :func:`shard_model` wraps the model, one FSDP unit per decoder layer plus the root:
+    FSDP2 ``fully_shard`` on the current stack; FSDP1 ``FullyShardedDataParallel(use_orig_params=True)``
+    on the pinned stack, whose torch 2.3.1 ``fully_shard`` fails without CUDA.
+  - ``ep``: transformers 5 shards the model itself at ``from_pretrained`` (:func:`load_model`) through
+    ``DistributedConfig(ep_size=..., fsdp_size=...)``: experts split over ``ep_size`` ranks, the rest
+    FSDP2-sharded. transformers 4.57 (pinned stack) has no expert parallelism: a clear error.
+
+* The losses are normalised by the step's global token count (``moeflow.losses`` all-reduces the counts),
+  so the gradient of a step is the *sum* of the ranks' gradients. FSDP (ours and transformers') averages
+  over the data-parallel ranks; :func:`reduce_gradients` multiplies by their number (exact for powers of
+  two) and, for an unsharded model, all-reduces the sum. Call it instead of ``train.sync_gradients``.
+* :func:`clip_grad_norm`, :func:`full_state_dict` / :func:`load_full_state_dict` (weights and AdamW
+  state as whole tensors on every rank, for the safetensors checkpoints, so a checkpoint does not depend
+  on the layout) and :func:`full_gradients` (tests, debugging) work for all three layouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from . import compat
+
+log = logging.getLogger("moeflow.distributed")
+
+STRATEGIES = ("none", "fsdp", "ep")
+
+
+class DistributedError(RuntimeError):
+    """A layout that cannot run here, naming the setting and what to do."""
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The config's ``parallel`` section (config/config.yaml documents each key)."""
+
+    strategy: str = "none"
+    ep_size: int = 1
+    fsdp_size: int | None = None
+    ep_implementation: str = "auto"
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | None) -> "Parallel":
+        section = section or {}
+        strategy = section.get("strategy", "none")
+        if strategy not in STRATEGIES:
+            raise DistributedError(f"config key 'parallel.strategy': {strategy!r}; use one of {', '.join(STRATEGIES)}")
+        return cls(strategy, int(section.get("ep_size", 1)), section.get("fsdp_size"), section.get("ep_implementation", "auto"))
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among torchrun's processes, and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def init(device_type: str | None = None) -> Ranks:
+    """Join the process group torchrun describes (only with more than one process) and pick the device.
+
+    ``device_type``: "cuda" or "cpu"; default: CUDA when available. The backend follows the device:
+    nccl on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise DistributedError("hardware.device is 'cuda' but torch sees no CUDA device here")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return Ranks(rank, world, local_rank, device)
+
+
+def teardown() -> None:
+    """Leave the process group (all ranks together), if one was joined."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(device_type: str | None = None) -> Iterator[Ranks]:
+    """:func:`init`, then :func:`teardown` when the body succeeds. On an error the group is left as it is
+    (a barrier would wait forever for a rank that failed); torchrun stops the other ranks."""
+    ranks = init(device_type)
+    yield ranks
+    teardown()
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place; a no-op in one process. (``moeflow.losses.all_reduce_sum``: one helper.)"""
+    from .losses import all_reduce_sum as reduce
+
+    return reduce(tensor)
+
+
+# --------------------------------------------------------------------------- expert parallelism (transformers 5)
+
+
+def distributed_config(parallel: Parallel, world: int | None = None):
+    """transformers 5's ``DistributedConfig`` for ``strategy: ep`` (experts over ``ep_size`` ranks, the rest
+    FSDP2-sharded over ``fsdp_size``, default all ranks)."""
+    if parallel.strategy != "ep":
+        raise DistributedError(f"parallel.strategy is {parallel.strategy!r}: transformers' DistributedConfig is for strategy: ep")
+    if not compat.is_transformers_v5():
+        raise DistributedError(
+            "config key 'parallel.strategy': ep (expert parallelism) needs transformers 5's DistributedConfig, and "
+            f"this stack has transformers {compat.version_of('transformers')}, which has no expert parallelism: run "
+            "with STACK=current, or use parallel.strategy: fsdp (FSDP1 here shards the experts with everything else)"
+        )
+    from transformers.distributed import DistributedConfig
+
+    world = world or world_size()
+    fsdp = parallel.fsdp_size or world
+    if world % fsdp or fsdp % parallel.ep_size:
+        raise DistributedError(
+            f"parallel.ep_size {parallel.ep_size} and fsdp_size {fsdp} do not tile the {world} ranks torchrun started "
+            "(ep_size must divide fsdp_size, fsdp_size must divide the ranks)"
+        )
+    return DistributedConfig(
+        ep_size=parallel.ep_size,
+        fsdp_size=fsdp,
+        dp_replicate_size=world // fsdp,
+        ep_implementation=parallel.ep_implementation,
+    )
+
+
+def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any], parallel: Parallel, dtype: Any = None):
+    """Load a saved model folder for this layout: sharded by transformers at load time for ``ep``,
+    whole (then :func:`shard_model`) otherwise. (``_from_config`` takes no DistributedConfig: an
+    expert-parallel run needs a folder, such as the base model or a checkpoint's save_pretrained.)"""
+    from .modeling import _impl_kwargs, load_model as load_whole
+
+    if parallel.strategy != "ep":
+        return load_whole(path, model_cfg, dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path,
+        torch_dtype=dtype or torch.float32,
+        trust_remote_code=bool(model_cfg.get("trust_remote_code", False)),
+        local_files_only=True,
+        distributed_config=distributed_config(parallel),
+        **_impl_kwargs(model_cfg),
+    )
+
+
+# --------------------------------------------------------------------------- FSDP
+
+
+def _layer_classes(model: torch.nn.Module) -> tuple[type, ...]:
+    """The decoder-layer classes (transformers' ``_no_split_modules``): one FSDP unit each."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise DistributedError(f"{type(model).__name__} names no decoder-layer class (_no_split_modules): cannot place FSDP units")
+    return tuple(sorted(classes, key=lambda c: c.__name__))
+
+
+def fsdp2_available() -> bool:
+    """Whether to use FSDP2 (``fully_shard``): torch >= 2.6 (the current stack). torch 2.3's early
+    ``fully_shard`` needs CUDA, so the pinned stack uses FSDP1 on every device, one code path there."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 6)
+
+
+def shard_model(model: torch.nn.Module, parallel: Parallel, ranks: Ranks) -> torch.nn.Module:
+    """The model for this layout: unchanged for ``none`` and ``ep`` (already sharded at load), FSDP-wrapped
+    for ``fsdp`` (FSDP2 on the current stack, FSDP1 on the pinned one). Call before the optimizer is built."""
+    if parallel.strategy != "fsdp" or ranks.world_size == 1:
+        return model.to(ranks.device) if parallel.strategy != "ep" else model
+    layers = _layer_classes(model)
+    if fsdp2_available():
+        from torch.distributed.fsdp import fully_shard
+
+        model.to(ranks.device)
+        for module in list(model.modules()):
+            if isinstance(module, layers):
+                fully_shard(module)
+        fully_shard(model)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    for param in model.parameters():  # FSDP1 turns them into flat 1-D shards; FSDP2 keeps the shapes
+        param._moeflow_shape = tuple(param.shape)
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(set(layers)),
+        use_orig_params=True,  # parameter names (and so AdamW's groups) stay those of the model
+        device_id=ranks.device,  # torch 2.3 assumes CUDA unless told (gloo on CPU needs device_id=cpu)
+        sync_module_states=False,  # every rank built or loaded the same weights
+    )
+
+
+def original_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    """A parameter's shape in the model, also once FSDP1 has made it a flat 1-D shard (for AdamW's
+    groups: weight decay on parameters of 2 or more dimensions; for parameter counts)."""
+    return getattr(param, "_moeflow_shape", None) or tuple(param.shape)
+
+
+def is_fsdp1(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether parameters are sharded (FSDP1, FSDP2 or transformers' EP/FSDP), i.e. FSDP reduces gradients."""
+    if is_fsdp1(model):
+        return True
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.3: DTensor lives in torch.distributed._tensor
+        from torch.distributed._tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside an FSDP1 wrapper (FSDP2 and EP keep the model's own class)."""
+    return model.module if is_fsdp1(model) else model
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def reduce_gradients(model: torch.nn.Module) -> None:
+    """Make every rank's gradients the step's summed gradient (the losses are normalised globally).
+
+    Unsharded model: all-reduce (sum). Sharded: FSDP has already reduce-scattered the mean over the
+    data-parallel ranks, so multiply by their number."""
+    world = world_size()
+    if world == 1:
+        return
+    if not is_sharded(model):
+        params = [p for p in model.parameters() if p.requires_grad]
+        # A rank whose tokens missed an expert has no gradient for it (transformers 4.57 runs only the
+        # experts that got tokens): agree first on which gradients exist anywhere, so that every rank
+        # makes the same all-reduces in the same order, and a gradient no rank has stays None.
+        present = all_reduce_sum(torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64))
+        for p, anywhere in zip(params, present.tolist()):
+            if anywhere:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                all_reduce_sum(p.grad)
+        return
+    data_parallel = _data_parallel_size(model, world)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(data_parallel)
+
+
+def _data_parallel_size(model: torch.nn.Module, world: int) -> int:
+    """Ranks that see different data: all of them, but for transformers' tensor/pipeline parallel sizes."""
+    config = getattr(unwrap(model), "config", None)
+    dcfg = getattr(config, "distributed_config", None)
+    if dcfg is not None and getattr(dcfg, "dp_size", None):
+        return int(dcfg.dp_size)
+    return world
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the gradients of the whole (sharded) model to ``max_norm``; return the norm before clipping."""
+    if is_fsdp1(model):
+        return float(model.clip_grad_norm_(max_norm))
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not any(_is_dtensor(p.grad) for p in params):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    # DTensor gradients may live on different meshes (experts vs the rest): norms per tensor, made whole
+    squares = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        norm = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+        if _is_dtensor(norm):
+            norm = norm.full_tensor()
+        squares += norm.double().cpu() ** 2
+    total = float(squares.sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        with torch.no_grad():
+            for p in params:
+                p.grad.mul_(coef)
+    return total
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient by its name in the unwrapped model (a gather: tests, debugging)."""
+    if is_fsdp1(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(model, with_grads=True, writeback=False):
+            return {_clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            out[_clean(name)] = p.grad.full_tensor().detach().clone() if _is_dtensor(p.grad) else p.grad.detach().clone()
+    return out
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _state_dict_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
+    """Whole (unsharded) model and optimizer state on every rank, keyed by parameter name as the unwrapped
+    model names them (the optimizer's too: ``{"state": {name: {...}}, "param_groups": [{"params": [names]}]}``),
+    in one format for every layout and world size: what the safetensors checkpoint writes. A collective:
+    every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    with _cpu_safe_fsdp1():
+        model_state = get_model_state_dict(model, options=_state_dict_options())
+        optim_state = get_optimizer_state_dict(model, optimizer, options=_state_dict_options()) if optimizer is not None else None
+    return {_clean(k): v for k, v in model_state.items()}, optim_state
+
+
+@contextlib.contextmanager
+def _cpu_safe_fsdp1() -> Iterator[None]:
+    """torch 2.3's FSDP1 gathers optimizer state with a debugging ``torch.cuda.synchronize()`` that fails
+    without CUDA (torch/distributed/fsdp/_optim_utils.py); on a machine without CUDA it has nothing to wait for."""
+    if torch.cuda.is_available():
+        yield
+        return
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = synchronize
+
+
+def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor], optimizer=None, optim_state=None) -> None:
+    """The inverse of :func:`full_state_dict`: every rank passes the whole state, each keeps its shards.
+    Call it on a model without gradients (before the first step), as PyTorch requires."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    with _cpu_safe_fsdp1():
+        set_model_state_dict(model, dict(state), options=_state_dict_options())
+        if optimizer is not None and optim_state is not None:
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=_state_dict_options())

@@ -1,0 +1,239 @@
+"""Two CPU ranks (gloo, started by torchrun) give the gradients of one process on the same global batch.
+
+Each layout runs one optimizer step's forward and backward with the training loop's own step
+(``moeflow.train.accumulate_gradients``: token-normalised cross-entropy plus the global-batch balancing
+loss and z-loss, counts all-reduced), then ``moeflow.distributed.reduce_gradients``; rank 0 saves the
+whole gradients, which must equal one process's on the concatenated batch (relative error < 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeflow import compat, distributed
+from moeflow.config import REPO_ROOT
+from moeflow.scaleout import torchrun_command
+
+MODEL = {
+    "attn_implementation": "sdpa",
+    "config": {
+        "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "max_position_embeddings": 128, "tie_word_embeddings": False,
+    },
+}
+VOCAB = 96
+LOSS = {"mode": "running", "coef": 0.01, "z_loss_coef": 0.001}
+RANKS = 2
+ROWS_PER_RANK = 2
+LR = 0.5
+
+
+def packed_rows(seed: int = 0) -> list[dict]:
+    """Packed rows of varied lengths, each holding two documents (positions restart, label -100 at a start)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in (40, 23, 31, 40):
+        first = int(torch.randint(5, length - 5, (1,), generator=g))
+        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        positions = list(range(first)) + list(range(length - first))
+        labels = [(-100 if p == 0 else t) for t, p in zip(ids, positions)]
+        rows.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+    return rows
+
+
+def optimizer_for(model) -> torch.optim.Optimizer:
+    """SGD with momentum: linear in the gradient, with a state to round-trip. (AdamW's first step is about
+    lr x sign(g), so gradients equal to 1e-7 could still flip the update of an element that is nearly 0.)"""
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def one_step(model, rows_per_micro_batch: list[list[dict]]):
+    """The training loop's step on these micro-batches; returns its StepLoss."""
+    from moeflow.losses import LossSettings
+    from moeflow.train import accumulate_gradients, collate_rows, routing_adapter
+
+    batches = [collate_rows(rows, MODEL["attn_implementation"]) for rows in rows_per_micro_batch]
+    return accumulate_gradients(model, batches, LossSettings.from_config(LOSS), routing_adapter(distributed.unwrap(model)))
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory) -> Path:
+    from moeflow.modeling import build_model
+
+    folder = tmp_path_factory.mktemp("dist") / "model"
+    build_model(MODEL, VOCAB, seed=3).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference_model(saved_model):
+    """One process, one micro-batch holding every rank's rows; then one optimizer step."""
+    from moeflow.modeling import load_model
+
+    model = load_model(saved_model, MODEL)
+    model.config.use_cache = False
+    model.train()
+    one_step(model, [packed_rows()])
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    optimizer_for(model).step()
+    return grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def reference(reference_model) -> dict[str, torch.Tensor]:
+    return reference_model[0]
+
+
+def run_ranks(saved_model: Path, out: Path, parallel: dict) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [__file__, str(saved_model), str(out), json.dumps(parallel)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def assert_same_gradients(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    diff = torch.sqrt(sum(((got[n].double() - want[n].double()) ** 2).sum() for n in want))
+    norm = torch.sqrt(sum((want[n].double() ** 2).sum() for n in want))
+    print(f"relative gradient error vs one process: {float(diff / norm):.1e}")  # shown with pytest -s
+    assert float(diff / norm) < 1e-5, f"relative error {float(diff / norm):.2e}"
+    for name in want:  # and no parameter is off on its own
+        scale = max(float(want[name].norm()), 1e-3 * float(norm))
+        assert float((got[name] - want[name]).norm()) / scale < 1e-4, name
+
+
+def whole_norm(grads: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The whole state after one optimizer step (gathered by distributed.full_state_dict) equals one process's."""
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["none", "fsdp"])
+def test_two_ranks_give_the_gradients_of_one_process(saved_model, reference, reference_model, tmp_path, strategy):
+    run_ranks(saved_model, tmp_path, {"strategy": strategy})
+    from safetensors.torch import load_file
+
+    assert_same_gradients(load_file(str(tmp_path / "grads.safetensors")), reference)
+    assert_same_weights(load_file(str(tmp_path / "weights.safetensors")), reference_model[1])
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["label_tokens"] == sum(sum(1 for x in r["labels"][1:] if x != -100) for r in packed_rows())
+    assert report["sharded"] == (strategy == "fsdp")
+    assert report["grad_norm"] == pytest.approx(whole_norm(reference), rel=1e-5)
+    # the shapes AdamW's groups go by (weight decay on 2-D and larger) survive the sharding
+    assert report["shapes"] == {n: list(g.shape) for n, g in reference.items()}
+
+
+@pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only (the pinned stack raises: see below)")
+def test_expert_parallel_plus_fsdp_gives_the_gradients_of_one_process(saved_model, reference, reference_model, tmp_path):
+    run_ranks(saved_model, tmp_path, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2})
+    from safetensors.torch import load_file
+
+    assert_same_gradients(load_file(str(tmp_path / "grads.safetensors")), reference)
+    assert_same_weights(load_file(str(tmp_path / "weights.safetensors")), reference_model[1])
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["sharded"] and report["grad_norm"] == pytest.approx(whole_norm(reference), rel=1e-5)
+
+
+@pytest.mark.skipif(compat.is_transformers_v5(), reason="transformers 5 has expert parallelism")
+def test_expert_parallel_on_the_pinned_stack_is_a_clear_error():
+    with pytest.raises(distributed.DistributedError, match="no expert parallelism.*STACK=current"):
+        distributed.distributed_config(distributed.Parallel("ep", 2, 2), world=2)
+
+
+def test_full_state_round_trips_in_one_process(saved_model, reference_model):
+    """The checkpoint format of one process is the sharded layouts' format (names, whole tensors)."""
+    from moeflow.modeling import load_model
+
+    model = load_model(saved_model, MODEL)
+    model.config.use_cache = False
+    one_step(model, [packed_rows()])
+    optimizer = optimizer_for(model)
+    optimizer.step()
+    weights, optim_state = distributed.full_state_dict(model, optimizer)
+    assert_same_weights(weights, reference_model[1])
+    assert sorted(optim_state["state"]) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    fresh = load_model(saved_model, MODEL)
+    fresh_optimizer = optimizer_for(fresh)
+    distributed.load_full_state_dict(fresh, weights, fresh_optimizer, optim_state)
+    again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
+    assert all(torch.equal(again[k], weights[k]) for k in weights)
+    assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
+
+
+def test_one_process_needs_no_process_group():
+    ranks = distributed.init("cpu")
+    assert (ranks.rank, ranks.world_size, ranks.device.type) == (0, 1, "cpu") and ranks.is_main
+    assert distributed.world_size() == 1
+    distributed.teardown()
+
+
+def _tensor_free(state):
+    """An optimizer state with each tensor replaced by its values' sum (for an exact comparison)."""
+    if isinstance(state, dict):
+        return {str(k): _tensor_free(v) for k, v in sorted(state.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(state, (list, tuple)):
+        return [_tensor_free(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return [list(state.shape), float(state.double().sum())]
+    return state
+
+
+def _main(saved_model: str, out: str, parallel_json: str) -> None:
+    """One rank: load, shard, one step on this rank's rows, reduce; rank 0 saves the whole gradients."""
+    from safetensors.torch import save_file
+
+    from moeflow.modeling import load_model
+
+    torch.set_num_threads(1)
+    parallel = distributed.Parallel.from_config(json.loads(parallel_json))
+    with distributed.process_group("cpu") as ranks:
+        if parallel.strategy == "ep":
+            model = distributed.load_model(saved_model, MODEL, parallel)
+        else:
+            model = load_model(saved_model, MODEL)
+        model.config.use_cache = False
+        model.train()
+        model = distributed.shard_model(model, parallel, ranks)
+        mine = packed_rows()[ranks.rank * ROWS_PER_RANK : (ranks.rank + 1) * ROWS_PER_RANK]
+        step = one_step(model, [mine])
+        distributed.reduce_gradients(model)
+        grad_norm = distributed.clip_grad_norm(model, float("inf"))  # the whole model's norm, clipping nothing
+        grads = distributed.full_gradients(model)
+        optimizer = optimizer_for(model)
+        optimizer.step()
+        weights, optim_state = distributed.full_state_dict(model, optimizer)
+        # the whole state loads into a freshly sharded model and optimizer and reads back the same
+        fresh = distributed.load_model(saved_model, MODEL, parallel) if parallel.strategy == "ep" else load_model(saved_model, MODEL)
+        fresh = distributed.shard_model(fresh, parallel, ranks)
+        fresh_optimizer = optimizer_for(fresh)
+        distributed.load_full_state_dict(fresh, weights, fresh_optimizer, optim_state)
+        again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
+        assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+        assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
+        if ranks.is_main:
+            save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out) / "grads.safetensors"))
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(out) / "weights.safetensors"))
+            shapes = {distributed._clean(n): list(distributed.original_shape(p)) for n, p in model.named_parameters()}
+            report = {"label_tokens": step.num_label_tokens, "sharded": distributed.is_sharded(model), "grad_norm": grad_norm, "shapes": shapes}
+            (Path(out) / "rank0.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:4])
