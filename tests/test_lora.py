@@ -275,10 +275,7 @@ def test_router_is_trainable_follows_the_router_mode(router, trainable):
     [
         "frozen",
         "trainable",
-        pytest.param("adapter", marks=pytest.mark.xfail(
-            V5, raises=routing.UnsupportedModel, strict=True,
-            reason="moeflow.routing reads top_k from the router module, which peft wraps in a ParamWrapper on "
-                   "transformers 5; routing._top_k/_num_experts must look through router.get_base_layer()")),
+        "adapter",
     ],
 )
 def test_routing_capture_sees_the_adapted_router_and_the_balance_gradient_path(router):

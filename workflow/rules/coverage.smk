@@ -5,13 +5,14 @@ rule coverage_valset:
     input:
         model=lambda wc: base_model_dir(COVERAGES[wc.covkey]),
         pool=lambda wc: [data_dir(COVERAGES[wc.covkey], c) for c in COVERAGES[wc.covkey]["coverage"]["pool_corpora"]],
-        lib=lib("modeling", "collate", "routing", "coverage"),
+        lib=lib("modeling", "corpus", "tokenize", "collate", "routing", "coverage"),
     output:
         valset=directory(f"{RESULTS}/coverage/{{covkey}}/valset"),
         json=f"{RESULTS}/coverage/{{covkey}}/coverage.json",
         heatmap=report(f"{RESULTS}/coverage/{{covkey}}/heatmap.png", caption="../report/coverage.rst", category="Coverage"),
     params:
         settings=lambda wc: mfconfig.coverage_settings(COVERAGES[wc.covkey]) | {"config": COVERAGES[wc.covkey]["coverage"]},
+        device=lambda wc: COVERAGES[wc.covkey]["hardware"]["device"],
         runtime=runtime(),
     threads: config["threads"]
     log:

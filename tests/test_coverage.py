@@ -1,0 +1,333 @@
+"""Coverage: per-document routing statistics, the greedy multi-cover, infeasibility, the random comparison,
+the heatmap, and the stage end to end on a tiny model (valset disjoint from the training shards)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeflow import coverage as C
+
+LAYERS, E, K = [1, 3], 8, 2
+
+
+def synthetic_routing(num_docs: int, seed: int, dead_expert: tuple[int, int] | None = None):
+    """Token-level routing of a pool: {doc_id: [(T, K) expert choices per layer]} with skewed popularity."""
+    rng = np.random.default_rng(seed)
+    popularity = 1.0 / np.arange(1, E + 1) ** 1.3
+    docs = {}
+    for d in range(num_docs):
+        n = int(rng.integers(3, 40))
+        per_layer = []
+        for position in range(len(LAYERS)):
+            p = popularity[rng.permutation(E)] if d % 3 else popularity.copy()
+            if dead_expert and dead_expert[0] == position:
+                p[dead_expert[1]] = 0.0
+            p = p / p.sum()
+            per_layer.append(np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(n)]))
+        docs[1000 + 7 * d] = per_layer
+    return docs
+
+
+def collect(docs, batch_tokens: int = 50) -> C.PoolStats:
+    """Feed the collector as packed batches would: docs split across batches, padding (-1) between."""
+    collector = C.StatsCollector(LAYERS, E, K)
+    doc_ids = np.concatenate([np.full(len(r[0]), d) for d, r in docs.items()] + [np.full(5, -1)])
+    routes = [np.concatenate([r[p] for r in docs.values()] + [np.zeros((5, K), dtype=np.int64)]) for p in range(len(LAYERS))]
+    for start in range(0, len(doc_ids), batch_tokens):
+        sl = slice(start, start + batch_tokens)
+        collector.add(0, doc_ids[sl], [r[sl] for r in routes])
+    return collector.finish(["pool"])
+
+
+def truth(docs):
+    """Per document: Counter of (layer position, expert) and of (layer position, lo, hi) from the tokens."""
+    cells, pairs = {}, {}
+    for d, per_layer in docs.items():
+        cells[d], pairs[d] = Counter(), Counter()
+        for position, choices in enumerate(per_layer):
+            for row in choices.tolist():
+                cells[d].update((position, e) for e in row)
+                pairs[d].update((position, *sorted(ab)) for ab in itertools.combinations(row, 2))
+    return cells, pairs
+
+
+def test_collector_counts_match_the_tokens_and_merge_across_batches():
+    docs = synthetic_routing(20, seed=1)
+    stats = collect(docs, batch_tokens=17)
+    cells, pairs = truth(docs)
+    assert stats.doc_id.tolist() == list(docs)
+    assert stats.doc_tokens.tolist() == [len(r[0]) for r in docs.values()]
+    got_cells = Counter({(int(stats.doc_id[d]), int(c) // E, int(c) % E): int(n) for d, c, n in zip(stats.cells.doc, stats.cells.code, stats.cells.count)})
+    assert got_cells == Counter({(d, p, e): n for d, cnt in cells.items() for (p, e), n in cnt.items()})
+    got_pairs = Counter({(int(stats.doc_id[d]), int(c) // (E * E), int(c) % (E * E) // E, int(c) % E): int(n)
+                         for d, c, n in zip(stats.pairs.doc, stats.pairs.code, stats.pairs.count)})
+    assert got_pairs == Counter({(d, *key): n for d, cnt in pairs.items() for key, n in cnt.items()})
+
+
+def test_top_pairs_are_the_most_frequent_per_layer():
+    docs = synthetic_routing(30, seed=2)
+    stats = collect(docs)
+    _, pairs = truth(docs)
+    totals = Counter()
+    for cnt in pairs.values():
+        totals.update(cnt)
+    top = C.top_pairs(stats, 3)
+    for position in range(len(LAYERS)):
+        ranked = sorted(((n, (a, b)) for (p, a, b), n in totals.items() if p == position), key=lambda x: (-x[0], x[1]))
+        assert [tuple(x) for x in top[position].tolist()] == [ab for _, ab in ranked[:3]]
+
+
+def exact_greedy(meets: np.ndarray, demand: np.ndarray, cost: np.ndarray, budget: int, rank: np.ndarray) -> list[int]:
+    """The plain greedy, recounting every gain from the dense matrix at every step."""
+    demand, remaining, picked = demand.copy(), budget, []
+    available = np.ones(len(cost), dtype=bool)
+    while True:
+        gains = (meets & (demand > 0)).sum(axis=1)
+        score = np.where(available & (cost <= remaining) & (gains > 0), gains * (1.0 / np.maximum(cost, 1)), -1.0)
+        if score.max() <= 0:
+            return picked
+        ties = np.flatnonzero(score == score.max())
+        j = int(ties[np.argmin(rank[ties])])
+        picked.append(j)
+        demand[meets[j] & (demand > 0)] -= 1
+        available[j] = False
+        remaining -= int(cost[j])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lazy_greedy_picks_what_the_plain_greedy_picks(seed):
+    rng = np.random.default_rng(seed)
+    docs, constraints = 300, 150
+    popularity = rng.random(constraints) ** 3
+    meets = rng.random((docs, constraints)) < popularity
+    cost = rng.integers(1, 6, docs)  # small costs: many ties in gain per token
+    demand = np.minimum(meets.sum(axis=0), 3)
+    rank = C.seeded_rank(docs, seed)
+    budget = int(cost.sum() // 4)
+    words = C.pack_word_bits(meets)
+    picked, left = C.greedy_multicover(words, demand, cost, budget, rank, refresh=16, hot_size=64)
+    assert picked.tolist() == exact_greedy(meets, demand, cost, budget, rank)
+    assert np.array_equal(left, np.maximum(demand - meets[picked].sum(axis=0), 0))
+
+
+def test_packed_bits_roundtrip():
+    rng = np.random.default_rng(0)
+    meets = rng.random((7, 130)) < 0.3
+    words = C.pack_word_bits(meets)
+    assert words.shape == (7, 3) and words.dtype == np.uint64
+    assert all(np.array_equal(C.unpack_word_bits(words[i], 130), meets[i]) for i in range(7))
+    constraints = C.Constraints.from_dense(meets, 2, 65, np.zeros((2, 0, 2), dtype=np.int64))
+    assert np.array_equal(constraints.column_counts(np.arange(7)), meets.sum(axis=0))
+    assert np.array_equal(C.masked_popcounts(words, C.pack_word_bits(np.arange(130) % 2 == 0)), meets[:, ::2].sum(axis=1))
+
+
+SETTINGS = {"pool_corpora": ["pool"], "min_docs_per_expert": 3, "min_tokens": 2, "pairs_per_layer": 2,
+            "token_budget": 600, "batch_tokens": 64, "allow_unmet": False, "random_draws": 4}
+
+
+def select(stats, settings=SETTINGS, seed=0):
+    constraints = C.build_constraints(stats, settings["min_tokens"], settings["pairs_per_layer"])
+    selection = C.select_documents(constraints, stats.doc_tokens, stats.doc_corpus, settings["min_docs_per_expert"],
+                                   settings["token_budget"], seed)
+    return constraints, selection
+
+
+def test_selection_meets_every_constraint_within_budget_and_is_seed_deterministic():
+    docs = synthetic_routing(120, seed=3)
+    stats = collect(docs)
+    constraints, selection = select(stats)
+    cells, pairs = truth(docs)
+    chosen = [int(stats.doc_id[j]) for j in selection.selected]
+    assert len(set(chosen)) == len(chosen)
+    assert selection.tokens == sum(len(docs[d][0]) for d in chosen) <= SETTINGS["token_budget"]
+    # Every (layer, expert): >= min_docs chosen documents with >= min_tokens tokens, checked on the tokens.
+    for position, e in itertools.product(range(len(LAYERS)), range(E)):
+        assert sum(cells[d][(position, e)] >= 2 for d in chosen) >= 3, (position, e)
+    for position in range(len(LAYERS)):
+        for a, b in constraints.pair_experts[position].tolist():
+            assert sum(pairs[d][(position, a, b)] >= 2 for d in chosen) >= 3
+    # The fill used the budget: no unselected document would still fit.
+    left = SETTINGS["token_budget"] - selection.tokens
+    unselected = np.setdiff1d(np.arange(stats.num_docs), selection.selected)
+    assert selection.greedy_count < len(selection.selected)
+    assert stats.doc_tokens[unselected].min() > left
+    again = select(stats)[1]
+    assert np.array_equal(again.selected, selection.selected)
+    others = [select(stats, seed=s)[1].selected for s in (1, 2, 3)]
+    assert any(not np.array_equal(o, selection.selected) for o in others)
+
+
+def test_fill_keeps_each_pool_corpus_share():
+    rng = np.random.default_rng(0)
+    cost = rng.integers(5, 30, 400)
+    group = (np.arange(400) >= 100).astype(np.int64)  # corpus 0: a quarter of the documents
+    added = C.fill_to_distribution(np.zeros(0, dtype=np.int64), cost, group, 2000, C.seeded_rank(400, 0))
+    share = cost[added][group[added] == 0].sum() / cost[added].sum()
+    pool_share = cost[group == 0].sum() / cost.sum()
+    assert abs(share - pool_share) < 0.03 and cost[added].sum() <= 2000
+
+
+def test_an_expert_no_document_routes_to_fails_naming_it_and_the_option(tmp_path):
+    docs = synthetic_routing(60, seed=4, dead_expert=(1, 5))
+    stats = collect(docs)
+    constraints, selection = select(stats)
+    unmet = C.unmet_constraints(constraints, stats.layers, selection, SETTINGS["min_docs_per_expert"])
+    assert {"layer": 3, "constraint": "expert 5", "docs": 0, "pool_docs": 0, "reason": "pool"} in unmet
+    message = C.infeasible_message(unmet, 3, 2)
+    assert "layer 3: expert 5 (0 in pool, 0 selected)" in message
+    assert "coverage.allow_unmet: true" in message
+    report, _ = C.coverage_report(stats, constraints, selection, SETTINGS, seed=0)
+    assert report["unmet"] == unmet
+    assert report["layers"][1]["docs"][5] == 0 and report["layers"][1]["pool_docs"][5] == 0
+
+
+def test_a_budget_too_small_is_reported_as_such():
+    docs = synthetic_routing(80, seed=5)
+    stats = collect(docs)
+    constraints, selection = select(stats, SETTINGS | {"token_budget": 60})
+    unmet = C.unmet_constraints(constraints, stats.layers, selection, 3)
+    assert unmet and {u["reason"] for u in unmet} == {"token_budget"}
+    assert "raise 'coverage.token_budget'" in C.infeasible_message(unmet, 3, 2)
+    assert selection.tokens <= 60
+
+
+def test_report_and_random_comparison():
+    docs = synthetic_routing(150, seed=6)
+    stats = collect(docs)
+    constraints, selection = select(stats, SETTINGS | {"token_budget": 500})
+    report, heat = C.coverage_report(stats, constraints, selection, SETTINGS | {"token_budget": 500}, seed=0)
+    assert report["valset"]["docs"] == len(selection.selected) and report["valset"]["cells_below"] == 0
+    assert [layer["layer"] for layer in report["layers"]] == LAYERS
+    docs_table, tokens_table = C.cell_table(stats, selection.selected_mask(stats.num_docs), 2)
+    assert report["layers"][0]["tokens"] == tokens_table[0].tolist()
+    assert tokens_table.sum() == selection.tokens * K * len(LAYERS)
+    comparison = report["random_comparison"]
+    assert comparison["draws"] == 4 and len(comparison["per_draw"]) == 4
+    for draw in comparison["per_draw"]:
+        assert draw["tokens"] <= selection.tokens
+    first = comparison["per_draw"][0]
+    assert first["cells_below"] == int((heat["random"] < 3).sum())
+    assert np.array_equal(heat["valset"], docs_table)
+    json.dumps(report)  # plain JSON types only
+
+
+def test_heatmap_is_a_deterministic_png(tmp_path):
+    valset = np.array([[3, 5, 0, 9], [4, 4, 1, 2]])
+    random = np.array([[0, 1, 2, 3], [3, 3, 3, 3]])
+    C.plot_heatmap(tmp_path / "a.png", [1, 3], valset, random, 3)
+    C.plot_heatmap(tmp_path / "b.png", [1, 3], valset, random, 3)
+    data = (tmp_path / "a.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data == (tmp_path / "b.png").read_bytes()
+    assert b"matplotlib" not in data
+
+
+# --------------------------------------------------------------------------- the stage, end to end
+
+
+def _corpus_text(i: int, rng) -> str:
+    words = ["alpha", "beta", "gamma", "delta", "print", "return", "class", "import", "while", "lambda", "yield", "42", "(", ")", ":"]
+    return " ".join(rng.choice(words, int(rng.integers(4, 30)))) + f" # doc {i}\n"
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tmp_path_factory):
+    """A tokenized corpus (train/heldout/test) and a tiny qwen3_moe saved with its tokenizer."""
+    from moeflow import tokenize as T
+    from moeflow.modeling import build_model
+
+    root = tmp_path_factory.mktemp("coverage_stage")
+    rng = np.random.default_rng(0)
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": _corpus_text(i, rng)}) + "\n" for i in range(160)))
+    sources = {"code": {"type": "jsonl", "path": str(root / "docs.jsonl")}}
+    split = {"heldout": 0.5, "test": 0.1}
+    tok = {"tokenizer": {"vocab_size": 300, "min_frequency": 2}, "pretrained_model": None, "sources": sources,
+           "split": split, "on_bad_record": "fail"}
+    data = {"seq_len": 64, "pad_to_multiple_of": 8, "on_bad_record": "fail", "split": split, "shard_max_bytes": 1 << 20, "sources": sources}
+    T.train_tokenizer_stage(tok, root / "tokenizer")
+    T.tokenize_corpus("code", {"tokenizer": tok, "data": data}, root / "tokenizer", root / "code")
+    tokenizer = T.load_tokenizer(root / "tokenizer")
+    model_cfg = {"attn_implementation": "sdpa", "config": {
+        "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 128}}
+    model = build_model(model_cfg, vocab_size=len(tokenizer), seed=0)
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    return root, model_cfg
+
+
+def run_stage(root: Path, model_cfg, out: Path, **overrides):
+    from moeflow.modeling import load_model
+
+    settings = {"pool_corpora": ["code"], "min_docs_per_expert": 2, "min_tokens": 1, "pairs_per_layer": 2,
+                "token_budget": 1500, "batch_tokens": 128, "allow_unmet": False, "random_draws": 3} | overrides
+    outputs = C.StageOutputs(out / "valset", out / "coverage.json", out / "heatmap.png")
+    model = load_model(root / "base", model_cfg)
+    return C.build_valset(model, [root / "code"], settings, outputs, model_cfg["attn_implementation"], seed=1234,
+                          provenance={"stage": "test"}), outputs
+
+
+def test_stage_writes_a_disjoint_covering_valset(stage_inputs, tmp_path):
+    from moeflow import tokenize as T
+
+    root, model_cfg = stage_inputs
+    report, outputs = run_stage(root, model_cfg, tmp_path / "a")
+    valset_docs = dict(T.read_documents(C.open_valset(outputs.valset)))
+    heldout = dict(T.read_documents(T.open_split(root / "code", "heldout")))
+    train_ids = {d for d, _ in T.read_documents(T.open_split(root / "code", "train"))}
+    assert valset_docs and not (set(valset_docs) & train_ids)
+    assert all(heldout[d] == ids for d, ids in valset_docs.items())
+    assert report["valset"]["docs"] == len(valset_docs) and report["valset"]["tokens"] == sum(map(len, valset_docs.values()))
+    assert report["valset"]["tokens"] <= 1500 and report["unmet"] == [] and report["valset"]["cells_below"] == 0
+    assert all(min(layer["docs"]) >= 2 for layer in report["layers"])
+    assert json.loads(Path(outputs.json).read_text()) == report
+    manifest = json.loads((Path(outputs.valset) / "manifest.json").read_text())
+    assert manifest["docs"] == len(valset_docs) and manifest["seq_len"] == 64
+    # Same inputs and seed: the same bytes.
+    run_stage(root, model_cfg, tmp_path / "b")
+    for name in ("coverage.json", "heatmap.png", "valset/heldout/shard-00000.arrow", "valset/manifest.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_stage_statistics_match_routing_each_document_alone(stage_inputs):
+    """Packed documents are masked from each other: routing a document alone gives the same counts."""
+    import torch
+
+    from moeflow import tokenize as T
+    from moeflow.modeling import load_model
+    from moeflow.routing import capture
+
+    root, model_cfg = stage_inputs
+    model = load_model(root / "base", model_cfg).eval()
+    rows = list(T.iter_rows(T.open_split(root / "code", "heldout")))[:8]
+    stats = C.route_pool(model, [("code", rows)], 128, model_cfg["attn_implementation"])
+    docs = dict(T.read_documents(T.open_split(root / "code", "heldout")))
+    segments = Counter(int(row["doc_ids"][i]) for row in rows for i in np.flatnonzero(row["position_ids"] == 0))
+    whole = [j for j, d in enumerate(stats.doc_id.tolist())  # not split across rows
+             if segments[d] == 1 and len(docs[d]) == stats.doc_tokens[j]]
+    later = {int(row["doc_ids"][i]) for row in rows for i in np.flatnonzero(row["position_ids"] == 0) if i > 0}
+    assert len(whole) >= 3 and any(int(stats.doc_id[j]) in later for j in whole)  # some follow another document
+    for j in whole:
+        ids = torch.tensor([docs[int(stats.doc_id[j])]])
+        with torch.no_grad(), capture(model) as routing:
+            model(input_ids=ids, use_cache=False)
+        alone = Counter()
+        for position, layer in enumerate(routing.layers):
+            alone.update(position * 4 + e for e in layer.topk_index.flatten().tolist())
+        mine = stats.cells.doc == j
+        assert Counter(dict(zip(stats.cells.code[mine].tolist(), stats.cells.count[mine].tolist()))) == alone
+
+
+def test_stage_fails_on_an_unmet_constraint_unless_allowed(stage_inputs, tmp_path):
+    root, model_cfg = stage_inputs
+    with pytest.raises(C.CoverageInfeasible, match=r"(?s)layer \d: expert \d.*coverage.allow_unmet: true"):
+        run_stage(root, model_cfg, tmp_path / "a", min_docs_per_expert=10_000)
+    assert not (tmp_path / "a" / "coverage.json").exists() and not (tmp_path / "a" / "valset").exists()
+    report, _ = run_stage(root, model_cfg, tmp_path / "b", min_docs_per_expert=10_000, allow_unmet=True)
+    assert report["unmet"] and all(u["reason"] == "pool" for u in report["unmet"])
