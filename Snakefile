@@ -30,6 +30,9 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/coverage.smk"
 include: "workflow/rules/plan.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/paper.smk"
 
 
 rule train:
@@ -38,3 +41,10 @@ rule train:
         rules.verify_env.output.json,
         [t for run, cfg in RUNS.items() for t in run_targets(cfg, run)],
     default_target: True
+
+
+rule evaluate:
+    # Every run evaluated: base vs fine-tuned loss and perplexity per set (forgetting), per expert, coverage rechecked.
+    # `snakemake --cores 8 paper` (rule paper in workflow/rules/paper.smk) then makes the figures and tables.
+    input:
+        [f"{RESULTS}/runs/{run}/eval/metrics.json" for run in RUNS],

@@ -106,6 +106,8 @@ def validate(cfg: Mapping[str, Any]) -> None:
     validator = validator_cls(_schema())
 
     def check(tree: Mapping[str, Any], label: str) -> None:
+        for problem in copied_recipe_problems(tree):  # before the schema, whose message would be vaguer
+            raise ConfigError(f"invalid configuration{label}: {problem}")
         errors = sorted(validator.iter_errors(tree), key=lambda e: list(map(str, e.absolute_path)))
         if errors:
             lines = "\n".join(f"  - {_describe(e)}" for e in errors)
@@ -134,6 +136,145 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
                 f"config key 'data': corpus {corpus!r} is not among 'data.sources' "
                 f"({', '.join(sorted(data.get('sources', {})))})"
             )
+    for section in ("train", "pretrain"):
+        train = cfg.get(section) or {}
+        if train.get("warmup_steps") is not None and train.get("warmup_ratio") is not None:
+            problems.append(
+                f"config keys '{section}.warmup_steps' and '{section}.warmup_ratio' are both set; give one of them "
+                "(set the other to null), e.g. warmup_steps: 1000 or warmup_ratio: 0.1"
+            )
+        if train.get("warmup_steps") and train.get("steps") and train["warmup_steps"] >= train["steps"]:
+            problems.append(f"config key '{section}.warmup_steps' ({train['warmup_steps']}) must be less than '{section}.steps' ({train['steps']})")
+        if train.get("min_lr") is not None and train.get("lr") is not None and train["min_lr"] > train["lr"]:
+            problems.append(f"config key '{section}.min_lr' ({train['min_lr']}) must not exceed '{section}.lr' ({train['lr']})")
+    problems += parallel_problems(cfg)
+    return problems
+
+
+# --------------------------------------------------------------------------- scaling out (parallel:)
+
+
+def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """The ``parallel`` layout must add up: world = nproc_per_node x nnodes = hardware.num_devices, and
+    the FSDP and expert-parallel sizes must tile it the way transformers' DistributedConfig requires."""
+    par = cfg.get("parallel")
+    if not par:
+        return []
+    world = par.get("nproc_per_node", 1) * par.get("nnodes", 1)
+    strategy, ep, fsdp = par.get("strategy", "none"), par.get("ep_size", 1), par.get("fsdp_size")
+    problems = []
+    devices = (cfg.get("hardware") or {}).get("num_devices")
+    if devices is not None and world > 1 and devices != world:
+        problems.append(
+            f"config keys 'parallel.nproc_per_node' x 'parallel.nnodes' ({world} ranks) and 'hardware.num_devices' "
+            f"({devices}) must agree: the memory planner plans for hardware.num_devices"
+        )
+    if (strategy == "ep") != (ep > 1):
+        problems.append(
+            f"config keys 'parallel.strategy' ({strategy!r}) and 'parallel.ep_size' ({ep}): expert parallelism is "
+            "strategy: ep with ep_size > 1 (and ep_size: 1 otherwise)"
+        )
+    if fsdp is not None and (world % fsdp or fsdp > world):
+        problems.append(f"config key 'parallel.fsdp_size' ({fsdp}) must divide the {world} ranks (null: all of them)")
+    if ep > 1 and (fsdp or world) % ep:
+        problems.append(
+            f"config key 'parallel.ep_size' ({ep}) must divide parallel.fsdp_size ({fsdp or world}): transformers' "
+            "DistributedConfig lays the expert-parallel groups over the FSDP ranks"
+        )
+    if fsdp is not None and fsdp > 1 and strategy == "none":
+        problems.append("config key 'parallel.fsdp_size' is set but parallel.strategy is 'none': use strategy: fsdp or ep")
+    return problems
+
+
+def recipe_flag_advice(flag: str, value: Any) -> str | None:
+    """What a flag of the copied recipe's expert-parallel launch (``torchrun ... --moe_expert_parallel_degree 2
+    --moe_token_dispatcher_type balance --moe_eval_capacity_factor 1.2``, ``group_experts_by: device``)
+    becomes in moeflow, or why it is refused; None for any other key. None of these flags exists in
+    transformers or accelerate."""
+    name = flag.lstrip("-").lower().replace("-", "_")
+    text = str(value).lower().replace("-", "").replace("_", "")
+    if name == "moe_expert_parallel_degree":
+        return (
+            f"'{flag}' is not a transformers flag; expert parallelism is transformers 5's DistributedConfig(ep_size=...): "
+            f"use parallel: {{strategy: ep, ep_size: {value}}} (transformers 5 / STACK=current only)"
+        )
+    if name == "moe_token_dispatcher_type":
+        if text in ("alltoall", "alltoallseq"):
+            return f"'{flag}: {value}' is parallel.ep_implementation: all_to_all (transformers 5's token exchange)"
+        if text == "allgather":
+            return (
+                f"'{flag}: {value}' is parallel.ep_implementation: all_reduce (every rank runs its experts on the "
+                "shared batch and the outputs are summed; transformers allows it only when ep_size equals tp_size)"
+            )
+        return (
+            f"'{flag}: {value}' is refused: transformers' expert parallelism dispatches tokens with all_to_all or "
+            "all_reduce (parallel.ep_implementation), and no dispatcher balances load; load balancing is the "
+            "global-batch balancing loss (train.balance)"
+        )
+    if name == "moe_eval_capacity_factor":
+        return (
+            f"'{flag}' is refused: transformers' MoE layers are dropless (every token reaches its top-k experts, "
+            "in training and evaluation), so there is no capacity to set: remove it"
+        )
+    if name == "group_experts_by":
+        if text == "device":
+            return (
+                f"'{flag}: {value}' is what expert parallelism does: use parallel: {{strategy: ep, ep_size: N}} "
+                "(transformers 5 places num_experts / N experts on each device)"
+            )
+        return f"'{flag}: {value}' is refused: experts are grouped by device under expert parallelism (parallel.ep_size), nothing else"
+    return None
+
+
+def translate_recipe_flags(flags: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The copied recipe's expert-parallel flags as moeflow config overrides (the ``parallel`` section), and
+    the refusals (with the reason) for flags that have no equivalent."""
+    parallel: dict[str, Any] = {}
+    refused: list[str] = []
+    for flag, value in flags.items():
+        name = flag.lstrip("-").lower().replace("-", "_")
+        text = str(value).lower().replace("-", "").replace("_", "")
+        if name == "moe_expert_parallel_degree":
+            if int(value) > 1:
+                parallel |= {"strategy": "ep", "ep_size": int(value)}
+        elif name == "moe_token_dispatcher_type" and text in ("alltoall", "alltoallseq", "allgather"):
+            parallel["ep_implementation"] = "all_reduce" if text == "allgather" else "all_to_all"
+        elif name == "group_experts_by" and text == "device":
+            parallel.setdefault("strategy", "ep")
+        else:
+            refused.append(recipe_flag_advice(flag, value) or f"'{flag}' is not a moeflow or transformers setting")
+    return ({"parallel": parallel} if parallel else {}), refused
+
+
+# Names from a widely copied MoE fine-tuning recipe that exist in neither transformers nor accelerate.
+COPIED_RECIPE_NAMES = {
+    "adamw_moe": "there is no optimizer 'adamw_moe'; use train.optimizer: adamw (AdamW with parameter groups: "
+    "train.router_lr_multiplier, train.freeze_router, no weight decay on norms and biases)",
+    "datacollatorformoe": "there is no 'DataCollatorForMoE'; moeflow packs documents with per-document attention "
+    "(moeflow.collate), with no padding to max_length: remove the setting",
+    "accumulate_gradient": "'Trainer.accumulate_gradient' does not exist; set train.grad_accum_steps (losses are "
+    "normalised over the whole step) and train.balance.mode for the balancing loss across micro-batches",
+    "cosine_with_warmup": "there is no scheduler 'cosine_with_warmup' to choose: moeflow always warms up linearly "
+    "(train.warmup_steps or train.warmup_ratio) and then decays with a cosine to train.min_lr",
+}
+
+
+def copied_recipe_problems(cfg: Any, path: str = "") -> list[str]:
+    """Keys or values anywhere in the config that name things the copied recipe invented."""
+    problems: list[str] = []
+    items = cfg.items() if isinstance(cfg, Mapping) else enumerate(cfg) if isinstance(cfg, list) else []
+    for key, value in items:
+        where = f"{path}.{key}" if path and not isinstance(key, int) else f"{path}[{key}]" if isinstance(key, int) else str(key)
+        advice = recipe_flag_advice(key, value) if isinstance(key, str) else None
+        if advice:  # the recipe's expert-parallel flags: the real setting, or why there is none
+            problems.append(f"config key '{where}': {advice}")
+            continue
+        for name in (key, value):
+            if isinstance(name, str):
+                for bad, advice in COPIED_RECIPE_NAMES.items():
+                    if bad in name.lower().replace("trainer.", ""):
+                        problems.append(f"config key '{where}': {advice}")
+        problems += copied_recipe_problems(value, where)
     return problems
 
 
@@ -234,3 +375,39 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "seq_len": cfg["data"]["seq_len"],
         "precision": cfg["precision"],
     }
+
+
+# --------------------------------------------------------------------------- fine-tuning stages (warmup, train_model)
+
+# Settings that only affect the part after warmup: changing them reruns train_model, not warmup.
+AFTER_WARMUP_KEYS = ("steps", "warmup_ratio", "min_lr", "eval_every", "eval_max_sequences", "log_every")
+
+
+def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
+    """``train.warmup_steps``, or ``train.warmup_ratio`` times ``train.steps`` (never both: see semantic_problems)."""
+    if train.get("warmup_steps") is not None and train.get("warmup_ratio") is not None:
+        raise ConfigError("config keys 'train.warmup_steps' and 'train.warmup_ratio' are both set; give one of them")
+    if train.get("warmup_ratio") is not None:
+        return max(1, int(round(float(train["warmup_ratio"]) * int(train["steps"]))))
+    return int(train.get("warmup_steps") or 0)
+
+
+def warmup_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What the warmup stage depends on: base model, data, model/runtime settings and the training
+    settings of the warmup part (with the warmup length resolved), not those of the rest."""
+    train = {k: v for k, v in cfg["train"].items() if k not in AFTER_WARMUP_KEYS}
+    train["warmup_steps"] = resolve_warmup_steps(cfg["train"])
+    return {
+        "base": base_key(cfg),
+        "data": data_key(cfg),
+        "finetune_corpus": cfg["data"]["finetune_corpus"],
+        "model": cfg["model"],
+        "hardware_device": cfg["hardware"]["device"],
+        "train": train,
+        "precision": cfg["precision"],
+        "seed": cfg["seed"],
+    }
+
+
+def warmup_key(cfg: Mapping[str, Any]) -> str:
+    return "w-" + stable_hash(warmup_settings(cfg))

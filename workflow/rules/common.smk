@@ -27,7 +27,8 @@ except mfconfig.ConfigError as exc:
     raise WorkflowError(f"moeflow: {exc}") from None
 
 RESULTS = f"results/{STACK}"
-ENV_FILE = f"envs/{STACK}.yaml"
+# For `conda:`, which Snakemake resolves relative to the rule file (workflow/rules/), not the working directory.
+ENV_FILE = f"../../envs/{STACK}.yaml"
 RUNS = {name: mfconfig.run_config(config, name) for name in mfconfig.run_names(config)}
 if not RUNS:
     raise WorkflowError("moeflow: the config defines no runs (config key 'runs'); add at least one, e.g. runs: {moe: {}}")
@@ -83,11 +84,22 @@ def base_model_dir(cfg):
     return cfg["model"].get("pretrained") or f"{RESULTS}/base/{mfconfig.base_key(cfg)}"
 
 
-COVERAGES = {mfconfig.coverage_key(cfg): cfg for cfg in RUNS.values()}
+def coverage_source(cfg):
+    """The run config whose coverage validation set ``cfg`` uses: its own, or that of the run named by
+    ``coverage.valset_of_run`` (a model without experts, such as the dense comparison run, cannot route one)."""
+    other = cfg["coverage"].get("valset_of_run")
+    if not other:
+        return cfg
+    if other not in RUNS or RUNS[other]["coverage"].get("valset_of_run"):
+        raise WorkflowError(f"moeflow: config key 'coverage.valset_of_run': {other!r} must name a run with its own validation set ({', '.join(RUNS)})")
+    return RUNS[other]
+
+
+COVERAGES = {mfconfig.coverage_key(coverage_source(cfg)): coverage_source(cfg) for cfg in RUNS.values()}
 
 
 def coverage_dir(cfg):
-    return f"{RESULTS}/coverage/{mfconfig.coverage_key(cfg)}"
+    return f"{RESULTS}/coverage/{mfconfig.coverage_key(coverage_source(cfg))}"
 
 
 def run_targets(cfg, run):
@@ -96,3 +108,36 @@ def run_targets(cfg, run):
         f"{RESULTS}/runs/{run}/plan.json",
         f"{coverage_dir(cfg)}/coverage.json",
     ] + [data_dir(cfg, c) for c in [cfg["data"]["finetune_corpus"], *cfg["data"]["eval_corpora"]]]
+
+
+# --- evaluation and paper
+
+from moeflow.artifacts import paper_outputs
+
+PAPER = f"{RESULTS}/paper"
+
+for _name in [config["paper"]["moe_run"], *config["paper"]["dense_runs"]]:
+    if _name not in RUNS:
+        raise WorkflowError(f"moeflow: config keys 'paper.moe_run' / 'paper.dense_runs': {_name!r} is not a run ({', '.join(RUNS)})")
+
+
+def paper_data():
+    """The tokenized corpora behind every run's numbers, by 'datakey/corpus' (fingerprinted in the paper's provenance)."""
+    out = {}
+    for cfg in RUNS.values():
+        data = cfg["data"]
+        for corpus in {data["base_corpus"], data["finetune_corpus"], *data["eval_corpora"], *coverage_source(cfg)["coverage"]["pool_corpora"]}:
+            out[f"{mfconfig.data_key(cfg)}/{corpus}"] = data_dir(cfg, corpus)
+    return dict(sorted(out.items()))
+
+
+def paper_output_files():
+    """The paper rule's outputs by name; PNG figures and CSV tables go into the HTML report, with the
+    caption workflow/report/paper_<name>.rst."""
+    categories = {"figures": "Paper figures", "tables": "Paper tables"}
+    return {
+        key: report(path, caption=f"../report/paper_{Path(path).stem}.rst", category=categories[Path(path).parent.name])
+        if path.endswith((".png", ".csv"))
+        else path
+        for key, path in paper_outputs(PAPER).items()
+    }
