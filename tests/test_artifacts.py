@@ -1,0 +1,220 @@
+"""Paper artifacts: the tables hold exactly the numbers of the metrics they came from, the same inputs
+give byte-identical tables and figures, and every artifact carries its provenance."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeflow import artifacts as A
+from moeflow.evaluate import EvalSet, SetStats, run_metrics
+from moeflow.io import write_json
+
+LAYERS, EXPERTS, TOP_K = 2, 4, 2
+
+
+def set_stats(seed: int, moe: bool) -> SetStats:
+    rng = np.random.default_rng(seed)
+    label_tokens = int(rng.integers(500, 1000))
+    stats = SetStats(loss_sum=float(rng.uniform(2, 4)) * label_tokens, label_tokens=label_tokens, sequences=8, input_tokens=label_tokens + 8)
+    if moe:
+        routed = rng.integers(0, 400, size=(LAYERS, EXPERTS))
+        routed[1, 3] = 0  # a dead expert
+        served = (routed * 0.9).astype(np.int64)
+        stats.add_routing(list(range(LAYERS)), routed, served * rng.uniform(2, 4, size=(LAYERS, EXPERTS)), served)
+    return stats
+
+
+def metrics_for(run: str, moe: bool, seed: int) -> dict:
+    sets = [EvalSet("valset", ["target", "general"], None), EvalSet("test/general", ["general"], None), EvalSet("test/target", ["target"], None)]
+    base = {s.name: set_stats(seed + i, moe) for i, s in enumerate(sets)}
+    tuned = {s.name: set_stats(seed + 10 + i, moe) for i, s in enumerate(sets)}
+    total = 1_000_000 if moe else 600_000
+    return run_metrics(run, sets, base, tuned, "target", {"total": total, "active_per_token": 600_000})
+
+
+def train_log(path: Path, moe: bool, steps: int = 12) -> Path:
+    """A metrics.jsonl as training writes it (``moeflow.train.MetricsLog``)."""
+    from moeflow.guards import layer_health
+    from moeflow.train import MetricsLog
+
+    log = MetricsLog(path)
+    rng = np.random.default_rng(0)
+    for step in range(1, steps + 1):
+        loads = rng.integers(50, 150, size=(LAYERS, EXPERTS)).tolist() if moe else []
+        log.write({
+            "kind": "train", "step": step, "lr": 1e-3 * min(1.0, step / 4), "loss": 5.0 / step ** 0.3, "ce": 4.9 / step ** 0.3,
+            "tokens": 2048, "tokens_per_s": 9000.0 if moe else 12000.0, "memory_mib": 400.0 + step, "label_tokens": 2000,
+            "routing": [layer_health(load) for load in loads],
+        })
+        if step % 4 == 0:
+            log.write({"kind": "eval", "step": step, "loss": 5.0 / step ** 0.25, "perplexity": math.exp(5.0 / step ** 0.25), "label_tokens": 999})
+    log.close()
+    return path / "metrics.jsonl"
+
+
+def test_final_metrics_table_matches_the_metrics(tmp_path):
+    evals = {"moe": metrics_for("moe", True, 0), "dense": metrics_for("dense", False, 100)}
+    table = A.final_metrics_table(evals)
+    A.write_table(table, tmp_path, "provenance test")
+    columns, rows = A.read_csv_table(tmp_path / "final_metrics.csv")
+    assert len(rows) == 6
+    for row in (dict(zip(columns, r)) for r in rows):
+        s = next(x for x in evals[row["run"]]["sets"] if x["name"] == row["set"])
+        assert float(row["base loss"]) == pytest.approx(s["base"]["loss"], abs=5e-5)
+        assert float(row["fine-tuned loss"]) == pytest.approx(s["finetuned"]["loss"], abs=5e-5)
+        assert float(row["change"]) == pytest.approx(s["finetuned"]["loss"] - s["base"]["loss"], abs=5e-5)
+        assert float(row["fine-tuned ppl"]) == pytest.approx(math.exp(s["finetuned"]["loss"]), abs=5e-3)  # 2 decimals
+        assert row["targeted"] == ("yes" if "target" in s["corpora"] else "no")
+        assert row["forgetting"] == ("yes" if row["targeted"] == "no" and float(row["change"]) > 0 else "no")
+    md = (tmp_path / "final_metrics.md").read_text()
+    tex = (tmp_path / "final_metrics.tex").read_text()
+    for r in rows:  # the same digits in every format
+        assert "| " + " | ".join(r) + " |" in md
+        assert " & ".join(A.latex_escape(c) for c in r) + " \\\\" in tex
+
+
+def test_expert_and_balance_tables_match_the_metrics():
+    evals = {"moe": metrics_for("moe", True, 0), "dense": metrics_for("dense", False, 100)}
+    experts = A.as_dict_rows(A.expert_table(evals))
+    assert len(experts) == LAYERS * EXPERTS  # the dense run has no experts
+    valset = evals["moe"]["sets"][0]
+    for row in experts:
+        layer, e = int(row["layer"]), int(row["expert"])
+        assert float(row["base share"]) == pytest.approx(valset["base"]["experts"][layer]["share"][e], abs=5e-5)
+        expected = valset["finetuned"]["experts"][layer]["mean_loss"][e]
+        if expected is None:  # the dead expert served no token
+            assert (layer, e) == (1, 3) and row["fine-tuned loss"] == "n/a"
+        else:
+            assert float(row["fine-tuned loss"]) == pytest.approx(expected, abs=5e-5)
+    balance = A.as_dict_rows(A.balance_table(evals))
+    dead = {(r["layer"], r["model"]): int(r["dead experts"]) for r in balance}
+    assert dead[("1", "base")] == 1 and dead[("1", "finetuned")] == 1 and dead[("0", "base")] == 0
+
+
+def test_tables_are_byte_identical_for_the_same_inputs(tmp_path):
+    for attempt in ("a", "b"):
+        evals = {"moe": metrics_for("moe", True, 0), "dense": metrics_for("dense", False, 100)}
+        A.write_table(A.final_metrics_table(evals), tmp_path / attempt, "p")
+        A.write_table(A.expert_table(evals), tmp_path / attempt, "p")
+    for name in ("final_metrics", "experts"):
+        for ext in A.TABLE_FORMATS:
+            assert (tmp_path / "a" / f"{name}.{ext}").read_bytes() == (tmp_path / "b" / f"{name}.{ext}").read_bytes()
+
+
+def test_cells_and_latex_escaping():
+    assert A.cell(None) == "n/a" and A.cell(float("nan")) == "n/a"
+    assert A.cell(True) == "yes" and A.cell(3) == "3"
+    assert A.cell(2.0) == "2.0000" and A.cell(2.0, 2) == "2.00"
+    assert A.cell(1234567.0) == "1234567"
+    assert A.latex_escape("test/general_50% & #1") == r"test/general\_50\% \& \#1"
+
+
+def test_training_log_is_read_by_step_with_cumulative_tokens(tmp_path):
+    log = A.read_train_log(train_log(tmp_path / "run", moe=True))
+    assert log.steps == list(range(1, 13))
+    assert log.tokens[-1] == 12 * 2048
+    assert log.val_steps == [4, 8, 12] and log.val_tokens == [4 * 2048, 8 * 2048, 12 * 2048]
+    assert log.is_moe and np.asarray(log.loads).shape == (12, LAYERS, EXPERTS)
+
+
+def test_comparison_table_reports_both_runs_and_their_ratios(tmp_path):
+    records = [
+        A.RunRecord(run, metrics_for(run, moe, seed), {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": mem * 2**20},
+                    A.read_train_log(train_log(tmp_path / run, moe)), {"max_rss_mib": mem})
+        for run, moe, seed, tps, mem in (("moe", True, 0, 5000.0, 800.0), ("dense", False, 100, 10000.0, 600.0))
+    ]
+    rows = A.as_dict_rows(A.comparison_table(records, "moe"))
+    assert [r["run"] for r in rows] == ["moe", "dense", "dense / moe"]
+    assert rows[0]["train tokens/s"] == "9000" and rows[1]["train tokens/s"] == "12000"
+    assert rows[2]["train tokens/s"] == "1.33x" and rows[2]["eval tokens/s"] == "2.00x" and rows[2]["eval peak MiB"] == "0.75x"
+    assert rows[0]["total params"] == "1000000" and rows[0]["active params/token"] == "600000"
+    assert float(rows[1]["val loss"]) == pytest.approx(records[1].metrics["sets"][0]["finetuned"]["loss"], abs=5e-5)
+
+
+def test_figures_are_byte_stable_and_carry_provenance(tmp_path):
+    log = A.read_train_log(train_log(tmp_path / "run", moe=True))
+    for attempt in ("a", "b"):
+        A.save_figure(A.expert_load_figure("moe", log), tmp_path / attempt, "load", "moeflow provenance xyz")
+        A.save_figure(A.loss_figure({"moe": log}), tmp_path / attempt, "loss", "moeflow provenance xyz")
+    for name in ("load.png", "load.pdf", "loss.png", "loss.pdf"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    from PIL import Image
+
+    assert Image.open(tmp_path / "a" / "load.png").info["Description"] == "moeflow provenance xyz"
+    assert b"moeflow provenance xyz" in (tmp_path / "a" / "loss.pdf").read_bytes()
+
+
+def test_provenance_record_names_code_config_environment_and_data(tmp_path):
+    env = tmp_path / "report.json"
+    write_json(env, {"stack": "pinned"})
+    manifest = tmp_path / "manifest.json"
+    write_json(manifest, {"corpus": "general"})
+    stages = A.stage_provenance({"evaluate/moe": {"provenance": {"moeflow_code": "abc", "stage": "evaluate_run"}}, "plain": {"x": 1}})
+    record = A.provenance_record({"seed": 1}, stages, env, {"general": manifest})
+    assert record["code_versions"] == ["abc"] and list(record["stages"]) == ["evaluate/moe"]
+    assert record["data_manifests"]["general"] == A.sha256_file(manifest)[:16]
+    line = A.provenance_line(record)
+    assert record["config_hash"] in line and "abc" in line
+    assert A.provenance_record({"seed": 2}, stages, env, {"general": manifest})["config_hash"] != record["config_hash"]
+
+
+def coverage_json() -> dict:
+    """coverage.json as the coverage stage writes it, from synthetic routing of 60 documents."""
+    from moeflow.coverage import StatsCollector, build_constraints, coverage_report, select_documents
+
+    rng = np.random.default_rng(0)
+    collector = StatsCollector(list(range(LAYERS)), EXPERTS, TOP_K)
+    for batch in range(20):
+        doc_ids = np.repeat(np.arange(batch * 3, batch * 3 + 3), 20)
+        collector.add(0, doc_ids, [np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in doc_ids]) for _ in range(LAYERS)])
+    stats = collector.finish(["target"])
+    settings = {"min_docs_per_expert": 3, "min_tokens": 2, "pairs_per_layer": 2, "token_budget": 400, "random_draws": 5}
+    constraints = build_constraints(stats, 2, 2)
+    selection = select_documents(constraints, stats.doc_tokens, stats.doc_corpus, 3, 400, seed=0)
+    return coverage_report(stats, constraints, selection, settings, 0)[0]
+
+
+def write_paper_inputs(tmp_path: Path):
+    env = tmp_path / "env.json"
+    write_json(env, {"stack": "pinned", "system": {"python": "3.11.7"}, "torch": {"version": "2.3.1"}, "packages": {"transformers": "4.57.1"},
+                     "pins": {"matches": True}, "provenance": {"stage": "verify_env"}})
+    manifest = tmp_path / "manifest.json"
+    write_json(manifest, {"corpus": "target", "provenance": {"stage": "tokenize", "moeflow_code": "c0de"}})
+    records = {
+        run: A.RunRecord(run, metrics_for(run, moe, seed) | {"provenance": {"stage": "evaluate_run", "moeflow_code": "c0de"}},
+                         {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": 700 * 2**20},
+                         A.read_train_log(train_log(tmp_path / run, moe)), {"max_rss_mib": 900.0})
+        for run, moe, seed, tps in (("moe", True, 0, 5000.0), ("dense", False, 100, 9000.0))
+    }
+    config = {"threads": 2, "precision": "fp32", "seed": 1, "hardware": {"device": "cpu"}, "train": {},
+              "model": {"config": {"model_type": "qwen3_moe", "num_experts": EXPERTS}}, "data": {"seq_len": 128, "finetune_corpus": "target"},
+              "runs": {"moe": {}, "dense": {}}}
+    return dict(config=config, settings={"moe_run": "moe", "dense_runs": ["dense"], "set": "valset", "dpi": 80},
+                records=records, coverage=coverage_json(), env_report_path=env, manifests={"d-1/target": manifest},
+                stage_docs={"evaluate/moe": records["moe"].metrics, "tokenize/target": json.loads(manifest.read_text())})
+
+
+def test_write_paper_makes_every_artifact_reproducibly_with_provenance(tmp_path):
+    inputs = write_paper_inputs(tmp_path)
+    outputs = {}
+    for attempt in ("a", "b"):
+        artifacts = A.write_paper(tmp_path / attempt, **inputs)
+        expected = set(A.paper_outputs(str(tmp_path / attempt)).values())
+        assert {str(p) for p in artifacts} | {str(tmp_path / attempt / "provenance.json")} == expected
+        outputs[attempt] = {Path(p).relative_to(tmp_path / attempt).as_posix(): Path(p).read_bytes() for p in expected}
+    assert outputs["a"] == outputs["b"]  # tables, figures and provenance: byte-identical
+    provenance = json.loads(outputs["a"]["provenance.json"])
+    assert provenance["code_versions"] == ["c0de"]
+    assert set(provenance["stages"]) == {"evaluate/moe", "tokenize/target"}
+    assert provenance["artifacts"]["tables/moe_vs_dense.csv"] == A.sha256_file(tmp_path / "a" / "tables" / "moe_vs_dense.csv")
+    line = A.provenance_line({k: v for k, v in provenance.items() if k != "artifacts"})
+    for name, blob in outputs["a"].items():
+        if name.endswith((".csv", ".md", ".tex")):
+            assert line in blob.decode(), name
+    columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "moe_vs_dense.csv")
+    assert [r[0] for r in rows] == ["moe", "dense", "dense / moe"]

@@ -1,0 +1,34 @@
+# Evaluation of each run: the base and the fine-tuned model on the coverage validation set and on each
+# eval corpus's test split (loss, perplexity, forgetting), per expert (load, loss of the tokens served,
+# balance), and the validation set's coverage rechecked with the fine-tuned router.
+
+
+rule evaluate_run:
+    input:
+        base=lambda wc: base_model_dir(RUNS[wc.run]),
+        finetuned=lambda wc: final_model_dir(wc.run),
+        valset=lambda wc: f"{coverage_dir(RUNS[wc.run])}/valset",
+        eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]],
+        lib=lib("corpus", "tokenize", "collate", "modeling", "routing", "losses", "guards", "coverage", "train", "evaluate"),
+    output:
+        metrics=f"{RESULTS}/runs/{{run}}/eval/metrics.json",
+        speed=f"{RESULTS}/runs/{{run}}/eval/speed.json",
+        summary=report(f"{RESULTS}/runs/{{run}}/eval/summary.md", caption="../report/evaluate.rst", category="Evaluation", subcategory="{run}"),
+    params:
+        settings=lambda wc: RUNS[wc.run]["evaluate"],
+        model=lambda wc: RUNS[wc.run]["model"],
+        coverage=lambda wc: coverage_source(RUNS[wc.run])["coverage"],
+        pool_corpora=lambda wc: coverage_source(RUNS[wc.run])["coverage"]["pool_corpora"],
+        eval_corpora=lambda wc: RUNS[wc.run]["data"]["eval_corpora"],
+        finetune_corpus=lambda wc: RUNS[wc.run]["data"]["finetune_corpus"],
+        device=lambda wc: RUNS[wc.run]["hardware"]["device"],
+        runtime=lambda wc: runtime(wc.run),
+    threads: config["threads"]
+    log:
+        log_path("evaluate_run", "{run}"),
+    benchmark:
+        bench_path("evaluate_run", "{run}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/evaluate.py"

@@ -1,0 +1,32 @@
+# The paper artifacts: figures (PNG and PDF), tables (CSV, Markdown, LaTeX) and provenance.json from the
+# cached results of every run. Never retrains: a change to a figure's code reruns this rule only.
+
+
+rule paper:
+    input:
+        metrics=[f"{RESULTS}/runs/{run}/eval/metrics.json" for run in RUNS],
+        speed=[f"{RESULTS}/runs/{run}/eval/speed.json" for run in RUNS],
+        train_logs=[train_logs_dir(run) for run in RUNS],
+        train_benchmarks=[bench_path("train_model", run) for run in RUNS],
+        coverage=f"{coverage_dir(RUNS[config['paper']['moe_run']])}/coverage.json",
+        env=rules.verify_env.output.json,
+        data=list(paper_data().values()),
+        lib=lib("io", "artifacts"),
+    output:
+        **paper_output_files(),
+    params:
+        runs=list(RUNS),
+        data_labels=list(paper_data()),
+        outdir=lambda wc, output: os.path.dirname(output.provenance),
+        settings=config["paper"],
+        config=config,
+        runtime=runtime(),
+    threads: 1
+    log:
+        log_path("paper"),
+    benchmark:
+        bench_path("paper")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/paper.py"

@@ -1,0 +1,44 @@
+"""Evaluate one run: the base and the fine-tuned model on the coverage validation set and on each eval
+corpus's test split (loss, perplexity, per-expert load and loss), the coverage of the validation set
+rechecked with the fine-tuned router, and the throughput and peak memory of the evaluation passes."""
+
+import gc
+
+import torch
+
+from moeflow import evaluate as ev
+from moeflow.coverage import open_valset
+from moeflow.io import write_json, write_text
+from moeflow.modeling import load_model
+from moeflow.stage import Stage, kill_point
+from moeflow.tokenize import open_split
+from moeflow.train import active_parameters
+
+stage = Stage.from_snakemake(snakemake)
+params = snakemake.params
+device = torch.device("cuda" if params.device == "cuda" else "cpu")
+
+sets = [ev.EvalSet("valset", list(params.pool_corpora), open_valset(snakemake.input.valset))]
+sets += [ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in zip(params.eval_corpora, snakemake.input.eval_data)]
+
+stats, speed, coverage, parameters = {}, {}, {}, {}
+for label in ("base", "finetuned"):
+    model = load_model(snakemake.input[label], params.model).to(device)
+    stats[label] = ev.evaluate_model(model, sets, params.settings, stage.precision)
+    coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision)
+    parameters = {"total": sum(p.numel() for p in model.parameters()), "active_per_token": active_parameters(model)}
+    speed[label] = ev.speed_record(stats[label].values())
+    del model
+    gc.collect()
+    kill_point(f"evaluate.{label}")
+
+metrics = ev.run_metrics(snakemake.wildcards.run, sets, stats["base"], stats["finetuned"], params.finetune_corpus, parameters)
+metrics["coverage_recheck"] = ev.coverage_recheck(coverage["base"], coverage["finetuned"], params.coverage)
+metrics["provenance"] = stage.provenance()
+speed["peak_memory_bytes"] = ev.peak_memory_bytes(device.type)
+speed["device"] = device.type
+speed["provenance"] = stage.provenance()
+
+write_json(snakemake.output.speed, speed)
+write_text(snakemake.output.summary, ev.summary_markdown(metrics))
+write_json(snakemake.output.metrics, metrics)

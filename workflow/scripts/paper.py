@@ -1,0 +1,37 @@
+"""The paper artifacts: figures (PNG, PDF) and tables (CSV, Markdown, LaTeX) from the cached results of
+every run (training logs, evaluation metrics, coverage, environment), each carrying its provenance."""
+
+from moeflow import artifacts as A
+from moeflow.io import read_json
+from moeflow.stage import Stage
+
+Stage.from_snakemake(snakemake)
+inp, params = snakemake.input, snakemake.params
+
+records = {
+    run: A.RunRecord(
+        name=run,
+        metrics=read_json(metrics),
+        speed=read_json(speed),
+        log=A.read_train_log(f"{logs}/metrics.jsonl"),
+        benchmark=A.read_benchmark(bench),
+    )
+    for run, metrics, speed, logs, bench in zip(params.runs, inp.metrics, inp.speed, inp.train_logs, inp.train_benchmarks)
+}
+manifests = {label: f"{folder}/manifest.json" for label, folder in zip(params.data_labels, inp.data)}
+stage_docs = {f"evaluate/{run}": r.metrics for run, r in records.items()}
+stage_docs |= {f"tokenize/{label}": read_json(path) for label, path in manifests.items()}
+stage_docs |= {f"train_model/{run}": read_json(f"{logs}/summary.json") for run, logs in zip(params.runs, inp.train_logs)}
+stage_docs["coverage"] = coverage = read_json(inp.coverage)
+stage_docs["verify_env"] = read_json(inp.env)
+
+A.write_paper(
+    params.outdir,
+    config=params.config,
+    settings=params.settings,
+    records=records,
+    coverage=coverage,
+    env_report_path=inp.env,
+    manifests=manifests,
+    stage_docs=stage_docs,
+)
