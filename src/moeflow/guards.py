@@ -1,0 +1,233 @@
+"""Guards that stop a training run early and say why: routing health, memory leaks, non-finite losses.
+
+* ``RoutingGuard``: per MoE layer, each step, the load's max/mean ratio, coefficient of variation,
+  normalised load entropy, router entropy and dead experts over a sliding window of steps. A layer
+  whose window breaks a threshold raises an alarm; ``report()`` is the warmup stage's stability gate.
+  A loss that falls fast while router entropy collapses early in training gets a warning.
+* ``MemoryGuard``: the least-squares slope of memory (RSS on CPU, allocated memory on CUDA) over a
+  window of steps after a settling period; a slope above the threshold warns, and one that stays
+  above it for ``patience`` steps stops training with the step range and the slope.
+* ``check_finite``: a NaN or Inf loss stops training (the last good checkpoint is kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+log = logging.getLogger("moeflow.guards")
+
+
+class TrainingStopped(RuntimeError):
+    """Training was stopped by a guard; ``report`` says why."""
+
+    def __init__(self, message: str, report: Mapping[str, Any] | None = None):
+        super().__init__(message)
+        self.report = dict(report or {})
+
+
+class NonFiniteLoss(TrainingStopped):
+    pass
+
+
+class MemoryLeak(TrainingStopped):
+    pass
+
+
+class UnstableRouting(TrainingStopped):
+    pass
+
+
+def check_finite(values: Mapping[str, float], step: int) -> None:
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        raise NonFiniteLoss(
+            f"step {step}: non-finite {', '.join(f'{k}={v}' for k, v in sorted(bad.items()))}; training stopped, "
+            "the last good checkpoint is kept (lower train.lr, check the data, or set train.detect_anomaly)",
+            {"step": step, "values": {k: str(v) for k, v in bad.items()}},
+        )
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@dataclass(frozen=True)
+class RoutingThresholds:
+    window_steps: int = 10
+    max_load_ratio: float = 3.0
+    min_load_entropy: float = 0.6
+    max_dead_experts: int = 0
+    early_steps: int = 50
+    early_loss_drop: float = 0.5
+    early_entropy_drop: float = 0.5
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | None) -> "RoutingThresholds":
+        return cls(**dict(section or {}))
+
+
+def layer_health(load: Sequence[float], router_entropy: float | None = None) -> dict[str, Any]:
+    """Balance statistics of one layer's expert load (top-k assignment counts)."""
+    n = len(load)
+    total = float(sum(load))
+    mean = total / n if n else 0.0
+    out: dict[str, Any] = {"load": [int(x) for x in load], "dead_experts": [i for i, x in enumerate(load) if x == 0]}
+    if total <= 0:
+        out.update(max_over_mean=0.0, cv=0.0, load_entropy=0.0)
+    else:
+        var = sum((x - mean) ** 2 for x in load) / n
+        shares = [x / total for x in load if x > 0]
+        entropy = -sum(p * math.log(p) for p in shares)
+        out.update(
+            max_over_mean=max(load) / mean,
+            cv=math.sqrt(var) / mean,
+            load_entropy=entropy / math.log(n) if n > 1 else 1.0,
+        )
+    if router_entropy is not None:
+        out["router_entropy"] = float(router_entropy)
+    return out
+
+
+class RoutingGuard:
+    """Routing health over a sliding window of steps; alarms per layer, and the warmup gate's report."""
+
+    def __init__(self, thresholds: RoutingThresholds):
+        self.t = thresholds
+        self.window: deque[list[list[int]]] = deque(maxlen=max(1, thresholds.window_steps))
+        self.first: dict[str, float] | None = None
+        self.alarmed: set[int] = set()
+        self.early_warned = False
+
+    def observe(self, step: int, counts: Sequence[Sequence[int]], router_entropy: Sequence[float], ce: float) -> list[str]:
+        """Record one step; return the alarms and warnings it raised (also logged)."""
+        self.window.append([list(map(int, row)) for row in counts])
+        messages = []
+        if len(self.window) == self.window.maxlen:
+            for problem in self.problems():
+                if problem["layer"] not in self.alarmed:
+                    self.alarmed.add(problem["layer"])
+                    messages.append(f"routing alarm at step {step}: {problem['message']}")
+        mean_entropy = sum(router_entropy) / len(router_entropy) if router_entropy else 0.0
+        if self.first is None:
+            self.first = {"ce": ce, "entropy": mean_entropy}
+        elif not self.early_warned and step < self.t.early_steps and self.first["ce"] > 0 and self.first["entropy"] > 0:
+            loss_drop = 1 - ce / self.first["ce"]
+            entropy_drop = 1 - mean_entropy / self.first["entropy"]
+            if loss_drop > self.t.early_loss_drop and entropy_drop > self.t.early_entropy_drop:
+                self.early_warned = True
+                messages.append(
+                    f"routing warning at step {step}: the loss fell {loss_drop:.0%} while router entropy fell "
+                    f"{entropy_drop:.0%} since the first step; routing may have failed rather than the model learned"
+                )
+        for message in messages:
+            log.warning(message)
+        return messages
+
+    def window_load(self) -> list[list[int]]:
+        if not self.window:
+            return []
+        layers = len(self.window[0])
+        return [[sum(step[layer][e] for step in self.window) for e in range(len(self.window[0][layer]))] for layer in range(layers)]
+
+    def problems(self) -> list[dict[str, Any]]:
+        out = []
+        for layer, load in enumerate(self.window_load()):
+            h = layer_health(load)
+            reasons = []
+            if h["max_over_mean"] > self.t.max_load_ratio:
+                reasons.append(f"busiest expert gets {h['max_over_mean']:.2f}x the mean load (max {self.t.max_load_ratio})")
+            if h["load_entropy"] < self.t.min_load_entropy:
+                reasons.append(f"normalised load entropy {h['load_entropy']:.3f} (min {self.t.min_load_entropy})")
+            if len(h["dead_experts"]) > self.t.max_dead_experts:
+                reasons.append(f"dead experts {h['dead_experts']} (at most {self.t.max_dead_experts} allowed)")
+            if reasons:
+                out.append({"layer": layer, "message": f"MoE layer {layer}: " + "; ".join(reasons) + f" over the last {len(self.window)} steps"})
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """Per-layer health over the window, the problems found and whether routing is stable."""
+        problems = self.problems()
+        return {
+            "window_steps": len(self.window),
+            "thresholds": asdict(self.t),
+            "layers": [layer_health(load) for load in self.window_load()],
+            "problems": [p["message"] for p in problems],
+            "stable": not problems,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": list(self.window), "first": self.first, "alarmed": sorted(self.alarmed), "early_warned": self.early_warned}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.window.clear()
+        self.window.extend(state.get("window", []))
+        self.first = state.get("first")
+        self.alarmed = set(state.get("alarmed", []))
+        self.early_warned = bool(state.get("early_warned", False))
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class MemoryThresholds:
+    skip_steps: int = 5
+    window_steps: int = 10
+    max_slope_mib_per_step: float = 16.0
+    patience: int = 5
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | None) -> "MemoryThresholds":
+        return cls(**dict(section or {}))
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+
+
+class MemoryGuard:
+    """Stop when memory keeps growing across steps (a leak), with the step range and the slope."""
+
+    def __init__(self, thresholds: MemoryThresholds):
+        self.t = thresholds
+        self.samples: deque[tuple[int, float]] = deque(maxlen=max(2, thresholds.window_steps))
+        self.seen = 0
+        self.over = 0
+
+    def observe(self, step: int, memory_mib: float) -> float | None:
+        """Record memory after a step; return the current slope (MiB/step) once the window is full."""
+        self.seen += 1
+        if self.seen <= self.t.skip_steps:
+            return None
+        self.samples.append((step, memory_mib))
+        if len(self.samples) < self.samples.maxlen:
+            return None
+        steps, mib = zip(*self.samples)
+        rate = slope(steps, mib)
+        if rate <= self.t.max_slope_mib_per_step:
+            self.over = 0
+            return rate
+        self.over += 1
+        report = {
+            "first_step": steps[0],
+            "last_step": steps[-1],
+            "slope_mib_per_step": rate,
+            "threshold_mib_per_step": self.t.max_slope_mib_per_step,
+            "memory_mib": list(mib),
+            "steps_over_threshold": self.over,
+        }
+        message = (
+            f"memory grows {rate:.1f} MiB/step over steps {steps[0]}-{steps[-1]} "
+            f"(threshold {self.t.max_slope_mib_per_step} MiB/step)"
+        )
+        if self.over >= self.t.patience:
+            raise MemoryLeak(f"memory leak: {message} for {self.over} steps; training stopped", report)
+        log.warning("possible memory leak: %s", message)
+        return rate

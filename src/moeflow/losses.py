@@ -1,0 +1,290 @@
+"""The training maths: token-normalised cross-entropy and global-batch load balancing.
+
+One optimizer step is several micro-batches (gradient accumulation), possibly on several ranks. The
+loss of the step is defined on the whole step, and each micro-batch's backward adds exactly its share:
+
+* Cross-entropy: the sum over the micro-batch's non-ignored (shifted) label tokens divided by the
+  number of such tokens in the whole step, all ranks included. Summing the micro-batch gradients
+  then gives the full-batch gradient (not the mean of per-micro-batch means).
+* Load balancing (Qiu et al., arXiv 2501.11873): per MoE layer ``N_E * sum_i f_i * P_i`` with f_i the
+  fraction of the step's top-k assignments that went to expert i (a count, no gradient) and P_i the
+  mean router probability of expert i over the step's non-padding tokens; averaged over MoE layers.
+  It equals 1 when the load is perfectly balanced (HF's ``load_balancing_loss_func`` reports top_k
+  times this). P_i is a sum over tokens, so each micro-batch contributes ``sum_{its tokens} p / T_step``
+  weighted by the step's f. Where f comes from is the mode:
+
+  - ``exact``: a no-grad counting forward over the step's micro-batches first; the gradient equals
+    the full batch's.
+  - ``running`` (default, as Megatron-Core): f from the counts accumulated so far in the step
+    (this micro-batch included). No extra compute; the last micro-batch uses the step's true f.
+  - ``micro_batch``: the classic per-micro-batch loss (f and P of the micro-batch alone), averaged
+    over the step's micro-batches.
+  - ``off``.
+* Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2, averaged over layers.
+* Loss-free balancing (DeepSeek-V3): after each step ``bias += rate * sign(mean load - load)``.
+
+Counts are all-reduced across ranks when ``torch.distributed`` is initialised; micro-batch graphs are
+released after each backward (never ``retain_graph``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+BALANCE_MODES = ("running", "exact", "micro_batch", "off")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss terms of a step (config keys ``train.balance.*``)."""
+
+    balance_mode: str = "running"
+    balance_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.balance_mode not in BALANCE_MODES:
+            raise ValueError(f"balance mode {self.balance_mode!r}: use one of {', '.join(BALANCE_MODES)}")
+
+    @classmethod
+    def from_config(cls, balance: Mapping[str, Any]) -> "LossSettings":
+        return cls(
+            balance_mode=balance.get("mode", "running") or "off",  # YAML reads an unquoted off as False
+            balance_coef=float(balance.get("coef", 0.01)),
+            z_loss_coef=float(balance.get("z_loss_coef", 0.0)),
+            bias_update_rate=float(balance.get("bias_update_rate", 0.0)),
+        )
+
+    @property
+    def balancing(self) -> bool:
+        return self.balance_mode != "off" and self.balance_coef > 0
+
+    @property
+    def needs_counting_forward(self) -> bool:
+        return self.balancing and self.balance_mode == "exact"
+
+
+@dataclass
+class LayerRouter:
+    """What the losses need from one MoE layer's router for one micro-batch (padding removed)."""
+
+    logits: torch.Tensor  # (tokens, E) raw router logits, with gradient
+    probs: torch.Tensor  # (tokens, E) router probabilities, with gradient
+    topk_index: torch.Tensor  # (tokens, k) chosen experts
+
+    @property
+    def num_experts(self) -> int:
+        return self.probs.shape[-1]
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (a no-op in one process)."""
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def token_mask(batch: Mapping[str, Any]) -> torch.Tensor:
+    """(B, L) bool: the positions that hold a real token (padding excluded from routing statistics).
+
+    The collator marks padding with a negative ``doc_ids``; a batch without it may carry a 2D
+    ``attention_mask`` (1 = token); otherwise every position counts.
+    """
+    if "doc_ids" in batch:
+        return torch.as_tensor(batch["doc_ids"]) >= 0
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return mask.bool()
+    return torch.ones_like(torch.as_tensor(batch["input_ids"]), dtype=torch.bool)
+
+
+# --------------------------------------------------------------------------- cross-entropy
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The targets of logits[..., :-1, :], as HF's causal LM loss shifts them."""
+    return labels[..., 1:]
+
+
+def count_label_tokens(labels: torch.Tensor) -> int:
+    return int((shifted_labels(labels) != IGNORE_INDEX).sum())
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over non-ignored labels, in float32 (or float64) at least."""
+    logits = logits[..., :-1, :]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        shifted_labels(labels).reshape(-1).to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+# --------------------------------------------------------------------------- routing statistics
+
+
+def expert_counts(layers: Sequence[LayerRouter]) -> torch.Tensor:
+    """Top-k assignment counts per layer and expert, (L, E) float64 (exact integers)."""
+    if not layers:
+        return torch.zeros(0, 0, dtype=torch.float64)
+    rows = [
+        torch.bincount(layer.topk_index.reshape(-1).cpu(), minlength=layer.num_experts).to(torch.float64)
+        for layer in layers
+    ]
+    return torch.stack(rows)
+
+
+def router_entropy(layers: Sequence[LayerRouter]) -> torch.Tensor:
+    """Summed per-token entropy of the router distribution per layer, (L,) float64, no gradient."""
+    with torch.no_grad():
+        out = []
+        for layer in layers:
+            p = layer.probs.detach().double()
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+            out.append(-(p * p.clamp_min(1e-30).log()).sum())
+        return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def balance_from_sums(counts: torch.Tensor, prob_sums: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """The global balancing loss value N_E * sum_i f_i P_i, averaged over layers (no gradient needed)."""
+    if counts.numel() == 0 or num_tokens <= 0:
+        return torch.zeros((), dtype=torch.float64)
+    f = counts / counts.sum(-1, keepdim=True).clamp_min(1)
+    p = prob_sums.to(torch.float64) / num_tokens
+    return (counts.shape[-1] * (f * p).sum(-1)).mean()
+
+
+# --------------------------------------------------------------------------- the step
+
+
+@dataclass
+class StepLoss:
+    """Normalisers and running statistics of one optimizer step; ``micro_batch_loss`` per micro-batch.
+
+    Build it once the step's micro-batches are known: ``num_label_tokens`` and ``num_routed_tokens``
+    are counted from the data (summed over ranks here). ``step_counts`` are the exact mode's counts.
+    """
+
+    settings: LossSettings
+    num_label_tokens: int
+    num_routed_tokens: int
+    num_micro_batches: int
+    step_counts: torch.Tensor | None = None
+    running_counts: torch.Tensor | None = None
+    prob_sums: torch.Tensor | None = None
+    entropy_sums: torch.Tensor | None = None
+    totals: dict[str, float] = field(default_factory=lambda: {"ce": 0.0, "balance": 0.0, "z_loss": 0.0})
+
+    @classmethod
+    def for_step(
+        cls,
+        settings: LossSettings,
+        label_tokens: int,
+        routed_tokens: int,
+        num_micro_batches: int,
+        step_counts: torch.Tensor | None = None,
+    ) -> "StepLoss":
+        counts = all_reduce_sum(torch.tensor([label_tokens, routed_tokens], dtype=torch.float64))
+        if settings.needs_counting_forward and step_counts is None:
+            raise ValueError("balance mode 'exact' needs the step's expert counts (a counting forward) first")
+        if step_counts is not None:
+            step_counts = all_reduce_sum(step_counts.clone())
+        return cls(settings, int(counts[0]), int(counts[1]), num_micro_batches, step_counts)
+
+    def micro_batch_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, layers: Sequence[LayerRouter]
+    ) -> torch.Tensor:
+        """This micro-batch's share of the step's loss (call ``.backward()`` on it, then drop it)."""
+        s = self.settings
+        ce = cross_entropy_sum(logits, labels) / max(self.num_label_tokens, 1)
+        loss = ce
+        self.totals["ce"] += float(ce.detach())
+
+        counts = expert_counts(layers)
+        if self.running_counts is None:
+            self.running_counts = torch.zeros_like(counts)
+            self.prob_sums = torch.zeros_like(counts)
+            self.entropy_sums = torch.zeros(counts.shape[0], dtype=torch.float64)
+        if layers:
+            reduced = all_reduce_sum(counts.clone())
+            self.running_counts += reduced
+            prob_sums = torch.stack([layer.probs.sum(0) for layer in layers])
+            self.prob_sums += prob_sums.detach().double().cpu()
+            self.entropy_sums += router_entropy(layers)
+
+        if s.balancing and layers:
+            balance = self._balance(counts, prob_sums, layers[0].probs.shape[0])
+            loss = loss + s.balance_coef * balance
+            self.totals["balance"] += float(balance.detach())
+        if s.z_loss_coef > 0 and layers:
+            z = torch.stack([torch.logsumexp(layer.logits.float(), -1).square().sum() for layer in layers])
+            z = z.mean() / max(self.num_routed_tokens, 1)
+            loss = loss + s.z_loss_coef * z
+            self.totals["z_loss"] += float(z.detach())
+        return loss
+
+    def _balance(self, counts: torch.Tensor, prob_sums: torch.Tensor, local_tokens: int) -> torch.Tensor:
+        mode = self.settings.balance_mode
+        if mode == "micro_batch":
+            source, tokens, weight = counts, local_tokens, 1.0 / self.num_micro_batches
+        else:
+            source = self.step_counts if mode == "exact" else self.running_counts
+            tokens, weight = self.num_routed_tokens, 1.0
+        f = (source / source.sum(-1, keepdim=True).clamp_min(1)).to(prob_sums.device, prob_sums.dtype)
+        per_layer = counts.shape[-1] * (f * prob_sums).sum(-1) / max(tokens, 1)
+        return per_layer.mean() * weight
+
+    def summary(self) -> dict[str, Any]:
+        """The step's loss terms and routing statistics (for logging; all ranks' counts included)."""
+        out = dict(self.totals)
+        out["label_tokens"] = self.num_label_tokens
+        out["routed_tokens"] = self.num_routed_tokens
+        if self.running_counts is not None and self.running_counts.numel():
+            prob_sums = all_reduce_sum(self.prob_sums.clone())
+            out["balance_global"] = float(balance_from_sums(self.running_counts, prob_sums, self.num_routed_tokens))
+            entropy = all_reduce_sum(self.entropy_sums.clone()) / max(self.num_routed_tokens, 1)
+            out["router_entropy"] = entropy.tolist()
+            out["counts"] = self.running_counts.to(torch.int64).tolist()
+        return out
+
+
+# --------------------------------------------------------------------------- loss-free balancing
+
+
+def update_correction_bias(biases: Sequence[torch.Tensor], counts: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3 loss-free balancing: ``bias += rate * sign(mean load - load)`` per layer, in place.
+
+    ``counts`` are the step's expert counts (L, E), already summed over micro-batches and ranks, in
+    the same layer order as ``biases``.
+    """
+    if rate <= 0 or not biases:
+        return
+    if len(biases) != counts.shape[0]:
+        raise ValueError(f"{len(biases)} correction biases but counts for {counts.shape[0]} MoE layers")
+    with torch.no_grad():
+        for bias, load in zip(biases, counts):
+            load = load.to(bias.device, torch.float64)
+            bias += (rate * torch.sign(load.mean() - load)).to(bias.dtype)

@@ -1,0 +1,198 @@
+"""The training maths against independent references: accumulated micro-batches equal one full batch.
+
+Reference = one forward over all 8 sequences, HF-style mean cross-entropy over every non-ignored
+label, and the global balancing loss computed from ``outputs.router_logits`` with plain torch ops.
+Under test = ``moeflow.train.accumulate_gradients`` over 4 micro-batches of 2 sequences of varied
+lengths (float64, so 1e-6 relative is a statement about the maths, not about rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeflow import compat
+from moeflow.losses import (
+    LayerRouter,
+    LossSettings,
+    StepLoss,
+    balance_from_sums,
+    count_label_tokens,
+    cross_entropy_sum,
+    expert_counts,
+    token_mask,
+    update_correction_bias,
+)
+from moeflow.modeling import build_model
+from moeflow.train import accumulate_gradients, collate_rows, routing_adapter
+
+VOCAB = 97
+LENGTHS = [23, 9, 31, 17, 12, 28, 5, 20]  # 8 sequences, 4 micro-batches of 2 of varied lengths
+COEF = 0.05
+
+
+def tiny_model_cfg(**config):
+    cfg = {
+        "attn_implementation": "sdpa",
+        "config": {
+            "model_type": "qwen3_moe",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "max_position_embeddings": 128,
+            "tie_word_embeddings": True,
+            **config,
+        },
+    }
+    if compat.is_transformers_v5():
+        cfg["experts_implementation"] = "eager"  # grouped_mm rejects float64 on CPU
+    return cfg
+
+
+def rows_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for doc, n in enumerate(lengths):
+        ids = torch.randint(3, VOCAB, (n,), generator=g)
+        labels = ids.clone()
+        labels[0] = -100
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist(), "position_ids": list(range(n)), "doc_ids": [doc] * n})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def model64():
+    model = build_model(tiny_model_cfg(), VOCAB, seed=7).double()
+    model.train()
+    return model
+
+
+def grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def reference_grads(model, rows, balance: bool):
+    """One batch of all rows: HF-style mean CE + (optionally) the global balancing loss, plain torch."""
+    model.zero_grad(set_to_none=True)
+    batch = collate_rows(rows, "sdpa", torch.float64)
+    # one document per row, padded at the end: plain causal attention is exact for the real tokens
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
+    out = model(**inputs, use_cache=False, output_router_logits=True)
+    logits, labels = out.logits[:, :-1], batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    if balance:
+        real = (batch["doc_ids"] >= 0).reshape(-1)
+        k, per_layer = model.config.num_experts_per_tok, []
+        for layer_logits in out.router_logits:
+            probs = torch.softmax(layer_logits[real], dim=-1)
+            chosen = probs.topk(k, dim=-1).indices
+            f = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1]).double() / chosen.numel()
+            per_layer.append(probs.shape[-1] * (f * probs.mean(0)).sum())
+        loss = loss + COEF * torch.stack(per_layer).mean()
+    loss.backward()
+    return grads(model)
+
+
+def accumulated_grads(model, rows, mode: str, micro=2):
+    model.zero_grad(set_to_none=True)
+    batches = [collate_rows(rows[i : i + micro], "sdpa", torch.float64) for i in range(0, len(rows), micro)]
+    settings = LossSettings(balance_mode=mode, balance_coef=COEF if mode != "off" else 0.0)
+    step = accumulate_gradients(model, batches, settings, routing_adapter(model))
+    return grads(model), step
+
+
+def relative(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_cross_entropy_of_accumulated_micro_batches_equals_the_full_batch(model64):
+    rows = rows_of(LENGTHS)
+    reference = reference_grads(model64, rows, balance=False)
+    accumulated, step = accumulated_grads(model64, rows, "off")
+    assert step.num_label_tokens == sum(n - 1 for n in LENGTHS)
+    assert relative(accumulated, reference) < 1e-6
+
+
+def test_exact_balancing_of_accumulated_micro_batches_equals_the_full_batch(model64):
+    rows = rows_of(LENGTHS)
+    reference = reference_grads(model64, rows, balance=True)
+    accumulated, step = accumulated_grads(model64, rows, "exact")
+    assert relative(accumulated, reference) < 1e-6
+    # the balancing term matters: without it the gradient is measurably different
+    ce_only = reference_grads(model64, rows, balance=False)
+    assert relative(ce_only, reference) > 1e-4
+    # the step's reported global balancing loss is the sum of the micro-batch shares in exact mode
+    assert step.summary()["balance_global"] == pytest.approx(step.totals["balance"], rel=1e-6)
+
+
+def test_running_and_micro_batch_modes_approximate_exact(model64):
+    """Running mode differs from exact only through the early micro-batches' partial counts."""
+    rows = rows_of(LENGTHS * 2, seed=3)  # 16 sequences: 8 accumulation steps of 2
+    exact, _ = accumulated_grads(model64, rows, "exact")
+    running, _ = accumulated_grads(model64, rows, "running")
+    micro, _ = accumulated_grads(model64, rows, "micro_batch")
+    ce_only, _ = accumulated_grads(model64, rows, "off")
+    # compare the balancing term's own gradient contribution (the CE part is identical in all modes)
+    running_gap = relative(running - ce_only, exact - ce_only)
+    micro_gap = relative(micro - ce_only, exact - ce_only)
+    total_gap = relative(running, exact)
+    print(f"8 accumulation steps of 2 sequences: balancing-gradient gap to exact: running {running_gap:.3f}, "
+          f"micro_batch {micro_gap:.3f}; total gradient gap running vs exact {total_gap:.2e}")
+    assert 0 < running_gap < micro_gap
+
+
+def test_cross_entropy_sum_and_counts_follow_hf_shifting():
+    logits = torch.randn(2, 5, 7, dtype=torch.float64)
+    labels = torch.tensor([[1, 2, -100, 4, 5], [-100, 6, 1, -100, -100]])
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    assert torch.allclose(cross_entropy_sum(logits, labels), expected)
+    assert count_label_tokens(labels) == 5
+    assert cross_entropy_sum(logits.bfloat16(), labels).dtype == torch.float32
+
+
+def test_token_mask_leaves_out_padding():
+    batch = collate_rows(rows_of([5, 3]), "sdpa")
+    assert token_mask(batch).sum() == 8 and token_mask(batch).shape == (2, 5)
+
+
+def test_balancing_loss_is_one_when_balanced_and_n_over_k_when_collapsed():
+    uniform = torch.full((2, 4), 10.0, dtype=torch.float64)
+    assert float(balance_from_sums(uniform, torch.full((2, 4), 5.0), 20)) == pytest.approx(1.0)
+    collapsed = torch.tensor([[40.0, 0, 0, 0]], dtype=torch.float64)
+    assert float(balance_from_sums(collapsed, torch.tensor([[40.0, 0, 0, 0]]), 40)) == pytest.approx(4.0)
+
+
+def test_z_loss_matches_its_definition():
+    logits = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    layer = LayerRouter(logits=logits, probs=torch.softmax(logits, -1), topk_index=logits.topk(2).indices)
+    step = StepLoss.for_step(LossSettings(balance_mode="off", z_loss_coef=1.0), 6, 6, 1)
+    lm_logits = torch.zeros(1, 2, 3, dtype=torch.float64)
+    loss = step.micro_batch_loss(lm_logits, torch.tensor([[-100, -100]]), [layer])
+    assert float(loss) == pytest.approx(float(torch.logsumexp(logits, -1).square().mean()))
+
+
+def test_exact_mode_without_counts_is_refused():
+    with pytest.raises(ValueError, match="counting forward"):
+        StepLoss.for_step(LossSettings(balance_mode="exact"), 1, 1, 1)
+    with pytest.raises(ValueError, match="balance mode"):
+        LossSettings(balance_mode="global")
+
+
+def test_expert_counts_and_loss_free_bias_update():
+    index = torch.tensor([[0, 1], [0, 2], [0, 1]])
+    layer = LayerRouter(logits=torch.zeros(3, 4), probs=torch.full((3, 4), 0.25), topk_index=index)
+    counts = expert_counts([layer])
+    assert counts.tolist() == [[3.0, 2.0, 1.0, 0.0]]
+    bias = torch.zeros(4)
+    update_correction_bias([bias], counts, rate=0.001)
+    # mean load 1.5: overloaded experts go down, underloaded up
+    assert bias.tolist() == pytest.approx([-0.001, -0.001, 0.001, 0.001])

@@ -1,0 +1,87 @@
+# Fine-tuning in two cached stages: warmup (the linear learning-rate warmup, a full checkpoint and a
+# routing-stability gate) and train_model (cosine decay to the end, evaluations on the coverage
+# validation set, the final model). Warmup is keyed by the settings it depends on, so a setting of the
+# second part only (train.steps, min_lr, eval_every, ...) reruns train_model and reuses the warmup.
+# Training rules start their script through torchrun (one process here): scaling out changes a
+# number, not the rule. Resumable checkpoints live outside the outputs, under {RESULTS}/checkpoints.
+
+wildcard_constraints:
+    warmkey="w-[0-9a-f]+",
+
+
+WARMUPS = {mfconfig.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}
+CHECKPOINTS = f"{RESULTS}/checkpoints"  # resumable checkpoints, outside every declared output
+# TRAIN_SHELL and torchrun_job (shared with pretrain_base) are defined in model.smk, included first.
+
+
+def warmup_dir(cfg):
+    return f"{RESULTS}/warmup/{mfconfig.warmup_key(cfg)}"
+
+
+def final_model_dir(run):
+    """The fine-tuned model of a run: a folder AutoModelForCausalLM/AutoTokenizer.from_pretrained load."""
+    return f"{RESULTS}/runs/{run}/model"
+
+
+def train_logs_dir(run):
+    """TensorBoard event files, metrics.jsonl and summary.json of a run's fine-tuning (warmup included)."""
+    return f"{RESULTS}/runs/{run}/train"
+
+
+rule warmup:
+    input:
+        model=lambda wc: base_model_dir(RUNS[WARMUPS[wc.warmkey]]),
+        data=lambda wc: data_dir(RUNS[WARMUPS[wc.warmkey]], RUNS[WARMUPS[wc.warmkey]]["data"]["finetune_corpus"]),
+        script="workflow/scripts/warmup.py",
+        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "train"),
+    output:
+        checkpoint=directory(f"{RESULTS}/warmup/{{warmkey}}"),
+    params:
+        job=torchrun_job(
+            "warmup",
+            settings=lambda wc: mfconfig.warmup_settings(RUNS[WARMUPS[wc.warmkey]]),
+            runtime=lambda wc: runtime(WARMUPS[wc.warmkey]),
+            checkpoints=CHECKPOINTS,
+            failed_report=lambda wc: f"{RESULTS}/logs/warmup/{wc.warmkey}.routing_report.json",
+        ),
+    threads: config["threads"]
+    log:
+        log_path("warmup", "{warmkey}"),
+    benchmark:
+        bench_path("warmup", "{warmkey}")
+    conda:
+        ENV_FILE
+    shell:
+        TRAIN_SHELL
+
+
+rule train_model:
+    input:
+        model=lambda wc: base_model_dir(RUNS[wc.run]),
+        warmup=lambda wc: warmup_dir(RUNS[wc.run]),
+        data=lambda wc: data_dir(RUNS[wc.run], RUNS[wc.run]["data"]["finetune_corpus"]),
+        valset=lambda wc: f"{coverage_dir(RUNS[wc.run])}/valset",
+        # The memory plan gates train_model only: plan_memory's settings include all of train:, so as a
+        # warmup input it would rerun warmup on a second-part change (train.steps).
+        plan=lambda wc: f"{RESULTS}/runs/{wc.run}/plan.json",
+        script="workflow/scripts/train_model.py",
+        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "coverage", "train"),
+    output:
+        model=directory(f"{RESULTS}/runs/{{run}}/model"),
+        logs=directory(f"{RESULTS}/runs/{{run}}/train"),
+    params:
+        job=torchrun_job(
+            "train_model",
+            settings=lambda wc: {"train": RUNS[wc.run]["train"], "model": RUNS[wc.run]["model"], "warmup": mfconfig.warmup_key(RUNS[wc.run])},
+            runtime=lambda wc: runtime(wc.run),
+            checkpoints=CHECKPOINTS,
+        ),
+    threads: config["threads"]
+    log:
+        log_path("train_model", "{run}"),
+    benchmark:
+        bench_path("train_model", "{run}")
+    conda:
+        ENV_FILE
+    shell:
+        TRAIN_SHELL

@@ -1,0 +1,41 @@
+"""Stage pretrain_base (embedded default only): train the small MoE from config on the base corpus's
+train split, and save it with save_pretrained plus its tokenizer, like any user's pretrained model.
+Started through torchrun by its rule (see workflow/rules/model.smk)."""
+
+from pathlib import Path
+
+from moeflow.io import atomic_dir, write_json
+from moeflow.modeling import build_model, load_tokenizer
+from moeflow.stage import Stage
+from moeflow.tokenize import open_split
+from moeflow.train import TrainSettings, init_distributed, job_from_argv, train_stage, write_model_folder
+
+snakemake = job_from_argv()
+stage = Stage.from_snakemake(snakemake)
+device = init_distributed()
+settings = snakemake.params.settings  # mfconfig.base_model_settings: model, pretrain, data key, precision, seed
+model_cfg = settings["model"]
+
+tokenizer = load_tokenizer(snakemake.input.tokenizer)
+model = build_model(model_cfg, len(tokenizer), stage.seed).to(device)
+for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    setattr(model.config, name, getattr(tokenizer, name))
+rows = open_split(snakemake.input.data, "train")
+
+with atomic_dir(snakemake.output.model) as out:
+    trainer = train_stage(
+        stage, model, TrainSettings.from_config(settings["pretrain"]), rows,
+        attn_implementation=model_cfg["attn_implementation"],
+        log_dir=Path(out) / "training",
+        checkpoint_root=snakemake.params.checkpoints,
+        key_settings=settings,
+        key_inputs=[snakemake.input.tokenizer, snakemake.input.data],
+    )
+    if trainer.rank == 0:
+        write_model_folder(model, tokenizer, out)
+        last = trainer.train_records()[-1]
+        write_json(Path(out) / "training" / "summary.json", {
+            "steps": trainer.step, "final": {k: last[k] for k in ("loss", "ce", "balance_loss", "balance_global", "z_loss")},
+            "routing": trainer.routing_guard.report(), "provenance": stage.provenance(),
+        })
+trainer.remove_checkpoints()
