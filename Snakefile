@@ -23,6 +23,7 @@ wildcard_constraints:
     datakey="d-[0-9a-f]+",
     basekey="b-[0-9a-f]+",
     covkey="c-[0-9a-f]+",
+    warmkey="w-[0-9a-f]+",
 
 
 include: "workflow/rules/env.smk"
@@ -36,10 +37,11 @@ include: "workflow/rules/paper.smk"
 
 
 rule train:
-    # The pipeline's main target. Later stages (warmup, train_model) extend it to the final model.
+    # The pipeline's main target: every run's fine-tuned model (and the environment report).
     input:
         rules.verify_env.output.json,
         [t for run, cfg in RUNS.items() for t in run_targets(cfg, run)],
+        [final_model_dir(run) for run in RUNS],
     default_target: True
 
 

@@ -21,7 +21,7 @@ from moeflow.stage import set_offline
 set_offline()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs", "src", "tools")
+WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs", "src", "tools", "profiles")
 
 
 def active_stack() -> str:
@@ -62,9 +62,10 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def smoke_pipeline(tmp_path_factory) -> Path:
-    """A finished smoke pipeline (config/smoke.yaml, target ``train``) in its own folder. Do not modify it."""
+    """A finished smoke pipeline (config/smoke.yaml, target ``paper``: every stage) in its own folder.
+    Tests only read it or dry-run against it; a test that changes something uses ``pipeline_copy``."""
     workdir = copy_workflow(tmp_path_factory.mktemp("smoke") / "moeflow")
-    snakemake(workdir, "train", "--cores", "2", "--configfile", "config/smoke.yaml")
+    snakemake(workdir, "paper", "--cores", "2", "--configfile", "config/smoke.yaml")
     return workdir
 
 

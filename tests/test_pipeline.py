@@ -57,6 +57,21 @@ def test_smoke_pipeline_produces_every_stage_output(smoke_pipeline):
 
 def test_an_up_to_date_pipeline_schedules_nothing(smoke_pipeline):
     assert scheduled_rules(smoke_pipeline) == set()
+    assert scheduled_rules(smoke_pipeline, target="paper") == set()
+
+
+def test_editing_a_figure_script_reruns_only_the_paper(pipeline_copy):
+    script = pipeline_copy / "workflow" / "scripts" / "paper.py"
+    script.write_text(script.read_text() + "\n# a change to the figures\n")
+    assert scheduled_rules(pipeline_copy, target="paper") == {"paper"}
+
+
+def test_editing_a_library_module_reruns_its_stages_and_their_dependants_only(pipeline_copy):
+    module = pipeline_copy / "src" / "moeflow" / "plan.py"
+    module.write_text(module.read_text() + "\n# a change to the planner\n")
+    rules = scheduled_rules(pipeline_copy, target="paper")
+    assert "plan_memory" in rules
+    assert not rules & {"verify_env", "train_tokenizer", "tokenize", "pretrain_base", "coverage_valset", "warmup"}
 
 
 def test_verify_env_rerun_gives_identical_bytes_and_reruns_nothing_downstream(pipeline_copy):

@@ -2,6 +2,7 @@
 # modules each stage lists as inputs (Snakemake does not track code imported by a script otherwise).
 # Functions live here only; workflow/rules/<stage>.smk hold rules only.
 
+import json
 import os
 import re
 import sys
@@ -141,3 +142,47 @@ def paper_output_files():
         else path
         for key, path in paper_outputs(PAPER).items()
     }
+
+
+# --- training stages (pretrain_base, warmup, train_model): shell rules that start their script
+# through torchrun; the script reads its job with moeflow.train.job_from_argv.
+
+
+def torchrun():
+    """torchrun from the job's Python: the rule's conda env with --sdm conda, else Snakemake's own."""
+    from snakemake_interface_executor_plugins.settings import DeploymentMethod
+
+    python = "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
+    return f"{python} -m torch.distributed.run --standalone --monitor-interval 0.5 --nproc_per_node 1"
+
+
+TRAIN_SHELL = torchrun() + " {input.script:q} --job {params.job:q} --threads {threads} --log-file {log:q}"
+
+
+def torchrun_job(rule, **params):
+    """The script's job description (``moeflow.train.job_from_argv``): rule, inputs, outputs, params.
+    Params are whole settings dicts, so Snakemake reruns the rule when one changes."""
+
+    def job(wildcards, input, output):
+        values = {k: (v(wildcards) if callable(v) else v) for k, v in params.items()}
+        return json.dumps({"rule": rule, "input": dict(input.items()), "output": dict(output.items()), "params": values}, sort_keys=True)
+
+    return job
+
+
+WARMUPS = {mfconfig.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}
+CHECKPOINTS = f"{RESULTS}/checkpoints"  # resumable checkpoints, outside every declared output
+
+
+def warmup_dir(cfg):
+    return f"{RESULTS}/warmup/{mfconfig.warmup_key(cfg)}"
+
+
+def final_model_dir(run):
+    """The fine-tuned model of a run: a folder AutoModelForCausalLM/AutoTokenizer.from_pretrained load."""
+    return f"{RESULTS}/runs/{run}/model"
+
+
+def train_logs_dir(run):
+    """TensorBoard event files, metrics.jsonl and summary.json of a run's fine-tuning (warmup included)."""
+    return f"{RESULTS}/runs/{run}/train"

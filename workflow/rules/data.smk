@@ -40,4 +40,4 @@ rule tokenize:
     conda:
         ENV_FILE
     script:
-        "../scripts/tokenize.py"
+        "../scripts/tokenize_corpus.py"

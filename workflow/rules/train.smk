@@ -5,28 +5,6 @@
 # Training rules start their script through torchrun (one process here): scaling out changes a
 # number, not the rule. Resumable checkpoints live outside the outputs, under {RESULTS}/checkpoints.
 
-wildcard_constraints:
-    warmkey="w-[0-9a-f]+",
-
-
-WARMUPS = {mfconfig.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}
-CHECKPOINTS = f"{RESULTS}/checkpoints"  # resumable checkpoints, outside every declared output
-# TRAIN_SHELL and torchrun_job (shared with pretrain_base) are defined in model.smk, included first.
-
-
-def warmup_dir(cfg):
-    return f"{RESULTS}/warmup/{mfconfig.warmup_key(cfg)}"
-
-
-def final_model_dir(run):
-    """The fine-tuned model of a run: a folder AutoModelForCausalLM/AutoTokenizer.from_pretrained load."""
-    return f"{RESULTS}/runs/{run}/model"
-
-
-def train_logs_dir(run):
-    """TensorBoard event files, metrics.jsonl and summary.json of a run's fine-tuning (warmup included)."""
-    return f"{RESULTS}/runs/{run}/train"
-
 
 rule warmup:
     input:
