@@ -159,7 +159,8 @@ def _qwen_moe_layers(f: Mapping[str, Any], num_layers: int, num_experts: int) ->
     return tuple(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
 
 
-def _qwen3_moe(f: Mapping[str, Any]) -> dict[str, Any]:
+def _qwen_moe_fields(f: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields qwen2_moe and qwen3_moe share: attention, dense FFN, experts and where they are."""
     base = _attention_fields(f)
     experts = int(_get(f, "num_experts"))
     return base | {
@@ -168,6 +169,11 @@ def _qwen3_moe(f: Mapping[str, Any]) -> dict[str, Any]:
         "num_experts": experts,
         "top_k": int(_get(f, "num_experts_per_tok")),
         "expert_ffn": int(_get(f, "moe_intermediate_size")),
+    }
+
+
+def _qwen3_moe(f: Mapping[str, Any]) -> dict[str, Any]:
+    return _qwen_moe_fields(f) | {
         "qkv_bias": bool(_get(f, "attention_bias", default=False)),
         "o_bias": bool(_get(f, "attention_bias", default=False)),
         "qk_norm": "head",
@@ -175,14 +181,7 @@ def _qwen3_moe(f: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _qwen2_moe(f: Mapping[str, Any]) -> dict[str, Any]:
-    base = _attention_fields(f)
-    experts = int(_get(f, "num_experts"))
-    return base | {
-        "dense_ffn": int(_get(f, "intermediate_size")),
-        "moe_layers": _qwen_moe_layers(f, base["num_layers"], experts),
-        "num_experts": experts,
-        "top_k": int(_get(f, "num_experts_per_tok")),
-        "expert_ffn": int(_get(f, "moe_intermediate_size")),
+    return _qwen_moe_fields(f) | {
         "shared_ffn": int(_get(f, "shared_expert_intermediate_size")),
         "shared_gate": True,
         "qkv_bias": bool(_get(f, "qkv_bias", default=True)),
