@@ -28,6 +28,7 @@ import numpy as np
 from . import compat
 
 IGNORE_INDEX = -100
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")  # what a batch passes to the model's forward
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 
 
@@ -53,10 +54,11 @@ def block_causal_mask(position_ids: Any, dtype: Any = None):
 
 
 def collate(rows: Sequence[Mapping[str, Any]], attn_implementation: str, dtype: Any = None, pad_id: int = 0) -> dict[str, Any]:
-    """``input_ids``, ``labels``, ``position_ids`` (B, L) long tensors, plus ``attention_mask``
+    """``input_ids``, ``labels``, ``position_ids``, ``doc_ids`` (B, L) long tensors, plus ``attention_mask``
     (B, 1, L, L, ``dtype``, default float32) only where the stack needs it (see the module doc).
 
-    ``rows`` are packed rows (lists, numpy arrays or tensors; ``doc_ids`` is not needed).
+    ``rows`` are packed rows (lists, numpy arrays or tensors). ``doc_ids`` is -1 on padding; a row
+    without the column counts as one document (0). Pass only ``MODEL_INPUTS`` to the model.
     """
     import torch
 
@@ -66,16 +68,19 @@ def collate(rows: Sequence[Mapping[str, Any]], attn_implementation: str, dtype: 
     input_ids = np.full((len(rows), length), pad_id, dtype=np.int64)
     labels = np.full((len(rows), length), IGNORE_INDEX, dtype=np.int64)
     position_ids = np.tile(np.arange(length, dtype=np.int64), (len(rows), 1))
+    doc_ids = np.full((len(rows), length), -1, dtype=np.int64)
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         input_ids[i, :n] = np.asarray(row["input_ids"])
         labels[i, :n] = np.asarray(row["labels"])
         position_ids[i, :n] = np.asarray(row["position_ids"])
         position_ids[i, n:] -= n  # the batch padding restarts at 0: a block of its own
+        doc_ids[i, :n] = np.asarray(row["doc_ids"]) if "doc_ids" in row else 0
     batch = {
         "input_ids": torch.from_numpy(input_ids),
         "labels": torch.from_numpy(labels),
         "position_ids": torch.from_numpy(position_ids),
+        "doc_ids": torch.from_numpy(doc_ids),
     }
     if needs_block_mask(attn_implementation):
         batch["attention_mask"] = block_causal_mask(batch["position_ids"], dtype)

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .collate import MODEL_INPUTS
 from .io import atomic_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -195,15 +196,6 @@ def _row_batches(rows: Iterable[Mapping[str, Any]], batch_tokens: int) -> Iterat
         yield batch
 
 
-def padded_doc_ids(rows: Sequence[Mapping[str, Any]], length: int) -> np.ndarray:
-    """(B, length) doc_ids of collated rows: -1 on the padding ``collate`` adds at the end of short rows."""
-    out = np.full((len(rows), length), -1, dtype=np.int64)
-    for i, row in enumerate(rows):
-        ids = np.asarray(row["doc_ids"], dtype=np.int64)
-        out[i, : len(ids)] = ids
-    return out
-
-
 def route_pool(
     model: Any,
     pools: Sequence[tuple[str, Iterable[Mapping[str, Any]]]],
@@ -230,8 +222,8 @@ def route_pool(
     for corpus_index, (corpus, rows) in enumerate(pools):
         for batch_rows in progress(_row_batches(rows, batch_tokens), desc=f"route {corpus} (batches)"):
             batch = collate(batch_rows, attn_implementation)
-            doc_ids = padded_doc_ids(batch_rows, batch["input_ids"].shape[1])
-            inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
+            doc_ids = batch["doc_ids"].numpy()
+            inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
             with torch.no_grad(), autocast, capture(model, adapter) as routing:
                 model(**inputs, use_cache=False)
             collector.add(corpus_index, doc_ids.reshape(-1), [r.topk_index.cpu().numpy() for r in routing.layers])

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from .collate import IGNORE_INDEX, MODEL_INPUTS
 
 
 # --------------------------------------------------------------------------- one set, one model
@@ -136,9 +136,6 @@ def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, 
                 stats.add_routing(*routing_sums(layers, mask.cpu(), token_loss.cpu(), label_mask.cpu()))
     stats.seconds = time.perf_counter() - started
     return stats
-
-
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 # --------------------------------------------------------------------------- records
@@ -277,20 +274,12 @@ def summary_markdown(metrics: Mapping[str, Any]) -> str:
 def batches(dataset, batch_size: int, attn_implementation: str, max_sequences: int | None = None) -> Iterator[dict]:
     """Collated batches (``moeflow.collate.collate``) of ``batch_size`` packed rows, in order, from a
     data-stage split (a ``datasets.Dataset`` or a list of rows), with ``doc_ids`` (-1 on padding)."""
-    import torch
-
     from .collate import collate
 
     n = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
     for start in range(0, n, batch_size):
         rows = [dataset[i] for i in range(start, min(start + batch_size, n))]
-        batch = collate(rows, attn_implementation)
-        if "doc_ids" not in batch:
-            doc_ids = torch.full_like(batch["input_ids"], -1)
-            for i, row in enumerate(rows):
-                doc_ids[i, : len(row["doc_ids"])] = torch.as_tensor(row["doc_ids"])
-            batch["doc_ids"] = doc_ids
-        yield batch
+        yield collate(rows, attn_implementation)
 
 
 # --------------------------------------------------------------------------- a run

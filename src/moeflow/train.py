@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from . import guards as G
+from .collate import MODEL_INPUTS
 from .config import resolve_warmup_steps
 from .io import atomic_dir, read_json, write_json
 from .losses import LayerRouter, LossSettings, StepLoss, all_reduce_sum, count_label_tokens, expert_counts, token_mask, update_correction_bias, world_size
@@ -153,7 +154,6 @@ def correction_biases(model: torch.nn.Module) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- forward
 
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], routing=None):
@@ -185,18 +185,10 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
 
 
 def collate_rows(rows: Sequence[Mapping[str, Any]], attn_implementation: str, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """``moeflow.collate.collate`` (a 4D mask, where needed, in ``dtype``: the model's) plus ``doc_ids`` (-1 on padding, including the batch padding),
-    which the losses need to leave padding out of the routing statistics."""
+    """``moeflow.collate.collate`` with the 4D mask, where needed, in ``dtype`` (the model's)."""
     from .collate import collate
 
-    batch = collate(rows, attn_implementation, dtype)
-    if "doc_ids" not in batch:
-        doc_ids = torch.full(batch["input_ids"].shape, -1, dtype=torch.int64)
-        for i, row in enumerate(rows):
-            ids = torch.as_tensor(row["doc_ids"], dtype=torch.int64) if "doc_ids" in row else torch.zeros(len(row["input_ids"]), dtype=torch.int64)
-            doc_ids[i, : len(ids)] = ids
-        batch["doc_ids"] = doc_ids
-    return batch
+    return collate(rows, attn_implementation, dtype)
 
 
 def routing_adapter(model: torch.nn.Module):
