@@ -19,6 +19,7 @@ include: "workflow/rules/common.smk"
 
 wildcard_constraints:
     run="[A-Za-z0-9][A-Za-z0-9_.-]*",
+    corpus="[A-Za-z0-9][A-Za-z0-9_.-]*",
     tokkey="t-[0-9a-f]+",
     datakey="d-[0-9a-f]+",
     basekey="b-[0-9a-f]+",

@@ -1,24 +1,44 @@
 """Training throughput: moeflow's loop vs the HF Trainer with the recipe people copy, and vs a tuned Trainer.
 
 Same base model, same fine-tuning corpus, same optimizer and shape (micro-batch 2, accumulation 8,
-AdamW, lr 6e-5, clipping 1.0), balancing loss off in every setup (HF's aux loss needs
+AdamW, lr 6e-5, clipping 1.0), balancing loss off in every compared setup (HF's aux loss needs
 output_router_logits, left off; moeflow ``balance.mode: off``), fp32, the same threads:
 
 - ``recipe``: one document per example, truncated and padded to max_length 2048 (pad_to_multiple_of
-  64), eager attention, gradient checkpointing, the HF Trainer;
+  64), eager attention, gradient checkpointing (non-reentrant), the HF Trainer;
 - ``tuned``: the HF Trainer on moeflow's packed rows (sdpa, seq_len tokens per row, per-document
   attention from moeflow.collate), no checkpointing;
-- ``moeflow``: moeflow.train.Trainer on the same packed rows.
+- ``moeflow``: moeflow.train.Trainer on the same packed rows;
+- ``moeflow_bf16``: the same in bf16 autocast (the measurement behind the config's ``precision``);
+- ``moeflow_running``, ``moeflow_exact``, ``moeflow_micro_batch`` (``--balance-modes``): moeflow with
+  its global-batch balancing loss on (coef 0.01), reported separately (the Trainers have no such mode).
 
-Each (setup, round) runs in a fresh process (so peak RSS is its own), rounds alternate the order, and
-the first optimizer step of every run is not timed. Reported per setup (medians over rounds): useful
-tokens/s (non-padding tokens the model trains on), peak RSS, the fraction of the corpus's tokens the
-setup trains on at all (truncation drops the rest), achieved FLOP/s (6 x active parameters x tokens)
-against a measured fp32 matmul peak, and the ratios moeflow / recipe and moeflow / tuned.
+Each (setup, round) runs in a fresh process (so peak RSS is its own); each round rotates the order.
+A run warms up with one micro-batch forward and backward (not timed), then trains ``--steps`` timed
+optimizer steps (``--recipe-steps`` for the recipe, whose step holds 4x the tokens at quadratic
+attention cost); seconds per step is the median of the step times, measured from the first step's
+start and then between consecutive optimizer-step ends (everything a step costs: data loading,
+collation, forward/backward, optimizer, the loop's own telemetry). CPU seconds per step (process
+time) are recorded too: on a shared machine they move much less with the load than wall time, and
+their ratios are reported alongside. Every run records the load average around it. Worker processes
+run with ``OMP_WAIT_POLICY=PASSIVE`` (see ``--omp-wait-policy``).
 
-    PYTHONPATH=src python benchmarks/train.py --model results/pinned/base/b-... --data results/pinned/data/d-.../target
+Reported per setup (medians over rounds): useful tokens/s (non-padding label tokens a step trains on,
+in expectation over the corpus: the recipe's step costs the same whatever its documents' lengths),
+seconds/step, peak RSS, model FLOP/s (6 x active parameters x useful tokens/s; attention scores not
+counted) and MFU against a matmul peak measured on the same machine in the setup's precision. Ratios
+are per-round ratios, median over rounds. Also: the fraction of the corpus's tokens each setup trains
+on at all (truncation drops the rest), and the slice of the corpus a benchmark run covers.
 
-Writes results/bench/train.json.
+    PYTHONPATH=src .venvs/<stack>/bin/python benchmarks/train.py \\
+        --model results/pinned/base/b-... --data results/pinned/data/d-.../target [--balance-modes]
+
+``--balance-modes-only`` runs moeflow (off) and its three balancing-loss modes alone and adds them to
+the stack's entry as ``balance_modes``.
+
+Both stacks can take the same model folder and corpus (safetensors and Arrow), so they compare on
+the same weights and rows. Writes this stack's entry of results/bench/train.json (``stacks.<stack>``;
+the other stack's entry is kept).
 """
 
 from __future__ import annotations
@@ -38,24 +58,40 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(REPO / "src"))
 
-SETUPS = ("recipe", "tuned", "moeflow")
-MICRO, ACCUM, LR, RECIPE_MAX_LENGTH = 2, 8, 6e-5, 2048
+CORE_SETUPS = ("recipe", "tuned", "moeflow", "moeflow_bf16")
+BALANCE_SETUPS = ("moeflow_running", "moeflow_exact", "moeflow_micro_batch")
+MICRO, ACCUM, LR, RECIPE_MAX_LENGTH, BALANCE_COEF = 2, 8, 6e-5, 2048, 0.01
+MATMUL_SIZE = 2048
 
 
-def documents(data_dir):
+def precision_of(setup: str) -> str:
+    return "bf16" if setup.endswith("_bf16") else "fp32"
+
+
+def balance_mode_of(setup: str) -> str:
+    return setup[len("moeflow_"):] if setup in BALANCE_SETUPS else "off"
+
+
+def stack_name() -> str:
+    from moeflow import compat
+
+    return "current" if compat.is_transformers_v5() else "pinned"
+
+
+def documents(data_dir) -> list[list[int]]:
     from moeflow.tokenize import open_split, read_documents
 
     return [ids for _, ids in read_documents(open_split(data_dir, "train"))]
 
 
-def packed_rows(data_dir):
+def packed_rows(data_dir) -> list[dict]:
     from moeflow.tokenize import open_split
 
     split = open_split(data_dir, "train")
     return [split[i] for i in range(len(split))]
 
 
-def recipe_examples(docs, pad_id):
+def recipe_examples(docs, pad_id) -> list[dict]:
     """One document per example, truncated and padded to max_length (a multiple of 64 already)."""
     out = []
     for ids in docs:
@@ -69,20 +105,49 @@ def recipe_examples(docs, pad_id):
     return out
 
 
-def matmul_peak(threads: int) -> float:
+def label_tokens(example) -> int:
+    """Non-ignored next-token targets of one example (labels shifted by one, as the loss sees them)."""
+    return sum(1 for t in example["labels"][1:] if t != -100)
+
+
+def matmul_peak(threads: int, dtype_name: str) -> dict[str, float]:
+    """Best FLOP/s of a square matmul (MATMUL_SIZE) in ``dtype_name`` on this machine's CPU threads, per
+    wall second and per process CPU second (the latter times ``threads``: the peak if the threads had
+    their cores to themselves)."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
     for _ in range(3):
         a @ b
-    best = 0.0
-    for _ in range(5):
-        started = time.perf_counter()
+    best = {"wall": 0.0, "cpu": 0.0}
+    for _ in range(7):
+        started, cpu_started = time.perf_counter(), time.process_time()
         for _ in range(4):
             a @ b
-        best = max(best, 4 * 2 * 2048**3 / (time.perf_counter() - started))
+        flops = 4 * 2 * MATMUL_SIZE**3
+        best["wall"] = max(best["wall"], flops / (time.perf_counter() - started))
+        best["cpu"] = max(best["cpu"], flops * threads / max(time.process_time() - cpu_started, 1e-9))
     return best
+
+
+def step_intervals(marks: list[float]) -> list[float]:
+    """Seconds of each step: from the first step's start, then between consecutive step ends."""
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def warm_up(model, batch, autocast) -> None:
+    """One micro-batch forward and backward before the clock starts (first-call allocations and
+    kernel choices), the same in every setup; gradients are dropped."""
+    from moeflow.collate import MODEL_INPUTS
+
+    model.train()
+    with autocast():
+        logits = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).logits
+    logits.float().mean().backward()
+    model.zero_grad(set_to_none=True)
 
 
 def worker(setup: str, args) -> dict:
@@ -95,30 +160,52 @@ def worker(setup: str, args) -> dict:
     set_offline()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    load_before = os.getloadavg()[0]
     attn = "eager" if setup == "recipe" else "sdpa"
     model = load_model(args.model, {"attn_implementation": attn})
     tokenizer = load_tokenizer(args.model)
-    steps = args.steps + 1  # the first step is not timed
-    step_times: list[float] = []
+    timed = args.recipe_steps if setup == "recipe" else args.steps
+    ends: list[float] = []  # perf_counter at the start of the first step, then at each step's end
+    cpu_ends: list[float] = []
 
-    if setup == "moeflow":
-        rows = packed_rows(args.data)
-        settings = TrainSettings.from_config({"steps": steps, "lr": LR, "warmup_steps": 1, "micro_batch_size": MICRO, "grad_accum_steps": ACCUM,
-                                              "balance": {"mode": args.balance}, "memory_guard": {"skip_steps": 10**6}})
-        trainer = Trainer(model, settings, rows, collate_fn=lambda r: collate_rows(r, attn), seed=0)
+    def mark() -> None:
+        ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
+
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision_of(setup) == "bf16")  # noqa: E731
+    if setup.startswith("moeflow"):
+        examples = packed_rows(args.data)
+        mode = balance_mode_of(setup)
+        settings = TrainSettings.from_config({
+            "steps": timed, "lr": LR, "warmup_steps": 1, "micro_batch_size": MICRO, "grad_accum_steps": ACCUM,
+            "weight_decay": 0.1, "max_grad_norm": 1.0, "balance": {"mode": mode, "coef": BALANCE_COEF},
+            "memory_guard": {"skip_steps": 10**6},
+        })
+        dtype = next(model.parameters()).dtype
+        collate = lambda r: collate_rows(r, attn, dtype)  # noqa: E731
+        warm_up(model, collate(examples[:MICRO]), autocast)
+        trainer = Trainer(model, settings, examples, collate_fn=collate, seed=0,
+                          precision=precision_of(setup), step_hook=lambda step, m: mark())
+        train_step = trainer.train_step
+
+        def first_step_begins():  # the loop has no hook before a step; the first one starts the clock
+            if not ends:
+                mark()
+            return train_step()
+
+        trainer.train_step = first_step_begins
         trainer.run()
-        step_times = [r["seconds"] for r in trainer.train_records()[1:]]
-        examples = rows
     else:
         from transformers import Trainer as HFTrainer
         from transformers import TrainerCallback, TrainingArguments
 
-        class Timer(TrainerCallback):
+        class StepClock(TrainerCallback):
             def on_step_begin(self, a, state, control, **kw):
-                self.started = time.perf_counter()
+                if not ends:
+                    mark()
 
             def on_step_end(self, a, state, control, **kw):
-                step_times.append(time.perf_counter() - self.started)
+                mark()
 
         if setup == "recipe":
             examples = recipe_examples(documents(args.data), tokenizer.pad_token_id or 0)
@@ -133,43 +220,68 @@ def worker(setup: str, args) -> dict:
                 out.pop("doc_ids")
                 return out
 
+        checkpointing = setup == "recipe"
+        if checkpointing:  # before the warm-up, so that its memory is the recipe's (the Trainer enables it again)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        warm_up(model, collate(examples[:MICRO]), autocast)
         with tempfile.TemporaryDirectory() as tmp:
             hf_args = TrainingArguments(
                 output_dir=tmp, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM, learning_rate=LR,
-                max_grad_norm=1.0, weight_decay=0.1, adam_beta2=0.95, max_steps=steps, lr_scheduler_type="cosine", warmup_steps=1,
-                gradient_checkpointing=setup == "recipe", gradient_checkpointing_kwargs={"use_reentrant": False} if setup == "recipe" else None,
+                max_grad_norm=1.0, weight_decay=0.1, adam_beta2=0.95, max_steps=timed, lr_scheduler_type="cosine", warmup_steps=1,
+                gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
                 report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0,
                 use_cpu=True, seed=0, remove_unused_columns=False, optim="adamw_torch",
             )
-            trainer = HFTrainer(model=model, args=hf_args, train_dataset=examples, data_collator=collate, callbacks=[Timer()])
-            trainer.train()
-        step_times = step_times[1:]
+            HFTrainer(model=model, args=hf_args, train_dataset=examples, data_collator=collate, callbacks=[StepClock()]).train()
 
-    # Useful tokens: the non-padding labels a step trains on, in expectation over the corpus (the recipe's
-    # step costs the same whatever its documents' lengths: everything is padded to max_length).
-    per_example = sum(sum(1 for t in e["labels"][1:] if t != -100) for e in examples) / len(examples)
-    seconds = sum(step_times)
-    tokens = per_example * MICRO * ACCUM * len(step_times)
+    seconds = statistics.median(step_intervals(ends))
+    tokens_per_step = statistics.fmean(label_tokens(e) for e in examples) * MICRO * ACCUM
     return {
         "setup": setup,
-        "useful_tokens_per_s": tokens / seconds,
-        "seconds_per_step": seconds / len(step_times),
+        "precision": precision_of(setup),
+        "useful_tokens_per_step": tokens_per_step,
+        "useful_tokens_per_s": tokens_per_step / seconds,
+        "seconds_per_step": seconds,
+        "step_seconds": step_intervals(ends),
+        "cpu_seconds_per_step": statistics.median(step_intervals(cpu_ends)),
+        "cpu_seconds_per_useful_token": statistics.median(step_intervals(cpu_ends)) / tokens_per_step,
+        "timed_steps": timed,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "flops_per_s": 6 * active_parameters(model) * tokens / seconds,
+        "flops_per_s": 6 * active_parameters(model) * tokens_per_step / seconds,
+        "active_parameters": active_parameters(model),
+        "load_average_1min": [load_before, os.getloadavg()[0]],
     }
 
 
-def corpus_fractions(data_dir) -> dict:
+def corpus_fractions(data_dir, steps: int, recipe_steps: int) -> dict:
+    """What each setup can train on at all, and the slice of it one benchmark run covers."""
     docs = documents(data_dir)
+    rows = packed_rows(data_dir)
     total = sum(len(d) for d in docs)
+    recipe_kept = sum(min(len(d), RECIPE_MAX_LENGTH) for d in docs)
+    per_step = MICRO * ACCUM
     return {
-        "recipe_max_length_2048": sum(min(len(d), RECIPE_MAX_LENGTH) for d in docs) / total,
-        "recipe_max_length_512": sum(min(len(d), 512) for d in docs) / total,
-        "tuned": 1.0,
-        "moeflow": 1.0,
+        "trained_tokens_fraction": {
+            "recipe": recipe_kept / total,
+            "tuned": 1.0,
+            "moeflow": 1.0,
+            "recipe_at_max_length_512": sum(min(len(d), 512) for d in docs) / total,
+        },
+        "benchmark_run_slice": {  # examples one run trains on / examples in the corpus
+            "recipe": min(1.0, recipe_steps * per_step / len(docs)),
+            "packed": min(1.0, steps * per_step / len(rows)),
+        },
         "documents": len(docs),
+        "packed_rows": len(rows),
+        "seq_len": max(len(r["input_ids"]) for r in rows),
         "tokens": total,
     }
+
+
+def median_ratio(runs: dict, top: str, bottom: str, key: str = "useful_tokens_per_s") -> float | None:
+    if not runs.get(top) or not runs.get(bottom):
+        return None
+    return statistics.median(t[key] / b[key] for t, b in zip(runs[top], runs[bottom]))
 
 
 def main() -> None:
@@ -177,39 +289,62 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="the base model folder (pretrain_base's output or a pretrained model)")
     parser.add_argument("--data", required=True, help="the fine-tuning corpus folder (the tokenize stage's output)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps per run (after one untimed)")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per packed-row run")
+    parser.add_argument("--recipe-steps", type=int, default=1, help="timed optimizer steps per recipe run")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--balance", default="off", help="moeflow's balance mode (off: like for like with the Trainers)")
-    parser.add_argument("--worker", choices=SETUPS)
+    parser.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE"),
+                        help="OpenMP threads sleep (PASSIVE) or spin (ACTIVE) while waiting; on a shared machine spinning threads "
+                             "that lose their core slow a step down many times over, so every setup runs PASSIVE by default")
+    parser.add_argument("--balance-modes", action="store_true", help="also run moeflow with each balancing-loss mode")
+    parser.add_argument("--balance-modes-only", action="store_true",
+                        help="run moeflow (off) and its balancing-loss modes only; adds them to this stack's entry as balance_modes")
+    parser.add_argument("--worker", choices=CORE_SETUPS + BALANCE_SETUPS)
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "train.json"))
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
         return
 
-    runs = {s: [] for s in SETUPS}
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": str(args.threads)}
+    setups = ("moeflow",) + BALANCE_SETUPS if args.balance_modes_only else CORE_SETUPS + (BALANCE_SETUPS if args.balance_modes else ())
+    os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # before torch loads OpenMP: the matmul peak runs like the workers
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    peaks = {p: [matmul_peak(args.threads, p)] for p in ("fp32", "bf16")}
+    runs: dict[str, list] = {s: [] for s in setups}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": args.omp_wait_policy}
     for round_ in range(args.rounds):
-        order = SETUPS[round_ % 3:] + SETUPS[: round_ % 3]
-        for setup in order:
+        shift = round_ % len(setups)
+        for setup in setups[shift:] + setups[:shift]:
             command = [sys.executable, __file__, "--worker", setup, "--model", args.model, "--data", args.data,
-                       "--steps", str(args.steps), "--threads", str(args.threads), "--balance", args.balance]
+                       "--steps", str(args.steps), "--recipe-steps", str(args.recipe_steps), "--threads", str(args.threads)]
             done = subprocess.run(command, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"{setup} failed:\n{done.stderr[-4000:]}")
             result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
             runs[setup].append(result)
-            print(f"round {round_ + 1} {setup}: {result['useful_tokens_per_s']:.0f} useful tok/s, {result['peak_rss_mib']:.0f} MiB", flush=True)
+            print(f"round {round_ + 1} {setup}: {result['seconds_per_step']:.2f} s/step, {result['useful_tokens_per_s']:.0f} useful tok/s, "
+                  f"{result['peak_rss_mib']:.0f} MiB, load {result['load_average_1min'][0]:.1f}-{result['load_average_1min'][1]:.1f}", flush=True)
+    for p in peaks:
+        peaks[p].append(matmul_peak(args.threads, p))
+    peak = {p: max(m["wall"] for m in v) for p, v in peaks.items()}
+    cpu_peak = {p: max(m["cpu"] for m in v) for p, v in peaks.items()}
 
-    peak = matmul_peak(args.threads)
     summary = {}
     for setup, results in runs.items():
-        summary[setup] = {key: statistics.median(r[key] for r in results) for key in ("useful_tokens_per_s", "seconds_per_step", "peak_rss_mib", "flops_per_s")}
-        summary[setup]["fraction_of_matmul_peak"] = summary[setup]["flops_per_s"] / peak
-    ratios = {
-        f"moeflow_over_{other}": statistics.median(m["useful_tokens_per_s"] / o["useful_tokens_per_s"] for m, o in zip(runs["moeflow"], runs[other]))
-        for other in ("recipe", "tuned")
-    }
+        summary[setup] = {key: statistics.median(r[key] for r in results)
+                          for key in ("useful_tokens_per_s", "seconds_per_step", "cpu_seconds_per_step", "peak_rss_mib", "flops_per_s")}
+        summary[setup]["useful_tokens_per_step"] = results[0]["useful_tokens_per_step"]
+        summary[setup]["mfu"] = summary[setup]["flops_per_s"] / peak[precision_of(setup)]
+        # Model FLOPs per CPU second of the step against the matmul's: utilisation of the CPU time the step got.
+        flops_per_cpu_second = 6 * results[0]["active_parameters"] / statistics.median(r["cpu_seconds_per_useful_token"] for r in results)
+        summary[setup]["mfu_of_cpu_time"] = flops_per_cpu_second * args.threads / cpu_peak[precision_of(setup)]
+        summary[setup]["precision"] = precision_of(setup)
+        summary[setup]["balance_mode"] = balance_mode_of(setup)
+    pairs = [] if args.balance_modes_only else [("moeflow", "recipe"), ("moeflow", "tuned"), ("tuned", "recipe"), ("moeflow_bf16", "moeflow")]
+    pairs += [(s, "moeflow") for s in setups if s in BALANCE_SETUPS]
+    ratios = {f"{top}_over_{bottom}": median_ratio(runs, top, bottom) for top, bottom in pairs}
+    # The same ratios from process CPU time per step (useful tokens per CPU second): less sensitive to the load.
+    cpu_ratios = {f"{top}_over_{bottom}": median_ratio(runs, bottom, top, "cpu_seconds_per_useful_token") for top, bottom in pairs}
     import torch
 
     from moeflow import compat
@@ -217,20 +352,36 @@ def main() -> None:
     report = {
         "setups": summary,
         "ratios_useful_tokens_per_s": ratios,
-        "corpus_fraction_trained": corpus_fractions(args.data),
-        "matmul_peak_flops_per_s_fp32": peak,
+        "ratios_useful_tokens_per_cpu_second": cpu_ratios,
+        "corpus": corpus_fractions(args.data, args.steps, args.recipe_steps),
+        "matmul_peak_flops_per_s": {"size": MATMUL_SIZE, **peak, "per_cpu_second_times_threads": cpu_peak, "measured_before_and_after": peaks},
         "rounds": args.rounds,
-        "timed_steps_per_run": args.steps,
-        "shape": {"micro_batch_size": MICRO, "grad_accum_steps": ACCUM, "recipe_max_length": RECIPE_MAX_LENGTH},
-        "moeflow_balance_mode": args.balance,
+        "timed_steps_per_run": {"recipe": args.recipe_steps, "packed": args.steps},
+        "shape": {"micro_batch_size": MICRO, "grad_accum_steps": ACCUM, "recipe_max_length": RECIPE_MAX_LENGTH, "lr": LR},
         "threads": args.threads,
-        "stack": {"torch": torch.__version__, "transformers": str(compat.version_of("transformers"))},
+        "omp_wait_policy": args.omp_wait_policy,
+        "machine": {"cpus": os.cpu_count(), "load_average_1min_start_end": [load_start[0], os.getloadavg()[0]],
+                    "wall_seconds": time.perf_counter() - started},
+        "versions": {"torch": torch.__version__, "transformers": str(compat.version_of("transformers"))},
+        "inputs": {"model": args.model, "data": args.data},
         "runs": runs,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    print(json.dumps({"setups": summary, "ratios": ratios, "corpus_fraction_trained": report["corpus_fraction_trained"]}, indent=1))
+    existing = json.loads(out.read_text()) if out.is_file() else {}
+    stacks = existing.get("stacks", {}) if isinstance(existing.get("stacks"), dict) else {}
+    previous = stacks.get(stack_name(), {})
+    if args.balance_modes_only:
+        report = {**previous, "balance_modes": report}
+    else:
+        report["goals"] = {"moeflow_over_recipe_at_least": 2.0, "moeflow_over_tuned_at_least": 1.0,
+                           "met": bool(ratios["moeflow_over_recipe"] >= 2.0 and ratios["moeflow_over_tuned"] >= 1.0)}
+        if "balance_modes" in previous:  # a separate run's (it records its own versions and load)
+            report["balance_modes"] = previous["balance_modes"]
+    stacks[stack_name()] = report
+    from moeflow.io import write_json
+
+    write_json(out, {"stacks": dict(sorted(stacks.items()))})
+    print(json.dumps({"setups": summary, "ratios": ratios, "cpu_ratios": cpu_ratios, "matmul_peak": peak}, indent=1))
 
 
 if __name__ == "__main__":

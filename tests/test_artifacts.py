@@ -136,6 +136,31 @@ def test_comparison_table_reports_both_runs_and_their_ratios(tmp_path):
     assert float(rows[1]["val loss"]) == pytest.approx(records[1].metrics["sets"][0]["finetuned"]["loss"], abs=5e-5)
 
 
+def training_report(method: str, trainable: int, total: int) -> dict:
+    """adapter/trainable_parameters.json as moeflow.lora.save_adapter_output writes it (the fields the table reads)."""
+    return {"method": method, "trainable": trainable, "total": total, "trainable_fraction": trainable / total}
+
+
+def test_lora_vs_full_table_compares_every_run_at_the_same_tokens(tmp_path):
+    full_log = A.read_train_log(train_log(tmp_path / "moe", moe=True, steps=12))
+    lora_log = A.read_train_log(train_log(tmp_path / "lora", moe=True, steps=8))  # a shorter run
+    lora_log.tokens_per_s = [15000.0] * len(lora_log.tokens_per_s)
+    records = [
+        A.RunRecord("moe", {}, {}, full_log, {"max_rss_mib": 900.0}, training_report("full", 1_000_000, 1_000_000)),
+        A.RunRecord("lora", {}, {}, lora_log, {"max_rss_mib": 600.0}, training_report("lora", 40_000, 1_040_000)),
+    ]
+    rows = A.as_dict_rows(A.method_table(records, "moe"))
+    assert [r["run"] for r in rows] == ["moe", "lora", "lora / moe"]
+    assert [r["method"] for r in rows[:2]] == ["full", "lora"]
+    assert rows[1]["trainable params"] == "40000" and rows[1]["trainable %"] == "3.85" and rows[0]["trainable %"] == "100.00"
+    assert rows[0]["tokens compared"] == rows[1]["tokens compared"] == str(8 * 2048)
+    assert float(rows[0]["train CE at tokens"]) == pytest.approx(full_log.ce[7], abs=5e-5)  # step 8, not the last step 12
+    assert float(rows[0]["val loss at tokens"]) == pytest.approx(full_log.val_loss[1], abs=5e-5)  # eval at step 8
+    assert rows[1]["train tokens/s"] == "15000" and rows[0]["train tokens/s"] == "9000"
+    assert rows[2]["trainable params"] == "0.04x" and rows[2]["train tokens/s"] == "1.67x" and rows[2]["train job peak RSS MiB"] == "0.67x"
+    assert rows[2]["train peak MiB"] == "0.99x"  # 408 (step 8) / 412 (step 12) MiB: each run's own peak
+
+
 def test_figures_are_byte_stable_and_carry_provenance(tmp_path):
     log = A.read_train_log(train_log(tmp_path / "run", moe=True))
     for attempt in ("a", "b"):
@@ -188,8 +213,8 @@ def write_paper_inputs(tmp_path: Path):
     records = {
         run: A.RunRecord(run, metrics_for(run, moe, seed) | {"provenance": {"stage": "evaluate_run", "moeflow_code": "c0de"}},
                          {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": 700 * 2**20},
-                         A.read_train_log(train_log(tmp_path / run, moe)), {"max_rss_mib": 900.0})
-        for run, moe, seed, tps in (("moe", True, 0, 5000.0), ("dense", False, 100, 9000.0))
+                         A.read_train_log(train_log(tmp_path / run, moe)), {"max_rss_mib": 900.0}, training_report("full", total, total))
+        for run, moe, seed, tps, total in (("moe", True, 0, 5000.0, 1_000_000), ("dense", False, 100, 9000.0, 600_000))
     }
     config = {"threads": 2, "precision": "fp32", "seed": 1, "hardware": {"device": "cpu"}, "train": {},
               "model": {"config": {"model_type": "qwen3_moe", "num_experts": EXPERTS}}, "data": {"seq_len": 128, "finetune_corpus": "target"},
@@ -218,3 +243,5 @@ def test_write_paper_makes_every_artifact_reproducibly_with_provenance(tmp_path)
             assert line in blob.decode(), name
     columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "moe_vs_dense.csv")
     assert [r[0] for r in rows] == ["moe", "dense", "dense / moe"]
+    columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "lora_vs_full.csv")
+    assert [r[:2] for r in rows] == [["moe", "full"], ["dense", "full"]]  # every run; no ratio row without a LoRA run

@@ -254,6 +254,56 @@ def test_merged_model_matches_the_adapters_and_loads_with_from_pretrained(tmp_pa
     assert (unmerged - base).abs().max() > 1e-3  # the adapters changed something, so the match above means something
 
 
+@pytest.mark.parametrize("name,router", [("qwen3_moe", "frozen"), ("mixtral", "adapter")])
+def test_adapter_output_loads_with_plain_peft_and_a_full_run_gets_a_marker(tmp_path, name, router):
+    """train_model's adapter output: PeftModel.from_pretrained on the base model gives the trained logits."""
+    from peft import PeftModel
+
+    model = lora.apply_lora(tiny(name), {"rank": 4, "router": router}, False)
+    perturb_adapters(model)
+    expected = logits(model, inputs())
+    report = lora.save_adapter_output(model, tmp_path / "adapter")
+    assert report["method"] == "lora" and report == json.loads((tmp_path / "adapter" / lora.REPORT_FILE).read_text())
+    assert 0 < report["trainable"] < report["total"]
+    loaded = PeftModel.from_pretrained(tiny(name), str(tmp_path / "adapter"))
+    assert torch.equal(logits(loaded, inputs()), expected)
+
+    full = tiny(name)
+    marker = lora.save_adapter_output(full, tmp_path / "full")
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == [lora.REPORT_FILE]
+    assert marker["method"] == "full" and marker["trainable"] == marker["total"] == sum(p.numel() for p in full.parameters())
+
+
+def test_train_settings_drop_lora_settings_of_a_full_run():
+    full = config.load()
+    changed = config.load(overrides={"train": {"lora": {"rank": 4}}})
+    assert "lora" not in config.train_settings(full)
+    assert config.warmup_key(full) == config.warmup_key(changed)
+    assert config.plan_settings(full) == config.plan_settings(changed)
+    lora_run = config.load(overrides={"train": {"method": "lora"}})
+    lora_changed = config.load(overrides={"train": {"method": "lora", "lora": {"rank": 4}}})
+    assert config.train_settings(lora_run)["lora"]["rank"] == 16
+    assert config.warmup_key(lora_run) != config.warmup_key(lora_changed) != config.warmup_key(full)
+
+
+@pytest.mark.parametrize("router", ["frozen", "trainable", "adapter"])
+def test_router_learning_rate_and_freeze_see_peft_names(router):
+    """moeflow.train.param_groups finds the router under peft (its weight, base_layer or own adapter)."""
+    from moeflow.train import TrainSettings, param_groups
+
+    settings = TrainSettings(steps=1, lr=1e-3, router_lr_multiplier=0.5)
+    model = lora.apply_lora(tiny("mixtral"), {"rank": 4, "router": router}, False)
+    routers = [f"base_model.model.{name}." for name in lora.router_modules(model)]
+    trainable_router = {n for n, p in model.named_parameters() if p.requires_grad and n.startswith(tuple(routers))}
+    groups = param_groups(model, settings)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    in_router_groups = {by_id[id(p)] for g in groups if g["name"].startswith("router") for p in g["params"]}
+    assert in_router_groups == trainable_router and bool(trainable_router) is (router != "frozen")
+    assert all(g["lr"] == 5e-4 for g in groups if g["name"].startswith("router"))
+    param_groups(model, TrainSettings(steps=1, lr=1e-3, freeze_router=True))
+    assert not lora.router_is_trainable(model)
+
+
 # --------------------------------------------------------------------------- routers
 
 

@@ -88,6 +88,12 @@ def test_a_training_setting_reruns_the_plan_and_not_the_data_stages(pipeline_cop
     assert not rules & {"verify_env", "train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"}
 
 
+def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
+    rules = scheduled_rules(pipeline_copy, write_overlay(pipeline_copy, {"runs": {"hot": {"train": {"lr": 1e-3}}}}))
+    assert {"plan_memory", "warmup", "train_model"} <= rules
+    assert not rules & {"verify_env", "train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"}
+
+
 def test_stacks_write_to_separate_result_trees(smoke_pipeline):
     other = "current" if active_stack() == "pinned" else "pinned"
     assert not (smoke_pipeline / "results" / other).exists()

@@ -369,7 +369,7 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
     assert json.loads((warm / "trainer_state.json").read_text())["step"] == 2
     assert not any((tmp_path / "ckpt").iterdir())  # resumable checkpoints removed once the stage succeeded
 
-    outputs = {"model": tmp_path / "final", "logs": tmp_path / "logs"}
+    outputs = {"model": tmp_path / "final", "logs": tmp_path / "logs", "adapter": tmp_path / "adapter"}
     done = run_stage_script("train_model.py", tmp_path, "train_model",
                             {"model": stage_inputs / "base", "data": stage_inputs / "data", "warmup": warm, "valset": stage_inputs / "valset"}, outputs,
                             {"settings": {"model": model_cfg, "train": train}, "runtime": runtime, "checkpoints": str(tmp_path / "ckpt")})
@@ -381,6 +381,7 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "final")
     assert model.config.num_experts == 4 and len(tokenizer) == model.config.vocab_size
+    assert json.loads((tmp_path / "adapter" / "trainable_parameters.json").read_text())["method"] == "full"
 
 
 def test_warmup_with_an_unstable_router_fails_with_the_report(stage_inputs, tmp_path):

@@ -437,6 +437,17 @@ class RunRecord:
     speed: Mapping[str, Any]  # evaluate's speed.json
     log: TrainLog  # training's metrics.jsonl
     benchmark: Mapping[str, float | None]  # the training job's Snakemake benchmark
+    # train_model's adapter/trainable_parameters.json (moeflow.lora.save_adapter_output): method, trainable and total parameters
+    training: Mapping[str, Any] = field(default_factory=dict)
+
+
+def training_cost(r: RunRecord) -> dict[str, float | None]:
+    """Median training throughput, peak step-end memory and the training job's peak RSS of one run."""
+    return {
+        "train tokens/s": median(r.log.tokens_per_s),
+        "train peak MiB": max(r.log.memory_mib) if r.log.memory_mib else None,
+        "train job peak RSS MiB": r.benchmark.get("max_rss_mib"),
+    }
 
 
 def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
@@ -451,9 +462,7 @@ def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "tokens trained": last(r.log.tokens),
             "final train CE": last(r.log.ce),
             "val loss": valset["finetuned"]["loss"] if valset else None,
-            "train tokens/s": median(r.log.tokens_per_s),
-            "train peak MiB": max(r.log.memory_mib) if r.log.memory_mib else None,
-            "train job peak RSS MiB": r.benchmark.get("max_rss_mib"),
+            **training_cost(r),
             "eval tokens/s": r.speed["finetuned"]["tokens_per_s"],
             "eval peak MiB": r.speed["peak_memory_bytes"] / 2**20,
         })
@@ -482,6 +491,62 @@ def comparison_table(records: Sequence[RunRecord], reference: str) -> Table:
         columns=columns,
         rows=table_rows,
         digits={"train tokens/s": 0, "eval tokens/s": 0, "train peak MiB": 0, "train job peak RSS MiB": 0, "eval peak MiB": 0},
+    )
+
+
+def value_at_tokens(tokens: Sequence[int], values: Sequence[float], budget: int) -> float | None:
+    """The value logged at the last point with at most ``budget`` tokens trained (None if there is none)."""
+    picked = None
+    for t, v in zip(tokens, values):
+        if t <= budget:
+            picked = v
+    return picked
+
+
+def method_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """Per run: training method, trainable parameters, cost, and the losses reached after the same number
+    of tokens (the fewest any run trained), so runs of different lengths compare at equal data."""
+    budget = min((last(r.log.tokens) or 0 for r in records), default=0)
+    out = []
+    for r in records:
+        t = r.training
+        out.append({
+            "run": r.name,
+            "method": t.get("method"),
+            "trainable params": t.get("trainable"),
+            "total params": t.get("total"),
+            "trainable %": 100.0 * t["trainable_fraction"] if "trainable_fraction" in t else None,
+            **training_cost(r),
+            "tokens compared": budget,
+            "train CE at tokens": value_at_tokens(r.log.tokens, r.log.ce, budget),
+            "val loss at tokens": value_at_tokens(r.log.val_tokens, r.log.val_loss, budget),
+        })
+    return out
+
+
+METHOD_RATIOS = ("trainable params", "train tokens/s", "train peak MiB", "train job peak RSS MiB")
+
+
+def method_table(records: Sequence[RunRecord], reference: str) -> Table:
+    """The LoRA-vs-full table: one row per run, then each run trained by another method than ``reference``
+    (the paper's MoE run) as a ratio to it."""
+    rows = method_rows(records)
+    columns = list(rows[0]) if rows else ["run"]
+    ref = next((r for r in rows if r["run"] == reference), None)
+    table_rows = [[r[c] for c in columns] for r in rows]
+    if ref is not None:
+        for r in rows:
+            if r["method"] != ref["method"]:
+                table_rows.append([f"{r['run']} / {reference}"] + [times(ratio(r[c], ref[c])) if c in METHOD_RATIOS else "" for c in columns[1:]])
+    return Table(
+        name="lora_vs_full",
+        caption="LoRA vs full fine-tuning of every run: trainable and total parameters, median training throughput "
+        "(tokens/s), peak memory (MiB; step-end RSS on CPU or allocated memory on CUDA, and the training job's "
+        "peak RSS), and the training cross-entropy and validation loss (nats/token) at the last logged step "
+        "within the tokens every run trained. Ratio rows divide by the MoE run.",
+        columns=columns,
+        rows=table_rows,
+        digits={"trainable %": 2, "train tokens/s": 0, "train peak MiB": 0, "train job peak RSS MiB": 0},
     )
 
 
@@ -629,7 +694,7 @@ def comparison_figure(records: Sequence[RunRecord]):
 
 
 FIGURES = ("loss_vs_tokens", "lr_schedule", "expert_load", "coverage", "moe_vs_dense")
-TABLES = ("final_metrics", "experts", "balance", "environment", "moe_vs_dense")
+TABLES = ("final_metrics", "experts", "balance", "environment", "moe_vs_dense", "lora_vs_full")
 
 
 def paper_outputs(outdir: str) -> dict[str, str]:
@@ -673,6 +738,7 @@ def write_paper(
         balance_table(evals, settings["set"]),
         environment_table(env_report, config, record),
         comparison_table(compared, moe),
+        method_table(list(records.values()), moe),
     ):
         artifacts += write_table(table, outdir / "tables", line)
 

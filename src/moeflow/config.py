@@ -129,6 +129,14 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
     split = data.get("split", {})
     if split and split.get("heldout", 0) + split.get("test", 0) >= 1:
         problems.append("config keys 'data.split.heldout' + 'data.split.test' must sum to less than 1")
+    for corpus in data.get("sources", {}):  # a corpus name is a folder under results/: no '/', no '..'
+        if not RUN_NAME.match(str(corpus)):
+            problems.append(f"config key 'data.sources.{corpus}': corpus names may use letters, digits, '_', '.', '-' only "
+                            "(the name is a folder under results/)")
+    model = cfg.get("model") or {}
+    if model.get("trust_remote_code") and not model.get("pretrained"):
+        problems.append("config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may only be "
+                        "turned on for a named model folder whose code you trust")
     named = data.get("eval_corpora", []) + cfg.get("coverage", {}).get("pool_corpora", [])
     for corpus in named + [data.get("base_corpus"), data.get("finetune_corpus")]:
         if corpus is not None and corpus not in data.get("sources", {}):
@@ -254,6 +262,9 @@ COPIED_RECIPE_NAMES = {
     "(moeflow.collate), with no padding to max_length: remove the setting",
     "accumulate_gradient": "'Trainer.accumulate_gradient' does not exist; set train.grad_accum_steps (losses are "
     "normalised over the whole step) and train.balance.mode for the balancing loss across micro-batches",
+    "global_batch_size": "there is no global batch size to set (so no micro-batch that fails to divide it): the "
+    "global batch is train.micro_batch_size x train.grad_accum_steps x the ranks (parallel.nproc_per_node x "
+    "parallel.nnodes); set those",
     "cosine_with_warmup": "there is no scheduler 'cosine_with_warmup' to choose: moeflow always warms up linearly "
     "(train.warmup_steps or train.warmup_ratio) and then decays with a cosine to train.min_lr",
 }
@@ -371,7 +382,7 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "model": cfg["model"],
         "vocab_size": cfg["tokenizer"].get("vocab_size"),
         "hardware": cfg["hardware"],
-        "train": cfg["train"],
+        "train": train_settings(cfg),
         "seq_len": cfg["data"]["seq_len"],
         "precision": cfg["precision"],
     }
@@ -380,7 +391,16 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- fine-tuning stages (warmup, train_model)
 
 # Settings that only affect the part after warmup: changing them reruns train_model, not warmup.
-AFTER_WARMUP_KEYS = ("steps", "warmup_ratio", "min_lr", "eval_every", "eval_max_sequences", "log_every")
+AFTER_WARMUP_KEYS = ("steps", "warmup_ratio", "min_lr", "eval_every", "eval_max_sequences", "log_every", "peak_flops_per_s")
+
+
+def train_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``train:`` section as the training stages and the planner see it: ``train.lora`` only when
+    ``train.method`` is ``lora``, so that LoRA settings never rerun a full fine-tune."""
+    train = dict(cfg["train"])
+    if train.get("method", "full") != "lora":
+        train.pop("lora", None)
+    return train
 
 
 def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
@@ -395,7 +415,7 @@ def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
 def warmup_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What the warmup stage depends on: base model, data, model/runtime settings and the training
     settings of the warmup part (with the warmup length resolved), not those of the rest."""
-    train = {k: v for k, v in cfg["train"].items() if k not in AFTER_WARMUP_KEYS}
+    train = {k: v for k, v in train_settings(cfg).items() if k not in AFTER_WARMUP_KEYS}
     train["warmup_steps"] = resolve_warmup_steps(cfg["train"])
     return {
         "base": base_key(cfg),
@@ -403,6 +423,7 @@ def warmup_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "finetune_corpus": cfg["data"]["finetune_corpus"],
         "model": cfg["model"],
         "hardware_device": cfg["hardware"]["device"],
+        "parallel": cfg.get("parallel") or {},  # the ranks and their layout change the global batch and the sums
         "train": train,
         "precision": cfg["precision"],
         "seed": cfg["seed"],

@@ -757,16 +757,29 @@ def build_valset(model: Any, pool_dirs: Sequence[str | os.PathLike], settings: M
     corpora = list(settings["pool_corpora"])
     if len(corpora) != len(pool_dirs):
         raise ValueError(f"{len(pool_dirs)} pool folders for {len(corpora)} corpora in 'coverage.pool_corpora'")
+    from .routing import UnsupportedModel, adapter_for
+
+    try:
+        adapter = adapter_for(model)
+    except UnsupportedModel as exc:
+        raise UnsupportedModel(
+            f"the coverage stage routes the held-out pool through the model's experts, and this model has none it can "
+            f"read: {str(exc).rstrip('.')}. A dense run uses another run's validation set: set 'coverage.valset_of_run' to an MoE run"
+        ) from None
     pools = [(name, iter_rows(open_split(path, VALSET_SPLIT))) for name, path in zip(corpora, pool_dirs)]
-    stats = route_pool(model, pools, int(settings["batch_tokens"]), attn_implementation, precision)
+    stats = route_pool(model, pools, int(settings["batch_tokens"]), attn_implementation, precision, adapter)
+    min_docs, min_tokens = int(settings["min_docs_per_expert"]), int(settings["min_tokens"])
     if stats.num_docs == 0:
         raise CoverageInfeasible(f"the held-out pool of {', '.join(corpora)} has no documents: raise 'data.split.heldout'")
-    min_docs, min_tokens = int(settings["min_docs_per_expert"]), int(settings["min_tokens"])
     constraints = build_constraints(stats, min_tokens, int(settings["pairs_per_layer"]))
     selection = select_documents(constraints, stats.doc_tokens, stats.doc_corpus, min_docs, int(settings["token_budget"]), seed)
     report, heat = coverage_report(stats, constraints, selection, settings, seed)
     if report["unmet"] and not settings.get("allow_unmet", False):
-        raise CoverageInfeasible(infeasible_message(report["unmet"], min_docs, min_tokens))
+        message = infeasible_message(report["unmet"], min_docs, min_tokens)
+        if stats.num_docs < min_docs:
+            message = (f"the held-out pool of {', '.join(corpora)} has {stats.num_docs} document(s), fewer than "
+                       f"'coverage.min_docs_per_expert' ({min_docs}), so no expert can be covered. {message}")
+        raise CoverageInfeasible(message)
     kill_point("coverage.before_write")
     selected: dict[int, set[int]] = {}
     for j in selection.selected.tolist():
@@ -774,6 +787,7 @@ def build_valset(model: Any, pool_dirs: Sequence[str | os.PathLike], settings: M
     report["provenance"] = dict(provenance or {})
     write_valset(pool_dirs, selected, outputs.valset, {"corpora": corpora, "docs": report["valset"]["docs"],
                                                        "tokens": report["valset"]["tokens"], "provenance": report["provenance"]})
+    kill_point("coverage.after_valset")  # one output written, two to go: what a rerun must not mistake for done
     plot_heatmap(outputs.heatmap, stats.layers, heat["valset"], heat["random"], min_docs)
     write_json(outputs.json, report)
     return report

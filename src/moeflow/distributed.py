@@ -18,10 +18,15 @@ a process group and the config's ``parallel`` section into a sharded model:
 * The losses are normalised by the step's global token count (``moeflow.losses`` all-reduces the counts),
   so the gradient of a step is the *sum* of the ranks' gradients. FSDP (ours and transformers') averages
   over the data-parallel ranks; :func:`reduce_gradients` multiplies by their number (exact for powers of
-  two) and, for an unsharded model, all-reduces the sum. Call it instead of ``train.sync_gradients``.
+  two) and, for an unsharded model, all-reduces the sum (the Trainer's one gradient reduction).
 * :func:`clip_grad_norm`, :func:`full_state_dict` / :func:`load_full_state_dict` (weights and AdamW
-  state as whole tensors on every rank, for the safetensors checkpoints, so a checkpoint does not depend
-  on the layout) and :func:`full_gradients` (tests, debugging) work for all three layouts.
+  state as whole tensors, for the safetensors checkpoints, so a checkpoint does not depend on the
+  layout), :func:`whole_model` (the final model for ``save_pretrained`` on rank 0) and
+  :func:`full_gradients` (tests, debugging) work for all three layouts.
+* The stage scripts: ``ranks = init(device)``, ``Parallel.from_config(settings["parallel"]).check_ranks(ranks)``
+  (torchrun started what the config asks for), ``moeflow.train.load_for_training`` (:func:`load_model`,
+  LoRA, :func:`shard_model`), the Trainer, :func:`teardown`. Known limits: transformers 5's expert
+  parallelism unties tied embeddings (refused); LoRA runs on several ranks with ``strategy: none`` only.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class Parallel:
     ep_size: int = 1
     fsdp_size: int | None = None
     ep_implementation: str = "auto"
+    nproc_per_node: int = 1
+    nnodes: int = 1
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any] | None) -> "Parallel":
@@ -63,7 +70,31 @@ class Parallel:
         strategy = section.get("strategy", "none")
         if strategy not in STRATEGIES:
             raise DistributedError(f"config key 'parallel.strategy': {strategy!r}; use one of {', '.join(STRATEGIES)}")
-        return cls(strategy, int(section.get("ep_size", 1)), section.get("fsdp_size"), section.get("ep_implementation", "auto"))
+        return cls(
+            strategy,
+            int(section.get("ep_size", 1)),
+            section.get("fsdp_size"),
+            section.get("ep_implementation", "auto"),
+            int(section.get("nproc_per_node", 1)),
+            int(section.get("nnodes", 1)),
+        )
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the config asks for: ``nproc_per_node x nnodes``."""
+        return self.nproc_per_node * self.nnodes
+
+    def check_ranks(self, ranks: "Ranks") -> "Parallel":
+        """This layout, if torchrun started the ranks it asks for; else a clear error. (The rule starts one
+        rank per GPU of its ``resources.gpu``, or ``parallel.nproc_per_node`` CPU ranks: a profile and a
+        config that disagree end here, before any work.)"""
+        if ranks.world_size != self.world_size:
+            raise DistributedError(
+                f"torchrun started {ranks.world_size} rank(s), but config keys 'parallel.nproc_per_node' x 'parallel.nnodes' "
+                f"ask for {self.world_size}: make the training rule's resources (gpu, nodes; set in the profile) and the "
+                "config's parallel section agree (moeflow.scaleout.request_problems lists the differences)"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -87,7 +118,7 @@ def init(device_type: str | None = None) -> Ranks:
     """Join the process group torchrun describes (only with more than one process) and pick the device.
 
     ``device_type``: "cuda" or "cpu"; default: CUDA when available. The backend follows the device:
-    nccl on CUDA, gloo on CPU."""
+    nccl for CUDA tensors (and gloo for CPU ones) on CUDA, gloo on CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -103,7 +134,9 @@ def init(device_type: str | None = None) -> Ranks:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+            # With CUDA, nccl for the model's tensors and gloo for the CPU tensors the losses all-reduce
+            # (token and expert counts, logged loss terms).
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo")
     return Ranks(rank, world, local_rank, device)
 
 
@@ -125,10 +158,41 @@ def process_group(device_type: str | None = None) -> Iterator[Ranks]:
     teardown()
 
 
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _initialized() else 1
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _initialized() else 0
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if _initialized():
+        dist.barrier()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` in one process."""
+    import torch.distributed as dist
+
+    if not _initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -173,16 +237,26 @@ def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any], parallel: 
     """Load a saved model folder for this layout: sharded by transformers at load time for ``ep``,
     whole (then :func:`shard_model`) otherwise. (``_from_config`` takes no DistributedConfig: an
     expert-parallel run needs a folder, such as the base model or a checkpoint's save_pretrained.)"""
-    from .modeling import _impl_kwargs, load_model as load_whole
+    from .modeling import _impl_kwargs, check_model_folder, load_model as load_whole
 
     if parallel.strategy != "ep":
         return load_whole(path, model_cfg, dtype)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    trust = bool(model_cfg.get("trust_remote_code", False))
+    if getattr(AutoConfig.from_pretrained(check_model_folder(path), trust_remote_code=trust, local_files_only=True), "tie_word_embeddings", False):
+        # Measured on transformers 5.24 (tests/test_train_distributed.py): the first step's gradients are
+        # right, but the output layer and the embedding then train apart (loss 5e-4 off one process's at step 2).
+        raise DistributedError(
+            f"parallel.strategy: ep with a model whose embedding and output layer are tied (tie_word_embeddings in "
+            f"{path}/config.json): transformers 5's expert-parallel sharding unties them during training. Use "
+            "parallel.strategy: fsdp for this model, or a model with tie_word_embeddings: false (model.config)"
+        )
     return AutoModelForCausalLM.from_pretrained(
-        path,
+        check_model_folder(path),
+        use_safetensors=True,
         torch_dtype=dtype or torch.float32,
-        trust_remote_code=bool(model_cfg.get("trust_remote_code", False)),
+        trust_remote_code=trust,
         local_files_only=True,
         distributed_config=distributed_config(parallel),
         **_impl_kwargs(model_cfg),
@@ -309,19 +383,24 @@ def _data_parallel_size(model: torch.nn.Module, world: int) -> int:
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the gradients of the whole (sharded) model to ``max_norm``; return the norm before clipping."""
-    if is_fsdp1(model):
-        return float(model.clip_grad_norm_(max_norm))
+    """Clip the gradients of the whole (sharded) model to ``max_norm``; return the norm before clipping.
+
+    Sharded models sum the squares of per-tensor norms in parameter order, so that the norm is the same
+    from run to run (FSDP1's own ``clip_grad_norm_`` iterates a set of parameters: its last digits vary);
+    DTensor gradients may live on different meshes (experts vs the rest), so their norms are made whole
+    one by one."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if not any(_is_dtensor(p.grad) for p in params):
+    fsdp1 = is_fsdp1(model)
+    if not fsdp1 and not any(_is_dtensor(p.grad) for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    # DTensor gradients may live on different meshes (experts vs the rest): norms per tensor, made whole
     squares = torch.zeros((), dtype=torch.float64)
     for p in params:
         norm = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
         if _is_dtensor(norm):
             norm = norm.full_tensor()
         squares += norm.double().cpu() ** 2
+    if fsdp1:  # each rank holds its shards of every gradient
+        squares = all_reduce_sum(squares)
     total = float(squares.sqrt())
     coef = max_norm / (total + 1e-6)
     if coef < 1:
@@ -358,16 +437,20 @@ def _state_dict_options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
+def full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, rank0_only: bool = False) -> tuple[dict, dict | None]:
     """Whole (unsharded) model and optimizer state on every rank, keyed by parameter name as the unwrapped
     model names them (the optimizer's too: ``{"state": {name: {...}}, "param_groups": [{"params": [names]}]}``),
     in one format for every layout and world size: what the safetensors checkpoint writes. A collective:
-    every rank calls it."""
+    every rank calls it. ``rank0_only``: gathered into rank 0's CPU memory only (the other ranks may get
+    empty states), as a writer on rank 0 needs: no rank holds the whole model on its device."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    # (torch 2.3's FSDP1 crashes offloading a model that is on the CPU already: there every rank gathers)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    options = _state_dict_options(cpu_offload=rank0_only and is_sharded(model) and not (is_fsdp1(model) and on_cpu))
     with _cpu_safe_fsdp1():
-        model_state = get_model_state_dict(model, options=_state_dict_options())
-        optim_state = get_optimizer_state_dict(model, optimizer, options=_state_dict_options()) if optimizer is not None else None
+        model_state = get_model_state_dict(model, options=options)
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
     return {_clean(k): v for k, v in model_state.items()}, optim_state
 
 
@@ -392,6 +475,57 @@ def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     with _cpu_safe_fsdp1():
-        set_model_state_dict(model, dict(state), options=_state_dict_options())
+        # The optimizer first: on torch 2.3 it initialises a fresh optimizer's state with a real step on
+        # zero gradients, which AdamW's weight decay turns into a change of the weights; loading the
+        # weights afterwards overwrites it.
         if optimizer is not None and optim_state is not None:
-            set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state, options=_state_dict_options())
+            if is_fsdp1(model):
+                _load_fsdp1_optimizer(model, optimizer, optim_state)
+            else:
+                set_optimizer_state_dict(model, optimizer, optim_state_dict=_with_tied_names(model, optim_state), options=_state_dict_options())
+        set_model_state_dict(model, dict(state), options=_state_dict_options())
+
+
+def _load_fsdp1_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_state: Mapping[str, Any]) -> None:
+    """FSDP1's own loader: torch 2.3's generic one asks for a tied parameter's state under each of its
+    names, which FSDP1's loader (keyed by the first name only) then refuses."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()):
+        optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, dict(optim_state)))
+
+
+def _with_tied_names(model: torch.nn.Module, optim_state: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer state under every name of a tied parameter (tied embeddings): PyTorch saves it under
+    one name and, on torch 2.3, looks it up under each when loading."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(_clean(name))
+    state = dict(optim_state["state"])
+    for tied in (group for group in names.values() if len(group) > 1):
+        found = next((state[n] for n in tied if n in state), None)
+        if found is not None:
+            for n in tied:
+                state.setdefault(n, found)
+    return {**optim_state, "state": state}
+
+
+def whole_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model as one unsharded transformers model, for ``save_pretrained`` on rank 0. A collective for a
+    sharded model (every rank calls it): rank 0 gets a copy of the model's class holding the whole weights,
+    the other ranks None. An unsharded model is returned as it is (unwrapped), on every rank."""
+    if not is_sharded(model):
+        return unwrap(model)
+    weights, _ = full_state_dict(model, rank0_only=True)
+    if rank() != 0:
+        return None
+    import copy
+
+    inner = unwrap(model)
+    config = copy.deepcopy(inner.config)
+    if getattr(config, "distributed_config", None) is not None:
+        config.distributed_config = None  # the saved model loads whole; the layout is the run's, not the model's
+    dtype = next(iter(weights.values())).dtype
+    whole = type(inner)._from_config(config, torch_dtype=dtype)
+    whole.load_state_dict(weights)
+    return whole

@@ -422,5 +422,5 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += [f"{len(pins['differences'])} difference(s) (with env.strict: true the stage fails instead):", ""]
         lines += [f"- {describe_difference(d)}" for d in pins["differences"]]
     lines += ["", "## trust_remote_code per run", ""]
-    lines += [f"- `{run}`: {_yes_no(flag)}" for run, flag in report["trust_remote_code"].items()] or ["- (no runs)"]
+    lines += [f"- `{run}`: {_yes_no(flag)}" for run, flag in report["trust_remote_code"].items()] or ["- off for every run"]
     return "\n".join(lines) + "\n"

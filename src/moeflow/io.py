@@ -8,12 +8,74 @@ that the same content gives the same bytes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+
+class DiskFull(OSError):
+    """A write that ran out of space (or quota), naming the output it was writing; the output's previous
+    version, if any, is left as it was."""
+
+
+_NO_SPACE = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}
+
+
+def _disk_full(exc: BaseException, path: Path) -> DiskFull | None:
+    """``exc`` as a DiskFull that names ``path`` (the final output), or None if it is not about space."""
+    if not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
+        return None
+    cause = exc.__cause__ if isinstance(exc, DiskFull) and exc.__cause__ is not None else exc
+    detail = getattr(cause, "filename", None)
+    where = f" (at {detail})" if detail and str(detail) != str(path) else ""
+    kept = "its previous version is unchanged" if path.exists() else "nothing was written under that name"
+    return DiskFull(
+        exc.errno,
+        f"{_NO_SPACE[exc.errno]} while writing {path}{where}: {kept}. Free space on that filesystem "
+        f"(df -h {path.parent}) and rerun",
+    )
+
+
+def _temporary_prefix(path: Path) -> str:
+    """Temporaries are named after their writer (host and process), so a later writer can tell one left
+    behind by a killed process from one still being written."""
+    return f".{path.name}.{socket.gethostname()}-{os.getpid()}."
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries of ``path`` that a killed writer on this host left behind (a killed stage
+    can leave gigabytes); those of a live process or of another host are kept. Returns what was removed."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?P<host>.+)-(?P<pid>\d+)\.[^.]+\.tmp")
+    removed = []
+    for sibling in path.parent.iterdir():
+        match = pattern.fullmatch(sibling.name)
+        if match and match["host"] == socket.gethostname() and not _process_alive(int(match["pid"])):
+            if sibling.is_dir() and not sibling.is_symlink():
+                shutil.rmtree(sibling, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    sibling.unlink()
+            removed.append(sibling)
+    return removed
 
 
 def _fsync_dir(path: Path) -> None:
@@ -45,7 +107,8 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     """Open a temporary sibling of ``path`` for writing; rename it to ``path`` on success only."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh
@@ -54,9 +117,12 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
         _default_mode(Path(tmp), is_dir=False)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        full = _disk_full(exc, path)
+        if full is not None:
+            raise full from exc
         raise
 
 
@@ -79,11 +145,14 @@ def read_json(path: str | os.PathLike) -> Any:
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``path``; on success it replaces ``path`` in one rename.
 
-    On failure the temporary folder is removed and an existing ``path`` is left untouched.
+    On failure the temporary folder is removed and an existing ``path`` is left untouched; running out
+    of space raises :class:`DiskFull` naming ``path``. A temporary that a killed writer left is removed
+    when ``path`` is next written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    remove_stale_temporaries(path)
+    tmp = Path(tempfile.mkdtemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         _default_mode(tmp, is_dir=True)
@@ -97,6 +166,9 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         else:
             os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = _disk_full(exc, path)
+        if full is not None:
+            raise full from exc
         raise

@@ -33,7 +33,10 @@ whenever checkpointing is on, so either variant trains the adapters.
 Checkpoints hold only what training changes: ``save_pretrained`` of the peft model (adapter_config.json,
 adapter_model.safetensors), the router's weights when it is trainable (router.safetensors) and the
 LoRA settings (moeflow_lora.json). :func:`merge_and_save` folds the adapters into the base weights and
-writes a folder that ``AutoModelForCausalLM.from_pretrained`` loads.
+writes a folder that ``AutoModelForCausalLM.from_pretrained`` loads. train_model also declares the adapter
+as an output (``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which
+``PeftModel.from_pretrained`` loads on the base model, plus the trainable-parameter report; a full run
+writes only the report (``method: full``).
 
 This module imports torch and peft lazily: moeflow.plan (imported at DAG-build time) uses LoraSettings.
 """
@@ -58,6 +61,7 @@ ROUTER_MODES = ("frozen", "trainable", "adapter")
 ADAPTER_NAME = "default"
 SETTINGS_FILE = "moeflow_lora.json"
 ROUTER_FILE = "router.safetensors"
+REPORT_FILE = "trainable_parameters.json"
 
 _ATTENTION = re.compile(r"(^|\.)(self_attn|attention)\.")
 _ROUTED_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
@@ -378,6 +382,22 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
     return model
 
 
+def save_adapter_output(model: Any, folder: str | os.PathLike) -> dict[str, Any]:
+    """train_model's ``adapter`` output, written atomically: for a LoRA model the adapter (:func:`save_adapter`:
+    loadable with ``PeftModel.from_pretrained`` on the base model), for every model
+    ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full`` or ``lora``),
+    so the output exists for a full run too. Call it before :func:`merge_and_save`, which consumes the
+    peft wrapper. Returns the report."""
+    from .io import atomic_dir, write_json
+
+    report = trainable_parameter_report(model)
+    with atomic_dir(folder) as tmp:
+        if is_lora_model(model):
+            save_adapter(model, tmp)
+        write_json(Path(tmp) / REPORT_FILE, report)
+    return report
+
+
 def merge_and_save(model: Any, tokenizer: Any, folder: str | os.PathLike) -> Any:
     """Fold the adapters into the base weights and write a model folder (safetensors, config, and the
     tokenizer if given) that ``AutoModelForCausalLM.from_pretrained`` loads; atomic. This consumes the
@@ -450,6 +470,6 @@ def describe(model: Any) -> str:
 
 
 __all__ = [
-    "LoraSettings", "LoraConfigError", "apply_lora", "save_adapter", "load_adapter", "merge_and_save",
+    "LoraSettings", "LoraConfigError", "apply_lora", "save_adapter", "load_adapter", "save_adapter_output", "merge_and_save",
     "trainable_parameter_report", "router_is_trainable", "is_lora_model", "find_targets", "describe",
 ]

@@ -23,8 +23,11 @@ loss of the step is defined on the whole step, and each micro-batch's backward a
 * Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2, averaged over layers.
 * Loss-free balancing (DeepSeek-V3): after each step ``bias += rate * sign(mean load - load)``.
 
-Counts are all-reduced across ranks when ``torch.distributed`` is initialised; micro-batch graphs are
-released after each backward (never ``retain_graph``).
+Counts (label tokens, routed tokens, expert selections) are all-reduced across ranks when
+``torch.distributed`` is initialised, so each rank's loss is its share of the global step's loss and
+the step's gradient is the sum of the ranks' gradients (``moeflow.distributed.reduce_gradients``);
+:meth:`StepLoss.summary` all-reduces the logged terms too. Micro-batch graphs are released after each
+backward (never ``retain_graph``).
 """
 
 from __future__ import annotations
@@ -248,8 +251,8 @@ class StepLoss:
 
     def _balance(self, counts: torch.Tensor, prob_sums: torch.Tensor, local_tokens: int) -> torch.Tensor:
         mode = self.settings.balance_mode
-        if mode == "micro_batch":
-            source, tokens, weight = counts, local_tokens, 1.0 / self.num_micro_batches
+        if mode == "micro_batch":  # the mean over every rank's micro-batches (the ranks' gradients are summed)
+            source, tokens, weight = counts, local_tokens, 1.0 / (self.num_micro_batches * world_size())
         else:
             source = self.step_counts if mode == "exact" else self.running_counts
             tokens, weight = self.num_routed_tokens, 1.0
@@ -258,8 +261,11 @@ class StepLoss:
         return per_layer.mean() * weight
 
     def summary(self) -> dict[str, Any]:
-        """The step's loss terms and routing statistics (for logging; all ranks' counts included)."""
-        out = dict(self.totals)
+        """The step's loss terms and routing statistics, the same on every rank: each rank's terms are its
+        share of the step's loss (normalised by the global counts), so their sum over ranks is the step's."""
+        names = sorted(self.totals)
+        totals = all_reduce_sum(torch.tensor([self.totals[k] for k in names], dtype=torch.float64))
+        out: dict[str, Any] = dict(zip(names, totals.tolist()))
         out["label_tokens"] = self.num_label_tokens
         out["routed_tokens"] = self.num_routed_tokens
         if self.running_counts is not None and self.running_counts.numel():

@@ -27,6 +27,9 @@ T = TypeVar("T")
 PACKAGE_DIR = Path(__file__).resolve().parent
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 KILL_ENV = "MOEFLOW_KILL_AT"
+# MOEFLOW_KILL_SCOPE=group kills the whole process group (Snakemake too, when a test starts it in its
+# own session): what a power cut or `kill -9` of the run leaves behind, incomplete markers included.
+KILL_SCOPE_ENV = "MOEFLOW_KILL_SCOPE"
 
 log = logging.getLogger("moeflow")
 
@@ -46,10 +49,13 @@ def code_version() -> str:
 
 
 def kill_point(name: str) -> None:
-    """Die with SIGKILL here if a test asked for it (``MOEFLOW_KILL_AT=name``): simulates ``kill -9``."""
+    """Die with SIGKILL here if a test asked for it (``MOEFLOW_KILL_AT=name``): simulates ``kill -9`` of
+    this process, or of its whole process group with ``MOEFLOW_KILL_SCOPE=group``."""
     if os.environ.get(KILL_ENV) == name:
         log.warning("killed at %s (%s set)", name, KILL_ENV)
         logging.shutdown()
+        if os.environ.get(KILL_SCOPE_ENV) == "group":
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -4,8 +4,9 @@ One optimizer step: take the step's rows (a deterministic permutation per epoch)
 micro-batches, count the step's label and routed tokens, optionally run the counting forward (balance
 mode ``exact``), then per micro-batch: forward (``use_cache=False``, routing captured by hooks),
 the micro-batch's share of the step loss (``moeflow.losses``), backward, and drop the graph. Then sum
-gradients over ranks, clip, set the learning rate (linear warmup, cosine to ``min_lr``), AdamW step,
-loss-free bias update, guards, logging (TensorBoard + metrics.jsonl), checkpoint.
+gradients over ranks (``moeflow.distributed``: an all-reduce, or FSDP's reduce-scatter), clip, set the
+learning rate (linear warmup, cosine to ``min_lr``), AdamW step, loss-free bias update, guards, logging
+(TensorBoard + metrics.jsonl, rank 0), checkpoint.
 
 Resumable checkpoints live in a folder keyed by the stage's settings, inputs and code, outside the
 stage's declared outputs (``--rerun-incomplete`` deletes those); a run resumes from the newest complete
@@ -32,19 +33,22 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from . import distributed as D
 from . import guards as G
 from .collate import MODEL_INPUTS
 from .config import resolve_warmup_steps
 from .io import atomic_dir, read_json, write_json
-from .losses import LayerRouter, LossSettings, StepLoss, all_reduce_sum, count_label_tokens, expert_counts, token_mask, update_correction_bias, world_size
+from .losses import LayerRouter, LossSettings, StepLoss, count_label_tokens, expert_counts, token_mask, update_correction_bias
 from .stage import code_version, kill_point, progress
 
 log = logging.getLogger("moeflow.train")
 
-ROUTER_PARAM = re.compile(r"(^|\.)(gate|router)\.(weight|bias)$")
+# A router's weight, also under peft: its frozen base_layer, or its own adapter (train.lora.router: adapter).
+ROUTER_PARAM = re.compile(r"(^|\.)(gate|router)\.(base_layer\.|lora_[AB]\.[^.]+\.)?(weight|bias)$")
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")
+CHECKPOINT_FILES = ("trainer_state.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors")
 # Measured, not computed: kept out of trainer_state.json so that a checkpoint's state is deterministic.
-TIMING_KEYS = ("seconds", "tokens_per_s", "flops_per_s", "memory_mib")
+TIMING_KEYS = ("seconds", "tokens_per_s", "flops_per_s", "mfu", "memory_mib")
 
 
 class TrainConfigError(ValueError):
@@ -79,6 +83,7 @@ class TrainSettings:
     eval_max_sequences: int | None = None
     checkpoint_every: int = 0
     detect_anomaly: bool = False
+    peak_flops_per_s: float | None = None
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any]) -> "TrainSettings":
@@ -114,8 +119,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
 
 
 def param_groups(model: torch.nn.Module, settings: TrainSettings) -> list[dict[str, Any]]:
-    """AdamW groups: no weight decay on norms and biases (1-D), routers at ``router_lr_multiplier``
-    (or frozen with ``freeze_router``). Each group keeps its multiplier under ``lr_multiplier``."""
+    """AdamW groups: no weight decay on norms and biases (1-D in the model, also when FSDP1 has flattened
+    them), routers at ``router_lr_multiplier`` (or frozen with ``freeze_router``). Each group keeps its
+    multiplier under ``lr_multiplier``."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         is_router = bool(ROUTER_PARAM.search(name))
@@ -123,7 +129,7 @@ def param_groups(model: torch.nn.Module, settings: TrainSettings) -> list[dict[s
             param.requires_grad_(False)
         if not param.requires_grad:
             continue
-        groups.setdefault((is_router, param.ndim >= 2), []).append(param)
+        groups.setdefault((is_router, len(D.original_shape(param)) >= 2), []).append(param)
     out = []
     for (is_router, decay), params in sorted(groups.items()):
         multiplier = settings.router_lr_multiplier if is_router else 1.0
@@ -234,14 +240,6 @@ def accumulate_gradients(
     return step
 
 
-def sync_gradients(model: torch.nn.Module) -> None:
-    """Sum gradients over ranks (losses are normalised by global counts, so a sum is the full batch's)."""
-    if world_size() > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                all_reduce_sum(p.grad)
-
-
 # --------------------------------------------------------------------------- data order
 
 
@@ -283,25 +281,44 @@ class DataOrder:
 # --------------------------------------------------------------------------- checkpoints
 
 
+# Optimizer state in safetensors: "<parameter name>/<state key>" (names hold dots, never a slash).
+OPTIM_KEY_SEPARATOR = "/"
+
+
 def _flatten_optimizer(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``moeflow.distributed.full_state_dict``'s optimizer state (keyed by parameter name) as safetensors
+    tensors plus JSON (scalars and parameter groups)."""
     tensors, scalars = {}, {}
-    for index, per_param in state["state"].items():
+    for name, per_param in state["state"].items():
         for key, value in per_param.items():
+            flat = f"{name}{OPTIM_KEY_SEPARATOR}{key}"
             if isinstance(value, torch.Tensor):
-                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+                tensors[flat] = value.detach().cpu().contiguous()
             else:
-                scalars[f"{index}.{key}"] = value
+                scalars[flat] = value
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
 def _unflatten_optimizer(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
+    state: dict[str, dict[str, Any]] = {}
     for flat, value in list(tensors.items()) + list(meta["scalars"].items()):
-        index, key = flat.split(".", 1)
-        state.setdefault(int(index), {})[key] = value
+        name, _, key = flat.rpartition(OPTIM_KEY_SEPARATOR)
+        state.setdefault(name, {})[key] = value
     groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def _without_shared_memory(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied embeddings): copy the second and later ones."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in seen and tensor.numel() else tensor
+        seen.add(storage)
+    return out
 
 
 def fingerprint_paths(paths: Sequence[str | os.PathLike]) -> list[Any]:
@@ -381,7 +398,13 @@ def memory_mib(device: torch.device) -> float:
 
 
 class Trainer:
-    """The loop. ``rows``: any sequence of packed rows (a datasets.Dataset or a list of dicts)."""
+    """The loop. ``rows``: any sequence of packed rows (a datasets.Dataset or a list of dicts).
+
+    ``model``: as ``moeflow.distributed`` laid it out (whole, FSDP-wrapped, or sharded by transformers).
+    With several ranks, each takes its share of the step's rows (``micro_batch_size x grad_accum_steps``
+    per rank), the losses are normalised by the step's global counts, and the ranks' gradients are summed;
+    checkpoints hold the whole state in one format for every layout, and every rank takes part in saving
+    and loading them (rank 0 writes)."""
 
     def __init__(
         self,
@@ -406,15 +429,19 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.log_dir = Path(log_dir) if log_dir else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.rank, self.world = (int(os.environ.get("RANK", 0)), world_size())
-        model.config.use_cache = False
+        self.rank, self.world = D.rank(), D.world_size()
+        inner = D.unwrap(model)
+        inner.config.use_cache = False
         if settings.gradient_checkpointing:
-            enable_checkpointing(model)
+            enable_checkpointing(inner)
         model.train()
-        self.adapter = routing_adapter(model)
+        self.adapter = routing_adapter(inner)
         self.optimizer = torch.optim.AdamW(param_groups(model, settings), lr=settings.lr, betas=settings.betas, eps=settings.eps)
         self.biases = correction_biases(model)
         self.order = DataOrder(len(rows), seed)
+        # Dropout (LoRA's too) draws from the global generator: seeded here, its state saved in checkpoints,
+        # so a fresh start and a resume (which loads that state) are both reproducible.
+        torch.manual_seed(seed)
         self.routing_guard = G.RoutingGuard(settings.routing_guard)
         self.memory_guard = G.MemoryGuard(settings.memory_guard)
         self.step = 0
@@ -431,38 +458,53 @@ class Trainer:
             "history": [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in self.history],
         }
 
-    def save(self, path: str | os.PathLike) -> None:
-        """A full checkpoint at ``path``, written atomically."""
-        with atomic_dir(path) as tmp:
-            self.write_checkpoint(tmp)
+    def save(self, path: str | os.PathLike, extra_json: Mapping[str, Any] | None = None) -> None:
+        """A full checkpoint at ``path``, written atomically by rank 0: weights, optimizer state (whole
+        tensors by parameter name) and every rank's RNG states (safetensors); step, data position, guard
+        state and metrics (JSON); plus ``extra_json`` ({file name: object}). A collective: every rank
+        calls it, and returns once the checkpoint is complete."""
+        from safetensors.torch import save_file
 
-    def write_checkpoint(self, folder: str | os.PathLike) -> None:
-        """Weights, optimizer and RNG states (safetensors), step, data position, guard state and metrics (JSON)."""
-        from safetensors.torch import save_file, save_model
+        weights, optimizer = D.full_state_dict(self.model, self.optimizer, rank0_only=True)
+        rng = D.gather_objects(self._rng_state())
+        if self.rank == 0:
+            tensors, meta = _flatten_optimizer(optimizer)
+            with atomic_dir(path) as folder:
+                save_file(_without_shared_memory(weights), str(folder / "model.safetensors"))
+                save_file(tensors, str(folder / "optimizer.safetensors"))
+                save_file({f"rank{r}.{k}": v for r, states in enumerate(rng) for k, v in states.items()}, str(folder / "rng.safetensors"))
+                write_json(folder / "trainer_state.json", {**self.state(), "optimizer": meta})
+                write_json(folder / "timings.json", [{k: r[k] for k in TIMING_KEYS if k in r} for r in self.history])
+                for name, obj in (extra_json or {}).items():
+                    write_json(folder / name, obj)
+        D.barrier()
 
-        folder = Path(folder)
-        tensors, meta = _flatten_optimizer(self.optimizer.state_dict())
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        save_model(self.model, str(folder / "model.safetensors"))
-        save_file(tensors, str(folder / "optimizer.safetensors"))
-        save_file(rng, str(folder / "rng.safetensors"))
-        write_json(folder / "trainer_state.json", {**self.state(), "optimizer": meta})
-        write_json(folder / "timings.json", [{k: r[k] for k in TIMING_KEYS if k in r} for r in self.history])
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        states = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return states
 
     def load(self, path: str | os.PathLike) -> None:
-        """Continue from a full checkpoint (a resumable one, or the warmup stage's output)."""
-        from safetensors.torch import load_file, load_model
+        """Continue from a full checkpoint (a resumable one, or the warmup stage's output). Every rank
+        reads it and keeps its own shards; call it before the first step."""
+        from safetensors.torch import load_file
 
         path = Path(path)
+        missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"checkpoint {path} lacks {', '.join(missing)}: moeflow reads checkpoints as safetensors plus JSON only "
+                "(pickle files are never loaded: unpickling can run code). Delete the folder to start the stage afresh"
+            )
         state = read_json(path / "trainer_state.json")
-        load_model(self.model, str(path / "model.safetensors"))
-        self.optimizer.load_state_dict(_unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), state["optimizer"]))
+        optimizer = _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), state["optimizer"])
+        D.load_full_state_dict(self.model, load_file(str(path / "model.safetensors")), self.optimizer, optimizer)
         rng = load_file(str(path / "rng.safetensors"))
-        torch.set_rng_state(rng["torch"])
-        if torch.cuda.is_available() and "cuda0" in rng:
-            torch.cuda.set_rng_state_all([rng[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in rng])
+        mine = f"rank{self.rank}" if f"rank{self.rank}.torch" in rng else "rank0"
+        torch.set_rng_state(rng[f"{mine}.torch"])
+        if self.device.type == "cuda" and f"{mine}.cuda" in rng:
+            torch.cuda.set_rng_state(rng[f"{mine}.cuda"], self.device)
         self.step = int(state["step"])
         self.order.load_state_dict(state["data"])
         self.routing_guard.load_state_dict(state["routing_guard"])
@@ -479,9 +521,11 @@ class Trainer:
         return True
 
     def _checkpoint(self) -> None:
-        if self.checkpoint_dir is None or self.rank != 0:
+        if self.checkpoint_dir is None:
             return
         self.save(self.checkpoint_dir / f"step-{self.step:08d}")
+        if self.rank != 0:
+            return
         for old in sorted(self.checkpoint_dir.iterdir()):
             if CHECKPOINT_DIR.match(old.name) and old.name != f"step-{self.step:08d}":
                 shutil.rmtree(old, ignore_errors=True)
@@ -502,21 +546,26 @@ class Trainer:
         indices = self.order.take(per_rank * self.world)[self.rank * per_rank : (self.rank + 1) * per_rank]
         return [self.collate_fn([self.rows[i] for i in indices[j : j + s.micro_batch_size]]) for j in range(0, per_rank, s.micro_batch_size)]
 
+    def step_gradients(self) -> dict[str, Any]:
+        """The next step's forward and backward on this rank's micro-batches, then the gradients summed over
+        ranks (every rank holds the step's gradient, or its shards of it); return the step's loss summary
+        (global, the same on every rank). ``train_step`` without the update: tests compare it across layouts."""
+        batches = self.micro_batches()
+        with torch.autograd.set_detect_anomaly(self.settings.detect_anomaly):
+            step_loss = accumulate_gradients(self.model, batches, self.settings.loss, self.adapter, self.autocast)
+        del batches
+        summary = step_loss.summary()
+        D.reduce_gradients(self.model)
+        return summary
+
     def train_step(self) -> dict[str, Any]:
         s = self.settings
         started = time.perf_counter()
         factor = lr_factor(self.step, s.warmup_steps, s.steps, s.min_lr / s.lr if s.lr else 0.0)
         for group in self.optimizer.param_groups:
             group["lr"] = s.lr * group["lr_multiplier"] * factor
-        batches = self.micro_batches()
-        with torch.autograd.set_detect_anomaly(s.detect_anomaly):
-            step_loss = accumulate_gradients(self.model, batches, s.loss, self.adapter, self.autocast)
-        del batches
-        summary = step_loss.summary()
-        sync_gradients(self.model)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        max_norm = s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        summary = self.step_gradients()
+        grad_norm = D.clip_grad_norm(self.model, s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
         loss = summary["ce"] + s.loss.balance_coef * summary["balance"] + s.loss.z_loss_coef * summary["z_loss"]
         G.check_finite({"loss": loss, "grad_norm": grad_norm}, self.step + 1)
         self.optimizer.step()
@@ -525,6 +574,7 @@ class Trainer:
         update_correction_bias(self.biases, counts, s.loss.bias_update_rate)
         self.step += 1
         seconds = time.perf_counter() - started
+        flops_per_s = self.flops_per_token * summary["routed_tokens"] / seconds  # all ranks together
         entropy = summary.get("router_entropy", [])
         record = {
             "kind": "train",
@@ -540,7 +590,9 @@ class Trainer:
             "label_tokens": summary["label_tokens"],
             "seconds": seconds,
             "tokens_per_s": summary["routed_tokens"] / seconds,
-            "flops_per_s": self.flops_per_token * summary["routed_tokens"] / seconds,
+            "flops_per_s": flops_per_s,
+            # model-FLOP utilisation per device against train.peak_flops_per_s (None when unknown)
+            "mfu": flops_per_s / (s.peak_flops_per_s * self.world) if s.peak_flops_per_s else None,
             "memory_mib": memory_mib(self.device),
             "routing": [G.layer_health(load, e) for load, e in zip(summary.get("counts", []), entropy)],
         }
@@ -550,7 +602,7 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         from .evaluate import batches, evaluate_batches
 
-        attn = getattr(self.model.config, "_attn_implementation", "sdpa")
+        attn = getattr(D.unwrap(self.model).config, "_attn_implementation", "sdpa")
         stats = evaluate_batches(
             self.model,
             batches(self.eval_rows, self.settings.micro_batch_size, attn, self.settings.eval_max_sequences),
@@ -615,14 +667,16 @@ def latest_checkpoint(folder: Path) -> Path | None:
 
 
 def active_parameters(model: torch.nn.Module) -> int:
-    """Parameters one token passes through: everything but the experts a token does not use."""
-    config = model.config
+    """Parameters one token passes through: everything but the experts a token does not use (whole
+    parameters, also of a sharded model)."""
+    config = D.unwrap(model).config
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
-    total = sum(p.numel() for p in model.parameters())
+    sizes = {n: math.prod(D.original_shape(p)) for n, p in model.named_parameters()}
+    total = sum(sizes.values())
     if not experts or not top_k:
         return total
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n or n.endswith(".experts.gate_up_proj") or n.endswith(".experts.down_proj"))
+    expert_params = sum(k for n, k in sizes.items() if ".experts." in n or n.endswith(".experts.gate_up_proj") or n.endswith(".experts.down_proj"))
     return int(total - expert_params + expert_params * top_k / experts)
 
 
@@ -644,6 +698,8 @@ def job_from_argv(argv: Sequence[str] | None = None) -> Any:
 
     The rule passes ``--job`` (JSON: rule, input, output, params), ``--threads`` and ``--log-file``; the
     result has the attributes ``Stage.from_snakemake`` and the scripts read, as a ``script:`` rule's has.
+    Under torchrun the rule's threads are shared by the node's ranks (``threads // LOCAL_WORLD_SIZE``), and
+    only rank 0 writes the log file (the other ranks log to stderr).
     """
     parser = argparse.ArgumentParser(description="a moeflow training stage (started by its Snakemake rule)")
     parser.add_argument("--job", required=True, help="JSON with rule, input, output and params")
@@ -656,22 +712,30 @@ def job_from_argv(argv: Sequence[str] | None = None) -> Any:
         input=_Named(job["input"]),
         output=_Named(job["output"]),
         params=_Named(job["params"]),
-        log=[args.log_file] if args.log_file else [],
-        threads=args.threads,
+        log=[args.log_file] if args.log_file and int(os.environ.get("RANK", "0")) == 0 else [],
+        threads=max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
     )
 
 
-def init_distributed() -> torch.device:
-    """Join the process group torchrun describes (more than one process only) and pick the device."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    if world > 1:
-        import torch.distributed as dist
+def load_for_training(
+    path: str | os.PathLike, model_cfg: Mapping[str, Any], train: Mapping[str, Any], parallel: D.Parallel, ranks: D.Ranks,
+    data: str | os.PathLike | None = None,
+) -> torch.nn.Module:
+    """A saved model folder, ready for the Trainer: loaded for the layout (``moeflow.distributed.load_model``),
+    checked against the vocabulary ``data`` (a tokenized split folder) was tokenized with (``moeflow.modeling.check_vocabulary``), with LoRA adapters for ``train.method: lora`` (:func:`prepare_model`), then sharded (``shard_model``:
+    before the optimizer is built). LoRA runs on several ranks with ``parallel.strategy: none`` only."""
+    if train.get("method", "full") == "lora" and parallel.strategy != "none" and ranks.world_size > 1:
+        raise D.DistributedError(
+            f"config keys 'train.method': lora and 'parallel.strategy': {parallel.strategy} do not combine: LoRA adapters are "
+            "not sharded here (peft over FSDP or expert parallelism is not built). Use parallel.strategy: none (every rank "
+            "holds the frozen base model and the adapters; the adapters' gradients are summed over ranks), or train.method: full"
+        )
+    from .modeling import check_vocabulary
 
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
-    return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    model = D.load_model(path, model_cfg, parallel)
+    if data is not None:
+        check_vocabulary(model, [data], path)
+    return D.shard_model(prepare_model(model, train), parallel, ranks)
 
 
 def prepare_model(model: torch.nn.Module, train: Mapping[str, Any]) -> torch.nn.Module:
@@ -721,7 +785,8 @@ def train_stage(
     """Run one training stage: resume from its keyed checkpoint folder if one matches, else start
     (from ``start_from``, a full checkpoint, if given), train until ``until``. The caller writes its
     outputs, then calls ``trainer.remove_checkpoints()``."""
-    key = checkpoint_key({"stage": stage.name, "settings": key_settings, "runtime": [stage.precision, stage.seed, stage.threads]}, key_inputs)
+    runtime = [stage.precision, stage.seed, stage.threads, D.world_size()]
+    key = checkpoint_key({"stage": stage.name, "settings": key_settings, "runtime": runtime}, key_inputs)
     dtype = next(model.parameters()).dtype
     trainer = Trainer(
         model,

@@ -148,15 +148,35 @@ def paper_output_files():
 # through torchrun; the script reads its job with moeflow.train.job_from_argv.
 
 
-def torchrun():
-    """torchrun from the job's Python: the rule's conda env with --sdm conda, else Snakemake's own."""
+def training_python():
+    """The job's Python: the rule's conda env with --sdm conda, else Snakemake's own."""
     from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
-    python = "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
-    return f"{python} -m torch.distributed.run --standalone --monitor-interval 0.5 --nproc_per_node 1"
+    return "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
 
 
-TRAIN_SHELL = torchrun() + " {input.script:q} --job {params.job:q} --threads {threads} --log-file {log:q}"
+def torchrun_launcher(cfg_of=None):
+    """``params.launcher`` of the training rules, from moeflow.scaleout.torchrun_command. One rank per GPU
+    of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile); without
+    that resource, ``parallel.nproc_per_node`` ranks of the run config ``cfg_of(wildcards)`` (GPUs with
+    hardware.device cuda, gloo CPU ranks with cpu), or one rank without ``cfg_of``. The script checks
+    that the ranks it finds are what the config's parallel section asks for."""
+    from moeflow.scaleout import torchrun_command
+
+    def launcher(wildcards, resources):
+        cfg = cfg_of(wildcards) if cfg_of else None
+        per_node = int((cfg or {}).get("parallel", {}).get("nproc_per_node", 1))
+        gpus = int(getattr(resources, "gpu", 0) or 0)
+        if gpus:
+            return torchrun_command(training_python(), gpus=gpus, nodes=int(getattr(resources, "nodes", 1) or 1))
+        if cfg is not None and cfg["hardware"]["device"] == "cuda":
+            return torchrun_command(training_python(), gpus=per_node)
+        return torchrun_command(training_python(), cpu_ranks=per_node)
+
+    return launcher
+
+
+TRAIN_SHELL = "{params.launcher} {input.script:q} --job {params.job:q} --threads {threads} --log-file {log:q}"
 
 
 def torchrun_job(rule, **params):

@@ -11,7 +11,8 @@ rule verify_env:
         md=report(f"{RESULTS}/env/report.md", caption="../report/verify_env.rst", category="Environment"),
     params:
         env=config["env"],
-        trust_remote_code={run: cfg["model"].get("trust_remote_code", False) for run, cfg in RUNS.items()},
+        # Only the runs that turn it on: adding or removing an ordinary run must not rerun every stage.
+        trust_remote_code={run: True for run, cfg in RUNS.items() if cfg["model"].get("trust_remote_code")},
         fingerprint=environment_fingerprint(),
         runtime=runtime(),
     threads: 1

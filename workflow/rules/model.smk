@@ -7,7 +7,7 @@ rule pretrain_base:
         tokenizer=lambda wc: tokenizer_dir(mfconfig.tokenizer_settings(BASES[wc.basekey])),
         data=lambda wc: data_dir(BASES[wc.basekey], BASES[wc.basekey]["data"]["base_corpus"]),
         script="workflow/scripts/pretrain_base.py",
-        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "train"),
+        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "distributed", "train"),
     output:
         model=directory(f"{RESULTS}/base/{{basekey}}"),
     params:
@@ -17,6 +17,7 @@ rule pretrain_base:
             runtime=lambda wc: runtime() | {"precision": BASES[wc.basekey]["precision"], "seed": BASES[wc.basekey]["seed"]},
             checkpoints=f"{RESULTS}/checkpoints",
         ),
+        launcher=torchrun_launcher(),  # the rule's GPUs, else one CPU rank: the base model does not depend on parallel
     threads: config["threads"]
     log:
         log_path("pretrain_base", "{basekey}"),

@@ -8,10 +8,11 @@ rule paper:
         speed=[f"{RESULTS}/runs/{run}/eval/speed.json" for run in RUNS],
         train_logs=[train_logs_dir(run) for run in RUNS],
         train_benchmarks=[bench_path("train_model", run) for run in RUNS],
+        adapters=expand(rules.train_model.output.adapter, run=list(RUNS)),  # method and trainable parameters (LoRA vs full)
         coverage=f"{coverage_dir(RUNS[config['paper']['moe_run']])}/coverage.json",
         env=rules.verify_env.output.json,
         data=list(paper_data().values()),
-        lib=lib("io", "artifacts"),
+        lib=lib("io", "artifacts", "lora"),
     output:
         **paper_output_files(),
     params:

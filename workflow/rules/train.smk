@@ -11,7 +11,7 @@ rule warmup:
         model=lambda wc: base_model_dir(RUNS[WARMUPS[wc.warmkey]]),
         data=lambda wc: data_dir(RUNS[WARMUPS[wc.warmkey]], RUNS[WARMUPS[wc.warmkey]]["data"]["finetune_corpus"]),
         script="workflow/scripts/warmup.py",
-        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "train"),
+        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "distributed", "train", "lora"),
     output:
         checkpoint=directory(f"{RESULTS}/warmup/{{warmkey}}"),
     params:
@@ -22,6 +22,7 @@ rule warmup:
             checkpoints=CHECKPOINTS,
             failed_report=lambda wc: f"{RESULTS}/logs/warmup/{wc.warmkey}.routing_report.json",
         ),
+        launcher=torchrun_launcher(lambda wc: RUNS[WARMUPS[wc.warmkey]]),
     threads: config["threads"]
     log:
         log_path("warmup", "{warmkey}"),
@@ -43,17 +44,22 @@ rule train_model:
         # warmup input it would rerun warmup on a second-part change (train.steps).
         plan=lambda wc: f"{RESULTS}/runs/{wc.run}/plan.json",
         script="workflow/scripts/train_model.py",
-        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "coverage", "train"),
+        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "coverage", "distributed", "train", "lora"),
     output:
         model=directory(f"{RESULTS}/runs/{{run}}/model"),
         logs=directory(f"{RESULTS}/runs/{{run}}/train"),
+        # The peft adapter of a LoRA run (train.method: lora), next to the merged model; a full run writes
+        # a method marker here, so the output always exists (moeflow.lora.save_adapter_output).
+        adapter=directory(f"{RESULTS}/runs/{{run}}/adapter"),
     params:
         job=torchrun_job(
             "train_model",
-            settings=lambda wc: {"train": RUNS[wc.run]["train"], "model": RUNS[wc.run]["model"], "warmup": mfconfig.warmup_key(RUNS[wc.run])},
+            settings=lambda wc: {"train": mfconfig.train_settings(RUNS[wc.run]), "model": RUNS[wc.run]["model"], "warmup": mfconfig.warmup_key(RUNS[wc.run]),
+                                 "parallel": RUNS[wc.run]["parallel"], "hardware_device": RUNS[wc.run]["hardware"]["device"]},
             runtime=lambda wc: runtime(wc.run),
             checkpoints=CHECKPOINTS,
         ),
+        launcher=torchrun_launcher(lambda wc: RUNS[wc.run]),
     threads: config["threads"]
     log:
         log_path("train_model", "{run}"),

@@ -6,7 +6,7 @@ fails listing the unmet constraints unless coverage.allow_unmet is set."""
 import torch
 
 from moeflow.coverage import StageOutputs, build_valset
-from moeflow.modeling import load_model
+from moeflow.modeling import check_vocabulary, load_model
 from moeflow.stage import Stage
 
 stage = Stage.from_snakemake(snakemake)
@@ -15,6 +15,7 @@ model_cfg = settings["model"]
 device = torch.device("cuda" if snakemake.params.device == "cuda" and torch.cuda.is_available() else "cpu")
 
 model = load_model(snakemake.input.model, model_cfg).to(device)
+check_vocabulary(model, list(snakemake.input.pool), snakemake.input.model)
 build_valset(
     model,
     list(snakemake.input.pool),

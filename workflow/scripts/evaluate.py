@@ -9,7 +9,7 @@ import torch
 from moeflow import evaluate as ev
 from moeflow.coverage import open_valset
 from moeflow.io import write_json, write_text
-from moeflow.modeling import load_model
+from moeflow.modeling import check_vocabulary, load_model
 from moeflow.stage import Stage, kill_point
 from moeflow.tokenize import open_split
 from moeflow.train import active_parameters
@@ -24,6 +24,7 @@ sets += [ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in zip(par
 stats, speed, coverage, parameters = {}, {}, {}, {}
 for label in ("base", "finetuned"):
     model = load_model(snakemake.input[label], params.model).to(device)
+    check_vocabulary(model, list(snakemake.input.eval_data), snakemake.input[label])
     stats[label] = ev.evaluate_model(model, sets, params.settings, stage.precision)
     coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision)
     parameters = {"total": sum(p.numel() for p in model.parameters()), "active_per_token": active_parameters(model)}
@@ -40,5 +41,6 @@ speed["device"] = device.type
 speed["provenance"] = stage.provenance()
 
 write_json(snakemake.output.speed, speed)
+kill_point("evaluate.write")  # some outputs written, not all
 write_text(snakemake.output.summary, ev.summary_markdown(metrics))
 write_json(snakemake.output.metrics, metrics)

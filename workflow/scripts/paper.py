@@ -3,6 +3,7 @@ every run (training logs, evaluation metrics, coverage, environment), each carry
 
 from moeflow import artifacts as A
 from moeflow.io import read_json
+from moeflow.lora import REPORT_FILE
 from moeflow.stage import Stage
 
 Stage.from_snakemake(snakemake)
@@ -15,8 +16,9 @@ records = {
         speed=read_json(speed),
         log=A.read_train_log(f"{logs}/metrics.jsonl"),
         benchmark=A.read_benchmark(bench),
+        training=read_json(f"{adapter}/{REPORT_FILE}"),
     )
-    for run, metrics, speed, logs, bench in zip(params.runs, inp.metrics, inp.speed, inp.train_logs, inp.train_benchmarks)
+    for run, metrics, speed, logs, bench, adapter in zip(params.runs, inp.metrics, inp.speed, inp.train_logs, inp.train_benchmarks, inp.adapters)
 }
 manifests = {label: f"{folder}/manifest.json" for label, folder in zip(params.data_labels, inp.data)}
 stage_docs = {f"evaluate/{run}": r.metrics for run, r in records.items()}

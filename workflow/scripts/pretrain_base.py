@@ -1,32 +1,36 @@
 """Stage pretrain_base (embedded default only): train the small MoE from config on the base corpus's
 train split, and save it with save_pretrained plus its tokenizer, like any user's pretrained model.
-Started through torchrun by its rule (see workflow/rules/model.smk)."""
+Started through torchrun by its rule (see workflow/rules/model.smk): one rank per GPU of the rule's
+resources, one CPU rank otherwise; every rank holds the whole model (parallel.strategy: none) and rank 0
+writes the output."""
 
+import contextlib
 from pathlib import Path
 
+from moeflow import distributed as D
 from moeflow.io import atomic_dir, write_json
 from moeflow.modeling import build_model, load_tokenizer
 from moeflow.stage import Stage
 from moeflow.tokenize import open_split
-from moeflow.train import TrainSettings, init_distributed, job_from_argv, train_stage, write_model_folder
+from moeflow.train import TrainSettings, job_from_argv, train_stage, write_model_folder
 
 snakemake = job_from_argv()
 stage = Stage.from_snakemake(snakemake)
-device = init_distributed()
+ranks = D.init()
 settings = snakemake.params.settings  # mfconfig.base_model_settings: model, pretrain, data key, precision, seed
 model_cfg = settings["model"]
 
 tokenizer = load_tokenizer(snakemake.input.tokenizer)
-model = build_model(model_cfg, len(tokenizer), stage.seed).to(device)
+model = build_model(model_cfg, len(tokenizer), stage.seed).to(ranks.device)
 for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
     setattr(model.config, name, getattr(tokenizer, name))
 rows = open_split(snakemake.input.data, "train")
 
-with atomic_dir(snakemake.output.model) as out:
+with atomic_dir(snakemake.output.model) if ranks.is_main else contextlib.nullcontext() as out:
     trainer = train_stage(
         stage, model, TrainSettings.from_config(settings["pretrain"]), rows,
         attn_implementation=model_cfg["attn_implementation"],
-        log_dir=Path(out) / "training",
+        log_dir=Path(out) / "training" if ranks.is_main else None,
         checkpoint_root=snakemake.params.checkpoints,
         key_settings=settings,
         key_inputs=[snakemake.input.tokenizer, snakemake.input.data],
@@ -39,3 +43,4 @@ with atomic_dir(snakemake.output.model) as out:
             "routing": trainer.routing_guard.report(), "provenance": stage.provenance(),
         })
 trainer.remove_checkpoints()
+D.teardown()

@@ -1,23 +1,28 @@
 """Stage train_model: continue from the warmup checkpoint with cosine decay to train.steps, evaluating
 on the coverage validation set; save the final model (save_pretrained + tokenizer: loadable with
-AutoModelForCausalLM/AutoTokenizer.from_pretrained; LoRA adapters merged in) and the run's TensorBoard logs and metrics.jsonl
-(warmup steps included)."""
+AutoModelForCausalLM/AutoTokenizer.from_pretrained; LoRA adapters merged in), the adapter (a LoRA run's
+peft adapter, or a full run's method marker; moeflow.lora.save_adapter_output) and the run's TensorBoard
+logs and metrics.jsonl (warmup steps included). Started through torchrun by its rule: every rank runs
+this script, the layout is the config's ``parallel`` section (moeflow.distributed), rank 0 writes."""
 
 from pathlib import Path
 
+from moeflow import distributed as D
 from moeflow.coverage import open_valset
 from moeflow.io import write_json
-from moeflow.modeling import load_model, load_tokenizer
+from moeflow.lora import save_adapter_output
+from moeflow.modeling import load_tokenizer
 from moeflow.stage import Stage
 from moeflow.tokenize import open_split
-from moeflow.train import TrainSettings, init_distributed, job_from_argv, prepare_model, save_final_model, train_stage
+from moeflow.train import TrainSettings, job_from_argv, load_for_training, save_final_model, train_stage
 
 snakemake = job_from_argv()
 stage = Stage.from_snakemake(snakemake)
-device = init_distributed()
-settings = snakemake.params.settings  # {"train": ..., "model": ..., "warmup": warmup key}
+settings = snakemake.params.settings  # {"train", "model", "parallel", "hardware_device", "warmup": warmup key}
+ranks = D.init(settings.get("hardware_device"))
+parallel = D.Parallel.from_config(settings.get("parallel")).check_ranks(ranks)
 
-model = prepare_model(load_model(snakemake.input.model, settings["model"]).to(device), settings["train"])
+model = load_for_training(snakemake.input.model, settings["model"], settings["train"], parallel, ranks, snakemake.input.data)
 tokenizer = load_tokenizer(snakemake.input.model)
 trainer = train_stage(
     stage, model, TrainSettings.from_config(settings["train"]), open_split(snakemake.input.data, "train"),
@@ -29,6 +34,7 @@ trainer = train_stage(
     start_from=snakemake.input.warmup,
     eval_rows=open_valset(snakemake.input.valset),
 )
+model = D.whole_model(trainer.model)  # a collective when sharded: the whole weights on rank 0, for saving
 if trainer.rank == 0:
     last = trainer.train_records()[-1]
     evals = [r for r in trainer.history if r["kind"] == "eval"]
@@ -40,5 +46,7 @@ if trainer.rank == 0:
         "routing": trainer.routing_guard.report(),
         "provenance": stage.provenance(),
     })
+    save_adapter_output(model, snakemake.output.adapter)  # before the merge, which consumes a LoRA wrapper
     save_final_model(model, tokenizer, snakemake.output.model)
 trainer.remove_checkpoints()
+D.teardown()

@@ -1,0 +1,191 @@
+"""Bad input is refused with a message that names the problem and what to do: config settings, models
+(missing, dense where experts are needed, an unsupported family, a tokenizer the model cannot embed) and
+held-out pools (empty, too small for the coverage constraints). Each test checks the whole message."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moeflow import config as mfconfig
+from moeflow import coverage as C
+from moeflow.modeling import ModelError, build_model, check_vocabulary, load_model, load_tokenizer
+from moeflow.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
+from test_coverage import run_stage, stage_inputs  # noqa: F401  (the module-scoped fixture: tokenized corpus + tiny MoE)
+
+SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
+SUPPORTED = ", ".join(sorted(FAMILIES))
+
+
+def config_error(**overrides) -> str:
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(SMOKE, overrides=overrides)
+    return str(err.value)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_negative_learning_rate():
+    assert config_error(train={"lr": -1e-4}) == (
+        "invalid configuration:\n  - config key 'train.lr': -0.0001 is less than or equal to the minimum of 0\n"
+        "(schema: config/schema.yaml)"
+    )
+
+
+def test_warmup_longer_than_training():
+    assert config_error(train={"warmup_steps": 20, "steps": 8}) == (
+        "invalid configuration: config key 'train.warmup_steps' (20) must be less than 'train.steps' (8)"
+    )
+
+
+def test_warmup_steps_and_warmup_ratio_together_are_refused():
+    assert config_error(train={"warmup_steps": 1000, "warmup_ratio": 0.1}) == (
+        "invalid configuration: config keys 'train.warmup_steps' and 'train.warmup_ratio' are both set; give one of "
+        "them (set the other to null), e.g. warmup_steps: 1000 or warmup_ratio: 0.1"
+    )
+
+
+def test_a_global_batch_size_is_refused_with_how_the_global_batch_is_made():
+    """moeflow has no global batch setting for a micro-batch to fail to divide: the global batch is the
+    product micro_batch_size x grad_accum_steps x ranks. A copied global batch size says so."""
+    assert config_error(train={"global_batch_size": 48}) == (
+        "invalid configuration: config key 'train.global_batch_size': there is no global batch size to set (so no "
+        "micro-batch that fails to divide it): the global batch is train.micro_batch_size x train.grad_accum_steps x "
+        "the ranks (parallel.nproc_per_node x parallel.nnodes); set those"
+    )
+
+
+def test_wrong_type_and_unknown_key_in_a_run_overlay():
+    assert config_error(runs={"moe": {"train": {"micro_batch_size": "2"}}}) == (
+        "invalid configuration (run 'moe'):\n  - config key 'train.micro_batch_size': '2' is not of type 'integer'\n"
+        "(schema: config/schema.yaml)"
+    )
+    assert config_error(evaluate={"batchsize": 4}) == (
+        "invalid configuration:\n  - config key 'evaluate': unknown key(s) 'batchsize'; allowed keys are: batch_size, "
+        "max_sequences\n(schema: config/schema.yaml)"
+    )
+
+
+# --------------------------------------------------------------------------- models
+
+
+def test_a_model_path_that_does_not_exist(tmp_path):
+    with pytest.raises(ModelError) as err:
+        load_model(tmp_path / "no-such-model")
+    assert str(err.value) == (
+        f"model folder {tmp_path / 'no-such-model'} does not exist: point 'model.pretrained' at a local folder made "
+        "by save_pretrained"
+    )
+    with pytest.raises(ModelError) as err:
+        load_tokenizer(tmp_path / "no-such-model")
+    assert str(err.value) == (
+        f"tokenizer folder {tmp_path / 'no-such-model'} does not exist: it is the model folder ('model.pretrained') "
+        "or one the pipeline trained"
+    )
+
+
+def test_a_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(ModelError) as err:
+        load_model(tmp_path / "weights")
+    assert str(err.value) == (
+        f"model folder {tmp_path / 'weights'} has no config.json: point 'model.pretrained' at a folder made by save_pretrained"
+    )
+
+
+def _model(model_type: str, **config):
+    common = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 16, "max_position_embeddings": 128}
+    return build_model({"attn_implementation": "sdpa", "config": {"model_type": model_type, **common, **config}}, vocab_size=300)
+
+
+def test_a_dense_model_where_the_coverage_stage_needs_experts(stage_inputs, tmp_path):  # noqa: F811
+    root, _ = stage_inputs
+    dense = _model("llama", intermediate_size=64)
+    with pytest.raises(UnsupportedModel) as err:
+        C.build_valset(dense, [root / "code"], {"pool_corpora": ["code"], "batch_tokens": 128}, C.StageOutputs(
+            tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png"), "sdpa", seed=0)
+    assert str(err.value) == (
+        "the coverage stage routes the held-out pool through the model's experts, and this model has none it can read: "
+        "no routing adapter for model_type 'llama' (its config names no experts, so it looks like a dense model). "
+        f"Supported: {SUPPORTED}. To add one: {ADAPTER_NEEDS}. A dense run uses another run's validation set: set "
+        "'coverage.valset_of_run' to an MoE run"
+    )
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_unsupported_moe_family(stage_inputs, tmp_path):  # noqa: F811
+    root, _ = stage_inputs
+    phimoe = _model("phimoe", intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(UnsupportedModel) as err:
+        C.build_valset(phimoe, [root / "code"], {"pool_corpora": ["code"], "batch_tokens": 128}, C.StageOutputs(
+            tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png"), "sdpa", seed=0)
+    assert str(err.value) == (
+        "the coverage stage routes the held-out pool through the model's experts, and this model has none it can read: "
+        "no routing adapter for model_type 'phimoe' (its config has num_local_experts=4, so it looks like a "
+        f"mixture-of-experts model). Supported: {SUPPORTED}. To add one: {ADAPTER_NEEDS}. A dense run uses another "
+        "run's validation set: set 'coverage.valset_of_run' to an MoE run"
+    )
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary(stage_inputs):  # noqa: F811
+    root, model_cfg = stage_inputs
+    tokens = json.loads((root / "code" / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    small = build_model(model_cfg, vocab_size=tokens - 40, seed=0)
+    with pytest.raises(ModelError) as err:
+        check_vocabulary(small, [root / "code"], "models/small")
+    assert str(err.value) == (
+        f"tokenizer/model mismatch: {root / 'code'} was tokenized with a tokenizer of {tokens} tokens, but models/small "
+        f"has {tokens - 40} embedding rows. Use the model's own tokenizer (model.pretrained brings it) or a model whose "
+        "vocabulary covers the tokenizer"
+    )
+    check_vocabulary(load_model(root / "base", model_cfg), [root / "code"])  # its own tokenizer: accepted
+    check_vocabulary(build_model(model_cfg, vocab_size=tokens + 64, seed=0), [root / "code"])  # padded rows: accepted
+
+
+# --------------------------------------------------------------------------- held-out pools
+
+
+def test_an_empty_held_out_pool(stage_inputs, tmp_path):  # noqa: F811
+    from moeflow import tokenize as T
+
+    root, model_cfg = stage_inputs
+    settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
+    no_heldout = {"heldout": 0.0, "test": 0.1}
+    settings = {"tokenizer": {**settings["tokenizer"], "split": no_heldout}, "data": {**settings["data"], "split": no_heldout}}
+    T.tokenize_corpus("code", settings, root / "tokenizer", tmp_path / "code")
+    outputs = C.StageOutputs(tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png")
+    with pytest.raises(C.CoverageInfeasible) as err:
+        C.build_valset(load_model(root / "base", model_cfg), [tmp_path / "code"], {
+            "pool_corpora": ["code"], "min_docs_per_expert": 2, "min_tokens": 1, "pairs_per_layer": 2,
+            "token_budget": 1500, "batch_tokens": 128}, outputs, "sdpa", seed=0)
+    assert str(err.value) == "the held-out pool of code has no documents: raise 'data.split.heldout'"
+    assert not Path(outputs.valset).exists() and not Path(outputs.json).exists()
+
+
+def test_a_held_out_pool_too_small_for_the_constraints(stage_inputs, tmp_path):  # noqa: F811
+    from moeflow import tokenize as T
+
+    root, model_cfg = stage_inputs
+    docs = len(dict(T.read_documents(T.open_split(root / "code", "heldout"))))
+    with pytest.raises(C.CoverageInfeasible) as err:
+        run_stage(root, model_cfg, tmp_path / "strict", min_docs_per_expert=docs + 1)
+    assert not (tmp_path / "strict").exists()
+    report, _ = run_stage(root, model_cfg, tmp_path / "allowed", min_docs_per_expert=docs + 1, allow_unmet=True)
+    # every expert of both MoE layers (4 each) is short of documents, because the pool is
+    assert all(u["reason"] == "pool" for u in report["unmet"])
+    assert sum(u["constraint"].startswith("expert ") for u in report["unmet"]) == 2 * 4
+    assert str(err.value) == (
+        f"the held-out pool of code has {docs} document(s), fewer than 'coverage.min_docs_per_expert' ({docs + 1}), so "
+        "no expert can be covered. " + C.infeasible_message(report["unmet"], docs + 1, 1)
+    )
+    assert str(err.value).endswith(
+        "To proceed: add held-out documents to 'coverage.pool_corpora' or lower 'coverage.min_docs_per_expert'/"
+        "'coverage.min_tokens'; or set 'coverage.allow_unmet: true' to record them as unmet instead."
+    )

@@ -1,0 +1,97 @@
+"""A LoRA run through the Snakefile, next to a full run of the smoke pipeline: it trains, writes the peft
+adapter beside the merged model, evaluates the merged model, reaches the paper's LoRA-vs-full table, and
+a change of LoRA settings reruns only its training stages and what follows them.
+
+The smoke pipeline's ``moe`` run becomes the LoRA run (overlay), so the test retrains one run only and the
+paper compares it with the smoke pipeline's full ``dense`` run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import snakemake
+from test_pipeline import SMOKE, results, scheduled_rules, write_overlay
+
+pytestmark = pytest.mark.pipeline
+LORA = {"method": "lora", "gradient_checkpointing": True, "lora": {"rank": 4}}
+LORA_RUN, FULL_RUN = "moe", "dense"
+JOB = re.compile(r"^(?:local)?rule (\w+):$")
+
+
+def scheduled_jobs(workdir: Path, overlay: str, target: str = "paper") -> list[tuple[str, str]]:
+    """(rule, outputs) of every job a dry run would execute."""
+    out = snakemake(workdir, target, "--dry-run", "--cores", "2", *SMOKE, overlay).stdout
+    jobs, rule = [], None
+    for line in out.splitlines():
+        match = JOB.match(line.strip())
+        if match:
+            rule = match.group(1)
+        elif rule and line.strip().startswith("output:"):
+            jobs.append((rule, line.split(":", 1)[1].strip()))
+            rule = None
+    return sorted(jobs)
+
+
+def lora_overlay(workdir: Path, train: dict | None = None, **lora_run_train) -> str:
+    return write_overlay(workdir, {"train": train or {}, "runs": {LORA_RUN: {"train": {**LORA, **lora_run_train}}}})
+
+
+def only_the_lora_run(jobs: list[tuple[str, str]]) -> None:
+    rules = sorted(rule for rule, _ in jobs)
+    assert rules == ["evaluate_run", "paper", "plan_memory", "train_model", "warmup"], jobs
+    for rule, outputs in jobs:
+        if rule in ("plan_memory", "train_model", "evaluate_run"):
+            assert f"/runs/{LORA_RUN}/" in outputs and f"/runs/{FULL_RUN}/" not in outputs, (rule, outputs)
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def test_a_lora_run_trains_merges_evaluates_and_reruns_only_its_training_on_a_lora_change(pipeline_copy):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.artifacts import read_csv_table
+    from moeflow.lora import REPORT_FILE
+
+    overlay = lora_overlay(pipeline_copy)
+    only_the_lora_run(scheduled_jobs(pipeline_copy, overlay))
+    snakemake(pipeline_copy, "paper", "--cores", "2", *SMOKE, overlay)
+    res = results(pipeline_copy)
+
+    adapter = res / "runs" / LORA_RUN / "adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors", REPORT_FILE} <= {p.name for p in adapter.iterdir()}
+    report = json.loads((adapter / REPORT_FILE).read_text())
+    assert report["method"] == "lora" and 0 < report["trainable"] < report["total"]
+    full = json.loads((res / "runs" / FULL_RUN / "adapter" / REPORT_FILE).read_text())
+    assert full["method"] == "full" and full["trainable"] == full["total"]
+
+    base_dir = pipeline_copy / json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    load = dict(local_files_only=True, torch_dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, **load), str(adapter))
+    merged = AutoModelForCausalLM.from_pretrained(res / "runs" / LORA_RUN / "model", **load)
+    ids = torch.randint(0, merged.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(merged, ids), logits(with_adapter, ids), rtol=0, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, **load)
+    assert (logits(merged, ids) - logits(base, ids)).abs().max() > 1e-6  # training moved the adapters
+    evaluated = json.loads((res / "runs" / LORA_RUN / "eval" / "metrics.json").read_text())
+    assert evaluated["parameters"]["total"] == sum(p.numel() for p in merged.parameters())  # the merged model, no adapters
+
+    columns, rows = read_csv_table(res / "paper" / "tables" / "lora_vs_full.csv")
+    by_run = {row[0]: dict(zip(columns, row)) for row in rows}
+    assert set(by_run) == {LORA_RUN, FULL_RUN, f"{FULL_RUN} / {LORA_RUN}"}  # the ratio row of the other method
+    assert by_run[LORA_RUN]["method"] == "lora" and by_run[LORA_RUN]["trainable params"] == str(report["trainable"])
+    assert by_run[FULL_RUN]["method"] == "full" and by_run[FULL_RUN]["trainable params"] == str(full["trainable"])
+
+    # LoRA settings key the LoRA run only: the full run's warmup, training and evaluation stay.
+    assert scheduled_rules(pipeline_copy, overlay, target="paper") == set()
+    only_the_lora_run(scheduled_jobs(pipeline_copy, lora_overlay(pipeline_copy, lora={"rank": 8})))
+    only_the_lora_run(scheduled_jobs(pipeline_copy, lora_overlay(pipeline_copy, train={"lora": {"alpha": 8}})))

@@ -1,0 +1,271 @@
+"""The training loop on two CPU ranks (gloo, started by torchrun): the real Trainer and the stage scripts.
+
+* One step's gradients through ``Trainer.step_gradients`` on 2 ranks equal one process's on the same
+  global batch (relative error < 1e-5), for each balancing mode, with the model whole on every rank
+  (``parallel.strategy: none``), FSDP-sharded (FSDP1 on the pinned stack, FSDP2 on the current one) and,
+  on the current stack, expert-parallel plus FSDP through transformers 5's DistributedConfig.
+* In each layout three optimizer steps give one process's losses, and a run resumed from a checkpoint
+  (gathered by every rank, written by rank 0, loaded into fresh shards) continues bit for bit.
+  Expert parallelism runs a model with untied embeddings: with tied ones transformers 5 trains the
+  embedding and the output layer apart, which moeflow refuses (tested below).
+* Through the Snakefile: warmup and train_model of the smoke pipeline on 2 ranks complete, and a
+  train_model killed with SIGKILL resumes from its checkpoint with the losses of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moeflow import compat
+from moeflow import distributed as D
+from moeflow.config import REPO_ROOT
+from moeflow.scaleout import torchrun_command
+from moeflow.stage import KILL_ENV
+from moeflow.train import Trainer, TrainSettings, collate_rows, job_from_argv, load_for_training
+from test_losses import tiny_model_cfg  # noqa: E402
+from test_train import VOCAB, packed_rows  # noqa: E402
+
+RANKS = 2
+MICRO_BATCH = 2
+# balancing mode -> accumulation steps per rank. One process takes RANKS x as many micro-batches of the same
+# size: the same global batch. ``running`` uses the counts accumulated so far in the step, which depend on
+# the order micro-batches are seen in, so it is compared with one micro-batch per rank (counts of the whole
+# step); ``exact`` and ``micro_batch`` are compared with several.
+CASES = {"running": 1, "exact": 2, "micro_batch": 2}
+LOSS_TERMS = ("ce", "balance", "z_loss", "label_tokens", "routed_tokens")
+LAYOUTS = ["none", "fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
+MODEL_OF_LAYOUT = {"none": "tied", "fsdp": "tied", "ep": "untied"}  # tied: embedding and output layer share weights
+
+
+def settings(mode: str, accum: int, **extra) -> TrainSettings:
+    return TrainSettings.from_config({
+        "steps": 3, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "micro_batch_size": MICRO_BATCH, "grad_accum_steps": accum,
+        "balance": {"mode": mode, "coef": 0.05, "z_loss_coef": 0.001},
+        "routing_guard": {"window_steps": 2, "max_load_ratio": 3.9, "min_load_entropy": 0.1, "max_dead_experts": 4},
+        "memory_guard": {"skip_steps": 100},
+        **extra,
+    })
+
+
+def parallel_section(layout: str) -> dict:
+    return {"strategy": layout, "nproc_per_node": RANKS} | ({"ep_size": RANKS} if layout == "ep" else {})
+
+
+def make_trainer(model_dir, parallel: D.Parallel, ranks: D.Ranks, train_settings: TrainSettings, **kwargs) -> Trainer:
+    """What the stage scripts do: load for the layout, shard, then the Trainer."""
+    model = load_for_training(model_dir, tiny_model_cfg(), {"method": "full"}, parallel, ranks)
+    return Trainer(model, train_settings, packed_rows(), collate_fn=lambda rows: collate_rows(rows, "sdpa"), seed=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory) -> dict[str, Path]:
+    from moeflow.modeling import build_model
+
+    root = tmp_path_factory.mktemp("train-dist")
+    folders = {}
+    for kind in ("tied", "untied"):
+        cfg = tiny_model_cfg()
+        cfg["config"]["tie_word_embeddings"] = kind == "tied"
+        folders[kind] = root / kind
+        build_model(cfg, VOCAB, seed=5).save_pretrained(folders[kind])
+    return folders
+
+
+def one_process(model_dir: Path) -> dict:
+    """One process on the ranks' global batch: per balancing mode the first step's gradients and loss
+    terms, and the losses of three steps (as the ranks' straight run)."""
+    ranks = D.init("cpu")
+    out = {}
+    for mode, accum in CASES.items():
+        # the ranks' micro-batches one after the other (running: the ranks' single micro-batches as one)
+        same_batch = settings(mode, 1, micro_batch_size=MICRO_BATCH * RANKS) if mode == "running" else settings(mode, accum * RANKS)
+        trainer = make_trainer(model_dir, D.Parallel(), ranks, same_batch)
+        summary = trainer.step_gradients()
+        out[mode] = (D.full_gradients(trainer.model), {k: summary[k] for k in LOSS_TERMS})
+    run = make_trainer(model_dir, D.Parallel(), ranks, settings("running", 1, micro_batch_size=MICRO_BATCH * RANKS))
+    run.run()
+    out["losses"] = [r["loss"] for r in run.train_records()]
+    return out
+
+
+def run_ranks(saved_model: Path, out: Path, layout: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env.pop(KILL_ENV, None)
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [__file__, str(saved_model), str(out), json.dumps(parallel_section(layout))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert sorted(got) == sorted(want)
+    diff = torch.sqrt(sum(((got[n].double() - want[n].double()) ** 2).sum() for n in want))
+    return float(diff / torch.sqrt(sum((want[n].double() ** 2).sum() for n in want)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly(saved_models, tmp_path, layout):
+    from safetensors.torch import load_file
+
+    model_dir = saved_models[MODEL_OF_LAYOUT[layout]]
+    reference = one_process(model_dir)
+    run_ranks(model_dir, tmp_path, layout)
+    report = json.loads((tmp_path / "report.json").read_text())
+    for mode in CASES:
+        want_grads, want_terms = reference[mode]
+        error = relative_error(load_file(str(tmp_path / f"grads-{mode}.safetensors")), want_grads)
+        print(f"{layout} {mode}: relative gradient error vs one process {error:.1e}")  # shown with pytest -s
+        assert error < 1e-5, (mode, error)
+        got_terms = report["terms"][mode]
+        assert got_terms["label_tokens"] == want_terms["label_tokens"] and got_terms["routed_tokens"] == want_terms["routed_tokens"]
+        for term in ("ce", "balance", "z_loss"):  # the logged loss is the global one, on every rank
+            assert got_terms[term] == pytest.approx(want_terms[term], rel=1e-6), (mode, term)
+        assert report["terms_rank1"][mode] == got_terms
+    assert report["sharded"] == (layout != "none")
+    resumed = report["resume"]
+    assert [loss for _, loss, _ in resumed["straight"]] == pytest.approx(reference["losses"], rel=1e-5)
+    assert resumed["continued_from"] == 2 and resumed["straight"] == resumed["resumed"]
+    assert resumed["same_weights"]
+    assert report["mfu"] == pytest.approx(report["flops_per_s"] / (1e12 * RANKS))
+
+
+def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
+    ranks = D.init("cpu")
+    unknown = make_trainer(saved_models["tied"], D.Parallel(), ranks, settings("running", 1, steps=1))
+    unknown.run()
+    assert unknown.train_records()[-1]["mfu"] is None
+    known = make_trainer(saved_models["tied"], D.Parallel(), ranks, settings("running", 1, steps=1, peak_flops_per_s=2.0e12))
+    known.run()
+    record = known.train_records()[-1]
+    assert record["mfu"] == pytest.approx(record["flops_per_s"] / 2.0e12) and 0 < record["mfu"] < 1
+
+
+def test_lora_on_sharded_ranks_is_refused_naming_the_settings(saved_models):
+    two = D.Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(D.DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp"):
+        load_for_training(saved_models["tied"], tiny_model_cfg(), {"method": "lora"}, D.Parallel("fsdp", nproc_per_node=2), two)
+
+
+@pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
+def test_expert_parallelism_refuses_tied_embeddings(saved_models):
+    with pytest.raises(D.DistributedError, match="tie_word_embeddings.*parallel.strategy: fsdp"):
+        D.load_model(saved_models["tied"], tiny_model_cfg(), D.Parallel("ep", ep_size=2, nproc_per_node=2))
+
+
+def test_ranks_that_differ_from_the_config_are_a_clear_error():
+    one = D.Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(D.DistributedError, match="torchrun started 1 rank.*ask for 2"):
+        D.Parallel.from_config({"strategy": "none", "nproc_per_node": 2}).check_ranks(one)
+
+
+def test_ranks_share_the_rules_threads_and_only_rank_0_writes_the_log(monkeypatch):
+    argv = ["--job", json.dumps({"rule": "warmup", "input": {}, "output": {}, "params": {}}), "--threads", "8", "--log-file", "w.log"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert (job_from_argv(argv).threads, job_from_argv(argv).log) == (4, ["w.log"])
+    monkeypatch.setenv("RANK", "1")
+    assert job_from_argv(argv).log == []
+
+
+# --------------------------------------------------------------------------- through Snakemake (smoke config)
+
+
+@pytest.mark.pipeline
+def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_after_a_kill(pipeline_copy):
+    from conftest import active_stack, snakemake
+    from test_pipeline import scheduled_rules
+
+    results = pipeline_copy / "results" / active_stack()
+    target = f"results/{active_stack()}/runs/moe/model"
+    two_ranks = {"parallel": {"nproc_per_node": RANKS, "strategy": "fsdp"}, "hardware": {"num_devices": RANKS}}
+    (pipeline_copy / "config" / "ranks.yaml").write_text(json.dumps(two_ranks))
+    args = ("--cores", "2", "--configfile", "config/smoke.yaml", "config/ranks.yaml")
+    # only the training stages (and the memory plan, which plans for the devices) rerun
+    rules = scheduled_rules(pipeline_copy, "config/ranks.yaml", target=target)
+    assert rules == {"plan_memory", "warmup", "train_model"}, rules
+    snakemake(pipeline_copy, target, *args)
+    metrics = results / "runs" / "moe" / "train" / "metrics.jsonl"
+    straight = [json.loads(x) for x in metrics.read_text().splitlines()]
+    log = (results / "logs" / "train_model" / "moe.log").read_text()
+    assert "threads=1" in log  # the rule's 2 threads shared by the node's 2 ranks
+    summary = json.loads((results / "runs" / "moe" / "train" / "summary.json").read_text())
+    assert summary["steps"] == 8
+
+    # rerun train_model and kill every rank with SIGKILL after step 6's checkpoint; then resume it
+    killed = snakemake(pipeline_copy, target, *args, "--forcerun", "train_model", check=False, env={KILL_ENV: "train_model.step6"})
+    assert killed.returncode != 0
+    checkpoints = list((results / "checkpoints").glob("train_model-*/step-00000006"))
+    assert len(checkpoints) == 1
+    assert scheduled_rules(pipeline_copy, "config/ranks.yaml", "--rerun-incomplete", target=target) == {"train_model"}
+    snakemake(pipeline_copy, target, *args, "--rerun-incomplete")
+    log = (results / "logs" / "train_model" / "moe.log").read_text()
+    assert "step-00000006 at step 6" in log
+    resumed = [json.loads(x) for x in metrics.read_text().splitlines()]
+    train_losses = lambda records: [(r["step"], r["loss"], r["grad_norm"]) for r in records if r["kind"] == "train"]  # noqa: E731
+    assert train_losses(resumed) == train_losses(straight) and len(train_losses(resumed)) == 8
+    assert not checkpoints[0].parent.exists()
+    # the final model, gathered from the FSDP shards, is a whole model with the base model's parameters
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(results / "runs" / "moe" / "model").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(next((results / "base").glob("b-*"))).state_dict()
+    assert {k: tuple(v.shape) for k, v in base.items()} == {k: tuple(v.shape) for k, v in final.items()}
+    assert not all(torch.equal(base[k], final[k]) for k in base)
+
+
+# --------------------------------------------------------------------------- one rank (run by torchrun)
+
+
+def _main(model_dir: str, out: str, parallel_json: str) -> None:
+    """Per balancing mode: one step's gradients and loss terms; then a run resumed from its checkpoint
+    against the same run straight through. Rank 0 writes what it found under ``out``."""
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    out = Path(out)
+    ranks = D.init("cpu")
+    parallel = D.Parallel.from_config(json.loads(parallel_json)).check_ranks(ranks)
+    report: dict = {"terms": {}, "terms_rank1": {}}
+    for mode, accum in CASES.items():
+        trainer = make_trainer(model_dir, parallel, ranks, settings(mode, accum))
+        summary = trainer.step_gradients()
+        grads = D.full_gradients(trainer.model)
+        terms = D.gather_objects({k: summary[k] for k in LOSS_TERMS})
+        report["terms"][mode], report["terms_rank1"][mode] = terms
+        if ranks.is_main:
+            save_file({k: v.contiguous() for k, v in grads.items()}, str(out / f"grads-{mode}.safetensors"))
+    report["sharded"] = D.is_sharded(trainer.model)
+
+    with_peak = settings("running", 1, checkpoint_every=1, peak_flops_per_s=1e12)
+    straight = make_trainer(model_dir, parallel, ranks, with_peak, checkpoint_dir=out / "checkpoints")
+    straight.run()  # checkpoints after steps 1 and 2 (only the newest is kept)
+    resumed = make_trainer(model_dir, parallel, ranks, with_peak, checkpoint_dir=out / "checkpoints")
+    assert resumed.resume()
+    continued_from = resumed.step
+    resumed.run()
+    last = lambda t: [(r["step"], r["loss"], r["grad_norm"]) for r in t.train_records()]  # noqa: E731
+    weights = [D.full_state_dict(t.model)[0] for t in (straight, resumed)]
+    report["resume"] = {
+        "continued_from": continued_from,
+        "straight": last(straight),
+        "resumed": last(resumed),
+        "same_weights": sorted(weights[0]) == sorted(weights[1]) and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
+    }
+    record = straight.train_records()[-1]
+    report["mfu"], report["flops_per_s"] = record["mfu"], record["flops_per_s"]
+    if ranks.is_main:
+        (out / "report.json").write_text(json.dumps(report))
+    D.teardown()
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:4])
