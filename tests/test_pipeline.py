@@ -94,6 +94,35 @@ def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
     assert not rules & {"verify_env", "train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"}
 
 
+# The README's rerun table, one row per case: a change, and exactly the stages it schedules (target paper).
+# plan_memory reads the model, tokenizer.vocab_size and the training settings, not the data.
+TRAINING = {"plan_memory", "warmup", "train_model", "evaluate_run", "paper"}
+RERUN_TABLE = {
+    "tokenizer setting": ({"tokenizer": {"min_frequency": 3}},
+                          {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"}),
+    # The tokenizer is trained on every corpus, so a corpus change retrains it and the base model too.
+    "data path": ({"data": {"sources": {"target": {"packages": ["email"]}}}},
+                  {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"}),
+    "coverage setting": ({"coverage": {"token_budget": 8192}}, {"coverage_valset", "train_model", "evaluate_run", "paper"}),
+    "peak learning rate": ({"train": {"lr": 1e-3}}, TRAINING),
+    "total steps": ({"train": {"steps": 10}}, {"plan_memory", "train_model", "evaluate_run", "paper"}),
+    "evaluation setting": ({"evaluate": {"max_sequences": 4}}, {"evaluate_run", "paper"}),
+    "figure style": ({"paper": {"dpi": 100}}, {"paper"}),
+}
+
+
+@pytest.mark.parametrize("change", sorted(RERUN_TABLE))
+def test_rerun_table(pipeline_copy, change):
+    overlay, expected = RERUN_TABLE[change]
+    assert scheduled_rules(pipeline_copy, write_overlay(pipeline_copy, overlay), target="paper") == expected
+
+
+def test_editing_the_environment_file_reruns_the_stages_that_read_its_report(pipeline_copy):
+    env_file = pipeline_copy / "envs" / f"{active_stack()}.yaml"
+    env_file.write_text(env_file.read_text() + "\n# an edit\n")
+    assert scheduled_rules(pipeline_copy, target="paper") == {"verify_env", "plan_memory", "train_model", "evaluate_run", "paper"}
+
+
 def test_stacks_write_to_separate_result_trees(smoke_pipeline):
     other = "current" if active_stack() == "pinned" else "pinned"
     assert not (smoke_pipeline / "results" / other).exists()
