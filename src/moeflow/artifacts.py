@@ -20,7 +20,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .io import atomic_file, write_json, write_text
 
@@ -469,19 +469,27 @@ def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     return out
 
 
-COMPARISON_RATIOS = ("train tokens/s", "train peak MiB", "train job peak RSS MiB", "eval tokens/s", "eval peak MiB")
-
-
-def comparison_table(records: Sequence[RunRecord], reference: str) -> Table:
-    """The MoE-vs-dense table: one row per run, then each other run's ratio to ``reference`` (the MoE run)."""
-    rows = comparison_rows(records)
+def rows_with_ratios(
+    rows: Sequence[Mapping[str, Any]], reference: str, ratio_columns: Sequence[str], compared: Callable[[Mapping, Mapping], bool]
+) -> tuple[list[str], list[list[Any]]]:
+    """Columns and table rows: one row per run, then for each run that ``compared(run, reference row)``
+    selects, its ratio to the ``reference`` run in ``ratio_columns``."""
     columns = list(rows[0]) if rows else ["run"]
     ref = next((r for r in rows if r["run"] == reference), None)
     table_rows = [[r[c] for c in columns] for r in rows]
     if ref is not None:
         for r in rows:
-            if r["run"] != reference:
-                table_rows.append([f"{r['run']} / {reference}"] + [times(ratio(r[c], ref[c])) if c in COMPARISON_RATIOS else "" for c in columns[1:]])
+            if compared(r, ref):
+                table_rows.append([f"{r['run']} / {reference}"] + [times(ratio(r[c], ref[c])) if c in ratio_columns else "" for c in columns[1:]])
+    return columns, table_rows
+
+
+COMPARISON_RATIOS = ("train tokens/s", "train peak MiB", "train job peak RSS MiB", "eval tokens/s", "eval peak MiB")
+
+
+def comparison_table(records: Sequence[RunRecord], reference: str) -> Table:
+    """The MoE-vs-dense table: one row per run, then each other run's ratio to ``reference`` (the MoE run)."""
+    columns, table_rows = rows_with_ratios(comparison_rows(records), reference, COMPARISON_RATIOS, lambda r, ref: r["run"] != reference)
     return Table(
         name="moe_vs_dense",
         caption="MoE vs dense on the same data, token budget and recipe: parameters, tokens trained, final training "
@@ -530,14 +538,7 @@ METHOD_RATIOS = ("trainable params", "train tokens/s", "train peak MiB", "train 
 def method_table(records: Sequence[RunRecord], reference: str) -> Table:
     """The LoRA-vs-full table: one row per run, then each run trained by another method than ``reference``
     (the paper's MoE run) as a ratio to it."""
-    rows = method_rows(records)
-    columns = list(rows[0]) if rows else ["run"]
-    ref = next((r for r in rows if r["run"] == reference), None)
-    table_rows = [[r[c] for c in columns] for r in rows]
-    if ref is not None:
-        for r in rows:
-            if r["method"] != ref["method"]:
-                table_rows.append([f"{r['run']} / {reference}"] + [times(ratio(r[c], ref[c])) if c in METHOD_RATIOS else "" for c in columns[1:]])
+    columns, table_rows = rows_with_ratios(method_rows(records), reference, METHOD_RATIOS, lambda r, ref: r["method"] != ref["method"])
     return Table(
         name="lora_vs_full",
         caption="LoRA vs full fine-tuning of every run: trainable and total parameters, median training throughput "

@@ -65,19 +65,15 @@ class SetStats:
 def per_token_loss(logits, labels):
     """(B, S) cross-entropy of predicting token t+1 from position t, and the (B, S) mask of positions
     that have such a label; the last position of each row never does."""
-    import torch
     import torch.nn.functional as F
 
-    from .losses import shifted_labels
+    from .losses import next_token_targets
 
-    targets = shifted_labels(labels)
-    shifted = logits[..., :-1, :].float()
+    targets = next_token_targets(labels)
     loss = F.cross_entropy(
-        shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(targets.shape)
-    valid = targets != IGNORE_INDEX
-    pad = torch.zeros_like(loss[..., :1])
-    return torch.cat([loss, pad], dim=-1), torch.cat([valid, torch.zeros_like(valid[..., :1])], dim=-1)
+    return loss, targets != IGNORE_INDEX
 
 
 def routing_sums(layers, token_mask, token_loss, label_mask) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:

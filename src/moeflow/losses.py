@@ -69,6 +69,11 @@ class LossSettings:
         return self.balance_mode != "off" and self.balance_coef > 0
 
     @property
+    def needs_router_grad(self) -> bool:
+        """Whether a loss term differentiates through the router (else routing statistics carry no graph)."""
+        return self.balancing or self.z_loss_coef > 0
+
+    @property
     def needs_counting_forward(self) -> bool:
         return self.balancing and self.balance_mode == "exact"
 
@@ -124,23 +129,24 @@ def token_mask(batch: Mapping[str, Any]) -> torch.Tensor:
 # --------------------------------------------------------------------------- cross-entropy
 
 
-def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
-    """The targets of logits[..., :-1, :], as HF's causal LM loss shifts them."""
-    return labels[..., 1:]
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Position t's target, token t+1's label (the last position gets IGNORE_INDEX), in the labels' shape:
+    the targets are shifted instead of the logits, so the (B, L, V) logits are never sliced (a copy in
+    the forward and a zero-padded gradient in the backward)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
 def count_label_tokens(labels: torch.Tensor) -> int:
-    return int((shifted_labels(labels) != IGNORE_INDEX).sum())
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over non-ignored labels, in float32 (or float64) at least."""
-    logits = logits[..., :-1, :]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
-        shifted_labels(labels).reshape(-1).to(logits.device),
+        next_token_targets(labels).reshape(-1).to(logits.device),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
@@ -150,25 +156,24 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def expert_counts(layers: Sequence[LayerRouter]) -> torch.Tensor:
-    """Top-k assignment counts per layer and expert, (L, E) float64 (exact integers)."""
+    """Top-k assignment counts per layer and expert, (L, E) float64 (exact integers): one bincount
+    over all layers (layer l's experts offset by l * E)."""
     if not layers:
         return torch.zeros(0, 0, dtype=torch.float64)
-    rows = [
-        torch.bincount(layer.topk_index.reshape(-1).cpu(), minlength=layer.num_experts).to(torch.float64)
-        for layer in layers
-    ]
-    return torch.stack(rows)
+    experts = layers[0].num_experts
+    index = torch.stack([layer.topk_index.reshape(-1) for layer in layers]).cpu()
+    index = index + torch.arange(len(layers))[:, None] * experts
+    return torch.bincount(index.reshape(-1), minlength=len(layers) * experts).view(len(layers), experts).to(torch.float64)
 
 
 def router_entropy(layers: Sequence[LayerRouter]) -> torch.Tensor:
     """Summed per-token entropy of the router distribution per layer, (L,) float64, no gradient."""
+    if not layers:
+        return torch.zeros(0, dtype=torch.float64)
     with torch.no_grad():
-        out = []
-        for layer in layers:
-            p = layer.probs.detach().double()
-            p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
-            out.append(-(p * p.clamp_min(1e-30).log()).sum())
-        return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+        p = torch.stack([layer.probs.detach() for layer in layers]).double()
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        return -(p * p.clamp_min(1e-30).log()).sum((1, 2))
 
 
 def balance_from_sums(counts: torch.Tensor, prob_sums: torch.Tensor, num_tokens: float) -> torch.Tensor:

@@ -162,11 +162,13 @@ def correction_biases(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 
-def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], routing=None):
+def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], routing=None, router_grad: bool = True):
     """One training forward (``use_cache=False``) and its MoE layers' routing restricted to the
     non-padding tokens. ``routing``: an open ``moeflow.routing.capture`` of the model, or None for a
-    model without MoE layers. Keep the capture open through the backward pass: under non-reentrant
-    checkpointing the recomputation must run the same router hooks as the forward did."""
+    model without MoE layers. ``router_grad``: False when no loss term differentiates through the
+    router (the statistics are then built without a graph). Keep the capture open through the backward
+    pass: under non-reentrant checkpointing the recomputation must run the same router hooks as the
+    forward did."""
     device = next(model.parameters()).device
     inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
     # Routing comes from the hooks: output_router_logits=True would make transformers 4.57 compute
@@ -175,10 +177,12 @@ def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], ro
     if routing is None:
         return outputs, []
     mask = token_mask(batch).reshape(-1).to(device)
-    layers = [
-        LayerRouter(logits=r.logits[mask], probs=r.probs()[mask], topk_index=r.topk_index[mask].detach())
-        for r in routing.layers
-    ]
+    real = (lambda t: t) if bool(mask.all()) else (lambda t: t[mask])  # packed rows: padding only in a split's last row
+    with contextlib.nullcontext() if router_grad else torch.no_grad():
+        layers = [
+            LayerRouter(logits=real(r.logits), probs=real(r.probs()), topk_index=real(r.topk_index).detach())
+            for r in routing.layers
+        ]
     return outputs, layers
 
 
@@ -227,13 +231,13 @@ def accumulate_gradients(
             with torch.no_grad():
                 for batch in micro_batches:
                     with autocast():
-                        _, layers = routed_forward(model, batch, routing)
+                        _, layers = routed_forward(model, batch, routing, router_grad=False)
                     counts = expert_counts(layers)
                     step_counts = counts if step_counts is None else step_counts + counts
         step = StepLoss.for_step(settings, label_tokens, routed_tokens, len(micro_batches), step_counts)
         for batch in micro_batches:
             with autocast():
-                outputs, layers = routed_forward(model, batch, routing)
+                outputs, layers = routed_forward(model, batch, routing, settings.needs_router_grad)
             loss = step.micro_batch_loss(outputs.logits, batch["labels"].to(outputs.logits.device), layers)
             loss.backward()
             del outputs, layers, loss

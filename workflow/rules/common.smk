@@ -18,6 +18,10 @@ os.environ.update(
     PYTHONPATH=os.pathsep.join([str(SRC)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 )
 
+# Jobs share the cores (`--cores 8` on a laptop runs several at once): idle OpenMP threads sleep instead
+# of spinning, which took a loaded step from 28-49 s to 3.4-4.3 s (benchmarks/train.py). Timing only.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from moeflow import config as mfconfig
 from moeflow.env import fingerprint as environment_fingerprint
 
