@@ -11,7 +11,9 @@ output_router_logits, left off; moeflow ``balance.mode: off``), fp32, the same t
 - ``moeflow``: moeflow.train.Trainer on the same packed rows;
 - ``moeflow_bf16``: the same in bf16 autocast (the measurement behind the config's ``precision``);
 - ``moeflow_running``, ``moeflow_exact``, ``moeflow_micro_batch`` (``--balance-modes``): moeflow with
-  its global-batch balancing loss on (coef 0.01), reported separately (the Trainers have no such mode).
+  its global-batch balancing loss on (coef 0.01), reported separately (the Trainers have no such mode);
+- ``moeflow_lora`` (``--lora-only``): moeflow training LoRA adapters (``train.method: lora`` with
+  config/config.yaml's ``train.lora``) against moeflow's full fine-tune, stored as ``lora_vs_full``.
 
 Each (setup, round) runs in a fresh process (so peak RSS is its own); each round rotates the order.
 A run warms up with one micro-batch forward and backward (not timed), then trains ``--steps`` timed
@@ -60,6 +62,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 CORE_SETUPS = ("recipe", "tuned", "moeflow", "moeflow_bf16")
 BALANCE_SETUPS = ("moeflow_running", "moeflow_exact", "moeflow_micro_batch")
+LORA_SETUPS = ("moeflow_lora",)  # train.method: lora with the config's train.lora settings
 MICRO, ACCUM, LR, RECIPE_MAX_LENGTH, BALANCE_COEF = 2, 8, 6e-5, 2048, 0.01
 MATMUL_SIZE = 2048
 
@@ -173,6 +176,11 @@ def worker(setup: str, args) -> dict:
         cpu_ends.append(time.process_time())
 
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision_of(setup) == "bf16")  # noqa: E731
+    if setup in LORA_SETUPS:
+        from moeflow import config as mfconfig
+        from moeflow.train import prepare_model
+
+        model = prepare_model(model, {"method": "lora", "lora": mfconfig.load()["train"]["lora"]})
     if setup.startswith("moeflow"):
         examples = packed_rows(args.data)
         mode = balance_mode_of(setup)
@@ -249,6 +257,7 @@ def worker(setup: str, args) -> dict:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "flops_per_s": 6 * active_parameters(model) * tokens_per_step / seconds,
         "active_parameters": active_parameters(model),
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "load_average_1min": [load_before, os.getloadavg()[0]],
     }
 
@@ -298,14 +307,22 @@ def main() -> None:
     parser.add_argument("--balance-modes", action="store_true", help="also run moeflow with each balancing-loss mode")
     parser.add_argument("--balance-modes-only", action="store_true",
                         help="run moeflow (off) and its balancing-loss modes only; adds them to this stack's entry as balance_modes")
-    parser.add_argument("--worker", choices=CORE_SETUPS + BALANCE_SETUPS)
+    parser.add_argument("--lora-only", action="store_true",
+                        help="run moeflow's full fine-tune and its LoRA fine-tune only; adds them to this stack's entry as lora_vs_full")
+    parser.add_argument("--worker", choices=CORE_SETUPS + BALANCE_SETUPS + LORA_SETUPS)
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "train.json"))
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
         return
 
-    setups = ("moeflow",) + BALANCE_SETUPS if args.balance_modes_only else CORE_SETUPS + (BALANCE_SETUPS if args.balance_modes else ())
+    if args.lora_only:
+        setups = ("moeflow",) + LORA_SETUPS
+    elif args.balance_modes_only:
+        setups = ("moeflow",) + BALANCE_SETUPS
+    else:
+        setups = CORE_SETUPS + (BALANCE_SETUPS if args.balance_modes else ())
+    separate = args.lora_only or args.balance_modes_only
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # before torch loads OpenMP: the matmul peak runs like the workers
     started = time.perf_counter()
     load_start = os.getloadavg()
@@ -340,8 +357,8 @@ def main() -> None:
         summary[setup]["mfu_of_cpu_time"] = flops_per_cpu_second * args.threads / cpu_peak[precision_of(setup)]
         summary[setup]["precision"] = precision_of(setup)
         summary[setup]["balance_mode"] = balance_mode_of(setup)
-    pairs = [] if args.balance_modes_only else [("moeflow", "recipe"), ("moeflow", "tuned"), ("tuned", "recipe"), ("moeflow_bf16", "moeflow")]
-    pairs += [(s, "moeflow") for s in setups if s in BALANCE_SETUPS]
+    pairs = [] if separate else [("moeflow", "recipe"), ("moeflow", "tuned"), ("tuned", "recipe"), ("moeflow_bf16", "moeflow")]
+    pairs += [(s, "moeflow") for s in setups if s in BALANCE_SETUPS + LORA_SETUPS]
     ratios = {f"{top}_over_{bottom}": median_ratio(runs, top, bottom) for top, bottom in pairs}
     # The same ratios from process CPU time per step (useful tokens per CPU second): less sensitive to the load.
     cpu_ratios = {f"{top}_over_{bottom}": median_ratio(runs, bottom, top, "cpu_seconds_per_useful_token") for top, bottom in pairs}
@@ -370,13 +387,14 @@ def main() -> None:
     existing = json.loads(out.read_text()) if out.is_file() else {}
     stacks = existing.get("stacks", {}) if isinstance(existing.get("stacks"), dict) else {}
     previous = stacks.get(stack_name(), {})
-    if args.balance_modes_only:
-        report = {**previous, "balance_modes": report}
+    if separate:
+        report = {**previous, ("lora_vs_full" if args.lora_only else "balance_modes"): report}
     else:
         report["goals"] = {"moeflow_over_recipe_at_least": 2.0, "moeflow_over_tuned_at_least": 1.0,
                            "met": bool(ratios["moeflow_over_recipe"] >= 2.0 and ratios["moeflow_over_tuned"] >= 1.0)}
-        if "balance_modes" in previous:  # a separate run's (it records its own versions and load)
-            report["balance_modes"] = previous["balance_modes"]
+        for key in ("balance_modes", "lora_vs_full"):  # separate runs' (each records its own versions and load)
+            if key in previous:
+                report[key] = previous[key]
     stacks[stack_name()] = report
     from moeflow.io import write_json
 
