@@ -105,13 +105,18 @@ def _model(model_type: str, **config):
     return build_model({"attn_implementation": "sdpa", "config": {"model_type": model_type, **common, **config}}, vocab_size=300)
 
 
+def _coverage_refusal(model, root, tmp_path) -> str:
+    """The coverage stage's error for ``model`` on the ``code`` pool."""
+    with pytest.raises(UnsupportedModel) as err:
+        C.build_valset(model, [root / "code"], {"pool_corpora": ["code"], "batch_tokens": 128}, C.StageOutputs(
+            tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png"), "sdpa", seed=0)
+    return str(err.value)
+
+
 def test_a_dense_model_where_the_coverage_stage_needs_experts(stage_inputs, tmp_path):  # noqa: F811
     root, _ = stage_inputs
     dense = _model("llama", intermediate_size=64)
-    with pytest.raises(UnsupportedModel) as err:
-        C.build_valset(dense, [root / "code"], {"pool_corpora": ["code"], "batch_tokens": 128}, C.StageOutputs(
-            tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png"), "sdpa", seed=0)
-    assert str(err.value) == (
+    assert _coverage_refusal(dense, root, tmp_path) == (
         "the coverage stage routes the held-out pool through the model's experts, and this model has none it can read: "
         "no routing adapter for model_type 'llama' (its config names no experts, so it looks like a dense model). "
         f"Supported: {SUPPORTED}. To add one: {ADAPTER_NEEDS}. A dense run uses another run's validation set: set "
@@ -123,10 +128,7 @@ def test_a_dense_model_where_the_coverage_stage_needs_experts(stage_inputs, tmp_
 def test_an_unsupported_moe_family(stage_inputs, tmp_path):  # noqa: F811
     root, _ = stage_inputs
     phimoe = _model("phimoe", intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(UnsupportedModel) as err:
-        C.build_valset(phimoe, [root / "code"], {"pool_corpora": ["code"], "batch_tokens": 128}, C.StageOutputs(
-            tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png"), "sdpa", seed=0)
-    assert str(err.value) == (
+    assert _coverage_refusal(phimoe, root, tmp_path) == (
         "the coverage stage routes the held-out pool through the model's experts, and this model has none it can read: "
         "no routing adapter for model_type 'phimoe' (its config has num_local_experts=4, so it looks like a "
         f"mixture-of-experts model). Supported: {SUPPORTED}. To add one: {ADAPTER_NEEDS}. A dense run uses another "

@@ -196,10 +196,12 @@ def gather_objects(obj: Any) -> list[Any]:
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks in place; a no-op in one process. (``moeflow.losses.all_reduce_sum``: one helper.)"""
-    from .losses import all_reduce_sum as reduce
+    """Sum a tensor over ranks in place (a no-op in one process)."""
+    if world_size() > 1:
+        import torch.distributed as dist
 
-    return reduce(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
 
 
 # --------------------------------------------------------------------------- expert parallelism (transformers 5)

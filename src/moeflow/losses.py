@@ -38,6 +38,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from .distributed import all_reduce_sum, world_size
+
 IGNORE_INDEX = -100
 BALANCE_MODES = ("running", "exact", "micro_batch", "off")
 
@@ -92,21 +94,6 @@ class LayerRouter:
 
 
 # --------------------------------------------------------------------------- distributed
-
-
-def world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks in place (a no-op in one process)."""
-    if world_size() > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
 
 
 # --------------------------------------------------------------------------- tokens
