@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "src"))
 from moeflow import compat  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
 from moeflow.corpus import SourceReader, split_documents  # noqa: E402
-from moeflow.io import write_json  # noqa: E402
+from moeflow.files import write_json  # noqa: E402
 from moeflow.stage import set_offline  # noqa: E402
 from moeflow.tokenize import load_tokenizer, set_tokenizer_threads, tokenize_corpus, train_tokenizer_stage  # noqa: E402
 

@@ -396,7 +396,7 @@ def main() -> None:
             if key in previous:
                 report[key] = previous[key]
     stacks[stack_name()] = report
-    from moeflow.io import write_json
+    from moeflow.files import write_json
 
     write_json(out, {"stacks": dict(sorted(stacks.items()))})
     print(json.dumps({"setups": summary, "ratios": ratios, "cpu_ratios": cpu_ratios, "matmul_peak": peak}, indent=1))

@@ -12,7 +12,7 @@ import pytest
 
 from moeflow import artifacts as A
 from moeflow.evaluate import EvalSet, SetStats, run_metrics
-from moeflow.io import write_json
+from moeflow.files import write_json
 
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
 

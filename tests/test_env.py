@@ -12,7 +12,7 @@ import torch
 from conftest import active_stack
 from moeflow import compat, env
 from moeflow.config import REPO_ROOT
-from moeflow.io import dumps_json
+from moeflow.files import dumps_json
 from moeflow.pins import pinned_versions
 
 ENV_FILE = REPO_ROOT / "envs" / f"{active_stack()}.yaml"

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import active_stack, snakemake  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
-from moeflow.io import DiskFull  # noqa: E402
+from moeflow.files import DiskFull  # noqa: E402
 from moeflow.stage import KILL_ENV, KILL_SCOPE_ENV  # noqa: E402
 from test_coverage import stage_inputs  # noqa: E402,F401  (tokenized corpus + tiny MoE, module-scoped)
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import active_stack
 from moeflow import compat, config, env, plan
 from moeflow.config import REPO_ROOT
-from moeflow.io import dumps_json
+from moeflow.files import dumps_json
 from moeflow.modeling import build_model
 
 STEP3P5 = REPO_ROOT / "config" / "models" / "step3p5-flash.yaml"

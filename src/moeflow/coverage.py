@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .collate import MODEL_INPUTS
-from .io import atomic_dir, read_json, write_json
+from .files import atomic_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -681,7 +681,7 @@ def plot_heatmap(path: str | os.PathLike, layers: Sequence[int], valset_docs: np
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .io import atomic_file
+    from .files import atomic_file
 
     vmax = max(2 * min_docs, 1)
     fig, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.35 * len(layers)), sharey=True, constrained_layout=True)

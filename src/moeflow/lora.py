@@ -335,10 +335,10 @@ def _router_state(model: Any) -> dict[str, Any]:
 def save_adapter(model: Any, folder: str | os.PathLike) -> None:
     """Write the adapters (peft ``save_pretrained``: adapter_config.json + adapter_model.safetensors),
     the router's weights when it is trainable, and the LoRA settings into ``folder``. Call it inside
-    ``moeflow.io.atomic_dir`` (or a checkpoint folder that is renamed into place)."""
+    ``moeflow.files.atomic_dir`` (or a checkpoint folder that is renamed into place)."""
     from safetensors.torch import save_file
 
-    from .io import write_json
+    from .files import write_json
 
     settings = lora_settings(model)
     folder = Path(folder)
@@ -356,7 +356,7 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
     from peft.utils import load_peft_weights
     from safetensors.torch import load_file
 
-    from .io import read_json
+    from .files import read_json
 
     folder = Path(folder)
     if not (folder / SETTINGS_FILE).is_file():
@@ -388,7 +388,7 @@ def save_adapter_output(model: Any, folder: str | os.PathLike) -> dict[str, Any]
     ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full`` or ``lora``),
     so the output exists for a full run too. Call it before :func:`merge_and_save`, which consumes the
     peft wrapper. Returns the report."""
-    from .io import atomic_dir, write_json
+    from .files import atomic_dir, write_json
 
     report = trainable_parameter_report(model)
     with atomic_dir(folder) as tmp:
@@ -402,7 +402,7 @@ def merge_and_save(model: Any, tokenizer: Any, folder: str | os.PathLike) -> Any
     """Fold the adapters into the base weights and write a model folder (safetensors, config, and the
     tokenizer if given) that ``AutoModelForCausalLM.from_pretrained`` loads; atomic. This consumes the
     peft wrapper: the merged transformers model is returned."""
-    from .io import atomic_dir
+    from .files import atomic_dir
 
     merged = model.merge_and_unload(safe_merge=True)
     merged.config.use_cache = True  # a saved model generates with a cache; training turned it off

@@ -122,7 +122,7 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
 def check_vocabulary(model: Any, data_dirs: Sequence[str | os.PathLike], model_path: str | os.PathLike = "the model") -> None:
     """Refuse data tokenized with a tokenizer that has more tokens than the model has embedding rows
     (a model may have more rows than tokens: vocabularies are often padded)."""
-    from .io import read_json
+    from .files import read_json
 
     rows = model.get_input_embeddings().num_embeddings
     for folder in data_dirs:

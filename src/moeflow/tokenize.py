@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .corpus import SPLITS, CorpusError, Document, SourceReader, split_documents
-from .io import atomic_dir, write_json
+from .files import atomic_dir, write_json
 from .stage import kill_point, progress
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from . import distributed as D
 from . import guards as G
 from .collate import MODEL_INPUTS
 from .config import resolve_warmup_steps
-from .io import atomic_dir, read_json, write_json
+from .files import atomic_dir, read_json, write_json
 from .losses import LayerRouter, LossSettings, StepLoss, count_label_tokens, expert_counts, token_mask, update_correction_bias
 from .stage import code_version, kill_point, progress
 

@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from moeflow import config as mfconfig
 from moeflow.env import fingerprint as environment_fingerprint
+from moeflow.imports import library_files
 
 try:
     mfconfig.validate(config)
@@ -43,10 +44,10 @@ TOKENIZERS = {mfconfig.tokenizer_key(cfg): mfconfig.tokenizer_settings(cfg) for 
 DATASETS = {mfconfig.data_key(cfg): mfconfig.data_settings(cfg) for cfg in RUNS.values()}
 
 
-def lib(*modules):
-    """The package modules a rule's script imports, as inputs: editing one reruns the rule."""
-    base = ("__init__", "compat", "io", "stage", "config")
-    return [f"src/moeflow/{m}.py" for m in dict.fromkeys(base + modules)]
+def lib(script):
+    """The package modules a stage script imports, directly or through other package modules, as inputs:
+    editing one reruns the rule (moeflow.imports walks the imports; nothing is listed by hand)."""
+    return library_files(Path(workflow.basedir) / "workflow" / "scripts" / script, SRC / "moeflow")
 
 
 def runtime(run=None):

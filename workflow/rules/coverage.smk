@@ -5,7 +5,7 @@ rule coverage_valset:
     input:
         model=lambda wc: base_model_dir(COVERAGES[wc.covkey]),
         pool=lambda wc: [data_dir(COVERAGES[wc.covkey], c) for c in COVERAGES[wc.covkey]["coverage"]["pool_corpora"]],
-        lib=lib("modeling", "corpus", "tokenize", "collate", "routing", "coverage"),
+        lib=lib("coverage_valset.py"),
     output:
         valset=directory(f"{RESULTS}/coverage/{{covkey}}/valset"),
         json=f"{RESULTS}/coverage/{{covkey}}/coverage.json",

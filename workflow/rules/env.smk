@@ -5,7 +5,7 @@
 rule verify_env:
     input:
         env_file=f"envs/{STACK}.yaml",
-        lib=lib("env", "pins"),
+        lib=lib("verify_env.py"),
     output:
         json=f"{RESULTS}/env/report.json",
         md=report(f"{RESULTS}/env/report.md", caption="../report/verify_env.rst", category="Environment"),

@@ -9,7 +9,7 @@ rule evaluate_run:
         finetuned=lambda wc: final_model_dir(wc.run),
         valset=lambda wc: f"{coverage_dir(RUNS[wc.run])}/valset",
         eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]],
-        lib=lib("corpus", "tokenize", "collate", "modeling", "routing", "losses", "guards", "coverage", "distributed", "train", "evaluate"),
+        lib=lib("evaluate.py"),
     output:
         metrics=f"{RESULTS}/runs/{{run}}/eval/metrics.json",
         speed=f"{RESULTS}/runs/{{run}}/eval/speed.json",

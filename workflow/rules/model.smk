@@ -7,7 +7,7 @@ rule pretrain_base:
         tokenizer=lambda wc: tokenizer_dir(mfconfig.tokenizer_settings(BASES[wc.basekey])),
         data=lambda wc: data_dir(BASES[wc.basekey], BASES[wc.basekey]["data"]["base_corpus"]),
         script="workflow/scripts/pretrain_base.py",
-        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "distributed", "train"),
+        lib=lib("pretrain_base.py"),
     output:
         model=directory(f"{RESULTS}/base/{{basekey}}"),
     params:

@@ -12,7 +12,7 @@ rule paper:
         coverage=f"{coverage_dir(RUNS[config['paper']['moe_run']])}/coverage.json",
         env=rules.verify_env.output.json,
         data=list(paper_data().values()),
-        lib=lib("io", "artifacts", "lora"),
+        lib=lib("paper.py"),
     output:
         **paper_output_files(),
     params:

@@ -11,7 +11,7 @@ rule warmup:
         model=lambda wc: base_model_dir(RUNS[WARMUPS[wc.warmkey]]),
         data=lambda wc: data_dir(RUNS[WARMUPS[wc.warmkey]], RUNS[WARMUPS[wc.warmkey]]["data"]["finetune_corpus"]),
         script="workflow/scripts/warmup.py",
-        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "distributed", "train", "lora"),
+        lib=lib("warmup.py"),
     output:
         checkpoint=directory(f"{RESULTS}/warmup/{{warmkey}}"),
     params:
@@ -44,7 +44,7 @@ rule train_model:
         # warmup input it would rerun warmup on a second-part change (train.steps).
         plan=lambda wc: f"{RESULTS}/runs/{wc.run}/plan.json",
         script="workflow/scripts/train_model.py",
-        lib=lib("collate", "tokenize", "corpus", "modeling", "routing", "losses", "guards", "evaluate", "coverage", "distributed", "train", "lora"),
+        lib=lib("train_model.py"),
     output:
         model=directory(f"{RESULTS}/runs/{{run}}/model"),
         logs=directory(f"{RESULTS}/runs/{{run}}/train"),

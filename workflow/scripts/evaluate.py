@@ -8,7 +8,7 @@ import torch
 
 from moeflow import evaluate as ev
 from moeflow.coverage import open_valset
-from moeflow.io import write_json, write_text
+from moeflow.files import write_json, write_text
 from moeflow.modeling import check_vocabulary, load_model
 from moeflow.stage import Stage, kill_point
 from moeflow.tokenize import open_split

@@ -2,7 +2,7 @@
 every run (training logs, evaluation metrics, coverage, environment), each carrying its provenance."""
 
 from moeflow import artifacts as A
-from moeflow.io import read_json
+from moeflow.files import read_json
 from moeflow.lora import REPORT_FILE
 from moeflow.stage import Stage
 

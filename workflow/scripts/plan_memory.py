@@ -1,7 +1,7 @@
 """Stage plan_memory: will this run's training fit in memory? Counted from the model config alone."""
 
 from moeflow import plan as planner
-from moeflow.io import read_json, write_json, write_text
+from moeflow.files import read_json, write_json, write_text
 from moeflow.stage import Stage, log
 
 stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)

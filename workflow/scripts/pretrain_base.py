@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 
 from moeflow import distributed as D
-from moeflow.io import atomic_dir, write_json
+from moeflow.files import atomic_dir, write_json
 from moeflow.modeling import build_model, load_tokenizer
 from moeflow.stage import Stage
 from moeflow.tokenize import open_split

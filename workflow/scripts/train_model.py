@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moeflow import distributed as D
 from moeflow.coverage import open_valset
-from moeflow.io import write_json
+from moeflow.files import write_json
 from moeflow.lora import save_adapter_output
 from moeflow.modeling import load_tokenizer
 from moeflow.stage import Stage

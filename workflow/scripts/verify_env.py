@@ -1,7 +1,7 @@
 """Stage verify_env: what environment is this, and does it match the stack's pins?"""
 
 from moeflow import env
-from moeflow.io import write_json, write_text
+from moeflow.files import write_json, write_text
 from moeflow.stage import Stage, kill_point
 
 stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)

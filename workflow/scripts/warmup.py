@@ -6,7 +6,7 @@ rank runs this script; the layout is the config's ``parallel`` section (moeflow.
 
 from moeflow import distributed as D
 from moeflow.guards import UnstableRouting
-from moeflow.io import dumps_json, write_json
+from moeflow.files import dumps_json, write_json
 from moeflow.stage import Stage, log
 from moeflow.tokenize import open_split
 from moeflow.train import TrainSettings, job_from_argv, load_for_training, train_stage
