@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: env train test lint clean
+.PHONY: env train test lint format clean
 
 $(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/pins.py
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,13 @@ test: env
 	STACK=$(STACK) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: env
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	STACK=$(STACK) $(BIN)/snakemake --lint
+
+format: env
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 clean:
 	rm -rf results/pinned results/current .snakemake

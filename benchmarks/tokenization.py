@@ -1,6 +1,6 @@
 """Tokenization throughput on the default corpus, three ways, same tokenizer, same cores, one process:
 
-1. ``moeflow_stage``: this pipeline's tokenize stage (``moeflow.tokenize.tokenize_corpus``) from the
+1. ``moeflow_stage``: this pipeline's tokenize stage (``moeflow.tokenize_stage.tokenize_corpus``) from the
    source files to packed Arrow shards and manifest (reading, hashing, splitting, packing, writing);
 2. ``datasets_map``: the usual recipe, ``Dataset.map(tokenize, batched=True, num_proc=N)`` then a
    second ``map`` that concatenates and chunks into seq_len blocks (transformers' run_clm ``group_texts``),
@@ -29,7 +29,8 @@ from moeflow import config as mfconfig  # noqa: E402
 from moeflow.corpus import SourceReader, split_documents  # noqa: E402
 from moeflow.files import write_json  # noqa: E402
 from moeflow.stage import set_offline  # noqa: E402
-from moeflow.tokenize import load_tokenizer, set_tokenizer_threads, tokenize_corpus, train_tokenizer_stage  # noqa: E402
+from moeflow.tokenize_stage import tokenize_corpus  # noqa: E402
+from moeflow.tokenizer import load_fast_tokenizer, set_tokenizer_threads, train_tokenizer_stage  # noqa: E402
 
 
 def best_of(repeats, fn):
@@ -116,7 +117,7 @@ def main() -> None:
             start = time.perf_counter()
             train_tokenizer_stage(settings["tokenizer"], tokenizer_dir, threads=args.threads)
             trained = time.perf_counter() - start
-        tokenizer = load_tokenizer(tokenizer_dir)
+        tokenizer = load_fast_tokenizer(tokenizer_dir)
         texts = corpus_texts(settings, corpora)
         results = {}
         results["raw_tokenizer"] = best_of(args.repeats, lambda: run_raw(texts, tokenizer))

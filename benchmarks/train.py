@@ -82,13 +82,13 @@ def stack_name() -> str:
 
 
 def documents(data_dir) -> list[list[int]]:
-    from moeflow.tokenize import open_split, read_documents
+    from moeflow.shards import open_split, read_documents
 
     return [ids for _, ids in read_documents(open_split(data_dir, "train"))]
 
 
 def packed_rows(data_dir) -> list[dict]:
-    from moeflow.tokenize import open_split
+    from moeflow.shards import open_split
 
     split = open_split(data_dir, "train")
     return [split[i] for i in range(len(split))]
@@ -144,11 +144,11 @@ def step_intervals(marks: list[float]) -> list[float]:
 def warm_up(model, batch, autocast) -> None:
     """One micro-batch forward and backward before the clock starts (first-call allocations and
     kernel choices), the same in every setup; gradients are dropped."""
-    from moeflow.collate import MODEL_INPUTS
+    from moeflow.collate import model_inputs
 
     model.train()
     with autocast():
-        logits = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).logits
+        logits = model(**model_inputs(model, batch), use_cache=False).logits
     logits.float().mean().backward()
     model.zero_grad(set_to_none=True)
 
@@ -158,7 +158,10 @@ def worker(setup: str, args) -> dict:
 
     from moeflow.modeling import load_model, load_tokenizer
     from moeflow.stage import set_offline
-    from moeflow.train import Trainer, TrainSettings, active_parameters, collate_rows
+    from moeflow.collate import collate, model_inputs
+    from moeflow.metrics import active_parameters
+    from moeflow import config as mfconfig
+    from moeflow.train import Trainer
 
     set_offline()
     torch.set_num_threads(args.threads)
@@ -177,20 +180,18 @@ def worker(setup: str, args) -> dict:
 
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision_of(setup) == "bf16")  # noqa: E731
     if setup in LORA_SETUPS:
-        from moeflow import config as mfconfig
-        from moeflow.train import prepare_model
+        from moeflow.lora import prepare_model
 
-        model = prepare_model(model, {"method": "lora", "lora": mfconfig.load()["train"]["lora"]})
+        lora_run = mfconfig.load(overrides={"train": {"method": "lora"}})
+        model = prepare_model(model, mfconfig.settings(mfconfig.TrainSettings, mfconfig.train_settings(lora_run)))
     if setup.startswith("moeflow"):
         examples = packed_rows(args.data)
         mode = balance_mode_of(setup)
-        settings = TrainSettings.from_config({
+        settings = mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({
             "steps": timed, "lr": LR, "warmup_steps": 1, "micro_batch_size": MICRO, "grad_accum_steps": ACCUM,
             "weight_decay": 0.1, "max_grad_norm": 1.0, "balance": {"mode": mode, "coef": BALANCE_COEF},
             "memory_guard": {"skip_steps": 10**6},
-        })
-        dtype = next(model.parameters()).dtype
-        collate = lambda r: collate_rows(r, attn, dtype)  # noqa: E731
+        }))
         warm_up(model, collate(examples[:MICRO]), autocast)
         trainer = Trainer(model, settings, examples, collate_fn=collate, seed=0,
                           precision=precision_of(setup), step_hook=lambda step, m: mark())
@@ -218,20 +219,19 @@ def worker(setup: str, args) -> dict:
         if setup == "recipe":
             examples = recipe_examples(documents(args.data), tokenizer.pad_token_id or 0)
 
-            def collate(batch):
+            def hf_batch(batch):
                 return {k: torch.tensor([b[k] for b in batch]) for k in ("input_ids", "attention_mask", "labels")}
         else:
             examples = packed_rows(args.data)
 
-            def collate(batch):
-                out = collate_rows(batch, attn)
-                out.pop("doc_ids")
-                return out
+            def hf_batch(batch):  # what the model takes, with the labels
+                rows = collate(batch)
+                return {**model_inputs(model, rows), "labels": rows["labels"]}
 
         checkpointing = setup == "recipe"
         if checkpointing:  # before the warm-up, so that its memory is the recipe's (the Trainer enables it again)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        warm_up(model, collate(examples[:MICRO]), autocast)
+        warm_up(model, hf_batch(examples[:MICRO]), autocast)
         with tempfile.TemporaryDirectory() as tmp:
             hf_args = TrainingArguments(
                 output_dir=tmp, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM, learning_rate=LR,
@@ -240,7 +240,7 @@ def worker(setup: str, args) -> dict:
                 report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0,
                 use_cpu=True, seed=0, remove_unused_columns=False, optim="adamw_torch",
             )
-            HFTrainer(model=model, args=hf_args, train_dataset=examples, data_collator=collate, callbacks=[StepClock()]).train()
+            HFTrainer(model=model, args=hf_args, train_dataset=examples, data_collator=hf_batch, callbacks=[StepClock()]).train()
 
     seconds = statistics.median(step_intervals(ends))
     tokens_per_step = statistics.fmean(label_tokens(e) for e in examples) * MICRO * ACCUM

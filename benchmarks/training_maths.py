@@ -31,9 +31,10 @@ import torch  # noqa: E402
 
 from moeflow import compat  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
-from moeflow.losses import LossSettings  # noqa: E402
 from moeflow.modeling import build_model, load_model  # noqa: E402
-from moeflow.train import accumulate_gradients, collate_rows, routing_adapter  # noqa: E402
+from moeflow.collate import collate  # noqa: E402
+from moeflow.routing import adapter_or_none  # noqa: E402
+from moeflow.train import accumulate_gradients  # noqa: E402
 
 
 def random_rows(n, seq_len, vocab, seed=0):
@@ -62,21 +63,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = mfconfig.run_config(mfconfig.load(), "moe")
     model_cfg, train, seq_len = cfg["model"], cfg["train"], cfg["data"]["seq_len"]
-    attn = model_cfg["attn_implementation"]
     model = build_model(model_cfg, cfg["tokenizer"]["vocab_size"], seed=0)
-    adapter = routing_adapter(model)
+    adapter = adapter_or_none(model)
     micro = train["micro_batch_size"]
 
     # 1. precision
     rows = random_rows(2 * micro, seq_len, cfg["tokenizer"]["vocab_size"])
-    batches = [collate_rows(rows[i : i + micro], attn) for i in range(0, len(rows), micro)]
+    batches = [collate(rows[i : i + micro]) for i in range(0, len(rows), micro)]
     times = {"fp32": [], "bf16": []}
     for _ in range(args.rounds):
         for precision in times:
             autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")  # noqa: E731
             started = time.perf_counter()
             model.zero_grad(set_to_none=True)
-            accumulate_gradients(model, batches, LossSettings(), adapter, autocast)
+            accumulate_gradients(model, batches, mfconfig.settings(mfconfig.BalanceSettings, {}), adapter, autocast)
             times[precision].append(time.perf_counter() - started)
     medians = {p: statistics.median(t) for p, t in times.items()}
     tokens = len(rows) * seq_len
@@ -91,16 +91,16 @@ def main() -> None:
 
     # 2. balance modes at 8 accumulation steps
     if args.model:
-        from moeflow.tokenize import open_split
+        from moeflow.shards import open_split
 
         model = load_model(args.model, model_cfg)
-        adapter = routing_adapter(model)
+        adapter = adapter_or_none(model)
         split = open_split(args.data, "train")
         rows = [split[i] for i in range(min(len(split), 8 * micro))]
     else:
         rows = random_rows(8 * micro, seq_len, cfg["tokenizer"]["vocab_size"], seed=1)
-    batches = [collate_rows(rows[i : i + micro], attn) for i in range(0, len(rows), micro)]
-    grads = {mode: gradient(model, batches, LossSettings(balance_mode=mode, balance_coef=train["balance"]["coef"]), adapter)
+    batches = [collate(rows[i : i + micro]) for i in range(0, len(rows), micro)]
+    grads = {mode: gradient(model, batches, mfconfig.settings(mfconfig.BalanceSettings, {"mode": mode, "coef": train["balance"]["coef"]}), adapter)
              for mode in ("exact", "running", "micro_batch", "off")}
     exact_term = grads["exact"] - grads["off"]
     balance_result = {

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from moeflow import artifacts as A
-from moeflow.evaluate import EvalSet, SetStats, run_metrics
+from moeflow import config as mfconfig
+from moeflow.eval_loop import SetStats
+from moeflow.evaluate import EvalSet, run_metrics
 from moeflow.files import write_json
 
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
@@ -38,9 +40,9 @@ def metrics_for(run: str, moe: bool, seed: int) -> dict:
 
 
 def train_log(path: Path, moe: bool, steps: int = 12) -> Path:
-    """A metrics.jsonl as training writes it (``moeflow.train.MetricsLog``)."""
+    """A metrics.jsonl as training writes it (``moeflow.metrics.MetricsLog``)."""
     from moeflow.guards import layer_health
-    from moeflow.train import MetricsLog
+    from moeflow.metrics import MetricsLog
 
     log = MetricsLog(path)
     rng = np.random.default_rng(0)
@@ -190,7 +192,8 @@ def test_provenance_record_names_code_config_environment_and_data(tmp_path):
 
 def coverage_json() -> dict:
     """coverage.json as the coverage stage writes it, from synthetic routing of 60 documents."""
-    from moeflow.coverage import StatsCollector, build_constraints, coverage_report, select_documents
+    from moeflow.coverage import build_constraints, coverage_report, select_documents
+    from moeflow.pool_stats import StatsCollector
 
     rng = np.random.default_rng(0)
     collector = StatsCollector(list(range(LAYERS)), EXPERTS, TOP_K)
@@ -216,9 +219,9 @@ def write_paper_inputs(tmp_path: Path):
                          A.read_train_log(train_log(tmp_path / run, moe)), {"max_rss_mib": 900.0}, training_report("full", total, total))
         for run, moe, seed, tps, total in (("moe", True, 0, 5000.0, 1_000_000), ("dense", False, 100, 9000.0, 600_000))
     }
-    config = {"threads": 2, "precision": "fp32", "seed": 1, "hardware": {"device": "cpu"}, "train": {},
+    config = mfconfig.with_defaults({"threads": 2, "precision": "fp32", "seed": 1, "hardware": {"device": "cpu"}, "train": {},
               "model": {"config": {"model_type": "qwen3_moe", "num_experts": EXPERTS}}, "data": {"seq_len": 128, "finetune_corpus": "target"},
-              "runs": {"moe": {}, "dense": {}}}
+              "runs": {"moe": {}, "dense": {}}})
     return dict(config=config, settings={"moe_run": "moe", "dense_runs": ["dense"], "set": "valset", "dpi": 80},
                 records=records, coverage=coverage_json(), env_report_path=env, manifests={"d-1/target": manifest},
                 stage_docs={"evaluate/moe": records["moe"].metrics, "tokenize/target": json.loads(manifest.read_text())})

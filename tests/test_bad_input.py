@@ -13,9 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moeflow import config as mfconfig
-from moeflow import coverage as C
+from moeflow.coverage import CoverageInfeasible, infeasible_message
 from moeflow.modeling import ModelError, build_model, check_vocabulary, load_model, load_tokenizer
 from moeflow.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
+from moeflow.valset import StageOutputs, build_valset
 from test_coverage import run_stage, stage_inputs  # noqa: F401  (the module-scoped fixture: tokenized corpus + tiny MoE)
 
 SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
@@ -108,7 +109,7 @@ def _model(model_type: str, **config):
 def _coverage_refusal(model, root, tmp_path) -> str:
     """The coverage stage's error for ``model`` on the ``code`` pool."""
     with pytest.raises(UnsupportedModel) as err:
-        C.build_valset(model, [root / "code"], {"pool_corpora": ["code"], "batch_tokens": 128}, C.StageOutputs(
+        build_valset(model, [root / "code"], {"pool_corpora": ["code"], "batch_tokens": 128}, StageOutputs(
             tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png"), "sdpa", seed=0)
     return str(err.value)
 
@@ -155,16 +156,16 @@ def test_a_tokenizer_larger_than_the_model_vocabulary(stage_inputs):  # noqa: F8
 
 
 def test_an_empty_held_out_pool(stage_inputs, tmp_path):  # noqa: F811
-    from moeflow import tokenize as T
+    from moeflow.tokenize_stage import tokenize_corpus
 
     root, model_cfg = stage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     no_heldout = {"heldout": 0.0, "test": 0.1}
     settings = {"tokenizer": {**settings["tokenizer"], "split": no_heldout}, "data": {**settings["data"], "split": no_heldout}}
-    T.tokenize_corpus("code", settings, root / "tokenizer", tmp_path / "code")
-    outputs = C.StageOutputs(tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png")
-    with pytest.raises(C.CoverageInfeasible) as err:
-        C.build_valset(load_model(root / "base", model_cfg), [tmp_path / "code"], {
+    tokenize_corpus("code", settings, root / "tokenizer", tmp_path / "code")
+    outputs = StageOutputs(tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png")
+    with pytest.raises(CoverageInfeasible) as err:
+        build_valset(load_model(root / "base", model_cfg), [tmp_path / "code"], {
             "pool_corpora": ["code"], "min_docs_per_expert": 2, "min_tokens": 1, "pairs_per_layer": 2,
             "token_budget": 1500, "batch_tokens": 128}, outputs, "sdpa", seed=0)
     assert str(err.value) == "the held-out pool of code has no documents: raise 'data.split.heldout'"
@@ -172,11 +173,11 @@ def test_an_empty_held_out_pool(stage_inputs, tmp_path):  # noqa: F811
 
 
 def test_a_held_out_pool_too_small_for_the_constraints(stage_inputs, tmp_path):  # noqa: F811
-    from moeflow import tokenize as T
+    from moeflow.shards import open_split, read_documents
 
     root, model_cfg = stage_inputs
-    docs = len(dict(T.read_documents(T.open_split(root / "code", "heldout"))))
-    with pytest.raises(C.CoverageInfeasible) as err:
+    docs = len(dict(read_documents(open_split(root / "code", "heldout"))))
+    with pytest.raises(CoverageInfeasible) as err:
         run_stage(root, model_cfg, tmp_path / "strict", min_docs_per_expert=docs + 1)
     assert not (tmp_path / "strict").exists()
     report, _ = run_stage(root, model_cfg, tmp_path / "allowed", min_docs_per_expert=docs + 1, allow_unmet=True)
@@ -185,7 +186,7 @@ def test_a_held_out_pool_too_small_for_the_constraints(stage_inputs, tmp_path): 
     assert sum(u["constraint"].startswith("expert ") for u in report["unmet"]) == 2 * 4
     assert str(err.value) == (
         f"the held-out pool of code has {docs} document(s), fewer than 'coverage.min_docs_per_expert' ({docs + 1}), so "
-        "no expert can be covered. " + C.infeasible_message(report["unmet"], docs + 1, 1)
+        "no expert can be covered. " + infeasible_message(report["unmet"], docs + 1, 1)
     )
     assert str(err.value).endswith(
         "To proceed: add held-out documents to 'coverage.pool_corpora' or lower 'coverage.min_docs_per_expert'/"

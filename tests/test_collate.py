@@ -1,15 +1,26 @@
-"""The packing-aware collator: on this stack and for each attention implementation, a packed
-document's logits equal the same document run alone."""
+"""The packing-aware collator: the rows' tensors, and the masks ``model_inputs`` gives each kind of model.
+Packed == alone for every family and stack is tests/unit/test_families.py's; flash_attention_2 (GPU) is here."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import family_checks as C
 import pytest
 import torch
+from tiny_models import WINDOW, build_family
 
 from moeflow import compat
-from moeflow.collate import block_causal_mask, collate, needs_block_mask
+from moeflow.collate import (
+    PackingUnsupported,
+    block_causal_mask,
+    collate,
+    layer_windows,
+    model_inputs,
+    packed_attention_mask,
+)
 from moeflow.modeling import build_model
-from moeflow.tokenize import pack_documents
+from moeflow.packing import pack_documents
 
 TINY_MOE = {
     "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
@@ -17,6 +28,83 @@ TINY_MOE = {
     "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128,
 }
 VOCAB = 64
+
+
+def allowed(mask: torch.Tensor) -> list[list[int]]:
+    return (mask[0, 0] == 0).int().tolist()
+
+
+def test_block_causal_mask_values():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    mask = block_causal_mask(position_ids, torch.float32)
+    assert allowed(mask) == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert mask.dtype == torch.float32 and mask.min() == torch.finfo(torch.float32).min
+    assert block_causal_mask(position_ids, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_block_causal_mask_keeps_the_sliding_window():
+    mask = block_causal_mask(torch.tensor([[0, 1, 2, 3, 0, 1]]), torch.float64, sliding_window=2)
+    assert allowed(mask) == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ]
+
+
+def test_collate_pads_rows_of_different_lengths():
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8], "position_ids": [0, 1, 0, 1]},
+        {"input_ids": [9, 10], "labels": [-100, 10], "position_ids": [0, 1]},
+    ]
+    batch = collate(rows, pad_id=3)
+    assert set(batch) == {"input_ids", "labels", "position_ids", "doc_ids"}
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 3, 3]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, 8], [-100, 10, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1], [0, 1, 0, 1]]
+    assert batch["doc_ids"].tolist() == [[0, 0, 0, 0], [0, 0, -1, -1]]
+    assert all(t.dtype == torch.long for t in batch.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_model_inputs_give_the_masks_the_model_uses(family):
+    """One mask with the window built in, a dict per layer type for mixed layers, none where position_ids do
+    it; in the model's dtype."""
+    model = build_family(family, "eager", torch.float64)
+    inputs = model_inputs(model, collate(C.packed_rows()))
+    mask = inputs.get("attention_mask")
+    if compat.is_transformers_v5() and family != "gpt_oss":
+        assert mask is None
+    elif family == "gpt_oss":
+        assert set(mask) == {"sliding_attention", "full_attention"}
+        assert allowed(mask["full_attention"])[31][:12] == [0] * 12  # the second document does not see the first
+        assert sum(allowed(mask["sliding_attention"])[31]) == WINDOW and sum(allowed(mask["full_attention"])[31]) == 20
+        assert all(m.dtype == torch.float64 for m in mask.values())
+    else:
+        assert mask.shape == (3, 1, 32, 32) and mask.dtype == torch.float64
+        assert sum(allowed(mask)[31]) == WINDOW
+    windows = {"qwen3_moe": [WINDOW] * 2, "mixtral": [WINDOW] * 2, "gpt_oss": [WINDOW, None]}
+    assert layer_windows(model.config) == windows[family]
+
+
+def test_mixed_windows_for_a_model_that_takes_one_mask_are_refused():
+    config = SimpleNamespace(model_type="mixtral", _attn_implementation="eager", num_hidden_layers=2, sliding_window=4,
+                             layer_types=["sliding_attention", "full_attention"])
+    position_ids = torch.tensor([[0, 1, 2, 0]])
+    if compat.is_transformers_v5():  # the model's own mask builders see the documents and the window
+        assert packed_attention_mask(config, position_ids, torch.float32) is None
+    else:
+        with pytest.raises(PackingUnsupported, match="mix sliding-window and full attention.*flash_attention_2"):
+            packed_attention_mask(config, position_ids, torch.float32)
 
 
 def flash_attention_unavailable() -> str | None:
@@ -29,83 +117,19 @@ def flash_attention_unavailable() -> str | None:
     return None
 
 
-IMPLEMENTATIONS = [
-    "eager",
-    "sdpa",
-    pytest.param("flash_attention_2", marks=pytest.mark.skipif(flash_attention_unavailable() is not None,
-                                                               reason=str(flash_attention_unavailable()))),
-]
-
-
-def test_block_causal_mask_values():
-    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0]])
-    mask = block_causal_mask(position_ids)
-    allowed = (mask[0, 0] == 0).int().tolist()
-    assert allowed == [
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [0, 0, 0, 1, 0, 0],
-        [0, 0, 0, 1, 1, 0],
-        [0, 0, 0, 0, 0, 1],
-    ]
-    assert mask.dtype == torch.float32 and mask.min() == torch.finfo(torch.float32).min
-    assert block_causal_mask(position_ids, torch.bfloat16).dtype == torch.bfloat16
-
-
-def test_collate_pads_rows_of_different_lengths():
-    rows = [
-        {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8], "position_ids": [0, 1, 0, 1]},
-        {"input_ids": [9, 10], "labels": [-100, 10], "position_ids": [0, 1]},
-    ]
-    batch = collate(rows, "sdpa", pad_id=3)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 3, 3]]
-    assert batch["labels"].tolist() == [[-100, 6, 7, 8], [-100, 10, -100, -100]]
-    assert batch["position_ids"].tolist() == [[0, 1, 0, 1], [0, 1, 0, 1]]
-    assert all(t.dtype == torch.long for k, t in batch.items() if k != "attention_mask")
-
-
-@pytest.mark.parametrize("impl", ["eager", "sdpa", "flash_attention_2"])
-def test_mask_only_where_the_stack_needs_it(impl):
-    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "position_ids": [0, 1, 0]}]
-    batch = collate(rows, impl)
-    expected = impl != "flash_attention_2" and not compat.is_transformers_v5()
-    assert needs_block_mask(impl) == expected
-    assert ("attention_mask" in batch) == expected
-    if expected:
-        assert batch["attention_mask"].shape == (1, 1, 3, 3) and batch["attention_mask"].is_floating_point()
-    with pytest.raises(ValueError, match="attn_implementation"):
-        collate(rows, "flex")
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_packed_logits_equal_each_document_alone(impl):
-    device = "cuda" if impl == "flash_attention_2" else "cpu"
-    dtype = torch.bfloat16 if impl == "flash_attention_2" else torch.float32
-    model = build_model({"attn_implementation": impl, "config": TINY_MOE}, vocab_size=VOCAB, seed=0)
-    model = model.to(device=device, dtype=dtype).eval()
+@pytest.mark.skipif(flash_attention_unavailable() is not None, reason=str(flash_attention_unavailable()))
+def test_flash_attention_packed_logits_equal_each_document_alone():
+    model = build_model({"attn_implementation": "flash_attention_2", "config": TINY_MOE}, vocab_size=VOCAB, seed=0)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
     generator = torch.Generator().manual_seed(1)
-    docs = [(i, torch.randint(3, VOCAB, (n,), generator=generator).tolist(), None) for i, n in enumerate([7, 9, 21, 5, 10], 1)]
+    docs = [(i, torch.randint(3, VOCAB, (n,), generator=generator).tolist(), None) for i, n in enumerate([7, 9, 12], 1)]
     rows = list(pack_documents(docs, seq_len=16, pad_to_multiple_of=4, pad_id=0))
-    assert [len(r["input_ids"]) for r in rows] == [16, 16, 16, 4]  # the last row is shorter: batch padding too
-    batch = {k: v.to(device) for k, v in collate(rows, impl, dtype=dtype).items()}
+    inputs = model_inputs(model, collate(rows))
+    assert "attention_mask" not in inputs and inputs["input_ids"].device.type == "cuda"
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                       attention_mask=batch.get("attention_mask"), use_cache=False).logits
-        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
-        checked = 0
+        packed = model(**inputs, use_cache=False).logits
         for doc_id, ids, _ in docs:
-            alone = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0]
-            # where each segment of this document sits in the packed batch
-            offset = 0
-            for r, row in enumerate(rows):
-                where = (row["doc_ids"] == doc_id).nonzero()[0]
-                if len(where):
-                    n = len(where)
-                    segment_alone = alone[offset : offset + n] if offset == 0 else model(
-                        input_ids=torch.tensor([ids[offset : offset + n]], device=device), use_cache=False).logits[0]
-                    diff = (packed[r, where[0] : where[0] + n] - segment_alone).abs().max().item()
-                    assert diff < tolerance, f"{impl}: document {doc_id} row {r}: max |diff| {diff}"
-                    offset += n
-                    checked += n
-        assert checked == sum(len(ids) for _, ids, _ in docs)
+            r = next(r for r, row in enumerate(rows) if (row["doc_ids"] == doc_id).any())
+            where = (rows[r]["doc_ids"] == doc_id).nonzero()[0]
+            alone = model(input_ids=torch.tensor([ids[: len(where)]], device="cuda"), use_cache=False).logits[0]
+            assert (packed[r, where[0] : where[0] + len(where)] - alone).abs().max().item() < 2e-2

@@ -11,7 +11,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeflow import coverage as C
+from moeflow.artifacts import coverage_heatmap
+from moeflow.coverage import (
+    Constraints,
+    CoverageInfeasible,
+    build_constraints,
+    coverage_report,
+    fill_to_distribution,
+    greedy_multicover,
+    infeasible_message,
+    seeded_rank,
+    select_documents,
+    top_pairs,
+    unmet_constraints,
+)
+from moeflow.packed_bits import masked_popcounts, pack_word_bits, unpack_word_bits
+from moeflow.pool_stats import PoolStats, StatsCollector, cell_table, route_pool
+from moeflow.valset import StageOutputs, build_valset, open_valset
 
 LAYERS, E, K = [1, 3], 8, 2
 
@@ -34,9 +50,9 @@ def synthetic_routing(num_docs: int, seed: int, dead_expert: tuple[int, int] | N
     return docs
 
 
-def collect(docs, batch_tokens: int = 50) -> C.PoolStats:
+def collect(docs, batch_tokens: int = 50) -> PoolStats:
     """Feed the collector as packed batches would: docs split across batches, padding (-1) between."""
-    collector = C.StatsCollector(LAYERS, E, K)
+    collector = StatsCollector(LAYERS, E, K)
     doc_ids = np.concatenate([np.full(len(r[0]), d) for d, r in docs.items()] + [np.full(5, -1)])
     routes = [np.concatenate([r[p] for r in docs.values()] + [np.zeros((5, K), dtype=np.int64)]) for p in range(len(LAYERS))]
     for start in range(0, len(doc_ids), batch_tokens):
@@ -77,7 +93,7 @@ def test_top_pairs_are_the_most_frequent_per_layer():
     totals = Counter()
     for cnt in pairs.values():
         totals.update(cnt)
-    top = C.top_pairs(stats, 3)
+    top = top_pairs(stats, 3)
     for position in range(len(LAYERS)):
         ranked = sorted(((n, (a, b)) for (p, a, b), n in totals.items() if p == position), key=lambda x: (-x[0], x[1]))
         assert [tuple(x) for x in top[position].tolist()] == [ab for _, ab in ranked[:3]]
@@ -108,10 +124,10 @@ def test_lazy_greedy_picks_what_the_plain_greedy_picks(seed):
     meets = rng.random((docs, constraints)) < popularity
     cost = rng.integers(1, 6, docs)  # small costs: many ties in gain per token
     demand = np.minimum(meets.sum(axis=0), 3)
-    rank = C.seeded_rank(docs, seed)
+    rank = seeded_rank(docs, seed)
     budget = int(cost.sum() // 4)
-    words = C.pack_word_bits(meets)
-    picked, left = C.greedy_multicover(words, demand, cost, budget, rank, refresh=16, hot_size=64)
+    words = pack_word_bits(meets)
+    picked, left = greedy_multicover(words, demand, cost, budget, rank, refresh=16, hot_size=64)
     assert picked.tolist() == exact_greedy(meets, demand, cost, budget, rank)
     assert np.array_equal(left, np.maximum(demand - meets[picked].sum(axis=0), 0))
 
@@ -119,12 +135,12 @@ def test_lazy_greedy_picks_what_the_plain_greedy_picks(seed):
 def test_packed_bits_roundtrip():
     rng = np.random.default_rng(0)
     meets = rng.random((7, 130)) < 0.3
-    words = C.pack_word_bits(meets)
+    words = pack_word_bits(meets)
     assert words.shape == (7, 3) and words.dtype == np.uint64
-    assert all(np.array_equal(C.unpack_word_bits(words[i], 130), meets[i]) for i in range(7))
-    constraints = C.Constraints.from_dense(meets, 2, 65, np.zeros((2, 0, 2), dtype=np.int64))
+    assert all(np.array_equal(unpack_word_bits(words[i], 130), meets[i]) for i in range(7))
+    constraints = Constraints.from_dense(meets, 2, 65, np.zeros((2, 0, 2), dtype=np.int64))
     assert np.array_equal(constraints.column_counts(np.arange(7)), meets.sum(axis=0))
-    assert np.array_equal(C.masked_popcounts(words, C.pack_word_bits(np.arange(130) % 2 == 0)), meets[:, ::2].sum(axis=1))
+    assert np.array_equal(masked_popcounts(words, pack_word_bits(np.arange(130) % 2 == 0)), meets[:, ::2].sum(axis=1))
 
 
 SETTINGS = {"pool_corpora": ["pool"], "min_docs_per_expert": 3, "min_tokens": 2, "pairs_per_layer": 2,
@@ -132,8 +148,8 @@ SETTINGS = {"pool_corpora": ["pool"], "min_docs_per_expert": 3, "min_tokens": 2,
 
 
 def select(stats, settings=SETTINGS, seed=0):
-    constraints = C.build_constraints(stats, settings["min_tokens"], settings["pairs_per_layer"])
-    selection = C.select_documents(constraints, stats.doc_tokens, stats.doc_corpus, settings["min_docs_per_expert"],
+    constraints = build_constraints(stats, settings["min_tokens"], settings["pairs_per_layer"])
+    selection = select_documents(constraints, stats.doc_tokens, stats.doc_corpus, settings["min_docs_per_expert"],
                                    settings["token_budget"], seed)
     return constraints, selection
 
@@ -167,7 +183,7 @@ def test_fill_keeps_each_pool_corpus_share():
     rng = np.random.default_rng(0)
     cost = rng.integers(5, 30, 400)
     group = (np.arange(400) >= 100).astype(np.int64)  # corpus 0: a quarter of the documents
-    added = C.fill_to_distribution(np.zeros(0, dtype=np.int64), cost, group, 2000, C.seeded_rank(400, 0))
+    added = fill_to_distribution(np.zeros(0, dtype=np.int64), cost, group, 2000, seeded_rank(400, 0))
     share = cost[added][group[added] == 0].sum() / cost[added].sum()
     pool_share = cost[group == 0].sum() / cost.sum()
     assert abs(share - pool_share) < 0.03 and cost[added].sum() <= 2000
@@ -177,12 +193,12 @@ def test_an_expert_no_document_routes_to_fails_naming_it_and_the_option(tmp_path
     docs = synthetic_routing(60, seed=4, dead_expert=(1, 5))
     stats = collect(docs)
     constraints, selection = select(stats)
-    unmet = C.unmet_constraints(constraints, stats.layers, selection, SETTINGS["min_docs_per_expert"])
+    unmet = unmet_constraints(constraints, stats.layers, selection, SETTINGS["min_docs_per_expert"])
     assert {"layer": 3, "constraint": "expert 5", "docs": 0, "pool_docs": 0, "reason": "pool"} in unmet
-    message = C.infeasible_message(unmet, 3, 2)
+    message = infeasible_message(unmet, 3, 2)
     assert "layer 3: expert 5 (0 in pool, 0 selected)" in message
     assert "coverage.allow_unmet: true" in message
-    report, _ = C.coverage_report(stats, constraints, selection, SETTINGS, seed=0)
+    report, _ = coverage_report(stats, constraints, selection, SETTINGS, seed=0)
     assert report["unmet"] == unmet
     assert report["layers"][1]["docs"][5] == 0 and report["layers"][1]["pool_docs"][5] == 0
 
@@ -191,9 +207,9 @@ def test_a_budget_too_small_is_reported_as_such():
     docs = synthetic_routing(80, seed=5)
     stats = collect(docs)
     constraints, selection = select(stats, SETTINGS | {"token_budget": 60})
-    unmet = C.unmet_constraints(constraints, stats.layers, selection, 3)
+    unmet = unmet_constraints(constraints, stats.layers, selection, 3)
     assert unmet and {u["reason"] for u in unmet} == {"token_budget"}
-    assert "raise 'coverage.token_budget'" in C.infeasible_message(unmet, 3, 2)
+    assert "raise 'coverage.token_budget'" in infeasible_message(unmet, 3, 2)
     assert selection.tokens <= 60
 
 
@@ -201,10 +217,10 @@ def test_report_and_random_comparison():
     docs = synthetic_routing(150, seed=6)
     stats = collect(docs)
     constraints, selection = select(stats, SETTINGS | {"token_budget": 500})
-    report, heat = C.coverage_report(stats, constraints, selection, SETTINGS | {"token_budget": 500}, seed=0)
+    report, heat = coverage_report(stats, constraints, selection, SETTINGS | {"token_budget": 500}, seed=0)
     assert report["valset"]["docs"] == len(selection.selected) and report["valset"]["cells_below"] == 0
     assert [layer["layer"] for layer in report["layers"]] == LAYERS
-    docs_table, tokens_table = C.cell_table(stats, selection.selected_mask(stats.num_docs), 2)
+    docs_table, tokens_table = cell_table(stats, selection.selected_mask(stats.num_docs), 2)
     assert report["layers"][0]["tokens"] == tokens_table[0].tolist()
     assert tokens_table.sum() == selection.tokens * K * len(LAYERS)
     comparison = report["random_comparison"]
@@ -220,8 +236,8 @@ def test_report_and_random_comparison():
 def test_heatmap_is_a_deterministic_png(tmp_path):
     valset = np.array([[3, 5, 0, 9], [4, 4, 1, 2]])
     random = np.array([[0, 1, 2, 3], [3, 3, 3, 3]])
-    C.plot_heatmap(tmp_path / "a.png", [1, 3], valset, random, 3)
-    C.plot_heatmap(tmp_path / "b.png", [1, 3], valset, random, 3)
+    coverage_heatmap(tmp_path / "a.png", [1, 3], valset, random, 3)
+    coverage_heatmap(tmp_path / "b.png", [1, 3], valset, random, 3)
     data = (tmp_path / "a.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data == (tmp_path / "b.png").read_bytes()
     assert b"matplotlib" not in data
@@ -238,8 +254,9 @@ def _corpus_text(i: int, rng) -> str:
 @pytest.fixture(scope="module")
 def stage_inputs(tmp_path_factory):
     """A tokenized corpus (train/heldout/test) and a tiny qwen3_moe saved with its tokenizer."""
-    from moeflow import tokenize as T
     from moeflow.modeling import build_model
+    from moeflow.tokenize_stage import tokenize_corpus
+    from moeflow.tokenizer import load_fast_tokenizer, train_tokenizer_stage
 
     root = tmp_path_factory.mktemp("coverage_stage")
     rng = np.random.default_rng(0)
@@ -249,9 +266,9 @@ def stage_inputs(tmp_path_factory):
     tok = {"tokenizer": {"vocab_size": 300, "min_frequency": 2}, "pretrained_model": None, "sources": sources,
            "split": split, "on_bad_record": "fail"}
     data = {"seq_len": 64, "pad_to_multiple_of": 8, "on_bad_record": "fail", "split": split, "shard_max_bytes": 1 << 20, "sources": sources}
-    T.train_tokenizer_stage(tok, root / "tokenizer")
-    T.tokenize_corpus("code", {"tokenizer": tok, "data": data}, root / "tokenizer", root / "code")
-    tokenizer = T.load_tokenizer(root / "tokenizer")
+    train_tokenizer_stage(tok, root / "tokenizer")
+    tokenize_corpus("code", {"tokenizer": tok, "data": data}, root / "tokenizer", root / "code")
+    tokenizer = load_fast_tokenizer(root / "tokenizer")
     model_cfg = {"attn_implementation": "sdpa", "config": {
         "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
@@ -267,20 +284,20 @@ def run_stage(root: Path, model_cfg, out: Path, **overrides):
 
     settings = {"pool_corpora": ["code"], "min_docs_per_expert": 2, "min_tokens": 1, "pairs_per_layer": 2,
                 "token_budget": 1500, "batch_tokens": 128, "allow_unmet": False, "random_draws": 3} | overrides
-    outputs = C.StageOutputs(out / "valset", out / "coverage.json", out / "heatmap.png")
+    outputs = StageOutputs(out / "valset", out / "coverage.json", out / "heatmap.png")
     model = load_model(root / "base", model_cfg)
-    return C.build_valset(model, [root / "code"], settings, outputs, model_cfg["attn_implementation"], seed=1234,
+    return build_valset(model, [root / "code"], settings, outputs, model_cfg["attn_implementation"], seed=1234,
                           provenance={"stage": "test"}), outputs
 
 
 def test_stage_writes_a_disjoint_covering_valset(stage_inputs, tmp_path):
-    from moeflow import tokenize as T
+    from moeflow.shards import open_split, read_documents
 
     root, model_cfg = stage_inputs
     report, outputs = run_stage(root, model_cfg, tmp_path / "a")
-    valset_docs = dict(T.read_documents(C.open_valset(outputs.valset)))
-    heldout = dict(T.read_documents(T.open_split(root / "code", "heldout")))
-    train_ids = {d for d, _ in T.read_documents(T.open_split(root / "code", "train"))}
+    valset_docs = dict(read_documents(open_valset(outputs.valset)))
+    heldout = dict(read_documents(open_split(root / "code", "heldout")))
+    train_ids = {d for d, _ in read_documents(open_split(root / "code", "train"))}
     assert valset_docs and not (set(valset_docs) & train_ids)
     assert all(heldout[d] == ids for d, ids in valset_docs.items())
     assert report["valset"]["docs"] == len(valset_docs) and report["valset"]["tokens"] == sum(map(len, valset_docs.values()))
@@ -299,15 +316,15 @@ def test_stage_statistics_match_routing_each_document_alone(stage_inputs):
     """Packed documents are masked from each other: routing a document alone gives the same counts."""
     import torch
 
-    from moeflow import tokenize as T
     from moeflow.modeling import load_model
     from moeflow.routing import capture
+    from moeflow.shards import iter_rows, open_split, read_documents
 
     root, model_cfg = stage_inputs
     model = load_model(root / "base", model_cfg).eval()
-    rows = list(T.iter_rows(T.open_split(root / "code", "heldout")))[:8]
-    stats = C.route_pool(model, [("code", rows)], 128, model_cfg["attn_implementation"])
-    docs = dict(T.read_documents(T.open_split(root / "code", "heldout")))
+    rows = list(iter_rows(open_split(root / "code", "heldout")))[:8]
+    stats = route_pool(model, [("code", rows)], 128, model_cfg["attn_implementation"])
+    docs = dict(read_documents(open_split(root / "code", "heldout")))
     segments = Counter(int(row["doc_ids"][i]) for row in rows for i in np.flatnonzero(row["position_ids"] == 0))
     whole = [j for j, d in enumerate(stats.doc_id.tolist())  # not split across rows
              if segments[d] == 1 and len(docs[d]) == stats.doc_tokens[j]]
@@ -326,7 +343,7 @@ def test_stage_statistics_match_routing_each_document_alone(stage_inputs):
 
 def test_stage_fails_on_an_unmet_constraint_unless_allowed(stage_inputs, tmp_path):
     root, model_cfg = stage_inputs
-    with pytest.raises(C.CoverageInfeasible, match=r"(?s)layer \d: expert \d.*coverage.allow_unmet: true"):
+    with pytest.raises(CoverageInfeasible, match=r"(?s)layer \d: expert \d.*coverage.allow_unmet: true"):
         run_stage(root, model_cfg, tmp_path / "a", min_docs_per_expert=10_000)
     assert not (tmp_path / "a" / "coverage.json").exists() and not (tmp_path / "a" / "valset").exists()
     report, _ = run_stage(root, model_cfg, tmp_path / "b", min_docs_per_expert=10_000, allow_unmet=True)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moeflow import compat, distributed
+from moeflow import config as mfconfig
 from moeflow.config import REPO_ROOT
 from moeflow.scaleout import torchrun_command
 
@@ -59,11 +60,12 @@ def optimizer_for(model) -> torch.optim.Optimizer:
 
 def one_step(model, rows_per_micro_batch: list[list[dict]]):
     """The training loop's step on these micro-batches; returns its StepLoss."""
-    from moeflow.losses import LossSettings
-    from moeflow.train import accumulate_gradients, collate_rows, routing_adapter
+    from moeflow.collate import collate
+    from moeflow.routing import adapter_or_none
+    from moeflow.train import accumulate_gradients
 
-    batches = [collate_rows(rows, MODEL["attn_implementation"]) for rows in rows_per_micro_batch]
-    return accumulate_gradients(model, batches, LossSettings.from_config(LOSS), routing_adapter(distributed.unwrap(model)))
+    batches = [collate(rows) for rows in rows_per_micro_batch]
+    return accumulate_gradients(model, batches, mfconfig.settings(mfconfig.BalanceSettings, LOSS), adapter_or_none(distributed.unwrap(model)))
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +156,7 @@ def test_expert_parallel_plus_fsdp_gives_the_gradients_of_one_process(saved_mode
 @pytest.mark.skipif(compat.is_transformers_v5(), reason="transformers 5 has expert parallelism")
 def test_expert_parallel_on_the_pinned_stack_is_a_clear_error():
     with pytest.raises(distributed.DistributedError, match="no expert parallelism.*STACK=current"):
-        distributed.distributed_config(distributed.Parallel("ep", 2, 2), world=2)
+        distributed.distributed_config(mfconfig.settings(mfconfig.ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2}), world=2)
 
 
 def test_full_state_round_trips_in_one_process(saved_model, reference_model):
@@ -202,7 +204,7 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
     from moeflow.modeling import load_model
 
     torch.set_num_threads(1)
-    parallel = distributed.Parallel.from_config(json.loads(parallel_json))
+    parallel = mfconfig.settings(mfconfig.ParallelSettings, json.loads(parallel_json))
     with distributed.process_group("cpu") as ranks:
         if parallel.strategy == "ep":
             model = distributed.load_model(saved_model, MODEL, parallel)

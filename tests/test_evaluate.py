@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeflow.evaluate import balance, change_record, evaluate_batches, set_comparison, set_record, summary_markdown
+from moeflow.eval_loop import evaluate_batches
+from moeflow.evaluate import balance, change_record, set_comparison, set_record, summary_markdown
 from moeflow.modeling import build_model
 from moeflow.routing import adapter_for, capture
 
@@ -159,7 +160,7 @@ def packed_documents(seed: int = 0, count: int = 7):
     gen = torch.Generator().manual_seed(seed)
     docs = [(1000 + i, torch.randint(1, VOCAB, (int(n),), generator=gen).tolist(), None)
             for i, n in enumerate(torch.randint(5, 30, (count,), generator=gen))]
-    from moeflow.tokenize import pack_documents
+    from moeflow.packing import pack_documents
 
     return docs, list(pack_documents(iter(docs), seq_len=32, pad_to_multiple_of=8))
 
@@ -167,7 +168,7 @@ def packed_documents(seed: int = 0, count: int = 7):
 def test_packed_rows_evaluate_as_each_document_alone(moe):
     """Through the data stage's packing and collate: the set loss equals each packed segment (a document,
     or the part of one that a row holds) run alone."""
-    from moeflow.evaluate import batches
+    from moeflow.eval_loop import batches
 
     docs, rows = packed_documents()
     assert len(rows[-1]["input_ids"]) < 32 and rows[-1]["doc_ids"][-1] == -1  # the last row is padded
@@ -201,9 +202,9 @@ def test_coverage_recheck_names_cells_that_fall_below_the_threshold():
 
 
 def test_valset_coverage_counts_documents_per_expert_like_a_hand_count(moe, tmp_path):
-    from moeflow.coverage import VALSET_SPLIT, open_valset
     from moeflow.evaluate import valset_coverage
-    from moeflow.tokenize import write_split
+    from moeflow.shards import write_split
+    from moeflow.valset import VALSET_SPLIT, open_valset
 
     docs, rows = packed_documents(2)
     write_split(tmp_path / "valset" / VALSET_SPLIT, iter(rows))

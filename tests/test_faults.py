@@ -141,19 +141,19 @@ def test_warmup_killed_after_a_checkpoint_resumes_to_the_same_weights_and_losses
 def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_run(stage_inputs, tmp_path):  # noqa: F811
     """Killed before its rename, a stage leaves only a hidden temporary (never the output's name); the
     rerun removes it, so a crash does not leave gigabytes behind."""
-    from moeflow import tokenize as T
+    from moeflow.tokenize_stage import tokenize_corpus
 
     root, _ = stage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     out = tmp_path / "data" / "code"
-    code = f"from moeflow.tokenize import tokenize_corpus; tokenize_corpus('code', {settings!r}, {str(root / 'tokenizer')!r}, {str(out)!r})"
+    code = f"from moeflow.tokenize_stage import tokenize_corpus; tokenize_corpus('code', {settings!r}, {str(root / 'tokenizer')!r}, {str(out)!r})"
     env = {**os.environ, KILL_ENV: "tokenize.before_rename",
            "PYTHONPATH": os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     killed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     left = [p.name for p in out.parent.iterdir()]
     assert len(left) == 1 and left[0].startswith(".code.") and left[0].endswith(".tmp") and not out.exists()
-    T.tokenize_corpus("code", settings, root / "tokenizer", out)
+    tokenize_corpus("code", settings, root / "tokenizer", out)
     assert [p.name for p in out.parent.iterdir()] == ["code"]
     assert files_of(out)["manifest.json"] == (root / "code" / "manifest.json").read_bytes()
 
@@ -166,28 +166,29 @@ def _no_space(path) -> OSError:
 
 
 def test_disk_full_while_writing_a_shard_keeps_the_previous_output(stage_inputs, tmp_path, monkeypatch):  # noqa: F811
-    from moeflow import tokenize as T
+    from moeflow.shards import SHARD_PATTERN, ShardWriter
+    from moeflow.tokenize_stage import tokenize_corpus
 
     root, _ = stage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     settings["data"]["shard_max_bytes"] = 1024  # several shards per split: the disk fills up midway
     out = tmp_path / "data" / "code"
-    T.tokenize_corpus("code", settings, root / "tokenizer", out)
+    tokenize_corpus("code", settings, root / "tokenizer", out)
     before = files_of(out)
     assert len([name for name in before if name.startswith("train/shard-")]) > 2
 
     opened = []
-    original_open = T.ShardWriter._open
+    original_open = ShardWriter._open
 
     def open_until_full(self):
         if len(opened) == 2:
-            raise _no_space(self.out_dir / T.SHARD_PATTERN.format(len(self.shards)))
+            raise _no_space(self.out_dir / SHARD_PATTERN.format(len(self.shards)))
         opened.append(1)
         original_open(self)
 
-    monkeypatch.setattr(T.ShardWriter, "_open", open_until_full)
+    monkeypatch.setattr(ShardWriter, "_open", open_until_full)
     with pytest.raises(DiskFull) as err:
-        T.tokenize_corpus("code", settings, root / "tokenizer", out)
+        tokenize_corpus("code", settings, root / "tokenizer", out)
     assert err.value.errno == errno.ENOSPC
     assert re.fullmatch(
         rf"\[Errno 28\] disk full while writing {re.escape(str(out))} \(at {re.escape(str(out.parent))}/\.code\.[^/]+\.tmp/(train|heldout|test)/shard-\d{{5}}\.arrow\): "
@@ -201,7 +202,7 @@ def test_disk_full_while_writing_a_shard_keeps_the_previous_output(stage_inputs,
 def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     import safetensors.torch
 
-    from moeflow.train import latest_checkpoint
+    from moeflow.checkpoint import latest_checkpoint
     from test_train import losses, make_trainer, settings
 
     whole = make_trainer()

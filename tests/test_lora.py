@@ -56,21 +56,24 @@ def logits(model, x) -> torch.Tensor:
 # --------------------------------------------------------------------------- settings
 
 
+def lora_of(section: dict) -> config.LoraSettings:
+    """``train.lora`` settings: the keys given, the schema's defaults for the rest."""
+    return config.settings(config.LoraSettings, section)
+
+
 def test_settings_resolve_all_and_name_the_bad_key():
-    settings = lora.LoraSettings.from_config({"rank": 8, "alpha": 16, "targets": ["all"]})
-    assert settings.categories == lora.TARGETS and settings.router == "frozen"
-    assert lora.LoraSettings.from_config({"targets": ["attention"]}).categories == ("attention",)
-    with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.targets.*experts"):
-        lora.LoraSettings.from_config({"targets": ["experts"]})
-    with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.router"):
-        lora.LoraSettings.from_config({"router": "unfrozen"})
-    with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.r\b"):
-        lora.LoraSettings.from_config({"r": 8})
+    settings = lora_of({"rank": 8, "alpha": 16, "targets": ["all"]})
+    assert settings.categories == ("attention", "dense_ffn", "shared_experts", "routed_experts") and settings.router == "frozen"
+    assert lora_of({"targets": ["attention"]}).categories == ("attention",)
+    for bad, where in (({"targets": ["experts"]}, r"train\.lora\.targets\[0\]': 'experts'"), ({"router": "unfrozen"}, r"train\.lora\.router"),
+                       ({"r": 8}, r"train\.lora': unknown key\(s\) 'r'")):
+        with pytest.raises(config.ConfigError, match=where):
+            config.load(overrides={"train": {"lora": bad}})
 
 
 def test_config_schema_checks_train_lora():
     cfg = config.load(overrides={"train": {"method": "lora", "lora": {"router": "adapter"}}})
-    assert lora.LoraSettings.from_config(cfg["train"]["lora"]).router == "adapter"
+    assert config.settings(config.TrainSettings, config.train_settings(cfg)).lora.router == "adapter"
     with pytest.raises(config.ConfigError, match="unfrozen"):
         config.load(overrides={"train": {"lora": {"router": "unfrozen"}}})
 
@@ -80,13 +83,13 @@ def test_config_schema_checks_train_lora():
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_all_targets_adapt_attention_and_every_expert_and_freeze_the_rest(name):
-    model = lora.apply_lora(tiny(name), {"rank": 4, "targets": ["all"]}, gradient_checkpointing=False)
+    model = lora.apply_lora(tiny(name), lora_of({"rank": 4, "targets": ["all"]}), gradient_checkpointing=False)
     report = lora.trainable_parameter_report(model)
     adapted = {k for k, v in report["by_category"].items() if v["trainable"]}
     expected = {"attention", "routed_experts"} | ({"shared_experts", "dense_ffn"} if name == "deepseek_v3" else set())
     assert adapted == expected
     assert report["trainable"] == report["adapter"] > 0 and not report["router_trainable"]
-    targets = lora.find_targets(tiny(name), lora.LoraSettings(rank=4))
+    targets = lora.find_targets(tiny(name), lora_of({"rank": 4}))
     if V5:  # fused 3D experts: peft's target_parameters, one adapter per expert inside
         assert set(targets.parameters.values()) == {"routed_experts"} and all(k.endswith(("gate_up_proj", "down_proj")) for k in targets.parameters)
     else:  # separate nn.Linear per expert: target_modules
@@ -101,29 +104,29 @@ def test_all_targets_adapt_attention_and_every_expert_and_freeze_the_rest(name):
 
 def test_targets_that_the_model_lacks_are_named():
     with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.targets.*no shared_experts"):
-        lora.apply_lora(tiny("qwen3_moe"), {"targets": ["shared_experts"]}, False)
+        lora.apply_lora(tiny("qwen3_moe"), lora_of({"targets": ["shared_experts"]}), False)
     dense = build_model({"config": {"model_type": "qwen3_moe", **SMALL, "head_dim": 8, "num_experts": 0}, "attn_implementation": "eager"}, VOCAB)
     with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.router.*no router"):
-        lora.apply_lora(dense, {"targets": ["all"], "router": "trainable"}, False)
-    model = lora.apply_lora(dense, {"targets": ["all"]}, False)  # a dense model: attention and its MLPs
+        lora.apply_lora(dense, lora_of({"targets": ["all"], "router": "trainable"}), False)
+    model = lora.apply_lora(dense, lora_of({"targets": ["all"]}), False)  # a dense model: attention and its MLPs
     assert set(k for k, v in lora.trainable_parameter_report(model)["by_category"].items() if v["trainable"]) == {"attention", "dense_ffn"}
 
 
 def test_stack_limits_raise_clear_errors():
     if V5:
         with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.dropout.*target_parameters"):
-            lora.apply_lora(tiny("qwen3_moe"), {"dropout": 0.1, "targets": ["routed_experts"]}, False)
-        model = lora.apply_lora(tiny("qwen3_moe"), {"dropout": 0.1, "targets": ["attention"]}, False)
+            lora.apply_lora(tiny("qwen3_moe"), lora_of({"dropout": 0.1, "targets": ["routed_experts"]}), False)
+        model = lora.apply_lora(tiny("qwen3_moe"), lora_of({"dropout": 0.1, "targets": ["attention"]}), False)
         assert lora.trainable_parameter_report(model)["trainable"] > 0
-        lora.apply_lora(tiny("gpt_oss"), {"rank": 4}, False)  # fused experts declared (experts, in, out): fine on 5
+        lora.apply_lora(tiny("gpt_oss"), lora_of({"rank": 4}), False)  # fused experts declared (experts, in, out): fine on 5
     else:
-        model = lora.apply_lora(tiny("qwen3_moe"), {"dropout": 0.1}, False)  # separate linear experts take dropout
+        model = lora.apply_lora(tiny("qwen3_moe"), lora_of({"dropout": 0.1}), False)  # separate linear experts take dropout
         assert lora.trainable_parameter_report(model)["by_category"]["routed_experts"]["trainable"] > 0
         with pytest.raises(compat.UnsupportedOnStack, match=r"gpt_oss.*fused 3D.*needs transformers 5"):
-            lora.apply_lora(tiny("gpt_oss"), {"rank": 4}, False)
+            lora.apply_lora(tiny("gpt_oss"), lora_of({"rank": 4}), False)
         with pytest.raises(compat.UnsupportedOnStack, match=r"train\.lora\.router.*DeepseekV3TopkRouter.*needs transformers 5"):
-            lora.apply_lora(tiny("deepseek_v3"), {"rank": 4, "router": "adapter"}, False)
-        lora.apply_lora(tiny("gpt_oss"), {"rank": 4, "targets": ["attention"]}, False)
+            lora.apply_lora(tiny("deepseek_v3"), lora_of({"rank": 4, "router": "adapter"}), False)
+        lora.apply_lora(tiny("gpt_oss"), lora_of({"rank": 4, "targets": ["attention"]}), False)
 
 
 # --------------------------------------------------------------------------- gradients under checkpointing
@@ -137,8 +140,8 @@ def adapter_grads(model, x) -> dict[str, torch.Tensor]:
 
 
 def test_adapters_get_the_same_gradients_under_non_reentrant_checkpointing():
-    plain = lora.apply_lora(tiny(), {"rank": 4}, gradient_checkpointing=False)
-    checkpointed = lora.apply_lora(tiny(), {"rank": 4}, gradient_checkpointing=True)
+    plain = lora.apply_lora(tiny(), lora_of({"rank": 4}), gradient_checkpointing=False)
+    checkpointed = lora.apply_lora(tiny(), lora_of({"rank": 4}), gradient_checkpointing=True)
     perturb_adapters(plain)
     perturb_adapters(checkpointed)
     base = checkpointed.get_base_model()
@@ -156,7 +159,7 @@ def test_reentrant_checkpointing_without_input_grads_trains_nothing_on_4_57():
     """What enable_input_require_grads is for: with frozen embeddings the reentrant checkpoint sees no
     input that needs grad, so no layer output carries a graph. transformers 5 turns input grads on
     itself when checkpointing is enabled; 4.57 does so only for adapters it loaded itself."""
-    model = lora.apply_lora(tiny(), {"rank": 4, "targets": ["attention"]}, gradient_checkpointing=False)
+    model = lora.apply_lora(tiny(), lora_of({"rank": 4, "targets": ["attention"]}), gradient_checkpointing=False)
     perturb_adapters(model)
     lora.enable_checkpointing(model.get_base_model(), reentrant=True)
     if V5:
@@ -174,7 +177,7 @@ def test_reentrant_checkpointing_without_input_grads_trains_nothing_on_4_57():
 
 @pytest.mark.parametrize("name,router", [("qwen3_moe", "frozen"), ("mixtral", "trainable"), ("deepseek_v3", "adapter" if V5 else "trainable")])
 def test_adapter_round_trip_saves_only_what_training_changes(tmp_path, name, router):
-    model = lora.apply_lora(tiny(name), {"rank": 4, "router": router}, False)
+    model = lora.apply_lora(tiny(name), lora_of({"rank": 4, "router": router}), False)
     perturb_adapters(model)
     expected = logits(model, inputs())
     lora.save_adapter(model, tmp_path / "adapter")
@@ -191,11 +194,11 @@ def test_adapter_round_trip_saves_only_what_training_changes(tmp_path, name, rou
     assert torch.equal(logits(fresh, inputs()), expected)
     assert lora.trainable_parameter_report(fresh)["trainable"] == lora.trainable_parameter_report(model)["trainable"]
 
-    wrapped = lora.apply_lora(tiny(name), {"rank": 4, "router": router}, False)  # resume: adapters already in place
+    wrapped = lora.apply_lora(tiny(name), lora_of({"rank": 4, "router": router}), False)  # resume: adapters already in place
     assert lora.load_adapter(wrapped, tmp_path / "adapter") is wrapped
     assert torch.equal(logits(wrapped, inputs()), expected)
     with pytest.raises(lora.LoraConfigError, match="trained with train.lora"):
-        lora.load_adapter(lora.apply_lora(tiny(name), {"rank": 8, "router": router}, False), tmp_path / "adapter")
+        lora.load_adapter(lora.apply_lora(tiny(name), lora_of({"rank": 8, "router": router}), False), tmp_path / "adapter")
 
 
 def test_resumed_lora_training_continues_bit_for_bit(tmp_path):
@@ -215,7 +218,7 @@ def test_resumed_lora_training_continues_bit_for_bit(tmp_path):
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
     settings = {"rank": 4, "router": "trainable"}
-    model = lora.apply_lora(tiny(), settings, gradient_checkpointing=True)
+    model = lora.apply_lora(tiny(), lora_of(settings), gradient_checkpointing=True)
     optimizer = optimizer_for(model)
     for seed in (10, 11):
         step(model, optimizer, seed)
@@ -239,7 +242,7 @@ def test_resumed_lora_training_continues_bit_for_bit(tmp_path):
 def test_merged_model_matches_the_adapters_and_loads_with_from_pretrained(tmp_path, name, router):
     from transformers import AutoModelForCausalLM
 
-    model = lora.apply_lora(tiny(name), {"rank": 4, "router": router}, gradient_checkpointing=True)
+    model = lora.apply_lora(tiny(name), lora_of({"rank": 4, "router": router}), gradient_checkpointing=True)
     perturb_adapters(model)
     unmerged = logits(model, inputs())
     merged = lora.merge_and_save(model, None, tmp_path / "merged")
@@ -259,7 +262,7 @@ def test_adapter_output_loads_with_plain_peft_and_a_full_run_gets_a_marker(tmp_p
     """train_model's adapter output: PeftModel.from_pretrained on the base model gives the trained logits."""
     from peft import PeftModel
 
-    model = lora.apply_lora(tiny(name), {"rank": 4, "router": router}, False)
+    model = lora.apply_lora(tiny(name), lora_of({"rank": 4, "router": router}), False)
     perturb_adapters(model)
     expected = logits(model, inputs())
     report = lora.save_adapter_output(model, tmp_path / "adapter")
@@ -277,7 +280,7 @@ def test_adapter_output_loads_with_plain_peft_and_a_full_run_gets_a_marker(tmp_p
 def test_train_settings_drop_lora_settings_of_a_full_run():
     full = config.load()
     changed = config.load(overrides={"train": {"lora": {"rank": 4}}})
-    assert "lora" not in config.train_settings(full)
+    assert config.train_settings(full)["lora"] is None
     assert config.warmup_key(full) == config.warmup_key(changed)
     assert config.plan_settings(full) == config.plan_settings(changed)
     lora_run = config.load(overrides={"train": {"method": "lora"}})
@@ -288,11 +291,13 @@ def test_train_settings_drop_lora_settings_of_a_full_run():
 
 @pytest.mark.parametrize("router", ["frozen", "trainable", "adapter"])
 def test_router_learning_rate_and_freeze_see_peft_names(router):
-    """moeflow.train.param_groups finds the router under peft (its weight, base_layer or own adapter)."""
-    from moeflow.train import TrainSettings, param_groups
+    """moeflow.optim.param_groups finds the router under peft (its weight, base_layer or own adapter)."""
+    from moeflow.optim import param_groups
+    def train(**section):
+        return config.settings(config.TrainSettings, config.training({"steps": 1, "lr": 1e-3, **section}))
 
-    settings = TrainSettings(steps=1, lr=1e-3, router_lr_multiplier=0.5)
-    model = lora.apply_lora(tiny("mixtral"), {"rank": 4, "router": router}, False)
+    settings = train(router_lr_multiplier=0.5)
+    model = lora.apply_lora(tiny("mixtral"), lora_of({"rank": 4, "router": router}), False)
     routers = [f"base_model.model.{name}." for name in lora.router_modules(model)]
     trainable_router = {n for n, p in model.named_parameters() if p.requires_grad and n.startswith(tuple(routers))}
     groups = param_groups(model, settings)
@@ -300,7 +305,7 @@ def test_router_learning_rate_and_freeze_see_peft_names(router):
     in_router_groups = {by_id[id(p)] for g in groups if g["name"].startswith("router") for p in g["params"]}
     assert in_router_groups == trainable_router and bool(trainable_router) is (router != "frozen")
     assert all(g["lr"] == 5e-4 for g in groups if g["name"].startswith("router"))
-    param_groups(model, TrainSettings(steps=1, lr=1e-3, freeze_router=True))
+    param_groups(model, train(freeze_router=True))
     assert not lora.router_is_trainable(model)
 
 
@@ -309,7 +314,7 @@ def test_router_learning_rate_and_freeze_see_peft_names(router):
 
 @pytest.mark.parametrize("router,trainable", [("frozen", False), ("trainable", True), ("adapter", True)])
 def test_router_is_trainable_follows_the_router_mode(router, trainable):
-    model = lora.apply_lora(tiny("mixtral"), {"rank": 4, "targets": ["attention"], "router": router}, False)
+    model = lora.apply_lora(tiny("mixtral"), lora_of({"rank": 4, "targets": ["attention"], "router": router}), False)
     assert lora.router_is_trainable(model) is trainable
     report = lora.trainable_parameter_report(model)
     assert (report["by_category"]["router"]["trainable"] > 0) is trainable
@@ -331,7 +336,7 @@ def test_router_is_trainable_follows_the_router_mode(router, trainable):
 def test_routing_capture_sees_the_adapted_router_and_the_balance_gradient_path(router):
     """Routing telemetry works on the LoRA model. With a frozen router a balancing loss trains no router
     weight, yet its gradient reaches adapters upstream of the routers (attention, earlier layers)."""
-    model = lora.apply_lora(tiny("qwen3_moe"), {"rank": 4, "targets": ["attention"], "router": router}, False)
+    model = lora.apply_lora(tiny("qwen3_moe"), lora_of({"rank": 4, "targets": ["attention"], "router": router}), False)
     perturb_adapters(model)
     model.train()
     adapter = routing.adapter_for(model)
@@ -354,7 +359,7 @@ def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
     cfg = config.load()
     full = build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"])
     full_report = lora.trainable_parameter_report(full)
-    lora_model = lora.apply_lora(build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"]), cfg["train"]["lora"], False)
+    lora_model = lora.apply_lora(build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"]), lora_of(cfg["train"]["lora"]), False)
     report = lora.trainable_parameter_report(lora_model)
     assert full_report["trainable"] == full_report["total"]
     assert report["total"] == full_report["total"] + report["adapter"]
@@ -363,6 +368,6 @@ def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
 
     shape, counted, _ = plan.count_parameters(cfg["model"], cfg["tokenizer"]["vocab_size"])
     assert counted.total == full_report["total"]
-    assert plan.lora_count(shape, lora.LoraSettings.from_config(cfg["train"]["lora"])).trainable == report["trainable"]
+    assert plan.lora_count(shape, lora_of(cfg["train"]["lora"])).trainable == report["trainable"]
     print(f"\nembedded default: full {full_report['trainable']:,} trainable; LoRA {report['trainable']:,} "
           f"({100 * report['trainable_fraction']:.2f}%) {report['by_category']}")

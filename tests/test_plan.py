@@ -152,28 +152,37 @@ def tiny_shape_and_count():
     return shape, exact
 
 
+def default_job(**changes) -> plan.Job:
+    """The embedded default's job, with ``changes``."""
+    return dataclasses.replace(plan.Job.from_settings(settings_of()), **changes)
+
+
+def lora_of(**section) -> config.LoraSettings:
+    return config.settings(config.LoraSettings, section)
+
+
 def test_states_take_16_bytes_per_parameter_in_both_precisions():
     shape, count = tiny_shape_and_count()
     for precision in ("fp32", "bf16"):
-        mem = plan.memory_per_device(shape, count, plan.Job(precision=precision))
+        mem = plan.memory_per_device(shape, count, default_job(precision=precision))
         assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * count.total
-    bf16 = plan.memory_per_device(shape, count, plan.Job(precision="bf16"))
+    bf16 = plan.memory_per_device(shape, count, default_job(precision="bf16"))
     assert bf16["weights"] == 2 * count.total and bf16["optimizer"] == 12 * count.total
 
 
 def test_sharding_checkpointing_and_lora_lower_what_they_should():
     shape, count = tiny_shape_and_count()
-    job = plan.Job(micro_batch_size=2, seq_len=256)
-    base = plan.memory_per_device(shape, count, job)
-    four = plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=4))
+    small = default_job(micro_batch_size=2, seq_len=256)
+    base = plan.memory_per_device(shape, count, small)
+    four = plan.memory_per_device(shape, count, dataclasses.replace(small, num_devices=4))
     assert four["optimizer"] == pytest.approx(base["optimizer"] / 4, abs=1)
     assert four["unsharded_layer"] == count.largest_layer * 8 and base["unsharded_layer"] == 0
-    checkpointed = plan.memory_per_device(shape, count, dataclasses.replace(job, gradient_checkpointing=True))
+    checkpointed = plan.memory_per_device(shape, count, dataclasses.replace(small, gradient_checkpointing=True))
     assert checkpointed["activations"] < base["activations"]
-    sdpa = plan.memory_per_device(shape, count, dataclasses.replace(job, attn_implementation="sdpa"))
-    eager = plan.memory_per_device(shape, count, dataclasses.replace(job, attn_implementation="eager"))
+    sdpa = plan.memory_per_device(shape, count, dataclasses.replace(small, attn_implementation="sdpa"))
+    eager = plan.memory_per_device(shape, count, dataclasses.replace(small, attn_implementation="eager"))
     assert eager["activations"] - sdpa["activations"] == 2 * 256 * shape.num_layers * shape.num_heads * 256 * 4
-    lora_job = dataclasses.replace(job, method="lora", lora=plan.LoraSettings(rank=4))
+    lora_job = dataclasses.replace(small, method="lora", lora=lora_of(rank=4))
     lora = plan.memory_per_device(shape, count, lora_job)
     adapters = plan.lora_count(shape, lora_job.lora)
     assert 0 < adapters.trainable < count.total / 2
@@ -254,7 +263,7 @@ def test_lora_arithmetic_matches_peft_trainable_parameters(name, router):
 
     if router == "adapter" and name == "deepseek_v3" and not compat.is_transformers_v5():
         pytest.skip("a DeepSeek-V3 router adapter needs transformers 5 (tests/test_lora.py checks the error)")
-    settings = lora.LoraSettings(rank=4, alpha=8, targets=("all",), router=router)
+    settings = lora_of(rank=4, alpha=8, targets=["all"], router=router)
     section = model_section(name)
     shape, _, _ = plan.count_parameters(section, tokenizer_vocab=300)
     counted = plan.lora_count(shape, settings)
@@ -267,9 +276,9 @@ def test_lora_arithmetic_matches_peft_trainable_parameters(name, router):
 
 def test_lora_counts_each_expert_and_only_the_chosen_targets():
     shape, _, _ = plan.count_parameters(model_section("deepseek_v3"), tokenizer_vocab=300)
-    attention_only = plan.lora_count(shape, plan.LoraSettings(rank=8, targets=("attention",)))
+    attention_only = plan.lora_count(shape, lora_of(rank=8, targets=["attention"]))
     assert set(k for k, v in attention_only.by_category.items() if v) == {"attention"}
-    experts = plan.lora_count(shape, plan.LoraSettings(rank=8, targets=("routed_experts",)))
+    experts = plan.lora_count(shape, lora_of(rank=8, targets=["routed_experts"]))
     h, f, e = shape.hidden_size, shape.expert_ffn, shape.num_experts
     per_expert = 8 * ((h + 2 * f) + (f + h)) if plan.experts_fused("deepseek_v3") else 8 * 3 * (h + f)
     assert experts.by_category["routed_experts"] == len(shape.moe_layers) * e * per_expert

@@ -58,7 +58,7 @@ def saved_model(tmp_path_factory) -> Path:
 # --------------------------------------------------------------------------- trust_remote_code
 
 
-def test_trust_remote_code_is_off_unless_turned_on_for_a_named_model():
+def test_trust_remote_code_is_off_unless_turned_on_for_a_named_model(tmp_path):
     for cfg in (mfconfig.load(), mfconfig.load(SMOKE)):
         assert all(not mfconfig.run_config(cfg, run)["model"]["trust_remote_code"] for run in mfconfig.run_names(cfg))
     with pytest.raises(mfconfig.ConfigError) as err:
@@ -67,7 +67,7 @@ def test_trust_remote_code_is_off_unless_turned_on_for_a_named_model():
         "invalid configuration: config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may "
         "only be turned on for a named model folder whose code you trust"
     )
-    trusted = mfconfig.load(SMOKE, overrides={"runs": {"remote": {"model": {"pretrained": "models/custom", "trust_remote_code": True}}}})
+    trusted = mfconfig.load(SMOKE, overrides={"runs": {"remote": {"model": {"pretrained": str(tmp_path), "trust_remote_code": True}}}})
     assert mfconfig.run_config(trusted, "remote")["model"]["trust_remote_code"]
 
 
@@ -222,7 +222,7 @@ def no_network(monkeypatch):
 
 
 def test_loading_models_and_tokenizers_never_reaches_the_network(saved_model, tmp_path, no_network):
-    from moeflow.tokenize import train_tokenizer
+    from moeflow.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
     tokenizer.save_pretrained(saved_model)

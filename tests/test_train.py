@@ -21,17 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moeflow import config as mfconfig
 from moeflow import guards as G
+from moeflow.collate import collate
 from moeflow.modeling import build_model
 from moeflow.stage import KILL_ENV
-from moeflow.train import (
-    Trainer,
-    TrainSettings,
-    collate_rows,
-    job_from_argv,
-    latest_checkpoint,
-    lr_factor,
-    param_groups,
-)
+from moeflow.checkpoint import latest_checkpoint
+from moeflow.optim import lr_factor, param_groups
+from moeflow.stage import job_from_argv
+from moeflow.train import Trainer
 from test_losses import tiny_model_cfg  # noqa: E402
 
 VOCAB = 97
@@ -63,13 +59,13 @@ def settings(**overrides):
         "routing_guard": {"window_steps": 2, "max_load_ratio": 3.9, "min_load_entropy": 0.1, "max_dead_experts": 4},
         "memory_guard": {"skip_steps": 100},
     }
-    return TrainSettings.from_config({**base, **overrides})
+    return mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({**base, **overrides}))
 
 
 def make_trainer(tmp=None, seed=0, **kwargs):
     model = build_model(tiny_model_cfg(), VOCAB, seed=seed)
     s = kwargs.pop("train_settings", None) or settings()
-    return Trainer(model, s, packed_rows(), collate_fn=lambda rows: collate_rows(rows, "sdpa"), seed=seed, **kwargs)
+    return Trainer(model, s, packed_rows(), collate_fn=collate, seed=seed, **kwargs)
 
 
 def losses(trainer):
@@ -173,18 +169,18 @@ def test_kill_minus_nine_then_resume_gives_the_same_final_loss(tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_gradients():
     """Non-reentrant checkpointing reruns the routers in backward: the hooks must not count them twice."""
-    from moeflow.losses import LossSettings
-    from moeflow.train import accumulate_gradients, enable_checkpointing, routing_adapter
+    from moeflow.routing import adapter_or_none
+    from moeflow.train import accumulate_gradients, enable_checkpointing
 
     rows = packed_rows(4)
-    batches = [collate_rows(rows[i : i + 2], "sdpa", torch.float64) for i in (0, 2)]
+    batches = [collate(rows[i : i + 2]) for i in (0, 2)]
     results = []
     for checkpointing in (False, True):
         model = build_model(tiny_model_cfg(), VOCAB, seed=0).double()
         model.train()
         if checkpointing:
             enable_checkpointing(model)
-        step = accumulate_gradients(model, batches, LossSettings(balance_mode="exact", balance_coef=0.1), routing_adapter(model))
+        step = accumulate_gradients(model, batches, mfconfig.settings(mfconfig.BalanceSettings, {"mode": "exact", "coef": 0.1}), adapter_or_none(model))
         results.append((torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]), step.summary()["counts"]))
     (plain, plain_counts), (recomputed, recomputed_counts) = results
     assert plain_counts == recomputed_counts
@@ -193,7 +189,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 def test_dense_model_trains_without_routing():
     model = build_model(tiny_model_cfg(num_experts=0, intermediate_size=32), VOCAB, seed=0)
-    trainer = Trainer(model, settings(steps=2, warmup_steps=1), packed_rows(), collate_fn=lambda rows: collate_rows(rows, "sdpa"), seed=0)
+    trainer = Trainer(model, settings(steps=2, warmup_steps=1), packed_rows(), collate_fn=collate, seed=0)
     trainer.run()
     assert trainer.adapter is None and trainer.train_records()[-1]["balance_loss"] == 0.0
     assert trainer.routing_guard.report()["stable"]
@@ -209,7 +205,7 @@ def test_loss_free_balancing_moves_the_deepseek_correction_bias():
     model = build_model(cfg, VOCAB, seed=0)
     rate = 0.01
     s = settings(steps=3, warmup_steps=1, balance={"mode": "off", "bias_update_rate": rate})
-    trainer = Trainer(model, s, packed_rows(), collate_fn=lambda rows: collate_rows(rows, "eager"), seed=0)
+    trainer = Trainer(model, s, packed_rows(), collate_fn=collate, seed=0)
     trainer.run()
     (bias,) = trainer.biases
     counts = torch.tensor([r["routing"][0]["load"] for r in trainer.train_records()], dtype=torch.float64)
@@ -235,10 +231,14 @@ def test_memory_guard_stops_a_leaking_step():
     assert report["last_step"] < 20 and "MiB/step over steps" in str(err.value)
 
 
-def test_memory_guard_is_quiet_on_flat_memory():
-    guard = G.MemoryGuard(G.MemoryThresholds(skip_steps=0, window_steps=4, max_slope_mib_per_step=1, patience=2))
-    for step in range(20):
-        guard.observe(step, 1000.0 + (step % 2) * 0.5)
+def test_memory_guard_is_quiet_on_flat_memory(caplog):
+    guard = G.MemoryGuard(mfconfig.MemoryThresholds(skip_steps=2, window_steps=4, max_slope_mib_per_step=1, patience=2))
+    with caplog.at_level("WARNING", logger="moeflow.guards"):
+        rates = [guard.observe(step, 1000.0 + (step % 2) * 0.5) for step in range(20)]
+    # skipped steps and a filling window report nothing; from then on every step reports a small slope
+    assert rates[:5] == [None] * 5 and all(r is not None and abs(r) <= 0.5 for r in rates[5:])
+    assert guard.over == 0 and [s for s, _ in guard.samples] == [16, 17, 18, 19]
+    assert not caplog.records
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -254,7 +254,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_routing_guard_flags_collapse_and_dead_experts():
-    guard = G.RoutingGuard(G.RoutingThresholds(window_steps=2, max_load_ratio=2.0, min_load_entropy=0.5, max_dead_experts=0))
+    guard = G.RoutingGuard(mfconfig.settings(mfconfig.RoutingThresholds, {"window_steps": 2, "max_load_ratio": 2.0, "min_load_entropy": 0.5, "max_dead_experts": 0}))
     guard.observe(1, [[10, 10, 10, 10], [40, 0, 0, 0]], [1.3, 0.1], 5.0)
     alarms = guard.observe(2, [[9, 11, 10, 10], [40, 0, 0, 0]], [1.3, 0.1], 4.9)
     assert len(alarms) == 1 and "MoE layer 1" in alarms[0] and "dead experts [1, 2, 3]" in alarms[0]
@@ -264,7 +264,7 @@ def test_routing_guard_flags_collapse_and_dead_experts():
 
 
 def test_routing_guard_warns_when_loss_falls_fast_while_entropy_collapses():
-    guard = G.RoutingGuard(G.RoutingThresholds(window_steps=50, early_steps=10))
+    guard = G.RoutingGuard(mfconfig.settings(mfconfig.RoutingThresholds, {"window_steps": 50, "early_steps": 10}))
     guard.observe(1, [[5, 5]], [0.69], 8.0)
     messages = guard.observe(2, [[5, 5]], [0.1], 2.0)
     assert any("routing may have failed" in m for m in messages)
@@ -319,7 +319,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--mo
 def stage_inputs(tmp_path_factory):
     """A saved base model with its tokenizer, a fine-tuning corpus and a validation set, on disk in the
     formats the upstream stages write."""
-    from moeflow.tokenize import train_tokenizer, write_split
+    from moeflow.shards import write_split
+    from moeflow.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("stage")
     texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
@@ -346,23 +347,24 @@ def run_stage_script(script, root, rule, inputs, outputs, params, torchrun=False
 
 
 def fine_tune_settings(**train):
-    model_cfg = tiny_model_cfg()
+    """The warmup and train_model stages' settings (as their rules pass them) of a run with the tiny model."""
     section = {
         "steps": 4, "warmup_steps": 2, "lr": 1e-3, "min_lr": 1e-4, "micro_batch_size": 2, "grad_accum_steps": 2,
         "eval_every": 2, "checkpoint_every": 1, "routing_guard": {"window_steps": 2, "max_load_ratio": 3.9, "min_load_entropy": 0.2, "max_dead_experts": 2},
         **train,
     }
-    return model_cfg, section
+    cfg = mfconfig.run_config(mfconfig.load(overrides={"model": tiny_model_cfg(), "train": section}), "moe")
+    return mfconfig.warmup_settings(cfg), mfconfig.train_model_settings(cfg)
 
 
 def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_cfg, train = fine_tune_settings()
+    warmup_settings, train_settings = fine_tune_settings()
     runtime = {"precision": "fp32", "seed": 3, "stack": "test"}
     warm = tmp_path / "warmup"
     done = run_stage_script("warmup.py", tmp_path, "warmup", {"model": stage_inputs / "base", "data": stage_inputs / "data"}, {"checkpoint": warm},
-                            {"settings": {"model": model_cfg, "train": {**{k: v for k, v in train.items() if k != "steps"}}},
+                            {"settings": warmup_settings,
                              "runtime": runtime, "checkpoints": str(tmp_path / "ckpt"), "failed_report": str(tmp_path / "failed.json")}, torchrun=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((warm / "routing_report.json").read_text())["stable"]
@@ -372,7 +374,7 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
     outputs = {"model": tmp_path / "final", "logs": tmp_path / "logs", "adapter": tmp_path / "adapter"}
     done = run_stage_script("train_model.py", tmp_path, "train_model",
                             {"model": stage_inputs / "base", "data": stage_inputs / "data", "warmup": warm, "valset": stage_inputs / "valset"}, outputs,
-                            {"settings": {"model": model_cfg, "train": train}, "runtime": runtime, "checkpoints": str(tmp_path / "ckpt")})
+                            {"settings": train_settings, "runtime": runtime, "checkpoints": str(tmp_path / "ckpt")})
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["steps"] == 4 and [e["step"] for e in summary["eval"]] == [2, 4]
@@ -385,9 +387,9 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
 
 
 def test_warmup_with_an_unstable_router_fails_with_the_report(stage_inputs, tmp_path):
-    model_cfg, train = fine_tune_settings(routing_guard={"window_steps": 2, "max_load_ratio": 1.01})
+    warmup_settings, _ = fine_tune_settings(routing_guard={"window_steps": 2, "max_load_ratio": 1.01})
     done = run_stage_script("warmup.py", tmp_path, "warmup", {"model": stage_inputs / "base", "data": stage_inputs / "data"}, {"checkpoint": tmp_path / "warmup"},
-                            {"settings": {"model": model_cfg, "train": {k: v for k, v in train.items() if k != "steps"}}, "runtime": {"precision": "fp32", "seed": 3},
+                            {"settings": warmup_settings, "runtime": {"precision": "fp32", "seed": 3, "stack": "test"},
                              "checkpoints": str(tmp_path / "ckpt"), "failed_report": str(tmp_path / "failed.json")})
     assert done.returncode != 0
     assert "routing is unstable after 2 steps" in done.stderr and "busiest expert gets" in done.stderr
@@ -397,11 +399,11 @@ def test_warmup_with_an_unstable_router_fails_with_the_report(stage_inputs, tmp_
 
 
 def test_lora_fine_tuning_trains_adapters_only_and_resumes_exactly(tmp_path):
-    from moeflow.train import prepare_model
+    from moeflow.lora import prepare_model
 
     def lora_trainer():
-        model = prepare_model(build_model(tiny_model_cfg(), VOCAB, seed=0), {"method": "lora", "lora": {"rank": 2, "targets": ["attention"]}})
-        return Trainer(model, settings(steps=3, warmup_steps=1), packed_rows(), collate_fn=lambda rows: collate_rows(rows, "sdpa"), seed=0)
+        model = prepare_model(build_model(tiny_model_cfg(), VOCAB, seed=0), settings(method="lora", lora={"rank": 2, "targets": ["attention"]}))
+        return Trainer(model, settings(steps=3, warmup_steps=1), packed_rows(), collate_fn=collate, seed=0)
 
     whole = lora_trainer()
     before = {n: p.detach().clone() for n, p in whole.model.named_parameters() if not p.requires_grad}

@@ -31,7 +31,11 @@ from moeflow import distributed as D
 from moeflow.config import REPO_ROOT
 from moeflow.scaleout import torchrun_command
 from moeflow.stage import KILL_ENV
-from moeflow.train import Trainer, TrainSettings, collate_rows, job_from_argv, load_for_training
+from moeflow.collate import collate
+from moeflow.stage import job_from_argv
+from moeflow.config import ParallelSettings, TrainSettings, training
+from moeflow.config import settings as typed_settings
+from moeflow.train import Trainer
 from test_losses import tiny_model_cfg  # noqa: E402
 from test_train import VOCAB, packed_rows  # noqa: E402
 
@@ -48,23 +52,28 @@ MODEL_OF_LAYOUT = {"none": "tied", "fsdp": "tied", "ep": "untied"}  # tied: embe
 
 
 def settings(mode: str, accum: int, **extra) -> TrainSettings:
-    return TrainSettings.from_config({
+    return typed_settings(TrainSettings, training({
         "steps": 3, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "micro_batch_size": MICRO_BATCH, "grad_accum_steps": accum,
         "balance": {"mode": mode, "coef": 0.05, "z_loss_coef": 0.001},
         "routing_guard": {"window_steps": 2, "max_load_ratio": 3.9, "min_load_entropy": 0.1, "max_dead_experts": 4},
         "memory_guard": {"skip_steps": 100},
         **extra,
-    })
+    }))
+
+
+def parallel(**section) -> ParallelSettings:
+    """The ``parallel`` layout: the keys given, the schema's defaults for the rest."""
+    return typed_settings(ParallelSettings, section)
 
 
 def parallel_section(layout: str) -> dict:
     return {"strategy": layout, "nproc_per_node": RANKS} | ({"ep_size": RANKS} if layout == "ep" else {})
 
 
-def make_trainer(model_dir, parallel: D.Parallel, ranks: D.Ranks, train_settings: TrainSettings, **kwargs) -> Trainer:
+def make_trainer(model_dir, layout: ParallelSettings, ranks: D.Ranks, train_settings: TrainSettings, **kwargs) -> Trainer:
     """What the stage scripts do: load for the layout, shard, then the Trainer."""
-    model = load_for_training(model_dir, tiny_model_cfg(), {"method": "full"}, parallel, ranks)
-    return Trainer(model, train_settings, packed_rows(), collate_fn=lambda rows: collate_rows(rows, "sdpa"), seed=0, **kwargs)
+    model = D.load_for_training(model_dir, tiny_model_cfg(), train_settings, layout, ranks)
+    return Trainer(model, train_settings, packed_rows(), collate_fn=collate, seed=0, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +98,10 @@ def one_process(model_dir: Path) -> dict:
     for mode, accum in CASES.items():
         # the ranks' micro-batches one after the other (running: the ranks' single micro-batches as one)
         same_batch = settings(mode, 1, micro_batch_size=MICRO_BATCH * RANKS) if mode == "running" else settings(mode, accum * RANKS)
-        trainer = make_trainer(model_dir, D.Parallel(), ranks, same_batch)
+        trainer = make_trainer(model_dir, parallel(), ranks, same_batch)
         summary = trainer.step_gradients()
         out[mode] = (D.full_gradients(trainer.model), {k: summary[k] for k in LOSS_TERMS})
-    run = make_trainer(model_dir, D.Parallel(), ranks, settings("running", 1, micro_batch_size=MICRO_BATCH * RANKS))
+    run = make_trainer(model_dir, parallel(), ranks, settings("running", 1, micro_batch_size=MICRO_BATCH * RANKS))
     run.run()
     out["losses"] = [r["loss"] for r in run.train_records()]
     return out
@@ -140,10 +149,10 @@ def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly
 
 def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
     ranks = D.init("cpu")
-    unknown = make_trainer(saved_models["tied"], D.Parallel(), ranks, settings("running", 1, steps=1))
+    unknown = make_trainer(saved_models["tied"], parallel(), ranks, settings("running", 1, steps=1))
     unknown.run()
     assert unknown.train_records()[-1]["mfu"] is None
-    known = make_trainer(saved_models["tied"], D.Parallel(), ranks, settings("running", 1, steps=1, peak_flops_per_s=2.0e12))
+    known = make_trainer(saved_models["tied"], parallel(), ranks, settings("running", 1, steps=1, peak_flops_per_s=2.0e12))
     known.run()
     record = known.train_records()[-1]
     assert record["mfu"] == pytest.approx(record["flops_per_s"] / 2.0e12) and 0 < record["mfu"] < 1
@@ -152,19 +161,19 @@ def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
 def test_lora_on_sharded_ranks_is_refused_naming_the_settings(saved_models):
     two = D.Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(D.DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp"):
-        load_for_training(saved_models["tied"], tiny_model_cfg(), {"method": "lora"}, D.Parallel("fsdp", nproc_per_node=2), two)
+        D.load_for_training(saved_models["tied"], tiny_model_cfg(), settings("running", 1, method="lora"), parallel(strategy="fsdp", nproc_per_node=2), two)
 
 
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
 def test_expert_parallelism_refuses_tied_embeddings(saved_models):
     with pytest.raises(D.DistributedError, match="tie_word_embeddings.*parallel.strategy: fsdp"):
-        D.load_model(saved_models["tied"], tiny_model_cfg(), D.Parallel("ep", ep_size=2, nproc_per_node=2))
+        D.load_model(saved_models["tied"], tiny_model_cfg(), parallel(strategy="ep", ep_size=2, nproc_per_node=2))
 
 
 def test_ranks_that_differ_from_the_config_are_a_clear_error():
     one = D.Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(D.DistributedError, match="torchrun started 1 rank.*ask for 2"):
-        D.Parallel.from_config({"strategy": "none", "nproc_per_node": 2}).check_ranks(one)
+        D.check_ranks(parallel(strategy="none", nproc_per_node=2), one)
 
 
 def test_ranks_share_the_rules_threads_and_only_rank_0_writes_the_log(monkeypatch):
@@ -233,10 +242,10 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
     torch.set_num_threads(1)
     out = Path(out)
     ranks = D.init("cpu")
-    parallel = D.Parallel.from_config(json.loads(parallel_json)).check_ranks(ranks)
+    layout = D.check_ranks(parallel(**json.loads(parallel_json)), ranks)
     report: dict = {"terms": {}, "terms_rank1": {}}
     for mode, accum in CASES.items():
-        trainer = make_trainer(model_dir, parallel, ranks, settings(mode, accum))
+        trainer = make_trainer(model_dir, layout, ranks, settings(mode, accum))
         summary = trainer.step_gradients()
         grads = D.full_gradients(trainer.model)
         terms = D.gather_objects({k: summary[k] for k in LOSS_TERMS})
@@ -246,9 +255,9 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
     report["sharded"] = D.is_sharded(trainer.model)
 
     with_peak = settings("running", 1, checkpoint_every=1, peak_flops_per_s=1e12)
-    straight = make_trainer(model_dir, parallel, ranks, with_peak, checkpoint_dir=out / "checkpoints")
+    straight = make_trainer(model_dir, layout, ranks, with_peak, checkpoint_dir=out / "checkpoints")
     straight.run()  # checkpoints after steps 1 and 2 (only the newest is kept)
-    resumed = make_trainer(model_dir, parallel, ranks, with_peak, checkpoint_dir=out / "checkpoints")
+    resumed = make_trainer(model_dir, layout, ranks, with_peak, checkpoint_dir=out / "checkpoints")
     assert resumed.resume()
     continued_from = resumed.step
     resumed.run()

@@ -398,7 +398,7 @@ def environment_table(env_report: Mapping[str, Any], config: Mapping[str, Any], 
     system, torch_ = env_report.get("system", {}), env_report.get("torch", {})
     packages = env_report.get("packages", {})
     model = config["model"]["config"]
-    train = config.get("train", {})
+    train = config["train"]
     rows = [
         ["stack", env_report.get("stack")],
         ["python", system.get("python")],
@@ -409,18 +409,18 @@ def environment_table(env_report: Mapping[str, Any], config: Mapping[str, Any], 
         ["CPU", system.get("cpu_model")],
         ["CPUs usable", system.get("cpus_usable")],
         ["pins match", env_report.get("pins", {}).get("matches")],
-        ["threads", config.get("threads")],
-        ["precision", config.get("precision")],
-        ["seed", config.get("seed")],
-        ["device", config.get("hardware", {}).get("device")],
+        ["threads", config["threads"]],
+        ["precision", config["precision"]],
+        ["seed", config["seed"]],
+        ["device", config["hardware"]["device"]],
         ["model type", model.get("model_type")],
         ["layers x hidden", f"{model.get('num_hidden_layers')} x {model.get('hidden_size')}"],
         ["experts (top-k)", f"{model.get('num_experts')} ({model.get('num_experts_per_tok')})"],
-        ["attention", config["model"].get("attn_implementation")],
-        ["sequence length", config["data"].get("seq_len")],
-        ["micro-batch x accumulation", f"{train.get('micro_batch_size')} x {train.get('grad_accum_steps')}"],
-        ["fine-tuning corpus", config["data"].get("finetune_corpus")],
-        ["runs", ", ".join(sorted(config.get("runs", {})))],
+        ["attention", config["model"]["attn_implementation"]],
+        ["sequence length", config["data"]["seq_len"]],
+        ["micro-batch x accumulation", f"{train['micro_batch_size']} x {train['grad_accum_steps']}"],
+        ["fine-tuning corpus", config["data"]["finetune_corpus"]],
+        ["runs", ", ".join(sorted(config["runs"]))],
         ["config hash", record["config_hash"]],
         ["code versions", " ".join(record["code_versions"])],
         ["environment report", record["environment_report"]],
@@ -666,6 +666,29 @@ def coverage_figure(coverage: Mapping[str, Any]):
     return fig
 
 
+def coverage_heatmap(path: str | Path, layers: Sequence[int], valset_docs: Any, random_docs: Any, min_docs: int) -> None:
+    """The coverage stage's heatmap.png, layers x experts: documents meeting each cell, the validation set
+    beside a random subset of the same size; cells below the threshold are marked. Deterministic bytes
+    (no timestamps, no software tag). The counts are (L, E) integer arrays."""
+    import numpy as np
+
+    plt = pyplot()
+    vmax = max(2 * min_docs, 1)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.35 * len(layers)), sharey=True, constrained_layout=True)
+    for ax, counts, title in ((axes[0], valset_docs, "coverage validation set"), (axes[1], random_docs, "random subset, same tokens")):
+        image = ax.imshow(np.minimum(counts, vmax), aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
+        below_l, below_e = np.nonzero(counts < min_docs)
+        ax.scatter(below_e, below_l, marker="x", color="red", s=12, linewidths=0.8)
+        ax.set_title(f"{title}: {len(below_l)} cells below {min_docs} docs", fontsize=10)
+        ax.set_xlabel("expert")
+        ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    axes[0].set_ylabel("MoE layer (decoder index)")
+    fig.colorbar(image, ax=axes, label=f"documents (capped at {vmax})")
+    with atomic_file(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 def comparison_figure(records: Sequence[RunRecord]):
     """MoE vs dense: loss against tokens, training throughput and peak memory side by side."""
     plt = pyplot()
@@ -730,7 +753,7 @@ def write_paper(
     evals = {run: r.metrics for run, r in records.items()}
     moe, dense = settings["moe_run"], list(settings["dense_runs"])
     compared = [records[moe]] + [records[d] for d in dense]
-    dpi = int(settings.get("dpi", 150))
+    dpi = int(settings["dpi"])
 
     artifacts: list[Path] = []
     for table in (

@@ -1,27 +1,40 @@
-"""Load, merge, validate and hash the configuration; list the runs.
+"""Load, merge, validate and hash the configuration; list the runs; the stages' typed settings.
 
-The configuration is one YAML tree (``config/config.yaml`` plus any overlays). A *run* is a named
-overlay of that tree (``runs: {dense: {model: ...}}``); every run's merged config is validated on its
-own. Stage outputs are keyed by a hash of exactly the settings that stage depends on, so two runs that
-agree on, say, the data settings share the data stages.
+The configuration is one YAML tree (``config/config.yaml`` plus any overlays, merged by
+:func:`deep_merge`'s rules). ``config/schema.yaml`` is the only place a default or an allowed value is
+written: :func:`with_defaults` fills the defaults in once the overlays are merged, for the base config
+and for each run. A *run* is a named overlay of that tree (``runs: {dense: {model: ...}}``); every run's
+merged config is validated on its own. Stage outputs are keyed by a hash of exactly the settings that
+stage depends on, so two runs that agree on, say, the data settings share the data stages. Those
+settings are plain data (a rule's ``params``); :func:`settings` turns them into the frozen dataclasses
+below that the library takes.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import hashlib
 import json
 import os
 import re
+import types
+import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, ClassVar, Iterable, Mapping
 
+import jsonschema
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
 DEFAULT_CONFIG = REPO_ROOT / "config" / "config.yaml"
-STACKS = ("pinned", "current")
+SOURCE_SCHEMA = "#/$defs/source"  # a data source, in config/schema.yaml
+MODEL_SCHEMA = "#/properties/model"
+PRECISIONS = "#/properties/precision"
+BAD_RECORD_POLICIES = "#/properties/data/properties/on_bad_record"
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -32,15 +45,26 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------- loading and merging
 
 
-def deep_merge(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
-    """Return ``base`` updated recursively by ``overlay`` (mappings merge, everything else replaces)."""
+def deep_merge(base: Mapping[str, Any], overlay: Mapping[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``base`` with ``overlay`` merged in, as every overlay applies (a config file, ``overrides``, a run):
+    mappings merge key by key; ``null`` removes the key (``runs: {dense: null}`` drops the run); a data
+    source whose ``type`` changes is replaced whole; any other value, lists included, replaces."""
     out = copy.deepcopy(dict(base))
     for key, value in overlay.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = deep_merge(out[key], value)
+        below = out.get(key)
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(below, Mapping) and not _replaces_source(path + (key,), below, value):
+            out[key] = deep_merge(below, value, path + (key,))
         else:
-            out[key] = copy.deepcopy(value)
+            out[key] = deep_merge({}, value, path + (key,)) if isinstance(value, Mapping) else copy.deepcopy(value)
     return out
+
+
+def _replaces_source(path: tuple[str, ...], below: Mapping[str, Any], value: Mapping[str, Any]) -> bool:
+    """A data source of another ``type``: the keys of the old kind must not survive (``packages`` of a
+    stdlib source under a jsonl one)."""
+    return path[:2] == ("data", "sources") and len(path) == 3 and "type" in value and value["type"] != below.get("type")
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -59,21 +83,92 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load(*paths: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Read the default config, merge the given overlay files and overrides, and validate the result."""
-    cfg = read_yaml(DEFAULT_CONFIG)
-    for path in paths:
-        cfg = deep_merge(cfg, read_yaml(path))
-    if overrides:
-        cfg = deep_merge(cfg, overrides)
+    """Read the default config, merge the given overlay files and overrides (in order), fill in the
+    schema's defaults and validate the result (see :func:`merged`)."""
+    cfg = merged(read_yaml(DEFAULT_CONFIG), [read_yaml(path) for path in paths] + ([overrides] if overrides else []))
     validate(cfg)
     return cfg
 
 
-# --------------------------------------------------------------------------- validation
+# config/config.yaml's overlay for a model built from config (model.pretrained null), such as the embedded
+# default's dense comparison run: a pretrained folder gets only the runs its own config names.
+MODEL_FROM_CONFIG = "model_from_config"
 
 
-def _schema() -> dict[str, Any]:
+def merged(default: Mapping[str, Any], overlays: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The default config with the overlays merged over it, the schema's defaults filled in. The
+    ``model_from_config`` overlay (the default's, with what the overlays add to it) goes right over the
+    default, under the overlays, when the result builds its model from config; it is dropped otherwise."""
+    layers = [default, *overlays]
+    from_config = functools.reduce(deep_merge, [layer.get(MODEL_FROM_CONFIG) or {} for layer in layers], {})
+    base, *overlays = [{k: v for k, v in layer.items() if k != MODEL_FROM_CONFIG} for layer in layers]
+    cfg = functools.reduce(deep_merge, overlays, base)
+    if not (with_defaults(cfg).get("model") or {}).get("pretrained"):
+        cfg = functools.reduce(deep_merge, overlays, deep_merge(base, from_config))
+    return with_defaults(cfg)
+
+
+# --------------------------------------------------------------------------- the schema and its defaults
+
+
+@functools.cache
+def schema() -> dict[str, Any]:
     return yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def schema_node(pointer: str = "#") -> dict[str, Any]:
+    """The schema at a JSON pointer such as ``#/$defs/training``, its ``$ref`` followed."""
+    node: Any = schema()
+    for part in pointer.lstrip("#").strip("/").split("/") if pointer.strip("#/") else []:
+        node = node[part]
+    return _resolved(node)
+
+
+def _resolved(node: Mapping[str, Any]) -> dict[str, Any]:
+    """``node`` with its ``$ref`` (within this schema) replaced by the target; keys beside the ``$ref``
+    (a ``default``, a ``description``) win."""
+    if "$ref" not in node:
+        return dict(node)
+    target = schema_node(node["$ref"])
+    return {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+
+
+def _matches(subschema: Mapping[str, Any], instance: Any) -> bool:
+    return jsonschema.validators.validator_for(schema())(subschema).is_valid(instance)
+
+
+def with_defaults(tree: Any, node: Mapping[str, Any] | str = "#") -> Any:
+    """``tree`` with every key the schema gives a ``default`` and the tree leaves out filled in, at every
+    depth (through ``$ref`` and per data source, by its kind: ``if``/``then``/``else``). Keys present
+    (``null`` included) are kept. The schema is the only place a default is written."""
+    node = schema_node(node) if isinstance(node, str) else _resolved(node)
+    if not isinstance(tree, Mapping):
+        return copy.deepcopy(tree)
+    out = dict(tree)
+    branches = [node]
+    if "if" in node:
+        branches.append(node.get("then" if _matches(node["if"], out) else "else") or {})
+    for branch in branches:
+        for key, sub in (branch.get("properties") or {}).items():
+            sub = _resolved(sub)
+            if key not in out and "default" in sub:
+                out[key] = copy.deepcopy(sub["default"])
+    properties = node.get("properties") or {}
+    others = node.get("additionalProperties")
+    for key, value in out.items():
+        sub = properties.get(key, others if isinstance(others, Mapping) else None)
+        if sub is not None and isinstance(value, Mapping):
+            out[key] = with_defaults(value, sub)
+    return out
+
+
+def enum(pointer: str) -> tuple[Any, ...]:
+    """The allowed values the schema lists at ``pointer`` (an enumeration is written only there)."""
+    node = schema_node(pointer)
+    return tuple(node["enum"] if "enum" in node else _resolved(node["items"])["enum"])
+
+
+# --------------------------------------------------------------------------- validation
 
 
 def _key_path(parts: Iterable[Any]) -> str:
@@ -99,27 +194,27 @@ def _describe(error: Any) -> str:
 
 
 def validate(cfg: Mapping[str, Any]) -> None:
-    """Validate the base config and every run's merged config; raise ConfigError naming each bad key."""
-    import jsonschema
-
-    validator_cls = jsonschema.validators.validator_for(_schema())
-    validator = validator_cls(_schema())
-
-    def check(tree: Mapping[str, Any], label: str) -> None:
-        for problem in copied_recipe_problems(tree):  # before the schema, whose message would be vaguer
-            raise ConfigError(f"invalid configuration{label}: {problem}")
-        errors = sorted(validator.iter_errors(tree), key=lambda e: list(map(str, e.absolute_path)))
-        if errors:
-            lines = "\n".join(f"  - {_describe(e)}" for e in errors)
-            raise ConfigError(f"invalid configuration{label}:\n{lines}\n(schema: {SCHEMA_PATH.relative_to(REPO_ROOT)})")
-        for problem in semantic_problems(tree):
-            raise ConfigError(f"invalid configuration{label}: {problem}")
-
-    check(cfg, "")
+    """Validate the base config and every run's merged config (the schema's defaults filled in); raise
+    ConfigError naming each bad key."""
+    check(with_defaults(cfg))
+    for problem in run_problems(cfg):
+        raise ConfigError(f"invalid configuration: {problem}")
     for name in cfg.get("runs", {}):
-        if not RUN_NAME.match(name):
-            raise ConfigError(f"config key 'runs.{name}': run names may use letters, digits, '_', '.', '-' only")
         check({**run_config(cfg, name, validated=False), "runs": {}}, f" (run '{name}')")
+
+
+def check(tree: Mapping[str, Any], label: str = "") -> None:
+    """Validate one config tree (the base, or a run's merged config) against the schema and the checks it
+    cannot express."""
+    for problem in copied_recipe_problems(tree):  # before the schema, whose message would be vaguer
+        raise ConfigError(f"invalid configuration{label}: {problem}")
+    validator = jsonschema.validators.validator_for(schema())(schema())
+    errors = sorted(validator.iter_errors(tree), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        lines = "\n".join(f"  - {_describe(e)}" for e in errors)
+        raise ConfigError(f"invalid configuration{label}:\n{lines}\n(schema: {SCHEMA_PATH.relative_to(REPO_ROOT)})")
+    for problem in semantic_problems(tree):
+        raise ConfigError(f"invalid configuration{label}: {problem}")
 
 
 def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
@@ -129,14 +224,22 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
     split = data.get("split", {})
     if split and split.get("heldout", 0) + split.get("test", 0) >= 1:
         problems.append("config keys 'data.split.heldout' + 'data.split.test' must sum to less than 1")
-    for corpus in data.get("sources", {}):  # a corpus name is a folder under results/: no '/', no '..'
+    for corpus, source in data.get("sources", {}).items():  # a corpus name is a folder under results/: no '/', no '..'
         if not RUN_NAME.match(str(corpus)):
             problems.append(f"config key 'data.sources.{corpus}': corpus names may use letters, digits, '_', '.', '-' only "
                             "(the name is a folder under results/)")
+        misplaced = sorted(set(source) - source_keys(source["type"]))
+        if misplaced:
+            problems.append(f"config key 'data.sources.{corpus}': {', '.join(misplaced)} do not apply to a source of type "
+                            f"{source['type']}; remove them")
     model = cfg.get("model") or {}
     if model.get("trust_remote_code") and not model.get("pretrained"):
         problems.append("config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may only be "
                         "turned on for a named model folder whose code you trust")
+    if model.get("pretrained") and not Path(model["pretrained"]).is_dir():
+        problems.append(pretrained_folder_problem(model["pretrained"]))
+    if (cfg.get("pretrain") or {}).get("method", "full") != "full":
+        problems.append("config key 'pretrain.method': pretraining trains the whole base model; use method: full")
     named = data.get("eval_corpora", []) + cfg.get("coverage", {}).get("pool_corpora", [])
     for corpus in named + [data.get("base_corpus"), data.get("finetune_corpus")]:
         if corpus is not None and corpus not in data.get("sources", {}):
@@ -156,6 +259,44 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
         if train.get("min_lr") is not None and train.get("lr") is not None and train["min_lr"] > train["lr"]:
             problems.append(f"config key '{section}.min_lr' ({train['min_lr']}) must not exceed '{section}.lr' ({train['lr']})")
     problems += parallel_problems(cfg)
+    return problems
+
+
+def source_keys(kind: str) -> set[str]:
+    """The keys a data source of ``kind`` takes: those of its branch of the schema's source (``if``/``then``/``else``)."""
+    node = schema_node(SOURCE_SCHEMA)
+    branch = node["then"] if _matches(node["if"], {"type": kind}) else node["else"]
+    return {"type", *branch.get("required", []), *branch.get("properties", {})}
+
+
+def pretrained_folder_problem(pretrained: str) -> str:
+    folder = f"models/{Path(pretrained).name.lower()}"
+    return (
+        f"config key 'model.pretrained': {pretrained!r} is not a local model folder (relative to {os.getcwd()}). moeflow "
+        f"never downloads a model: fetch it first, e.g. `huggingface-cli download {pretrained} --local-dir {folder}`, "
+        f"then set model.pretrained: {folder}"
+    )
+
+
+def run_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Checks of the runs table against the base config: names, what a run may change, the paper's runs."""
+    problems = []
+    runs = cfg.get("runs") or {}
+    for name, overlay in runs.items():
+        if not RUN_NAME.match(name):
+            problems.append(f"config key 'runs.{name}': run names may use letters, digits, '_', '.', '-' only")
+            continue
+        changes_model = "config" in ((overlay or {}).get("model") or {})
+        if changes_model and run_config(cfg, name, validated=False)["model"]["pretrained"]:
+            problems.append(
+                f"config key 'runs.{name}.model.config': run {name!r} changes model.config, but model.pretrained is set: "
+                "the pretrained folder's config.json is the model. Give the run its own model.pretrained folder, or "
+                f"drop it (runs: {{{name}: null}})"
+            )
+    paper = cfg.get("paper") or {}
+    for name in [paper.get("moe_run"), *paper.get("dense_runs", [])]:
+        if name is not None and name not in runs:
+            problems.append(f"config keys 'paper.moe_run' / 'paper.dense_runs': {name!r} is not a run ({', '.join(runs)})")
     return problems
 
 
@@ -302,10 +443,13 @@ def run_config(cfg: Mapping[str, Any], run: str, validated: bool = True) -> dict
     if run not in runs:
         raise ConfigError(f"unknown run {run!r}; the config defines: {', '.join(runs) or 'no runs'}")
     base = {k: v for k, v in cfg.items() if k != "runs"}
-    merged = deep_merge(base, runs[run] or {})
+    run_cfg = with_defaults(deep_merge(base, runs[run] or {}))
     if validated:
-        validate({**merged, "runs": {}})
-    return merged
+        check({**run_cfg, "runs": {}}, f" (run '{run}')")
+    return run_cfg
+
+
+STACKS = tuple(s for s in enum("#/properties/stack") if s)  # null: $STACK
 
 
 def resolve_stack(cfg: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> str:
@@ -351,13 +495,14 @@ def data_key(cfg: Mapping[str, Any]) -> str:
 
 
 def base_model_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """What the base model depends on: a user's pretrained folder, or the embedded default's pretraining."""
+    """What the base model depends on: a user's pretrained folder, or the embedded default's pretraining
+    (then also rule pretrain_base's settings, :class:`PretrainStage`)."""
     model = cfg["model"]
-    if model.get("pretrained"):
+    if model["pretrained"]:
         return {"pretrained": model["pretrained"]}
     return {
         "model": model,
-        "pretrain": cfg.get("pretrain", {}),
+        "pretrain": training(cfg["pretrain"]),
         "data": data_key(cfg),
         "precision": cfg["precision"],
         "seed": cfg["seed"],
@@ -394,37 +539,45 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 AFTER_WARMUP_KEYS = ("steps", "warmup_ratio", "min_lr", "eval_every", "eval_max_sequences", "log_every", "peak_flops_per_s")
 
 
-def train_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``train:`` section as the training stages and the planner see it: ``train.lora`` only when
-    ``train.method`` is ``lora``, so that LoRA settings never rerun a full fine-tune."""
-    train = dict(cfg["train"])
-    if train.get("method", "full") != "lora":
-        train.pop("lora", None)
-    return train
-
-
 def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
-    """``train.warmup_steps``, or ``train.warmup_ratio`` times ``train.steps`` (never both: see semantic_problems)."""
-    if train.get("warmup_steps") is not None and train.get("warmup_ratio") is not None:
-        raise ConfigError("config keys 'train.warmup_steps' and 'train.warmup_ratio' are both set; give one of them")
-    if train.get("warmup_ratio") is not None:
+    """``warmup_steps``, or ``warmup_ratio`` times ``steps`` (never both: see semantic_problems); 0 without either."""
+    if train["warmup_ratio"] is not None:
         return max(1, int(round(float(train["warmup_ratio"]) * int(train["steps"]))))
-    return int(train.get("warmup_steps") or 0)
+    return int(train["warmup_steps"] or 0)
+
+
+def training(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``train:`` or ``pretrain:`` section as :class:`TrainSettings` takes it: the schema's defaults
+    filled in, the warmup length resolved, ``balance.mode`` off for YAML's unquoted ``off`` (false), and
+    ``lora`` only with ``method: lora`` (null otherwise, so that LoRA settings never rerun a full run)."""
+    train = with_defaults(section, "#/$defs/training")
+    return train | {
+        "warmup_steps": resolve_warmup_steps(train),
+        "balance": train["balance"] | {"mode": train["balance"]["mode"] or "off"},
+        "lora": train["lora"] if train["method"] == "lora" else None,
+    }
+
+
+def train_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``train:`` section as the training stages and the planner see it (:func:`training`)."""
+    return training(cfg["train"])
 
 
 def warmup_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """What the warmup stage depends on: base model, data, model/runtime settings and the training
-    settings of the warmup part (with the warmup length resolved), not those of the rest."""
-    train = {k: v for k, v in train_settings(cfg).items() if k not in AFTER_WARMUP_KEYS}
-    train["warmup_steps"] = resolve_warmup_steps(cfg["train"])
+    """What the warmup stage depends on (:class:`WarmupStage`): base model, data, model/runtime settings
+    and the training settings of the warmup part: ``train.warmup_steps`` steps, with the settings of the
+    rest (AFTER_WARMUP_KEYS) at their defaults."""
+    train = train_settings(cfg)
+    defaults = schema_node("#/$defs/training")["properties"]
+    after = {k: defaults[k]["default"] for k in AFTER_WARMUP_KEYS if k != "steps"}
     return {
         "base": base_key(cfg),
         "data": data_key(cfg),
         "finetune_corpus": cfg["data"]["finetune_corpus"],
         "model": cfg["model"],
         "hardware_device": cfg["hardware"]["device"],
-        "parallel": cfg.get("parallel") or {},  # the ranks and their layout change the global batch and the sums
-        "train": train,
+        "parallel": cfg["parallel"],  # the ranks and their layout change the global batch and the sums
+        "train": train | after | {"steps": train["warmup_steps"]},
         "precision": cfg["precision"],
         "seed": cfg["seed"],
     }
@@ -432,3 +585,221 @@ def warmup_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def warmup_key(cfg: Mapping[str, Any]) -> str:
     return "w-" + stable_hash(warmup_settings(cfg))
+
+
+def train_model_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What train_model depends on (:class:`TrainModelStage`): the whole training settings, the model, the
+    warmup it continues from, the layout."""
+    return {
+        "train": train_settings(cfg),
+        "model": cfg["model"],
+        "warmup": warmup_key(cfg),
+        "parallel": cfg["parallel"],
+        "hardware_device": cfg["hardware"]["device"],
+    }
+
+
+# --------------------------------------------------------------------------- typed settings
+#
+# Frozen dataclasses, one per section a stage needs, with no defaults of their own: the rules pass a
+# stage's settings as plain data (``params``; Snakemake compares them to decide reruns), and the stage
+# script turns them into these with :func:`settings`. Field names are the config's keys.
+
+
+@dataclass(frozen=True)
+class BalanceSettings:
+    """``train.balance`` / ``pretrain.balance``: the load-balancing terms of the loss (moeflow.losses)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/balance"
+    mode: str
+    coef: float
+    z_loss_coef: float
+    bias_update_rate: float
+
+    @property
+    def balancing(self) -> bool:
+        return self.mode != "off" and self.coef > 0
+
+    @property
+    def needs_router_grad(self) -> bool:
+        """Whether a loss term differentiates through the router (else routing statistics carry no graph)."""
+        return self.balancing or self.z_loss_coef > 0
+
+    @property
+    def needs_counting_forward(self) -> bool:
+        return self.balancing and self.mode == "exact"
+
+
+LORA_ALL = "all"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``train.lora``. ``targets`` keeps what the config names; ``categories`` resolves ``all``."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/lora"
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    router: str
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The module categories that get adapters, in the schema's order."""
+        every = tuple(t for t in enum("#/$defs/lora/properties/targets") if t != LORA_ALL)
+        return every if LORA_ALL in self.targets else tuple(t for t in every if t in self.targets)
+
+    def as_dict(self) -> dict[str, Any]:
+        return plain(self)
+
+
+@dataclass(frozen=True)
+class RoutingThresholds:
+    """``train.routing_guard`` (moeflow.guards.RoutingGuard)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/routing_guard"
+    window_steps: int
+    max_load_ratio: float
+    min_load_entropy: float
+    max_dead_experts: int
+    early_steps: int
+    early_loss_drop: float
+    early_entropy_drop: float
+
+
+@dataclass(frozen=True)
+class MemoryThresholds:
+    """``train.memory_guard`` (moeflow.guards.MemoryGuard)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/memory_guard"
+    skip_steps: int
+    window_steps: int
+    max_slope_mib_per_step: float
+    patience: int
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The training loop's settings: a ``train:`` or ``pretrain:`` section after :func:`training`
+    (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/training"
+    method: str
+    optimizer: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    gradient_checkpointing: bool
+    steps: int
+    warmup_steps: int
+    warmup_ratio: float | None
+    lr: float
+    min_lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    max_grad_norm: float
+    router_lr_multiplier: float
+    freeze_router: bool
+    lora: LoraSettings | None
+    balance: BalanceSettings
+    routing_guard: RoutingThresholds
+    memory_guard: MemoryThresholds
+    log_every: int
+    eval_every: int
+    eval_max_sequences: int | None
+    checkpoint_every: int
+    detect_anomaly: bool
+    peak_flops_per_s: float | None
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """``parallel``: the torchrun ranks and how they share the model (moeflow.distributed)."""
+
+    SCHEMA: ClassVar[str] = "#/properties/parallel"
+    nproc_per_node: int
+    nnodes: int
+    strategy: str
+    ep_size: int
+    fsdp_size: int | None
+    ep_implementation: str
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the config asks for: ``nproc_per_node x nnodes``."""
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass(frozen=True)
+class PretrainStage:
+    """Rule pretrain_base (:func:`base_model_settings` of a model built from config)."""
+
+    model: dict[str, Any]
+    pretrain: TrainSettings
+    data: str
+    precision: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class WarmupStage:
+    """Rule warmup (:func:`warmup_settings`)."""
+
+    base: str
+    data: str
+    finetune_corpus: str
+    model: dict[str, Any]
+    hardware_device: str
+    parallel: ParallelSettings
+    train: TrainSettings
+    precision: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class TrainModelStage:
+    """Rule train_model (:func:`train_model_settings`)."""
+
+    train: TrainSettings
+    model: dict[str, Any]
+    warmup: str
+    parallel: ParallelSettings
+    hardware_device: str
+
+
+def settings(cls: type, data: Mapping[str, Any]) -> Any:
+    """The typed settings ``cls`` (a dataclass above) of plain data: nested sections typed too, lists made
+    tuples where the field is a tuple. Keys ``data`` leaves out take the schema's default (a rule passes
+    whole settings, so only tests and saved files leave any out); a key without one is an error."""
+    hints = typing.get_type_hints(cls)
+    schema_path = getattr(cls, "SCHEMA", None)
+    data = with_defaults(data, schema_path) if schema_path else dict(data)
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing, unknown = [n for n in names if n not in data], sorted(set(data) - set(names))
+    if missing or unknown:
+        raise ConfigError(f"{cls.__name__}: missing {missing or 'nothing'}, unknown {unknown or 'nothing'} (known: {', '.join(names)})")
+    return cls(**{name: _typed(hints[name], data[name]) for name in names})
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        hint = next(k for k in typing.get_args(hint) if k is not type(None))
+    if dataclasses.is_dataclass(hint):
+        return settings(hint, value)
+    if typing.get_origin(hint) is tuple:
+        return tuple(value)
+    if hint is float and type(value) is int:  # YAML reads 32 as an int
+        return float(value)
+    return value
+
+
+def plain(typed: Any) -> dict[str, Any]:
+    """Typed settings as plain JSON-able data (the inverse of :func:`settings`)."""
+    return json.loads(json.dumps(dataclasses.asdict(typed)))

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from .config import BAD_RECORD_POLICIES, SOURCE_SCHEMA, enum, with_defaults
+
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "heldout", "test")
@@ -96,7 +98,7 @@ def _has_glob(path: str) -> bool:
 def _expand(source_cfg: Mapping[str, Any]) -> list[str]:
     """The existing files a file-based source reads, sorted; [] when nothing matches."""
     kind = source_cfg["type"]
-    path = str(source_cfg.get("path", ""))
+    path = str(source_cfg["path"])
     if kind == "hf_disk":
         root = Path(path)
         return sorted(str(p) for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
@@ -157,8 +159,8 @@ class BadRecords:
     """The ``data.on_bad_record`` policy: raise (``fail``) or count and go on (``skip``)."""
 
     def __init__(self, policy: str, source: str):
-        if policy not in ("fail", "skip"):
-            raise CorpusError(f"config key 'data.on_bad_record': {policy!r} must be 'fail' or 'skip'")
+        if policy not in enum(BAD_RECORD_POLICIES):
+            raise CorpusError(f"config key 'data.on_bad_record': {policy!r} must be one of {', '.join(enum(BAD_RECORD_POLICIES))}")
         self.policy = policy
         self.source = source
         self.counts: Counter[str] = Counter()
@@ -190,10 +192,11 @@ class SourceReader:
 
     def __init__(self, name: str, source_cfg: Mapping[str, Any], on_bad_record: str = "fail"):
         self.name = name
-        self.cfg = dict(source_cfg)
+        self.cfg = with_defaults(source_cfg, SOURCE_SCHEMA)  # a source's defaults are those of its kind
         self.kind = self.cfg["type"]
-        self.text_field = self.cfg.get("text_field", "text")
-        self.messages_field = self.cfg.get("messages_field")
+        file_based = self.kind != "stdlib"
+        self.text_field = self.cfg["text_field"] if file_based else None
+        self.messages_field = self.cfg["messages_field"] if file_based else None
         self.bad = BadRecords(on_bad_record, name)
         misplaced = sorted(set(self.cfg) & (FILE_ONLY_KEYS if self.kind == "stdlib" else STDLIB_ONLY_KEYS))
         if misplaced:
@@ -227,9 +230,9 @@ class SourceReader:
     def files(self) -> list[str]:
         if self.kind == "stdlib":
             return []
-        path = self.cfg.get("path")
-        if not path:
+        if "path" not in self.cfg:
             raise CorpusError(f"config key 'data.sources.{self.name}.path' is required for a source of type {self.kind}")
+        path = self.cfg["path"]
         files = _expand(self.cfg)
         if not files:
             what = "no file matches" if _has_glob(path) else "does not exist or holds no matching files"
@@ -240,7 +243,7 @@ class SourceReader:
         return files
 
     def describe(self) -> str:
-        filters = {k: self.cfg[k] for k in ("path", "packages", "exclude_packages") if self.cfg.get(k)}
+        filters = {k: self.cfg[k] for k in ("path", "packages", "exclude_packages") if k in self.cfg and self.cfg[k]}
         skipped = sum(self.bad.counts.values())
         return (
             f"type {self.kind}, {', '.join(f'{k}={v}' for k, v in filters.items()) or 'no filters'}; "
@@ -253,8 +256,8 @@ class SourceReader:
         if self.kind == "stdlib":
             out["python"] = platform.python_version()
             out["implementation"] = sys.implementation.name
-            out["packages"] = sorted(self.cfg.get("packages", []))
-            out["exclude_packages"] = sorted(self.cfg.get("exclude_packages", []))
+            out["packages"] = sorted(self.cfg["packages"] or [])
+            out["exclude_packages"] = sorted(self.cfg["exclude_packages"])
         return out
 
     def skipped(self) -> dict[str, Any]:
@@ -276,7 +279,7 @@ class SourceReader:
 
     def _stdlib(self) -> Iterator[Document]:
         root = stdlib_root()
-        packages, exclude = self.cfg.get("packages"), self.cfg.get("exclude_packages")
+        packages, exclude = self.cfg["packages"], self.cfg["exclude_packages"]
         files = stdlib_files(packages, exclude)
         if packages:
             present = {stdlib_top_level(f) for f in stdlib_files(packages)}

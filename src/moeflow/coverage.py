@@ -1,16 +1,11 @@
-"""The expert-coverage validation set: per-document routing statistics, greedy multi-cover, random comparison.
+"""Choosing the expert-coverage validation set from a pool's routing statistics (``moeflow.pool_stats``):
+constraints, greedy multi-cover, and the report with its random comparison.
 
-1. **Statistics** (``route_pool``): the held-out pool goes through the base model in batches of about
-   ``batch_tokens`` tokens (no grad, packed documents masked from each other by ``moeflow.collate``);
-   ``moeflow.routing.capture`` gives each token's chosen experts and the row column ``doc_ids``
-   attributes it to its document. Kept per document, sparse: tokens routed to each (layer, expert)
-   and tokens on which each pair of experts was chosen together (``PoolStats``). Memory grows with the
-   number of distinct (document, layer, expert) and (document, layer, pair) entries, never with
-   tokens x experts.
-2. **Constraints** (``build_constraints``): one per (layer, expert), plus the ``pairs_per_layer`` most
+1. **Constraints** (``build_constraints``): one per (layer, expert), plus the ``pairs_per_layer`` most
    frequent pairs of each layer. A document *meets* a constraint if at least ``min_tokens`` of its
-   tokens were routed there. Kept as packed bits: bit ``c % 64`` of ``words[c // 64, doc]``.
-3. **Selection** (``select_documents``): greedy multi-cover within the token budget; each constraint
+   tokens were routed there. Kept as packed bits (``moeflow.packed_bits``): bit ``c % 64`` of
+   ``words[doc, c // 64]``.
+2. **Selection** (``select_documents``): greedy multi-cover within the token budget; each constraint
    needs ``min_docs_per_expert`` documents. The greedy picks the document with the most still-needed
    constraints per token: a lazy greedy over the packed bits (scores only fall as constraints are met,
    so only the highest stale scores are recounted, vectorised in blocks), with no loop over documents
@@ -18,275 +13,27 @@
    rank. Then the budget is filled with random documents so that each pool corpus keeps its share of
    tokens. Constraints the pool cannot meet fail the stage (``CoverageInfeasible``) unless
    ``coverage.allow_unmet`` records them.
-4. **Comparison** (``random_comparison``): random subsets of the same token count; how many cells and
+3. **Comparison** (``random_comparison``): random subsets of the same token count; how many cells and
    pairs they leave below the threshold.
+
+The stage that routes the pool and writes the validation set is ``moeflow.valset``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .collate import MODEL_INPUTS
-from .files import atomic_dir, read_json, write_json
+from .packed_bits import WORD, column_bit_counts, masked_popcounts, pack_word_bits, unpack_word_bits
+from .pool_stats import PoolStats, cell_table
 
-log = logging.getLogger(__name__)
-
-VALSET_SPLIT = "heldout"  # the validation set is a corpus folder whose one split holds held-out documents
 ALLOW_UNMET_KEY = "coverage.allow_unmet"
 
 
 class CoverageInfeasible(RuntimeError):
     """Constraints no selection can meet (from the pool, or within the token budget)."""
-
-
-# =========================================================================== statistics
-
-
-@dataclass
-class Sparse:
-    """Per-document counts: ``count[i]`` tokens of document ``doc[i]`` on constraint code ``code[i]``."""
-
-    doc: np.ndarray
-    code: np.ndarray
-    count: np.ndarray
-
-    @classmethod
-    def empty(cls) -> "Sparse":
-        z = np.zeros(0, dtype=np.int64)
-        return cls(z, z.copy(), z.copy())
-
-
-def _sum_duplicates(doc: np.ndarray, code: np.ndarray, count: np.ndarray, width: int) -> Sparse:
-    """Merge entries with the same (doc, code), sorted by doc then code."""
-    if doc.size == 0:
-        return Sparse.empty()
-    key = doc.astype(np.int64) * width + code
-    order = np.argsort(key, kind="stable")
-    key = key[order]
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    merged = np.add.reduceat(count[order].astype(np.int64), starts)
-    key = key[starts]
-    return Sparse(key // width, key % width, merged)
-
-
-@dataclass
-class PoolStats:
-    """Routing statistics of a document pool (one entry per document, in pool order)."""
-
-    corpora: list[str]
-    layers: list[int]  # decoder layer index of each MoE layer
-    num_experts: int
-    top_k: int
-    doc_corpus: np.ndarray  # (D,) index into corpora
-    doc_id: np.ndarray  # (D,) the data stage's doc_ids
-    doc_tokens: np.ndarray  # (D,) tokens of each document
-    cells: Sparse  # code = layer_position * E + expert
-    pairs: Sparse  # code = layer_position * E * E + lo * E + hi (lo < hi)
-
-    @property
-    def num_docs(self) -> int:
-        return len(self.doc_id)
-
-    @property
-    def num_cells(self) -> int:
-        return len(self.layers) * self.num_experts
-
-
-class StatsCollector:
-    """Accumulates ``PoolStats`` batch by batch from (doc_ids, chosen experts per MoE layer)."""
-
-    def __init__(self, layers: Sequence[int], num_experts: int, top_k: int):
-        self.layers, self.num_experts, self.top_k = list(layers), int(num_experts), int(top_k)
-        self._index: dict[tuple[int, int], int] = {}
-        self._corpus: list[int] = []
-        self._doc_id: list[int] = []
-        self._tokens: list[tuple[np.ndarray, np.ndarray]] = []
-        self._cells: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._pending = 0
-
-    def _doc_indices(self, corpus: int, doc_ids: np.ndarray) -> np.ndarray:
-        out = np.empty(len(doc_ids), dtype=np.int64)
-        for i, doc_id in enumerate(doc_ids.tolist()):
-            key = (corpus, doc_id)
-            if key not in self._index:
-                self._index[key] = len(self._doc_id)
-                self._corpus.append(corpus)
-                self._doc_id.append(doc_id)
-            out[i] = self._index[key]
-        return out
-
-    def add(self, corpus: int, doc_ids: np.ndarray, topk_per_layer: Sequence[np.ndarray]) -> None:
-        """``doc_ids`` (T,) per token (-1: padding, not counted); ``topk_per_layer``: (T, k) per MoE layer."""
-        doc_ids = np.asarray(doc_ids, dtype=np.int64).reshape(-1)
-        if len(topk_per_layer) != len(self.layers):
-            raise ValueError(f"expected routing for {len(self.layers)} MoE layers, got {len(topk_per_layer)}")
-        valid = doc_ids >= 0
-        if not valid.any():
-            return
-        batch_docs, local = np.unique(doc_ids[valid], return_inverse=True)
-        local = local.reshape(-1)
-        global_docs = self._doc_indices(corpus, batch_docs)
-        self._tokens.append((global_docs, np.bincount(local, minlength=len(batch_docs))))
-        E = self.num_experts
-        for position, topk in enumerate(topk_per_layer):
-            index = np.asarray(topk, dtype=np.int64).reshape(len(doc_ids), -1)[valid]
-            keys, counts = np.unique((local[:, None] * E + index).ravel(), return_counts=True)
-            self._cells.append((global_docs[keys // E], position * E + keys % E, counts))
-            if index.shape[1] > 1:
-                a, b = np.triu_indices(index.shape[1], 1)
-                lo, hi = np.minimum(index[:, a], index[:, b]), np.maximum(index[:, a], index[:, b])
-                keys, counts = np.unique(((local[:, None] * E + lo) * E + hi).ravel(), return_counts=True)
-                self._pairs.append((global_docs[keys // (E * E)], position * E * E + keys % (E * E), counts))
-        self._pending += len(doc_ids)
-        if self._pending > (1 << 22):  # merge now and then: documents spanning batches repeat entries
-            self._compact()
-
-    def _compact(self) -> None:
-        E, L = self.num_experts, len(self.layers)
-        for chunks, width in ((self._cells, L * E), (self._pairs, L * E * E)):
-            if len(chunks) > 1:
-                merged = _sum_duplicates(*(np.concatenate(parts) for parts in zip(*chunks)), width)
-                chunks[:] = [(merged.doc, merged.code, merged.count)]
-        self._pending = 0
-
-    def finish(self, corpora: Sequence[str]) -> PoolStats:
-        self._compact()
-        E, L = self.num_experts, len(self.layers)
-        D = len(self._doc_id)
-        doc_tokens = np.zeros(D, dtype=np.int64)
-        for docs, counts in self._tokens:
-            np.add.at(doc_tokens, docs, counts)
-
-        def merged(chunks, width):
-            if not chunks:
-                return Sparse.empty()
-            return _sum_duplicates(*(np.concatenate(parts) for parts in zip(*chunks)), width)
-
-        return PoolStats(
-            corpora=list(corpora),
-            layers=self.layers,
-            num_experts=E,
-            top_k=self.top_k,
-            doc_corpus=np.asarray(self._corpus, dtype=np.int64),
-            doc_id=np.asarray(self._doc_id, dtype=np.int64),
-            doc_tokens=doc_tokens,
-            cells=merged(self._cells, L * E),
-            pairs=merged(self._pairs, L * E * E),
-        )
-
-
-def _row_batches(rows: Iterable[Mapping[str, Any]], batch_tokens: int) -> Iterator[list[Mapping[str, Any]]]:
-    """Consecutive rows, at most ``batch_tokens`` tokens a batch (at least one row)."""
-    batch, tokens = [], 0
-    for row in rows:
-        n = len(row["input_ids"])
-        if batch and tokens + n > batch_tokens:
-            yield batch
-            batch, tokens = [], 0
-        batch.append(row)
-        tokens += n
-    if batch:
-        yield batch
-
-
-def route_pool(
-    model: Any,
-    pools: Sequence[tuple[str, Iterable[Mapping[str, Any]]]],
-    batch_tokens: int,
-    attn_implementation: str,
-    precision: str = "fp32",
-    adapter: Any = None,
-) -> PoolStats:
-    """Route each pool's packed rows through ``model`` and collect per-document statistics.
-
-    ``pools``: ``(corpus name, rows)`` with rows as the data stage writes them (``moeflow.tokenize``).
-    """
-    import torch
-
-    from .collate import collate
-    from .routing import adapter_for, capture
-    from .stage import kill_point, progress
-
-    adapter = adapter or adapter_for(model)
-    collector = StatsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
-    device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    model.eval()
-    for corpus_index, (corpus, rows) in enumerate(pools):
-        for batch_rows in progress(_row_batches(rows, batch_tokens), desc=f"route {corpus} (batches)"):
-            batch = collate(batch_rows, attn_implementation)
-            doc_ids = batch["doc_ids"].numpy()
-            inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
-            with torch.no_grad(), autocast, capture(model, adapter) as routing:
-                model(**inputs, use_cache=False)
-            collector.add(corpus_index, doc_ids.reshape(-1), [r.topk_index.cpu().numpy() for r in routing.layers])
-            kill_point("coverage.batch")
-    stats = collector.finish([name for name, _ in pools])
-    log.info("routed %d documents (%d tokens) through %d MoE layers", stats.num_docs, stats.doc_tokens.sum(), len(stats.layers))
-    return stats
-
-
-# =========================================================================== packed bits
-
-WORD = 64
-_SHIFTS = np.arange(WORD, dtype=np.uint64)
-
-
-def _popcount_swar(x: np.ndarray) -> np.ndarray:
-    """Set bits per uint64 (numpy < 2 has no bitwise_count), in place on a copy."""
-    x = x.copy()
-    t = x >> np.uint64(1)
-    t &= np.uint64(0x5555555555555555)
-    x -= t
-    t = x >> np.uint64(2)
-    t &= np.uint64(0x3333333333333333)
-    x &= np.uint64(0x3333333333333333)
-    x += t
-    x += x >> np.uint64(4)
-    x &= np.uint64(0x0F0F0F0F0F0F0F0F)
-    x *= np.uint64(0x0101010101010101)
-    x >>= np.uint64(56)
-    return x
-
-
-popcount = getattr(np, "bitwise_count", _popcount_swar)
-
-
-def masked_popcounts(words: np.ndarray, mask: np.ndarray, docs: np.ndarray | None = None, chunk: int = 8192) -> np.ndarray:
-    """Set bits of ``words[doc] & mask`` for each document (all, or ``docs``), in bounded memory."""
-    columns = np.flatnonzero(mask)
-    docs = np.arange(words.shape[0]) if docs is None else np.asarray(docs)
-    out = np.zeros(len(docs), dtype=np.int64)
-    if columns.size == 0:
-        return out
-    sub_mask = mask[columns]
-    for start in range(0, len(docs), chunk):
-        block = words[docs[start : start + chunk]][:, columns]
-        block &= sub_mask
-        out[start : start + chunk] = popcount(block).sum(axis=1, dtype=np.int64)
-    return out
-
-
-def unpack_word_bits(row: np.ndarray, num_bits: int) -> np.ndarray:
-    """Booleans of a (W,) uint64 bit row: bit ``c % 64`` of word ``c // 64`` is entry c."""
-    return ((row[:, None] >> _SHIFTS) & np.uint64(1)).astype(bool).reshape(-1)[:num_bits]
-
-
-def pack_word_bits(flags: np.ndarray) -> np.ndarray:
-    """(..., C) booleans to (..., ceil(C / 64)) uint64 (the inverse of ``unpack_word_bits``)."""
-    flags = np.asarray(flags, dtype=bool)
-    pad = (-flags.shape[-1]) % WORD
-    if pad:
-        flags = np.concatenate([flags, np.zeros(flags.shape[:-1] + (pad,), dtype=bool)], axis=-1)
-    grouped = flags.reshape(flags.shape[:-1] + (-1, WORD)).astype(np.uint64)
-    return (grouped << _SHIFTS).sum(axis=-1, dtype=np.uint64)
 
 
 # =========================================================================== constraints
@@ -332,11 +79,7 @@ class Constraints:
 
     def column_counts(self, docs: np.ndarray, chunk: int = 1024) -> np.ndarray:
         """(C,) how many of the documents ``docs`` meet each constraint."""
-        counts = np.zeros(self.words.shape[1] * WORD, dtype=np.int64)
-        for start in range(0, len(docs), chunk):
-            sub = self.words[docs[start : start + chunk]]  # (n, W)
-            counts += ((sub[:, :, None] >> _SHIFTS) & np.uint64(1)).sum(axis=0, dtype=np.int64).reshape(-1)
-        return counts[: self.num_constraints]
+        return column_bit_counts(self.words, docs, self.num_constraints, chunk)
 
     def meets(self, doc: int) -> np.ndarray:
         """(C,) the constraints document ``doc`` meets."""
@@ -595,16 +338,6 @@ def random_comparison(constraints: Constraints, cost: np.ndarray, tokens: int, m
     }
 
 
-def cell_table(stats: PoolStats, docs_mask: np.ndarray, min_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(L, E) documents with >= min_tokens tokens, and tokens, per cell, over the masked documents."""
-    L, E = len(stats.layers), stats.num_experts
-    keep = docs_mask[stats.cells.doc]
-    tokens = np.bincount(stats.cells.code[keep], weights=stats.cells.count[keep], minlength=L * E)
-    meets = keep & (stats.cells.count >= min_tokens)
-    docs = np.bincount(stats.cells.code[meets], minlength=L * E)
-    return docs.reshape(L, E).astype(np.int64), tokens.reshape(L, E).astype(np.int64)
-
-
 def _load_distance(a: np.ndarray, b: np.ndarray) -> float:
     """Mean over layers of the total-variation distance between two (L, E) token distributions."""
     pa = a / np.maximum(a.sum(axis=1, keepdims=True), 1)
@@ -639,7 +372,7 @@ def coverage_report(stats: PoolStats, constraints: Constraints, selection: Selec
             "pool_tokens": pool_tokens[position].tolist(),
             "top_pairs": pairs,
         })
-    comparison = random_comparison(constraints, stats.doc_tokens, selection.tokens, min_docs, int(settings.get("random_draws", 10)), seed)
+    comparison = random_comparison(constraints, stats.doc_tokens, selection.tokens, min_docs, int(settings["random_draws"]), seed)
     random_first = np.asarray(comparison.pop("first_draw_cell_docs"))
     valid = constraints.valid
     below = (got < min_docs) & valid
@@ -671,123 +404,3 @@ def coverage_report(stats: PoolStats, constraints: Constraints, selection: Selec
         "unmet": unmet,
         "random_comparison": comparison,
     }, {"valset": docs, "random": random_first}
-
-
-def plot_heatmap(path: str | os.PathLike, layers: Sequence[int], valset_docs: np.ndarray, random_docs: np.ndarray, min_docs: int) -> None:
-    """Layers x experts: documents meeting each cell, the validation set beside a random subset of the same
-    size; cells below the threshold are marked. Deterministic bytes (no timestamps, no software tag)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .files import atomic_file
-
-    vmax = max(2 * min_docs, 1)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.35 * len(layers)), sharey=True, constrained_layout=True)
-    for ax, counts, title in ((axes[0], valset_docs, "coverage validation set"), (axes[1], random_docs, "random subset, same tokens")):
-        image = ax.imshow(np.minimum(counts, vmax), aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
-        below_l, below_e = np.nonzero(counts < min_docs)
-        ax.scatter(below_e, below_l, marker="x", color="red", s=12, linewidths=0.8)
-        ax.set_title(f"{title}: {len(below_l)} cells below {min_docs} docs", fontsize=10)
-        ax.set_xlabel("expert")
-        ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
-    axes[0].set_ylabel("MoE layer (decoder index)")
-    fig.colorbar(image, ax=axes, label=f"documents (capped at {vmax})")
-    with atomic_file(path, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=100, metadata={"Software": None})
-    plt.close(fig)
-
-
-# =========================================================================== the validation set on disk
-
-
-def write_valset(pool_dirs: Sequence[str | os.PathLike], selected: Mapping[int, set[int]], out_dir: str | os.PathLike,
-                 extra_manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """Write the selected held-out documents (``selected[corpus position] = doc_ids``) in the data stage's
-    format: ``out_dir/manifest.json`` and ``out_dir/heldout/shard-*.arrow`` (open with ``open_valset``)."""
-    from .tokenize import MANIFEST, open_split, pack_documents, read_documents, write_split
-
-    first = read_json(Path(pool_dirs[0]) / MANIFEST)
-
-    def documents() -> Iterator[tuple[int, list[int], None]]:
-        for position, corpus_dir in enumerate(pool_dirs):
-            wanted = selected.get(position, set())
-            if wanted:
-                for doc_id, ids in read_documents(open_split(corpus_dir, VALSET_SPLIT)):
-                    if doc_id in wanted:
-                        yield doc_id, ids, None
-
-    rows = pack_documents(documents(), first["seq_len"], first.get("pad_to_multiple_of", 64), first.get("pad_id", 0))
-    with atomic_dir(out_dir) as tmp:
-        shards = write_split(tmp / VALSET_SPLIT, rows, first.get("settings", {}).get("data", {}).get("shard_max_bytes", 32 << 20))
-        manifest = {
-            "kind": "coverage validation set",
-            "split": VALSET_SPLIT,
-            "seq_len": first["seq_len"],
-            "pad_to_multiple_of": first.get("pad_to_multiple_of", 64),
-            "pad_id": first.get("pad_id", 0),
-            "shards": shards,
-            **extra_manifest,
-        }
-        write_json(tmp / "manifest.json", manifest)
-    return manifest
-
-
-def open_valset(valset_dir: str | os.PathLike):
-    """The validation set as a ``datasets.Dataset`` (rows in the data stage's format)."""
-    from .tokenize import open_split
-
-    return open_split(valset_dir, VALSET_SPLIT)
-
-
-@dataclass
-class StageOutputs:
-    valset: str | os.PathLike
-    json: str | os.PathLike
-    heatmap: str | os.PathLike
-
-
-def build_valset(model: Any, pool_dirs: Sequence[str | os.PathLike], settings: Mapping[str, Any], outputs: StageOutputs,
-                 attn_implementation: str, seed: int, precision: str = "fp32", provenance: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The coverage stage: route the pools, select, check, write the valset, coverage.json and the heatmap."""
-    from .stage import kill_point
-    from .tokenize import iter_rows, open_split
-
-    corpora = list(settings["pool_corpora"])
-    if len(corpora) != len(pool_dirs):
-        raise ValueError(f"{len(pool_dirs)} pool folders for {len(corpora)} corpora in 'coverage.pool_corpora'")
-    from .routing import UnsupportedModel, adapter_for
-
-    try:
-        adapter = adapter_for(model)
-    except UnsupportedModel as exc:
-        raise UnsupportedModel(
-            f"the coverage stage routes the held-out pool through the model's experts, and this model has none it can "
-            f"read: {str(exc).rstrip('.')}. A dense run uses another run's validation set: set 'coverage.valset_of_run' to an MoE run"
-        ) from None
-    pools = [(name, iter_rows(open_split(path, VALSET_SPLIT))) for name, path in zip(corpora, pool_dirs)]
-    stats = route_pool(model, pools, int(settings["batch_tokens"]), attn_implementation, precision, adapter)
-    min_docs, min_tokens = int(settings["min_docs_per_expert"]), int(settings["min_tokens"])
-    if stats.num_docs == 0:
-        raise CoverageInfeasible(f"the held-out pool of {', '.join(corpora)} has no documents: raise 'data.split.heldout'")
-    constraints = build_constraints(stats, min_tokens, int(settings["pairs_per_layer"]))
-    selection = select_documents(constraints, stats.doc_tokens, stats.doc_corpus, min_docs, int(settings["token_budget"]), seed)
-    report, heat = coverage_report(stats, constraints, selection, settings, seed)
-    if report["unmet"] and not settings.get("allow_unmet", False):
-        message = infeasible_message(report["unmet"], min_docs, min_tokens)
-        if stats.num_docs < min_docs:
-            message = (f"the held-out pool of {', '.join(corpora)} has {stats.num_docs} document(s), fewer than "
-                       f"'coverage.min_docs_per_expert' ({min_docs}), so no expert can be covered. {message}")
-        raise CoverageInfeasible(message)
-    kill_point("coverage.before_write")
-    selected: dict[int, set[int]] = {}
-    for j in selection.selected.tolist():
-        selected.setdefault(int(stats.doc_corpus[j]), set()).add(int(stats.doc_id[j]))
-    report["provenance"] = dict(provenance or {})
-    write_valset(pool_dirs, selected, outputs.valset, {"corpora": corpora, "docs": report["valset"]["docs"],
-                                                       "tokens": report["valset"]["tokens"], "provenance": report["provenance"]})
-    kill_point("coverage.after_valset")  # one output written, two to go: what a rerun must not mistake for done
-    plot_heatmap(outputs.heatmap, stats.layers, heat["valset"], heat["random"], min_docs)
-    write_json(outputs.json, report)
-    return report

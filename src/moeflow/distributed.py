@@ -23,8 +23,8 @@ a process group and the config's ``parallel`` section into a sharded model:
   state as whole tensors, for the safetensors checkpoints, so a checkpoint does not depend on the
   layout), :func:`whole_model` (the final model for ``save_pretrained`` on rank 0) and
   :func:`full_gradients` (tests, debugging) work for all three layouts.
-* The stage scripts: ``ranks = init(device)``, ``Parallel.from_config(settings["parallel"]).check_ranks(ranks)``
-  (torchrun started what the config asks for), ``moeflow.train.load_for_training`` (:func:`load_model`,
+* The stage scripts: ``ranks = init(device)``, ``check_ranks(settings.parallel, ranks)``
+  (torchrun started what the config asks for), :func:`load_for_training` (:func:`load_model`,
   LoRA, :func:`shard_model`), the Trainer, :func:`teardown`. Known limits: transformers 5's expert
   parallelism unties tied embeddings (refused); LoRA runs on several ranks with ``strategy: none`` only.
 """
@@ -40,10 +40,13 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from . import compat
+from .config import ParallelSettings, TrainSettings
+from .lora import prepare_model
+from .modeling import _impl_kwargs, check_model_folder, check_vocabulary, model_section
+from .modeling import load_model as load_whole_model
 
 log = logging.getLogger("moeflow.distributed")
 
-STRATEGIES = ("none", "fsdp", "ep")
 
 
 class DistributedError(RuntimeError):
@@ -51,50 +54,6 @@ class DistributedError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class Parallel:
-    """The config's ``parallel`` section (config/config.yaml documents each key)."""
-
-    strategy: str = "none"
-    ep_size: int = 1
-    fsdp_size: int | None = None
-    ep_implementation: str = "auto"
-    nproc_per_node: int = 1
-    nnodes: int = 1
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any] | None) -> "Parallel":
-        section = section or {}
-        strategy = section.get("strategy", "none")
-        if strategy not in STRATEGIES:
-            raise DistributedError(f"config key 'parallel.strategy': {strategy!r}; use one of {', '.join(STRATEGIES)}")
-        return cls(
-            strategy,
-            int(section.get("ep_size", 1)),
-            section.get("fsdp_size"),
-            section.get("ep_implementation", "auto"),
-            int(section.get("nproc_per_node", 1)),
-            int(section.get("nnodes", 1)),
-        )
-
-    @property
-    def world_size(self) -> int:
-        """The ranks the config asks for: ``nproc_per_node x nnodes``."""
-        return self.nproc_per_node * self.nnodes
-
-    def check_ranks(self, ranks: "Ranks") -> "Parallel":
-        """This layout, if torchrun started the ranks it asks for; else a clear error. (The rule starts one
-        rank per GPU of its ``resources.gpu``, or ``parallel.nproc_per_node`` CPU ranks: a profile and a
-        config that disagree end here, before any work.)"""
-        if ranks.world_size != self.world_size:
-            raise DistributedError(
-                f"torchrun started {ranks.world_size} rank(s), but config keys 'parallel.nproc_per_node' x 'parallel.nnodes' "
-                f"ask for {self.world_size}: make the training rule's resources (gpu, nodes; set in the profile) and the "
-                "config's parallel section agree (moeflow.scaleout.request_problems lists the differences)"
-            )
-        return self
 
 
 @dataclass(frozen=True)
@@ -112,6 +71,19 @@ class Ranks:
 
 
 # --------------------------------------------------------------------------- process group
+
+
+def check_ranks(parallel: ParallelSettings, ranks: Ranks) -> ParallelSettings:
+    """The layout, if torchrun started the ranks it asks for; else a clear error. (The rule starts one
+    rank per GPU of its ``resources.gpu``, or ``parallel.nproc_per_node`` CPU ranks: a profile and a
+    config that disagree end here, before any work.)"""
+    if ranks.world_size != parallel.world_size:
+        raise DistributedError(
+            f"torchrun started {ranks.world_size} rank(s), but config keys 'parallel.nproc_per_node' x 'parallel.nnodes' "
+            f"ask for {parallel.world_size}: make the training rule's resources (gpu, nodes; set in the profile) and the "
+            "config's parallel section agree (moeflow.scaleout.request_problems lists the differences)"
+        )
+    return parallel
 
 
 def init(device_type: str | None = None) -> Ranks:
@@ -207,7 +179,7 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- expert parallelism (transformers 5)
 
 
-def distributed_config(parallel: Parallel, world: int | None = None):
+def distributed_config(parallel: ParallelSettings, world: int | None = None):
     """transformers 5's ``DistributedConfig`` for ``strategy: ep`` (experts over ``ep_size`` ranks, the rest
     FSDP2-sharded over ``fsdp_size``, default all ranks)."""
     if parallel.strategy != "ep":
@@ -235,17 +207,15 @@ def distributed_config(parallel: Parallel, world: int | None = None):
     )
 
 
-def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any], parallel: Parallel, dtype: Any = None):
+def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any], parallel: ParallelSettings, dtype: Any = None):
     """Load a saved model folder for this layout: sharded by transformers at load time for ``ep``,
     whole (then :func:`shard_model`) otherwise. (``_from_config`` takes no DistributedConfig: an
     expert-parallel run needs a folder, such as the base model or a checkpoint's save_pretrained.)"""
-    from .modeling import _impl_kwargs, check_model_folder, load_model as load_whole
-
     if parallel.strategy != "ep":
-        return load_whole(path, model_cfg, dtype)
+        return load_whole_model(path, model_cfg, dtype)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    trust = bool(model_cfg.get("trust_remote_code", False))
+    trust = model_section(model_cfg)["trust_remote_code"]
     if getattr(AutoConfig.from_pretrained(check_model_folder(path), trust_remote_code=trust, local_files_only=True), "tie_word_embeddings", False):
         # Measured on transformers 5.24 (tests/test_train_distributed.py): the first step's gradients are
         # right, but the output layer and the embedding then train apart (loss 5e-4 off one process's at step 2).
@@ -263,6 +233,27 @@ def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any], parallel: 
         distributed_config=distributed_config(parallel),
         **_impl_kwargs(model_cfg),
     )
+
+
+def load_for_training(
+    path: str | os.PathLike, model_cfg: Mapping[str, Any], train: TrainSettings, parallel: ParallelSettings, ranks: Ranks,
+    data: str | os.PathLike | None = None,
+) -> torch.nn.Module:
+    """A saved model folder, ready for the Trainer: loaded for the layout (:func:`load_model`), checked
+    against the vocabulary ``data`` (a tokenized split folder) was tokenized with
+    (``moeflow.modeling.check_vocabulary``), with LoRA adapters for ``train.method: lora``
+    (``moeflow.lora.prepare_model``), then sharded (:func:`shard_model`: before the optimizer is built).
+    LoRA runs on several ranks with ``parallel.strategy: none`` only."""
+    if train.method == "lora" and parallel.strategy != "none" and ranks.world_size > 1:
+        raise DistributedError(
+            f"config keys 'train.method': lora and 'parallel.strategy': {parallel.strategy} do not combine: LoRA adapters are "
+            "not sharded here (peft over FSDP or expert parallelism is not built). Use parallel.strategy: none (every rank "
+            "holds the frozen base model and the adapters; the adapters' gradients are summed over ranks), or train.method: full"
+        )
+    model = load_model(path, model_cfg, parallel)
+    if data is not None:
+        check_vocabulary(model, [data], path)
+    return shard_model(prepare_model(model, train), parallel, ranks)
 
 
 # --------------------------------------------------------------------------- FSDP
@@ -284,7 +275,7 @@ def fsdp2_available() -> bool:
     return (major, minor) >= (2, 6)
 
 
-def shard_model(model: torch.nn.Module, parallel: Parallel, ranks: Ranks) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks) -> torch.nn.Module:
     """The model for this layout: unchanged for ``none`` and ``ep`` (already sharded at load), FSDP-wrapped
     for ``fsdp`` (FSDP2 on the current stack, FSDP1 on the pinned one). Call before the optimizer is built."""
     if parallel.strategy != "fsdp" or ranks.world_size == 1:
@@ -393,23 +384,37 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     one by one."""
     params = [p for p in model.parameters() if p.grad is not None]
     fsdp1 = is_fsdp1(model)
-    if not fsdp1 and not any(_is_dtensor(p.grad) for p in params):
+    dtensors = any(_is_dtensor(p.grad) for p in params)
+    if not fsdp1 and not dtensors:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    squares = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        norm = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
-        if _is_dtensor(norm):
-            norm = norm.full_tensor()
-        squares += norm.double().cpu() ** 2
+    grads = [p.grad.detach() for p in params]
+    norms = _float32_norms(grads)
+    # The squares summed one after the other in parameter order, on the device: a cumulative sum is
+    # that sum (sequential on the CPU, so the same digits as a loop; a fixed scan on CUDA), where
+    # .sum() would add them pairwise.
+    squares = torch.cumsum(torch.stack(norms).double() ** 2, 0)[-1] if norms else torch.zeros((), dtype=torch.float64)
     if fsdp1:  # each rank holds its shards of every gradient
         squares = all_reduce_sum(squares)
-    total = float(squares.sqrt())
+    total = float(squares.sqrt())  # the one read-back of the step's clipping
     coef = max_norm / (total + 1e-6)
     if coef < 1:
         with torch.no_grad():
-            for p in params:
-                p.grad.mul_(coef)
+            if dtensors:  # on several meshes (experts vs the rest): one at a time
+                for p in params:
+                    p.grad.mul_(coef)
+            else:
+                torch._foreach_mul_(grads, coef)
     return total
+
+
+def _float32_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's whole 2-norm in float32, on the device: one foreach kernel for float32 gradients
+    (torch 2.3's takes no dtype), else one norm at a time (DTensors: made whole one by one, as their
+    meshes may differ)."""
+    if any(_is_dtensor(g) or g.dtype != torch.float32 for g in grads):
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        return [n.full_tensor() if _is_dtensor(n) else n for n in norms]
+    return list(torch._foreach_norm(grads))
 
 
 def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ batch means); perplexity is ``exp(loss)``.
 For an MoE model the routing of the same forward (``moeflow.routing.capture``) gives, per layer and
 expert, the tokens routed to it (its top-k assignments over the non-padding tokens) and the mean loss
 of the tokens it served: a token's loss is the cross-entropy of predicting the next token from it, so
-the experts that processed its hidden state are charged with that loss.
+the experts that processed its hidden state are charged with that loss. The loop itself is
+``moeflow.eval_loop``; this module makes the stage's records and summaries from its sums.
 
 Everything here is a pure function of the model and the data; timings go to a separate record.
 """
@@ -18,120 +19,18 @@ from __future__ import annotations
 
 import math
 import resource
-import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+import torch
 
-from .collate import IGNORE_INDEX, MODEL_INPUTS
-
-
-# --------------------------------------------------------------------------- one set, one model
-
-
-@dataclass
-class SetStats:
-    """Sums over one evaluation set for one model. ``None`` expert arrays for a dense model."""
-
-    loss_sum: float = 0.0
-    label_tokens: int = 0
-    sequences: int = 0
-    input_tokens: int = 0  # non-padding tokens that went through the model
-    routed: np.ndarray | None = None  # (L, E) top-k assignments
-    served_loss_sum: np.ndarray | None = None  # (L, E) summed loss of the tokens each expert served
-    served_label_tokens: np.ndarray | None = None  # (L, E) tokens with a label among them
-    moe_layers: list[int] = field(default_factory=list)
-    seconds: float = 0.0  # wall time of the whole loop: reading and collating rows, forwards, statistics
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / self.label_tokens if self.label_tokens else float("nan")
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(self.loss)
-
-    def add_routing(self, layer_ids: list[int], routed, loss_sum, label_tokens) -> None:
-        if self.routed is None:
-            self.moe_layers = list(layer_ids)
-            self.routed, self.served_loss_sum, self.served_label_tokens = routed, loss_sum, label_tokens
-        else:
-            self.routed += routed
-            self.served_loss_sum += loss_sum
-            self.served_label_tokens += label_tokens
-
-
-def per_token_loss(logits, labels):
-    """(B, S) cross-entropy of predicting token t+1 from position t, and the (B, S) mask of positions
-    that have such a label; the last position of each row never does."""
-    import torch.nn.functional as F
-
-    from .losses import next_token_targets
-
-    targets = next_token_targets(labels)
-    loss = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(targets.shape)
-    return loss, targets != IGNORE_INDEX
-
-
-def routing_sums(layers, token_mask, token_loss, label_mask) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
-    """Per (layer, expert): assignments over ``token_mask``, summed loss and label count of the tokens served."""
-    import torch
-
-    flat_tokens = token_mask.reshape(-1)
-    flat_labels = label_mask.reshape(-1)
-    flat_loss = token_loss.reshape(-1).double()
-    routed, loss_sum, label_tokens = [], [], []
-    for layer in layers:
-        index = layer.topk_index.reshape(flat_tokens.shape[0], -1).cpu()
-        k, num_experts = index.shape[1], layer.num_experts
-        routed.append(torch.bincount(index[flat_tokens].reshape(-1), minlength=num_experts))
-        served = index[flat_labels].reshape(-1)
-        loss_sum.append(torch.bincount(served, weights=flat_loss[flat_labels].repeat_interleave(k), minlength=num_experts))
-        label_tokens.append(torch.bincount(served, minlength=num_experts))
-    as_np = lambda rows, dtype: np.stack([r.numpy() for r in rows]).astype(dtype)  # noqa: E731
-    return [layer.layer for layer in layers], as_np(routed, np.int64), as_np(loss_sum, np.float64), as_np(label_tokens, np.int64)
-
-
-def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, precision: str = "fp32") -> SetStats:
-    """Run ``model`` over collated batches (``moeflow.collate.collate`` output) and sum loss and routing.
-
-    ``adapter``: the model's ``moeflow.routing`` adapter, or None for a dense model (no expert statistics).
-    Padding (negative ``doc_ids``, see ``moeflow.losses.token_mask``) is routed but not counted.
-    """
-    import torch
-
-    from .losses import count_label_tokens, cross_entropy_sum, token_mask
-    from .routing import capture
-
-    stats = SetStats()
-    device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    model.eval()
-    started = time.perf_counter()
-    with torch.no_grad(), autocast:
-        for batch in batches:
-            inputs = {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS}
-            labels = batch["labels"].to(device)
-            if adapter is not None:
-                with capture(model, adapter) as routing:
-                    logits = model(**inputs, use_cache=False).logits
-                layers = routing.layers
-            else:
-                logits = model(**inputs, use_cache=False).logits
-                layers = []
-            stats.loss_sum += float(cross_entropy_sum(logits, labels))
-            stats.label_tokens += count_label_tokens(labels)
-            stats.sequences += int(labels.shape[0])
-            mask = token_mask(batch)
-            stats.input_tokens += int(mask.sum())
-            if layers:
-                token_loss, label_mask = per_token_loss(logits, labels)
-                stats.add_routing(*routing_sums(layers, mask.cpu(), token_loss.cpu(), label_mask.cpu()))
-    stats.seconds = time.perf_counter() - started
-    return stats
+from .eval_loop import SetStats, batches, evaluate_batches
+from .guards import layer_health
+from .pool_stats import cell_table, route_pool
+from .routing import adapter_or_none
+from .shards import iter_rows
+from .stage import progress
 
 
 # --------------------------------------------------------------------------- records
@@ -144,8 +43,6 @@ def _finite(x: float) -> float | None:
 def balance(counts: Sequence[int]) -> dict[str, Any]:
     """Load balance of one layer (``moeflow.guards.layer_health``, the training guard's definition):
     max/mean, coefficient of variation, normalised load entropy (1 = uniform), dead experts."""
-    from .guards import layer_health
-
     health = layer_health([int(c) for c in counts])
     return {k: health[k] for k in ("max_over_mean", "cv", "load_entropy", "dead_experts")}
 
@@ -217,8 +114,6 @@ def set_comparison(name: str, targeted: bool, base: SetStats, finetuned: SetStat
 def peak_memory_bytes(device_type: str) -> int:
     """Peak memory of this process so far: CUDA allocator peak on GPU, peak RSS on CPU."""
     if device_type == "cuda":
-        import torch
-
         return int(torch.cuda.max_memory_allocated())
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
@@ -267,17 +162,6 @@ def summary_markdown(metrics: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def batches(dataset, batch_size: int, attn_implementation: str, max_sequences: int | None = None) -> Iterator[dict]:
-    """Collated batches (``moeflow.collate.collate``) of ``batch_size`` packed rows, in order, from a
-    data-stage split (a ``datasets.Dataset`` or a list of rows), with ``doc_ids`` (-1 on padding)."""
-    from .collate import collate
-
-    n = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
-    for start in range(0, n, batch_size):
-        rows = [dataset[i] for i in range(start, min(start + batch_size, n))]
-        yield collate(rows, attn_implementation)
-
-
 # --------------------------------------------------------------------------- a run
 
 
@@ -287,21 +171,18 @@ class EvalSet:
 
     name: str
     corpora: list[str]
-    rows: Any  # a datasets.Dataset of packed rows (moeflow.tokenize format)
+    rows: Any  # a datasets.Dataset of packed rows (moeflow.shards format)
 
 
 def evaluate_model(model, sets: Sequence[EvalSet], settings: Mapping[str, Any], precision: str = "fp32") -> dict[str, SetStats]:
     """Every set through one model (``settings``: the config's ``evaluate`` section)."""
-    from .stage import progress
-    from .train import routing_adapter
-
-    adapter = routing_adapter(model)
+    adapter = adapter_or_none(model)
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
     out = {}
     for s in sets:
         out[s.name] = evaluate_batches(
             model,
-            progress(batches(s.rows, settings["batch_size"], attn, settings.get("max_sequences")), desc=f"evaluate {s.name}"),
+            progress(batches(s.rows, settings["batch_size"], attn, settings["max_sequences"]), desc=f"evaluate {s.name}"),
             adapter,
             precision,
         )
@@ -333,13 +214,9 @@ def run_metrics(
 
 def valset_coverage(model, rows, coverage_settings: Mapping[str, Any], precision: str = "fp32") -> dict[str, Any] | None:
     """Per (layer, expert) of ``model``'s router: validation documents with at least ``min_tokens`` tokens
-    routed there (``moeflow.coverage.route_pool`` and ``cell_table``, as the coverage stage counts them).
+    routed there (``moeflow.pool_stats.route_pool`` and ``cell_table``, as the coverage stage counts them).
     None for a model without experts."""
-    from .coverage import cell_table, route_pool
-    from .tokenize import iter_rows
-    from .train import routing_adapter
-
-    adapter = routing_adapter(model)
+    adapter = adapter_or_none(model)
     if adapter is None:
         return None
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"

@@ -4,7 +4,7 @@
   normalised load entropy, router entropy and dead experts over a sliding window of steps. A layer
   whose window breaks a threshold raises an alarm; ``report()`` is the warmup stage's stability gate.
   A loss that falls fast while router entropy collapses early in training gets a warning.
-* ``MemoryGuard``: the least-squares slope of memory (RSS on CPU, allocated memory on CUDA) over a
+* ``MemoryGuard``: the least-squares slope of memory (RSS on CPU, each step's peak allocated memory on CUDA) over a
   window of steps after a settling period; a slope above the threshold warns, and one that stays
   above it for ``patience`` steps stops training with the step range and the slope.
 * ``check_finite``: a NaN or Inf loss stops training (the last good checkpoint is kept).
@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Mapping, Sequence
+
+from .config import MemoryThresholds, RoutingThresholds
 
 log = logging.getLogger("moeflow.guards")
 
@@ -52,21 +54,6 @@ def check_finite(values: Mapping[str, float], step: int) -> None:
 
 
 # --------------------------------------------------------------------------- routing
-
-
-@dataclass(frozen=True)
-class RoutingThresholds:
-    window_steps: int = 10
-    max_load_ratio: float = 3.0
-    min_load_entropy: float = 0.6
-    max_dead_experts: int = 0
-    early_steps: int = 50
-    early_loss_drop: float = 0.5
-    early_entropy_drop: float = 0.5
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any] | None) -> "RoutingThresholds":
-        return cls(**dict(section or {}))
 
 
 def layer_health(load: Sequence[float], router_entropy: float | None = None) -> dict[str, Any]:
@@ -170,18 +157,6 @@ class RoutingGuard:
 
 
 # --------------------------------------------------------------------------- memory
-
-
-@dataclass(frozen=True)
-class MemoryThresholds:
-    skip_steps: int = 5
-    window_steps: int = 10
-    max_slope_mib_per_step: float = 16.0
-    patience: int = 5
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any] | None) -> "MemoryThresholds":
-        return cls(**dict(section or {}))
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float:

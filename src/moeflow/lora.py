@@ -38,7 +38,8 @@ as an output (``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter,
 ``PeftModel.from_pretrained`` loads on the base model, plus the trainable-parameter report; a full run
 writes only the report (``method: full``).
 
-This module imports torch and peft lazily: moeflow.plan (imported at DAG-build time) uses LoraSettings.
+Which category a weight belongs to is ``moeflow.parameters``' answer. This module imports peft lazily:
+moeflow.plan (imported at DAG-build time) uses it.
 """
 
 from __future__ import annotations
@@ -47,76 +48,30 @@ import contextlib
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+import torch
 
 from . import compat
+from . import parameters as P
+from .config import LORA_ALL, LoraSettings, TrainSettings
+from .config import settings as typed_settings
+from .files import atomic_dir, read_json, write_json
+from .routing import FAMILIES
 
 log = logging.getLogger("moeflow.lora")
 
-TARGETS = ("attention", "dense_ffn", "shared_experts", "routed_experts")
-ALL = "all"
-ROUTER_MODES = ("frozen", "trainable", "adapter")
 ADAPTER_NAME = "default"
 SETTINGS_FILE = "moeflow_lora.json"
 ROUTER_FILE = "router.safetensors"
 REPORT_FILE = "trainable_parameters.json"
 
-_ATTENTION = re.compile(r"(^|\.)(self_attn|attention)\.")
-_ROUTED_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
-_SHARED_EXPERT = re.compile(r"(^|\.)(shared_experts?|share_expert)\.")
-_DENSE_FFN = re.compile(r"(^|\.)(mlp|feed_forward)\.")
-_PEFT_PREFIX = "base_model.model."
-_LORA_PARAM = re.compile(r"\.lora_(A|B)\.[^.]+\.(weight|bias)$")
 
 
 class LoraConfigError(ValueError):
     """A LoRA setting that cannot work for this model, naming the key and what to do."""
-
-
-# --------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """``train.lora``. ``targets`` keeps what the config names; ``categories`` resolves ``all``."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = (ALL,)
-    router: str = "frozen"
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any] | None) -> "LoraSettings":
-        s = dict(section or {})
-        unknown = sorted(set(s) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise LoraConfigError(f"config key 'train.lora.{unknown[0]}' is unknown; LoRA settings are {', '.join(cls.__dataclass_fields__)}")
-        targets = s.get("targets", [ALL])
-        targets = [targets] if isinstance(targets, str) else list(targets)
-        bad = [t for t in targets if t not in TARGETS + (ALL,)]
-        if bad or not targets:
-            raise LoraConfigError(f"config key 'train.lora.targets': {bad or 'empty'}; use a list of {', '.join(TARGETS + (ALL,))}")
-        router = s.get("router", "frozen")
-        if router not in ROUTER_MODES:
-            raise LoraConfigError(f"config key 'train.lora.router': {router!r}; use one of {', '.join(ROUTER_MODES)}")
-        rank, alpha, dropout = int(s.get("rank", cls.rank)), float(s.get("alpha", cls.alpha)), float(s.get("dropout", cls.dropout))
-        if rank < 1 or alpha <= 0 or not 0 <= dropout < 1:
-            raise LoraConfigError(f"config keys 'train.lora.rank/alpha/dropout': need rank >= 1, alpha > 0, 0 <= dropout < 1; got {rank}, {alpha}, {dropout}")
-        return cls(rank=rank, alpha=alpha, dropout=dropout, targets=tuple(dict.fromkeys(targets)), router=router)
-
-    @property
-    def categories(self) -> tuple[str, ...]:
-        return TARGETS if ALL in self.targets else tuple(t for t in TARGETS if t in self.targets)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"targets": list(self.targets)}
-
-
-def _settings(lora_cfg: "LoraSettings | Mapping[str, Any] | None") -> LoraSettings:
-    return lora_cfg if isinstance(lora_cfg, LoraSettings) else LoraSettings.from_config(lora_cfg)
 
 
 # --------------------------------------------------------------------------- where the adapters go
@@ -137,8 +92,6 @@ def _base(model: Any) -> Any:
 
 def router_modules(model: Any) -> dict[str, Any]:
     """Qualified name (in the base model) -> router module of each MoE block, as moeflow.routing finds them."""
-    from .routing import FAMILIES
-
     base = _base(model)
     family = FAMILIES.get(getattr(base.config, "model_type", None))
     if family is None:
@@ -161,24 +114,17 @@ class Targets:
 
 def _category_of_linear(name: str, routers: set[str], blocks: list[str]) -> str | None:
     if name in routers:
-        return "router"
-    if _ATTENTION.search(name):
-        return "attention"
-    if _ROUTED_EXPERT.search(name):
-        return "routed_experts"
-    if _SHARED_EXPERT.search(name):
-        return "shared_experts"
+        return P.ROUTER
+    category = P.module_category(name)
+    if category in (P.ATTENTION, P.ROUTED_EXPERTS, P.SHARED_EXPERTS):
+        return category
     if any(name.startswith(block + ".") for block in blocks):
         return None  # e.g. qwen2_moe's shared_expert_gate (hidden -> 1): not worth an adapter
-    if _DENSE_FFN.search(name):
-        return "dense_ffn"
-    return None  # lm_head and anything else outside the decoder layers' projections
+    return category if category == P.DENSE_FFN else None  # not lm_head, nor anything outside the layers' projections
 
 
 def find_targets(model: Any, settings: LoraSettings) -> Targets:
     """The modules and parameters that get adapters under ``settings`` (see the module docstring)."""
-    import torch
-
     routers = router_modules(model)
     blocks = sorted(name.rsplit(".", 1)[0] for name in routers)
     wanted = set(settings.categories) | ({"router"} if settings.router == "adapter" else set())
@@ -202,7 +148,9 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
                 parameters[f"{name}.weight"] = "router"
             continue
         for param_name, param in module.named_parameters(recurse=False):
-            if param.ndim == 3 and re.search(r"(^|\.)experts$", name):
+            # an ``experts`` module's 3D parameters; 4.57's GraniteMoE experts (input_linear/output_linear) are
+            # not a layout peft's target_parameters reads, and get no adapters
+            if param.ndim == 3 and name.endswith("experts") and P.category(f"{name}.{param_name}") == P.ROUTED_EXPERTS:
                 fused.append(f"{name}.{param_name}")
                 if "routed_experts" in wanted:
                     parameters[f"{name}.{param_name}"] = "routed_experts"
@@ -220,7 +168,7 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
             "apply dropout. Set train.lora.dropout: 0, or leave those out of train.lora.targets"
         )
     found = set(modules.values()) | set(parameters.values())
-    missing = [c for c in ([*settings.categories] if ALL not in settings.targets else []) if c not in found]
+    missing = [c for c in ([*settings.categories] if LORA_ALL not in settings.targets else []) if c not in found]
     if settings.router == "adapter" and "router" not in found:
         missing.append("router")
     if settings.router == "trainable" and not routers:
@@ -271,13 +219,12 @@ def _native_layout():
         conversion.convert_peft_config_for_transformers, conversion.convert_peft_adapter_state_dict_for_transformers = saved
 
 
-def apply_lora(model: Any, lora_cfg: "LoraSettings | Mapping[str, Any] | None", gradient_checkpointing: bool) -> Any:
+def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool) -> Any:
     """Wrap a transformers causal LM with LoRA adapters (peft) and freeze everything else; return the
-    peft model. ``lora_cfg``: the ``train.lora`` mapping or LoraSettings. With ``gradient_checkpointing``
+    peft model. ``settings``: ``train.lora``. With ``gradient_checkpointing``
     it turns on non-reentrant checkpointing and makes the embedding output require grad."""
     from peft import LoraConfig, get_peft_model
 
-    settings = _settings(lora_cfg)
     if is_lora_model(model):
         raise LoraConfigError("the model already has LoRA adapters: apply_lora takes the base model")
     targets = find_targets(model, settings)
@@ -338,8 +285,6 @@ def save_adapter(model: Any, folder: str | os.PathLike) -> None:
     ``moeflow.files.atomic_dir`` (or a checkpoint folder that is renamed into place)."""
     from safetensors.torch import save_file
 
-    from .files import write_json
-
     settings = lora_settings(model)
     folder = Path(folder)
     model.save_pretrained(str(folder), safe_serialization=True)
@@ -356,12 +301,10 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
     from peft.utils import load_peft_weights
     from safetensors.torch import load_file
 
-    from .files import read_json
-
     folder = Path(folder)
     if not (folder / SETTINGS_FILE).is_file():
         raise LoraConfigError(f"{folder} is not a moeflow LoRA adapter folder (no {SETTINGS_FILE})")
-    saved = LoraSettings.from_config(read_json(folder / SETTINGS_FILE))
+    saved = typed_settings(LoraSettings, read_json(folder / SETTINGS_FILE))
     if not is_lora_model(model):
         model = apply_lora(model, saved, gradient_checkpointing)
     elif lora_settings(model) != saved:
@@ -372,8 +315,6 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
     if missing or result.unexpected_keys:
         raise LoraConfigError(f"the adapter in {folder} does not fit this model: missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
     if saved.router == "trainable":
-        import torch
-
         state = load_file(str(folder / ROUTER_FILE))
         with torch.no_grad():
             for name, router in router_modules(model).items():
@@ -388,8 +329,6 @@ def save_adapter_output(model: Any, folder: str | os.PathLike) -> dict[str, Any]
     ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full`` or ``lora``),
     so the output exists for a full run too. Call it before :func:`merge_and_save`, which consumes the
     peft wrapper. Returns the report."""
-    from .files import atomic_dir, write_json
-
     report = trainable_parameter_report(model)
     with atomic_dir(folder) as tmp:
         if is_lora_model(model):
@@ -402,8 +341,6 @@ def merge_and_save(model: Any, tokenizer: Any, folder: str | os.PathLike) -> Any
     """Fold the adapters into the base weights and write a model folder (safetensors, config, and the
     tokenizer if given) that ``AutoModelForCausalLM.from_pretrained`` loads; atomic. This consumes the
     peft wrapper: the merged transformers model is returned."""
-    from .files import atomic_dir
-
     merged = model.merge_and_unload(safe_merge=True)
     merged.config.use_cache = True  # a saved model generates with a cache; training turned it off
     with atomic_dir(folder) as tmp:
@@ -416,26 +353,18 @@ def merge_and_save(model: Any, tokenizer: Any, folder: str | os.PathLike) -> Any
 # --------------------------------------------------------------------------- reports
 
 
-def parameter_category(name: str) -> str:
-    """The moeflow.plan category of a parameter of a plain or peft-wrapped model (adapters: the weight they adapt)."""
-    from .plan import categorise
-
-    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
-    name = _LORA_PARAM.sub(".weight", name.replace(".base_layer", ""))
-    return categorise(name)
-
-
 def trainable_parameter_report(model: Any) -> dict[str, Any]:
-    """Trainable and total parameters (tied weights once), overall and by moeflow.plan category; for a
-    LoRA model also the adapter parameters and the settings."""
+    """Trainable and total parameters (tied weights once), overall and by category (as the planner counts
+    them: ``moeflow.parameters.counted_category``; adapters under the weight they adapt); for a LoRA model
+    also the adapter parameters and the settings."""
     by_category: dict[str, dict[str, int]] = {}
     trainable = total = adapter = 0
     for name, param in model.named_parameters():
         n = param.numel()
-        entry = by_category.setdefault(parameter_category(name), {"trainable": 0, "total": 0})
+        entry = by_category.setdefault(P.counted_category(name) or "other", {"trainable": 0, "total": 0})
         entry["total"] += n
         total += n
-        if _LORA_PARAM.search(name):
+        if P.is_adapter(name):
             adapter += n
         if param.requires_grad:
             entry["trainable"] += n
@@ -467,6 +396,14 @@ def describe(model: Any) -> str:
     r = trainable_parameter_report(model)
     parts = [f"{k} {v['trainable']:,}" for k, v in r["by_category"].items() if v["trainable"]]
     return f"{r['method']}: {r['trainable']:,} of {r['total']:,} parameters trainable ({100 * r['trainable_fraction']:.2f}%): " + ", ".join(parts)
+
+
+def prepare_model(model: Any, train: TrainSettings) -> Any:
+    """The model the loop trains: the model itself (``train.method: full``), or wrapped with LoRA
+    adapters (``lora``: moeflow.lora, the base weights frozen)."""
+    if train.method == "lora":
+        return apply_lora(model, train.lora, train.gradient_checkpointing)
+    return model
 
 
 __all__ = [

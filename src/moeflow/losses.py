@@ -32,52 +32,17 @@ backward (never ``retain_graph``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .config import BalanceSettings
 from .distributed import all_reduce_sum, world_size
+from .shards import IGNORE_INDEX
 
-IGNORE_INDEX = -100
-BALANCE_MODES = ("running", "exact", "micro_batch", "off")
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The loss terms of a step (config keys ``train.balance.*``)."""
-
-    balance_mode: str = "running"
-    balance_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    bias_update_rate: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.balance_mode not in BALANCE_MODES:
-            raise ValueError(f"balance mode {self.balance_mode!r}: use one of {', '.join(BALANCE_MODES)}")
-
-    @classmethod
-    def from_config(cls, balance: Mapping[str, Any]) -> "LossSettings":
-        return cls(
-            balance_mode=balance.get("mode", "running") or "off",  # YAML reads an unquoted off as False
-            balance_coef=float(balance.get("coef", 0.01)),
-            z_loss_coef=float(balance.get("z_loss_coef", 0.0)),
-            bias_update_rate=float(balance.get("bias_update_rate", 0.0)),
-        )
-
-    @property
-    def balancing(self) -> bool:
-        return self.balance_mode != "off" and self.balance_coef > 0
-
-    @property
-    def needs_router_grad(self) -> bool:
-        """Whether a loss term differentiates through the router (else routing statistics carry no graph)."""
-        return self.balancing or self.z_loss_coef > 0
-
-    @property
-    def needs_counting_forward(self) -> bool:
-        return self.balancing and self.balance_mode == "exact"
+LOSS_TERMS = ("balance", "ce", "z_loss")  # the loss terms a step sums and reports, in summary order
 
 
 @dataclass
@@ -113,6 +78,16 @@ def token_mask(batch: Mapping[str, Any]) -> torch.Tensor:
     return torch.ones_like(torch.as_tensor(batch["input_ids"]), dtype=torch.bool)
 
 
+def real_token_positions(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """The flat (B * L) positions of the real tokens, or None when every position holds one.
+
+    Computed from the batch as collated on the host: selecting these rows (``index_select``) costs the
+    device no synchronisation, where a boolean mask on the device would (its result's size is read back).
+    """
+    mask = token_mask(batch).reshape(-1)
+    return None if bool(mask.all()) else mask.nonzero().squeeze(1)
+
+
 # --------------------------------------------------------------------------- cross-entropy
 
 
@@ -143,14 +118,16 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def expert_counts(layers: Sequence[LayerRouter]) -> torch.Tensor:
-    """Top-k assignment counts per layer and expert, (L, E) float64 (exact integers): one bincount
-    over all layers (layer l's experts offset by l * E)."""
+    """Top-k assignment counts per layer and expert, (L, E) float64 (exact integers), on the routers'
+    device: one index_add over all layers (layer l's experts offset by l * E). Not bincount: on CUDA it
+    reads the largest index back to the host to size its output."""
     if not layers:
         return torch.zeros(0, 0, dtype=torch.float64)
     experts = layers[0].num_experts
-    index = torch.stack([layer.topk_index.reshape(-1) for layer in layers]).cpu()
-    index = index + torch.arange(len(layers))[:, None] * experts
-    return torch.bincount(index.reshape(-1), minlength=len(layers) * experts).view(len(layers), experts).to(torch.float64)
+    index = torch.stack([layer.topk_index.reshape(-1) for layer in layers])
+    index = (index + torch.arange(len(layers), device=index.device)[:, None] * experts).reshape(-1)
+    counts = torch.zeros(len(layers) * experts, dtype=torch.float64, device=index.device)
+    return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64)).view(len(layers), experts)
 
 
 def router_entropy(layers: Sequence[LayerRouter]) -> torch.Tensor:
@@ -166,7 +143,7 @@ def router_entropy(layers: Sequence[LayerRouter]) -> torch.Tensor:
 def balance_from_sums(counts: torch.Tensor, prob_sums: torch.Tensor, num_tokens: float) -> torch.Tensor:
     """The global balancing loss value N_E * sum_i f_i P_i, averaged over layers (no gradient needed)."""
     if counts.numel() == 0 or num_tokens <= 0:
-        return torch.zeros((), dtype=torch.float64)
+        return counts.new_zeros((), dtype=torch.float64)
     f = counts / counts.sum(-1, keepdim=True).clamp_min(1)
     p = prob_sums.to(torch.float64) / num_tokens
     return (counts.shape[-1] * (f * p).sum(-1)).mean()
@@ -181,9 +158,11 @@ class StepLoss:
 
     Build it once the step's micro-batches are known: ``num_label_tokens`` and ``num_routed_tokens``
     are counted from the data (summed over ranks here). ``step_counts`` are the exact mode's counts.
+    The running statistics and loss sums stay on the model's device (a read-back per micro-batch would
+    stall the GPU); :meth:`summary` brings them to the host in one transfer per optimizer step.
     """
 
-    settings: LossSettings
+    settings: BalanceSettings
     num_label_tokens: int
     num_routed_tokens: int
     num_micro_batches: int
@@ -191,12 +170,12 @@ class StepLoss:
     running_counts: torch.Tensor | None = None
     prob_sums: torch.Tensor | None = None
     entropy_sums: torch.Tensor | None = None
-    totals: dict[str, float] = field(default_factory=lambda: {"ce": 0.0, "balance": 0.0, "z_loss": 0.0})
+    loss_sums: torch.Tensor | None = None  # (len(LOSS_TERMS),) float64: each term's micro-batch shares summed
 
     @classmethod
     def for_step(
         cls,
-        settings: LossSettings,
+        settings: BalanceSettings,
         label_tokens: int,
         routed_tokens: int,
         num_micro_batches: int,
@@ -216,33 +195,36 @@ class StepLoss:
         s = self.settings
         ce = cross_entropy_sum(logits, labels) / max(self.num_label_tokens, 1)
         loss = ce
-        self.totals["ce"] += float(ce.detach())
+        terms = {"ce": ce}
 
         counts = expert_counts(layers)
-        if self.running_counts is None:
+        if self.loss_sums is None:
+            self.loss_sums = torch.zeros(len(LOSS_TERMS), dtype=torch.float64, device=ce.device)
             self.running_counts = torch.zeros_like(counts)
             self.prob_sums = torch.zeros_like(counts)
-            self.entropy_sums = torch.zeros(counts.shape[0], dtype=torch.float64)
+            self.entropy_sums = counts.new_zeros(counts.shape[0])
         if layers:
             reduced = all_reduce_sum(counts.clone())
             self.running_counts += reduced
             prob_sums = torch.stack([layer.probs.sum(0) for layer in layers])
-            self.prob_sums += prob_sums.detach().double().cpu()
+            self.prob_sums += prob_sums.detach().double()
             self.entropy_sums += router_entropy(layers)
 
         if s.balancing and layers:
-            balance = self._balance(counts, prob_sums, layers[0].probs.shape[0])
-            loss = loss + s.balance_coef * balance
-            self.totals["balance"] += float(balance.detach())
+            terms["balance"] = self._balance(counts, prob_sums, layers[0].probs.shape[0])
+            loss = loss + s.coef * terms["balance"]
         if s.z_loss_coef > 0 and layers:
             z = torch.stack([torch.logsumexp(layer.logits.float(), -1).square().sum() for layer in layers])
-            z = z.mean() / max(self.num_routed_tokens, 1)
-            loss = loss + s.z_loss_coef * z
-            self.totals["z_loss"] += float(z.detach())
+            terms["z_loss"] = z.mean() / max(self.num_routed_tokens, 1)
+            loss = loss + s.z_loss_coef * terms["z_loss"]
+        with torch.no_grad():
+            for i, name in enumerate(LOSS_TERMS):
+                if name in terms:
+                    self.loss_sums[i] += terms[name].detach().double()
         return loss
 
     def _balance(self, counts: torch.Tensor, prob_sums: torch.Tensor, local_tokens: int) -> torch.Tensor:
-        mode = self.settings.balance_mode
+        mode = self.settings.mode
         if mode == "micro_batch":  # the mean over every rank's micro-batches (the ranks' gradients are summed)
             source, tokens, weight = counts, local_tokens, 1.0 / (self.num_micro_batches * world_size())
         else:
@@ -252,20 +234,34 @@ class StepLoss:
         per_layer = counts.shape[-1] * (f * prob_sums).sum(-1) / max(tokens, 1)
         return per_layer.mean() * weight
 
+    @property
+    def totals(self) -> dict[str, float]:
+        """This rank's loss terms so far (a device-to-host transfer: for inspection, not for the loop)."""
+        sums = self.loss_sums.tolist() if self.loss_sums is not None else [0.0] * len(LOSS_TERMS)
+        return dict(zip(LOSS_TERMS, sums))
+
     def summary(self) -> dict[str, Any]:
         """The step's loss terms and routing statistics, the same on every rank: each rank's terms are its
-        share of the step's loss (normalised by the global counts), so their sum over ranks is the step's."""
-        names = sorted(self.totals)
-        totals = all_reduce_sum(torch.tensor([self.totals[k] for k in names], dtype=torch.float64))
-        out: dict[str, Any] = dict(zip(names, totals.tolist()))
+        share of the step's loss (normalised by the global counts), so their sum over ranks is the step's.
+        Computed on the device, then read back in a single transfer."""
+        loss_sums = self.loss_sums if self.loss_sums is not None else torch.zeros(len(LOSS_TERMS), dtype=torch.float64)
+        parts = [all_reduce_sum(loss_sums.clone())]
+        routed = self.running_counts is not None and self.running_counts.numel() > 0
+        if routed:
+            prob_sums = all_reduce_sum(self.prob_sums.clone())
+            parts.append(balance_from_sums(self.running_counts, prob_sums, self.num_routed_tokens).reshape(1))
+            parts.append(all_reduce_sum(self.entropy_sums.clone()) / max(self.num_routed_tokens, 1))
+            parts.append(self.running_counts.reshape(-1))
+        host = torch.cat(parts).cpu()
+        out: dict[str, Any] = dict(zip(LOSS_TERMS, host[: len(LOSS_TERMS)].tolist()))
         out["label_tokens"] = self.num_label_tokens
         out["routed_tokens"] = self.num_routed_tokens
-        if self.running_counts is not None and self.running_counts.numel():
-            prob_sums = all_reduce_sum(self.prob_sums.clone())
-            out["balance_global"] = float(balance_from_sums(self.running_counts, prob_sums, self.num_routed_tokens))
-            entropy = all_reduce_sum(self.entropy_sums.clone()) / max(self.num_routed_tokens, 1)
+        if routed:
+            layers, experts = self.running_counts.shape
+            balance_global, entropy, counts = host[len(LOSS_TERMS) :].split([1, layers, layers * experts])
+            out["balance_global"] = float(balance_global)
             out["router_entropy"] = entropy.tolist()
-            out["counts"] = self.running_counts.to(torch.int64).tolist()
+            out["counts"] = counts.view(layers, experts).to(torch.int64).tolist()
         return out
 
 

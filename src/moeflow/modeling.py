@@ -1,4 +1,4 @@
-"""Build a model from config or load a pretrained folder, the same way in every stage."""
+"""Build a model from config or load a pretrained folder, the same way in every stage, and save one."""
 
 from __future__ import annotations
 
@@ -7,15 +7,25 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from . import compat
+from .config import MODEL_SCHEMA, with_defaults
+from .files import atomic_dir, read_json
+from .lora import is_lora_model, merge_and_save
 
 
 class ModelError(ValueError):
     """A model that cannot be built or loaded, with what to do about it."""
 
 
+def model_section(model_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A ``model`` section with the schema's defaults for the keys it leaves out (a stage gets the whole
+    section; tests and benchmarks may give a few keys, or none to load a folder as it is)."""
+    return with_defaults(model_cfg or {}, MODEL_SCHEMA)
+
+
 def _impl_kwargs(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"attn_implementation": model_cfg.get("attn_implementation", "sdpa")}
-    experts = model_cfg.get("experts_implementation")
+    model_cfg = model_section(model_cfg)
+    kwargs: dict[str, Any] = {"attn_implementation": model_cfg["attn_implementation"]}
+    experts = model_cfg["experts_implementation"]
     if experts:
         compat.require_transformers_v5("model.experts_implementation")
         kwargs["experts_implementation"] = experts
@@ -86,13 +96,13 @@ def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any] | None = No
     import torch
     from transformers import AutoModelForCausalLM
 
-    model_cfg = model_cfg or {}
+    model_cfg = model_section(model_cfg)
     path = check_model_folder(path)
     try:
         return AutoModelForCausalLM.from_pretrained(
             path,
             torch_dtype=dtype or torch.float32,
-            trust_remote_code=bool(model_cfg.get("trust_remote_code", False)),
+            trust_remote_code=model_cfg["trust_remote_code"],
             local_files_only=True,
             use_safetensors=True,
             **_impl_kwargs(model_cfg),
@@ -122,8 +132,6 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
 def check_vocabulary(model: Any, data_dirs: Sequence[str | os.PathLike], model_path: str | os.PathLike = "the model") -> None:
     """Refuse data tokenized with a tokenizer that has more tokens than the model has embedding rows
     (a model may have more rows than tokens: vocabularies are often padded)."""
-    from .files import read_json
-
     rows = model.get_input_embeddings().num_embeddings
     for folder in data_dirs:
         manifest = Path(folder) / "manifest.json"
@@ -135,3 +143,20 @@ def check_vocabulary(model: Any, data_dirs: Sequence[str | os.PathLike], model_p
                 f"has {rows} embedding rows. Use the model's own tokenizer (model.pretrained brings it) or a model "
                 "whose vocabulary covers the tokenizer"
             )
+
+
+def save_final_model(model: Any, tokenizer: Any, folder: str | os.PathLike) -> None:
+    """A folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load (LoRA adapters merged in); atomic."""
+    if is_lora_model(model):
+        model.config.use_cache = True
+        merge_and_save(model, tokenizer, folder)
+        return
+    with atomic_dir(folder) as out:
+        write_model_folder(model, tokenizer, out)
+
+
+def write_model_folder(model: Any, tokenizer: Any, folder: str | os.PathLike) -> None:
+    """save_pretrained (safetensors) of the model and its tokenizer into an existing folder."""
+    model.config.use_cache = True  # a saved model generates with a cache; training turned it off
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)

@@ -57,12 +57,13 @@ import dataclasses
 import json
 import logging
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .lora import LoraSettings
+from .config import MODEL_SCHEMA, LoraSettings, with_defaults
+from .config import settings as config_settings
+from .parameters import counted_category, layer_index
 
 log = logging.getLogger("moeflow.plan")
 
@@ -404,43 +405,18 @@ def formula_count(s: Shape) -> ParamCount:
     )
 
 
-_LAYER = re.compile(r"layers\.(\d+)\.")
-_ROUTED = re.compile(r"(^|\.)experts\.")
-_ROUTER = re.compile(r"\.(gate|router)\.(weight|bias)$|e_score_correction_bias$")
-
-
-def categorise(name: str) -> str:
-    """The category of a parameter from its name in a transformers model (both stacks' layouts)."""
-    if "embed_tokens" in name:
-        return "embedding"
-    if name.startswith("lm_head"):
-        return "lm_head"
-    if "shared_expert" in name:
-        return "shared_experts"
-    if _ROUTED.search(name):
-        return "routed_experts"
-    if _ROUTER.search(name):
-        return "router"
-    if ".self_attn." in name:
-        return "attention"
-    if "norm" in name.rsplit(".", 2)[-2]:
-        return "norms"
-    if ".mlp." in name:
-        return "dense_ffn"
-    raise PlanError(f"parameter {name!r}: the planner cannot tell what it belongs to")
-
-
 def count_module(model: Any, shape: Shape) -> ParamCount:
     """Count a (meta-device or real) transformers model's parameters by category; tied weights once."""
     by_category = dict.fromkeys(CATEGORIES, 0)
     per_layer: dict[int, int] = {}
     routed_per_layer: dict[int, int] = {}
     for name, param in model.named_parameters():
-        category = categorise(name)
+        category = counted_category(name)
+        if category is None:
+            raise PlanError(f"parameter {name!r}: the planner cannot tell what it belongs to")
         by_category[category] += param.numel()
-        match = _LAYER.search(name)
-        if match:
-            layer = int(match.group(1))
+        layer = layer_index(name)
+        if layer is not None:
             per_layer[layer] = per_layer.get(layer, 0) + param.numel()
             if category == "routed_experts":
                 routed_per_layer[layer] = routed_per_layer.get(layer, 0) + param.numel()
@@ -497,8 +473,9 @@ def meta_count(config: Any, shape: Shape) -> ParamCount | None:
 
 def model_config_fields(model: Mapping[str, Any]) -> dict[str, Any]:
     """``model.config``, or the ``config.json`` of ``model.pretrained`` when a pretrained folder is used."""
-    if model.get("pretrained"):
-        path = Path(model["pretrained"]) / "config.json"
+    pretrained = with_defaults(model, MODEL_SCHEMA)["pretrained"]  # tests give model sections of a few keys
+    if pretrained:
+        path = Path(pretrained) / "config.json"
         if not path.is_file():
             raise PlanError(f"config key 'model.pretrained': {path} does not exist")
         return json.loads(path.read_text(encoding="utf-8"))
@@ -634,32 +611,35 @@ def lora_activation_elements(s: Shape, lora: LoraSettings, moe: bool) -> int:
 class Job:
     """The training settings memory depends on."""
 
-    precision: str = "fp32"
-    method: str = "full"
-    micro_batch_size: int = 1
-    seq_len: int = 512
-    gradient_checkpointing: bool = False
-    attn_implementation: str = "sdpa"
-    device: str = "cpu"
-    num_devices: int = 1
-    expert_parallel: bool = False  # experts split over the devices (transformers 5's DistributedConfig)
-    lora: LoraSettings = LoraSettings()  # train.lora: used when method is lora (and for the LoRA suggestion)
+    precision: str
+    method: str
+    micro_batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+    attn_implementation: str
+    device: str
+    num_devices: int
+    expert_parallel: bool  # experts split over the devices (transformers 5's DistributedConfig)
+    lora: LoraSettings  # train.lora: used when method is lora (and for the LoRA suggestion)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> "Job":
+        """The job of ``moeflow.config.plan_settings``."""
         train, hardware = settings["train"], settings["hardware"]
-        if train.get("optimizer", "adamw") != "adamw":
+        if train["optimizer"] != "adamw":
             raise PlanError(f"config key 'train.optimizer': the planner knows adamw, got {train['optimizer']!r}")
         return cls(
             precision=settings["precision"],
-            method=train.get("method", "full"),
-            micro_batch_size=int(train.get("micro_batch_size", 1)),
+            method=train["method"],
+            micro_batch_size=int(train["micro_batch_size"]),
             seq_len=int(settings["seq_len"]),
-            gradient_checkpointing=bool(train.get("gradient_checkpointing", False)),
-            attn_implementation=settings["model"].get("attn_implementation", "sdpa"),
+            gradient_checkpointing=bool(train["gradient_checkpointing"]),
+            attn_implementation=settings["model"]["attn_implementation"],
             device=hardware["device"],
             num_devices=int(hardware["num_devices"]),
-            lora=LoraSettings.from_config(train.get("lora")),
+            expert_parallel=False,
+            # a full run's settings carry no train.lora: the LoRA suggestion uses the defaults
+            lora=config_settings(LoraSettings, train["lora"] or {}),
         )
 
 
@@ -735,7 +715,7 @@ def device_memory(settings: Mapping[str, Any], env_report: Mapping[str, Any]) ->
     from .env import device_memory_bytes
 
     hardware = settings["hardware"]
-    if hardware.get("memory_gib_per_device"):
+    if hardware["memory_gib_per_device"]:
         return int(hardware["memory_gib_per_device"] * GIB), "hardware.memory_gib_per_device"
     measured, source = device_memory_bytes(env_report, hardware["device"])
     if measured is None:
@@ -836,7 +816,7 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
 
 def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> dict[str, Any]:
     """The full plan for one run: parameters, memory per device, the verdict and what would make it fit."""
-    shape, params, formula = count_parameters(settings["model"], settings.get("vocab_size"))
+    shape, params, formula = count_parameters(settings["model"], settings["vocab_size"])
     job = Job.from_settings(settings)
     memory, source = device_memory(settings, env_report)
     per_device = memory_per_device(shape, params, job)

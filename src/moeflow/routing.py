@@ -47,6 +47,10 @@ class UnsupportedModel(ValueError):
     """A model whose routing moeflow cannot read: no adapter for its family, or no MoE layer at all."""
 
 
+class NoMoELayers(UnsupportedModel):
+    """A model without MoE layers (a dense model): there is no routing to read."""
+
+
 @dataclass
 class LayerRouting:
     layer: int  # decoder layer index (dense layers have no entry)
@@ -57,12 +61,13 @@ class LayerRouting:
     scoring: str = SOFTMAX  # how the router scores experts: softmax, or sigmoid (DeepSeek-V3, Step)
 
     def probs(self) -> torch.Tensor:
-        """(tokens, E) routing probabilities for balancing losses (float32).
+        """(tokens, E) routing probabilities for balancing losses, in float32 or the logits' dtype if wider
+        (a float64 model keeps float64).
 
         Softmax routers: the softmax of the logits. Sigmoid routers: the sigmoid scores normalised to
         sum 1 per token.
         """
-        logits = self.logits.float()
+        logits = self.logits.to(torch.promote_types(self.logits.dtype, torch.float32))
         if self.scoring == SIGMOID:
             scores = torch.sigmoid(logits)
             return scores / scores.sum(dim=-1, keepdim=True)
@@ -239,24 +244,32 @@ def _model_type(model: torch.nn.Module) -> str:
     return str(getattr(config, "model_type", None) or type(model).__name__)
 
 
-def _expert_count_hint(model: torch.nn.Module) -> str:
+def _expert_count(model: torch.nn.Module) -> str | None:
+    """``key=value`` of the config attribute that names an expert count above 1, or None (a dense config)."""
     config = getattr(model, "config", None)
     configs = [config, getattr(config, "text_config", None)]
     for cfg in configs:
         for key in _EXPERT_COUNT_KEYS:
             value = getattr(cfg, key, None)
             if isinstance(value, int) and value > 1:
-                return f"its config has {key}={value}, so it looks like a mixture-of-experts model"
-    return "its config names no experts, so it looks like a dense model"
+                return f"{key}={value}"
+    return None
 
 
 def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
-    """The routing adapter for a supported HF MoE model; ``UnsupportedModel`` otherwise."""
+    """The routing adapter for a supported HF MoE model; ``NoMoELayers`` for a dense model,
+    ``UnsupportedModel`` for an MoE model moeflow cannot read."""
     model_type = _model_type(model)
     family = FAMILIES.get(model_type)
     if family is None:
-        raise UnsupportedModel(
-            f"no routing adapter for model_type {model_type!r} ({_expert_count_hint(model)}). "
+        experts = _expert_count(model)
+        hint = (
+            f"its config has {experts}, so it looks like a mixture-of-experts model" if experts
+            else "its config names no experts, so it looks like a dense model"
+        )
+        error = UnsupportedModel if experts else NoMoELayers
+        raise error(
+            f"no routing adapter for model_type {model_type!r} ({hint}). "
             f"Supported: {', '.join(sorted(FAMILIES))}. To add one: {ADAPTER_NEEDS}."
         )
     if compat.is_transformers_v5():
@@ -294,12 +307,20 @@ def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
             )
         )
     if not sites:
-        raise UnsupportedModel(
+        raise NoMoELayers(
             f"model_type {model_type!r}: no {family.block_class} module found, so the model has no MoE layer "
             f"(a dense configuration?); routing telemetry needs at least one MoE layer"
         )
     sites.sort(key=lambda s: s.layer)
     return RoutingAdapter(model_type=model_type, family=family, sites=sites, read=read)
+
+
+def adapter_or_none(model: torch.nn.Module) -> RoutingAdapter | None:
+    """The routing adapter of an MoE model; None for a model without MoE layers."""
+    try:
+        return adapter_for(model)
+    except NoMoELayers:
+        return None
 
 
 @dataclass

@@ -102,17 +102,17 @@ def hardware_overlay(profile: str, profiles: Path = PROFILES) -> Path:
 
 def request_problems(cfg: Mapping[str, Any], request: Request) -> list[str]:
     """Where a config's hardware and ranks differ from what the profile's training rule gets."""
-    hw, par = cfg["hardware"], cfg.get("parallel") or {}
+    hw, par = cfg["hardware"], cfg["parallel"]
     problems = []
     if hw["device"] != "cuda" or hw["num_devices"] != request.gpus:
         problems.append(f"hardware: {hw['num_devices']} x {hw['device']}, but profiles/{request.profile} requests {request.gpus} GPUs")
-    if hw.get("memory_gib_per_device") != request.gpu_memory_gib:
+    if hw["memory_gib_per_device"] != request.gpu_memory_gib:
         problems.append(
-            f"hardware.memory_gib_per_device: {hw.get('memory_gib_per_device')}, but a {request.gpu_model} has {request.gpu_memory_gib} GiB"
+            f"hardware.memory_gib_per_device: {hw['memory_gib_per_device']}, but a {request.gpu_model} has {request.gpu_memory_gib} GiB"
         )
-    if (par.get("nproc_per_node", 1), par.get("nnodes", 1)) != (request.gpus_per_node, request.nodes):
+    if (par["nproc_per_node"], par["nnodes"]) != (request.gpus_per_node, request.nodes):
         problems.append(
-            f"parallel: {par.get('nproc_per_node', 1)} ranks x {par.get('nnodes', 1)} nodes, but profiles/{request.profile} "
+            f"parallel: {par['nproc_per_node']} ranks x {par['nnodes']} nodes, but profiles/{request.profile} "
             f"gives {request.gpus_per_node} GPUs x {request.nodes} nodes"
         )
     return problems
@@ -120,20 +120,20 @@ def request_problems(cfg: Mapping[str, Any], request: Request) -> list[str]:
 
 def layout(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Ranks and sharding of a config's ``parallel`` section, resolved (what moeflow.distributed sets up)."""
-    par = cfg.get("parallel") or {}
-    world = par.get("nproc_per_node", 1) * par.get("nnodes", 1)
-    strategy = par.get("strategy", "none")
-    fsdp = par.get("fsdp_size") or (world if strategy in ("fsdp", "ep") else 1)
-    ep = par.get("ep_size", 1)
+    par = cfg["parallel"]
+    world = par["nproc_per_node"] * par["nnodes"]
+    strategy = par["strategy"]
+    fsdp = par["fsdp_size"] or (world if strategy in ("fsdp", "ep") else 1)
+    ep = par["ep_size"]
     out = {
         "world_size": world,
-        "nproc_per_node": par.get("nproc_per_node", 1),
-        "nnodes": par.get("nnodes", 1),
+        "nproc_per_node": par["nproc_per_node"],
+        "nnodes": par["nnodes"],
         "strategy": strategy,
         "fsdp_size": fsdp,
         "ep_size": ep,
         "data_parallel_replicas": world // fsdp,
-        "gradient_checkpointing": bool(cfg["train"].get("gradient_checkpointing")),
+        "gradient_checkpointing": cfg["train"]["gradient_checkpointing"],
         "needs_transformers_5": strategy == "ep",
     }
     num_experts = _num_experts(cfg)
@@ -185,7 +185,7 @@ def scaleout_plan(
         },
     )
     settings = mfconfig.plan_settings(placed)
-    shape, params, _ = planner.count_parameters(settings["model"], settings.get("vocab_size"))
+    shape, params, _ = planner.count_parameters(settings["model"], settings["vocab_size"])
     lay = layout(placed)
     job = dataclasses.replace(planner.Job.from_settings(settings), expert_parallel=lay["strategy"] == "ep")
     memory = int(request.gpu_memory_gib * planner.GIB)

@@ -10,7 +10,9 @@ A stage script reads top to bottom::
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -19,9 +21,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 from . import compat
+from .config import settings as typed_settings
 
 T = TypeVar("T")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -106,15 +109,15 @@ class Stage:
     @classmethod
     def from_snakemake(cls, smk: Any) -> "Stage":
         """Threads come from the rule's ``threads:``; stack, precision and seed from ``params.runtime``."""
-        runtime = dict(getattr(smk.params, "runtime", None) or {})
+        runtime = smk.params.runtime  # every rule passes it (common.smk's runtime())
         log_file = smk.log[0] if len(smk.log) else None
         setup_logging(log_file)
         stage = cls(
             name=smk.rule,
             threads=int(smk.threads),
-            precision=runtime.get("precision", "fp32"),
-            seed=int(runtime.get("seed", 0)),
-            stack=runtime.get("stack") or os.environ.get("STACK", "pinned"),
+            precision=runtime["precision"],
+            seed=int(runtime["seed"]),
+            stack=runtime["stack"],
         )
         log.info("stage %s: threads=%d precision=%s stack=%s", stage.name, stage.threads, stage.precision, stage.stack)
         return stage
@@ -134,3 +137,42 @@ class Stage:
             "precision": self.precision,
             "seed": self.seed,
         }
+
+
+# --------------------------------------------------------------------------- torchrun stages
+
+
+class _Named(dict):
+    """Snakemake-style access to a job's named inputs, outputs and params: ``job.input.model``."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def job_from_argv(argv: Sequence[str] | None = None, *, settings: type | None = None) -> Any:
+    """The ``snakemake`` object of a training script that a ``shell:`` rule starts through torchrun.
+
+    The rule passes ``--job`` (JSON: rule, input, output, params), ``--threads`` and ``--log-file``; the
+    result has the attributes ``Stage.from_snakemake`` and the scripts read, as a ``script:`` rule's has,
+    and ``settings``: ``params.settings`` as the typed stage settings ``settings`` (moeflow.config), if given.
+    Under torchrun the rule's threads are shared by the node's ranks (``threads // LOCAL_WORLD_SIZE``), and
+    only rank 0 writes the log file (the other ranks log to stderr).
+    """
+    parser = argparse.ArgumentParser(description="a moeflow training stage (started by its Snakemake rule)")
+    parser.add_argument("--job", required=True, help="JSON with rule, input, output and params")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--log-file", default=None)
+    args = parser.parse_args(argv)
+    job = json.loads(args.job)
+    return argparse.Namespace(
+        rule=job["rule"],
+        input=_Named(job["input"]),
+        output=_Named(job["output"]),
+        params=_Named(job["params"]),
+        log=[args.log_file] if args.log_file and int(os.environ.get("RANK", "0")) == 0 else [],
+        threads=max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+        settings=typed_settings(settings, job["params"]["settings"]) if settings else None,
+    )

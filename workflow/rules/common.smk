@@ -27,7 +27,12 @@ from moeflow.env import fingerprint as environment_fingerprint
 from moeflow.imports import library_files
 
 try:
-    mfconfig.validate(config)
+    # The config again from config/config.yaml and the --configfile overlays, merged by moeflow's rules (null
+    # removes a key, a source of another type is replaced, model_from_config) with the schema's defaults
+    # filled in, then validated; each run's is merged and filled below.
+    _loaded = mfconfig.load(*workflow.config_settings.configfiles, overrides=dict(workflow.config_settings.config))
+    config.clear()
+    config.update(_loaded)
     STACK = mfconfig.resolve_stack(config)
 except mfconfig.ConfigError as exc:
     raise WorkflowError(f"moeflow: {exc}") from None
@@ -83,20 +88,20 @@ def data_dir(cfg, corpus):
     return f"{RESULTS}/data/{mfconfig.data_key(cfg)}/{corpus}"
 
 
-BASES = {mfconfig.base_key(cfg): cfg for cfg in RUNS.values() if not cfg["model"].get("pretrained")}
+BASES = {mfconfig.base_key(cfg): cfg for cfg in RUNS.values() if not cfg["model"]["pretrained"]}
 
 
 def base_model_dir(cfg):
-    return cfg["model"].get("pretrained") or f"{RESULTS}/base/{mfconfig.base_key(cfg)}"
+    return cfg["model"]["pretrained"] or f"{RESULTS}/base/{mfconfig.base_key(cfg)}"
 
 
 def coverage_source(cfg):
     """The run config whose coverage validation set ``cfg`` uses: its own, or that of the run named by
     ``coverage.valset_of_run`` (a model without experts, such as the dense comparison run, cannot route one)."""
-    other = cfg["coverage"].get("valset_of_run")
+    other = cfg["coverage"]["valset_of_run"]
     if not other:
         return cfg
-    if other not in RUNS or RUNS[other]["coverage"].get("valset_of_run"):
+    if other not in RUNS or RUNS[other]["coverage"]["valset_of_run"]:
         raise WorkflowError(f"moeflow: config key 'coverage.valset_of_run': {other!r} must name a run with its own validation set ({', '.join(RUNS)})")
     return RUNS[other]
 
@@ -122,10 +127,6 @@ from moeflow.artifacts import paper_outputs
 
 PAPER = f"{RESULTS}/paper"
 
-for _name in [config["paper"]["moe_run"], *config["paper"]["dense_runs"]]:
-    if _name not in RUNS:
-        raise WorkflowError(f"moeflow: config keys 'paper.moe_run' / 'paper.dense_runs': {_name!r} is not a run ({', '.join(RUNS)})")
-
 
 def paper_data():
     """The tokenized corpora behind every run's numbers, by 'datakey/corpus' (fingerprinted in the paper's provenance)."""
@@ -150,7 +151,7 @@ def paper_output_files():
 
 
 # --- training stages (pretrain_base, warmup, train_model): shell rules that start their script
-# through torchrun; the script reads its job with moeflow.train.job_from_argv.
+# through torchrun; the script reads its job, and its typed settings, with moeflow.stage.job_from_argv.
 
 
 def training_python():
@@ -170,7 +171,7 @@ def torchrun_launcher(cfg_of=None):
 
     def launcher(wildcards, resources):
         cfg = cfg_of(wildcards) if cfg_of else None
-        per_node = int((cfg or {}).get("parallel", {}).get("nproc_per_node", 1))
+        per_node = cfg["parallel"]["nproc_per_node"] if cfg else 1
         gpus = int(getattr(resources, "gpu", 0) or 0)
         if gpus:
             return torchrun_command(training_python(), gpus=gpus, nodes=int(getattr(resources, "nodes", 1) or 1))
@@ -185,7 +186,7 @@ TRAIN_SHELL = "{params.launcher} {input.script:q} --job {params.job:q} --threads
 
 
 def torchrun_job(rule, **params):
-    """The script's job description (``moeflow.train.job_from_argv``): rule, inputs, outputs, params.
+    """The script's job description (``moeflow.stage.job_from_argv``): rule, inputs, outputs, params.
     Params are whole settings dicts, so Snakemake reruns the rule when one changes."""
 
     def job(wildcards, input, output):

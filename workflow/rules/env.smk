@@ -12,7 +12,7 @@ rule verify_env:
     params:
         env=config["env"],
         # Only the runs that turn it on: adding or removing an ordinary run must not rerun every stage.
-        trust_remote_code={run: True for run, cfg in RUNS.items() if cfg["model"].get("trust_remote_code")},
+        trust_remote_code={run: True for run, cfg in RUNS.items() if cfg["model"]["trust_remote_code"]},
         fingerprint=environment_fingerprint(),
         runtime=runtime(),
     threads: 1

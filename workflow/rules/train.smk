@@ -54,8 +54,7 @@ rule train_model:
     params:
         job=torchrun_job(
             "train_model",
-            settings=lambda wc: {"train": mfconfig.train_settings(RUNS[wc.run]), "model": RUNS[wc.run]["model"], "warmup": mfconfig.warmup_key(RUNS[wc.run]),
-                                 "parallel": RUNS[wc.run]["parallel"], "hardware_device": RUNS[wc.run]["hardware"]["device"]},
+            settings=lambda wc: mfconfig.train_model_settings(RUNS[wc.run]),
             runtime=lambda wc: runtime(wc.run),
             checkpoints=CHECKPOINTS,
         ),

@@ -4,26 +4,25 @@ rechecked with the fine-tuned router, and the throughput and peak memory of the 
 
 import gc
 
-import torch
-
 from moeflow import evaluate as ev
-from moeflow.coverage import open_valset
 from moeflow.files import write_json, write_text
+from moeflow.hardware import compute_device, compute_dtype
+from moeflow.metrics import active_parameters
 from moeflow.modeling import check_vocabulary, load_model
+from moeflow.shards import open_split
 from moeflow.stage import Stage, kill_point
-from moeflow.tokenize import open_split
-from moeflow.train import active_parameters
+from moeflow.valset import open_valset
 
 stage = Stage.from_snakemake(snakemake)
 params = snakemake.params
-device = torch.device("cuda" if params.device == "cuda" else "cpu")
+device = compute_device(params.device)
 
 sets = [ev.EvalSet("valset", list(params.pool_corpora), open_valset(snakemake.input.valset))]
 sets += [ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in zip(params.eval_corpora, snakemake.input.eval_data)]
 
 stats, speed, coverage, parameters = {}, {}, {}, {}
 for label in ("base", "finetuned"):
-    model = load_model(snakemake.input[label], params.model).to(device)
+    model = load_model(snakemake.input[label], params.model, compute_dtype(stage.precision)).to(device)
     check_vocabulary(model, list(snakemake.input.eval_data), snakemake.input[label])
     stats[label] = ev.evaluate_model(model, sets, params.settings, stage.precision)
     coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision)

@@ -8,17 +8,18 @@ import contextlib
 from pathlib import Path
 
 from moeflow import distributed as D
+from moeflow.config import PretrainStage
 from moeflow.files import atomic_dir, write_json
-from moeflow.modeling import build_model, load_tokenizer
-from moeflow.stage import Stage
-from moeflow.tokenize import open_split
-from moeflow.train import TrainSettings, job_from_argv, train_stage, write_model_folder
+from moeflow.modeling import build_model, load_tokenizer, write_model_folder
+from moeflow.shards import open_split
+from moeflow.stage import Stage, job_from_argv
+from moeflow.train import train_stage
 
-snakemake = job_from_argv()
+snakemake = job_from_argv(settings=PretrainStage)
 stage = Stage.from_snakemake(snakemake)
 ranks = D.init()
-settings = snakemake.params.settings  # mfconfig.base_model_settings: model, pretrain, data key, precision, seed
-model_cfg = settings["model"]
+settings = snakemake.settings
+model_cfg = settings.model
 
 tokenizer = load_tokenizer(snakemake.input.tokenizer)
 model = build_model(model_cfg, len(tokenizer), stage.seed).to(ranks.device)
@@ -28,11 +29,11 @@ rows = open_split(snakemake.input.data, "train")
 
 with atomic_dir(snakemake.output.model) if ranks.is_main else contextlib.nullcontext() as out:
     trainer = train_stage(
-        stage, model, TrainSettings.from_config(settings["pretrain"]), rows,
+        stage, model, settings.pretrain, rows,
         attn_implementation=model_cfg["attn_implementation"],
         log_dir=Path(out) / "training" if ranks.is_main else None,
         checkpoint_root=snakemake.params.checkpoints,
-        key_settings=settings,
+        key_settings=snakemake.params.settings,
         key_inputs=[snakemake.input.tokenizer, snakemake.input.data],
     )
     if trainer.rank == 0:

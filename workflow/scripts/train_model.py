@@ -8,28 +8,29 @@ this script, the layout is the config's ``parallel`` section (moeflow.distribute
 from pathlib import Path
 
 from moeflow import distributed as D
-from moeflow.coverage import open_valset
+from moeflow.config import TrainModelStage
 from moeflow.files import write_json
 from moeflow.lora import save_adapter_output
-from moeflow.modeling import load_tokenizer
-from moeflow.stage import Stage
-from moeflow.tokenize import open_split
-from moeflow.train import TrainSettings, job_from_argv, load_for_training, save_final_model, train_stage
+from moeflow.modeling import load_tokenizer, save_final_model
+from moeflow.shards import open_split
+from moeflow.stage import Stage, job_from_argv
+from moeflow.train import train_stage
+from moeflow.valset import open_valset
 
-snakemake = job_from_argv()
+snakemake = job_from_argv(settings=TrainModelStage)
 stage = Stage.from_snakemake(snakemake)
-settings = snakemake.params.settings  # {"train", "model", "parallel", "hardware_device", "warmup": warmup key}
-ranks = D.init(settings.get("hardware_device"))
-parallel = D.Parallel.from_config(settings.get("parallel")).check_ranks(ranks)
+settings = snakemake.settings
+ranks = D.init(settings.hardware_device)
+parallel = D.check_ranks(settings.parallel, ranks)
 
-model = load_for_training(snakemake.input.model, settings["model"], settings["train"], parallel, ranks, snakemake.input.data)
+model = D.load_for_training(snakemake.input.model, settings.model, settings.train, parallel, ranks, snakemake.input.data)
 tokenizer = load_tokenizer(snakemake.input.model)
 trainer = train_stage(
-    stage, model, TrainSettings.from_config(settings["train"]), open_split(snakemake.input.data, "train"),
-    attn_implementation=settings["model"]["attn_implementation"],
+    stage, model, settings.train, open_split(snakemake.input.data, "train"),
+    attn_implementation=settings.model["attn_implementation"],
     log_dir=snakemake.output.logs,
     checkpoint_root=snakemake.params.checkpoints,
-    key_settings=settings,
+    key_settings=snakemake.params.settings,
     key_inputs=[snakemake.input.model, snakemake.input.data, snakemake.input.warmup, snakemake.input.valset],
     start_from=snakemake.input.warmup,
     eval_rows=open_valset(snakemake.input.valset),

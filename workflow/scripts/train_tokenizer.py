@@ -5,7 +5,7 @@ trained on, provenance).
 """
 
 from moeflow.stage import Stage
-from moeflow.tokenize import train_tokenizer_stage
+from moeflow.tokenizer import train_tokenizer_stage
 
 stage = Stage.from_snakemake(snakemake)
 train_tokenizer_stage(

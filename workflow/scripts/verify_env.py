@@ -12,7 +12,7 @@ report = env.collect(
     env_file=snakemake.input.env_file,  # noqa: F821
     trust_remote_code=params.trust_remote_code,
 )
-env.enforce(report, strict=params.env.get("strict", False))  # strict: fails listing every difference; else warns
+env.enforce(report, strict=params.env["strict"])  # strict: fails listing every difference; else warns
 
 # No code hash or seed in the report: editing moeflow must not change its bytes, or everything
 # downstream of the environment would rerun.

@@ -5,27 +5,27 @@ stage with the report, before the expensive part starts. Started through torchru
 rank runs this script; the layout is the config's ``parallel`` section (moeflow.distributed)."""
 
 from moeflow import distributed as D
+from moeflow.config import WarmupStage
 from moeflow.guards import UnstableRouting
 from moeflow.files import dumps_json, write_json
-from moeflow.stage import Stage, log
-from moeflow.tokenize import open_split
-from moeflow.train import TrainSettings, job_from_argv, load_for_training, train_stage
+from moeflow.shards import open_split
+from moeflow.stage import Stage, job_from_argv, log
+from moeflow.train import train_stage
 
-snakemake = job_from_argv()
+snakemake = job_from_argv(settings=WarmupStage)
 stage = Stage.from_snakemake(snakemake)
-settings = snakemake.params.settings  # mfconfig.warmup_settings
-ranks = D.init(settings.get("hardware_device"))
-parallel = D.Parallel.from_config(settings.get("parallel")).check_ranks(ranks)
-warmup_steps = settings["train"]["warmup_steps"]
+settings = snakemake.settings  # train: the warmup part's (train.warmup_steps steps)
+ranks = D.init(settings.hardware_device)
+parallel = D.check_ranks(settings.parallel, ranks)
 
-model = load_for_training(snakemake.input.model, settings["model"], settings["train"], parallel, ranks, snakemake.input.data)
+model = D.load_for_training(snakemake.input.model, settings.model, settings.train, parallel, ranks, snakemake.input.data)
 rows = open_split(snakemake.input.data, "train")
 trainer = train_stage(
-    stage, model, TrainSettings.from_config({**settings["train"], "steps": warmup_steps}), rows,
-    attn_implementation=settings["model"]["attn_implementation"],
+    stage, model, settings.train, rows,
+    attn_implementation=settings.model["attn_implementation"],
     log_dir=None,
     checkpoint_root=snakemake.params.checkpoints,
-    key_settings=settings,
+    key_settings=snakemake.params.settings,
     key_inputs=[snakemake.input.model, snakemake.input.data],
 )
 # The routing report is the all-reduced counts': the same verdict on every rank.

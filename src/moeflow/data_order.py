@@ -1,0 +1,46 @@
+"""The order the Trainer takes training rows in: a deterministic permutation per epoch."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+
+class DataOrderError(ValueError):
+    """No rows to take, or a saved position that belongs to other data."""
+
+
+class DataOrder:
+    """A deterministic permutation of the rows per epoch; the position is part of the checkpoint."""
+
+    def __init__(self, num_rows: int, seed: int):
+        if num_rows <= 0:
+            raise DataOrderError("the training split has no rows: check the data stage's manifest")
+        self.num_rows, self.seed = num_rows, seed
+        self.epoch, self.position = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_rows, generator=generator).tolist()
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            if self.position == self.num_rows:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+            k = min(n - len(out), self.num_rows - self.position)
+            out += self._perm[self.position : self.position + k]
+            self.position += k
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "num_rows": self.num_rows, "seed": self.seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
+            raise DataOrderError(f"checkpoint data position is for {state['num_rows']} rows/seed {state['seed']}, not {self.num_rows}/{self.seed}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._perm = self._permutation(self.epoch)

@@ -1,0 +1,123 @@
+"""The batch evaluation loop: a model over collated batches, without grad, summing the token-normalised
+loss and, for an MoE model, each expert's routed tokens and the loss of the tokens it served.
+
+The Trainer's periodic evaluation and the evaluation stage (``moeflow.evaluate``) both run it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .collate import collate, model_inputs
+from .losses import count_label_tokens, cross_entropy_sum, next_token_targets, token_mask
+from .routing import capture
+from .shards import IGNORE_INDEX
+
+
+@dataclass
+class SetStats:
+    """Sums over one evaluation set for one model. ``None`` expert arrays for a dense model."""
+
+    loss_sum: float = 0.0
+    label_tokens: int = 0
+    sequences: int = 0
+    input_tokens: int = 0  # non-padding tokens that went through the model
+    routed: np.ndarray | None = None  # (L, E) top-k assignments
+    served_loss_sum: np.ndarray | None = None  # (L, E) summed loss of the tokens each expert served
+    served_label_tokens: np.ndarray | None = None  # (L, E) tokens with a label among them
+    moe_layers: list[int] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the whole loop: reading and collating rows, forwards, statistics
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.label_tokens if self.label_tokens else float("nan")
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    def add_routing(self, layer_ids: list[int], routed, loss_sum, label_tokens) -> None:
+        if self.routed is None:
+            self.moe_layers = list(layer_ids)
+            self.routed, self.served_loss_sum, self.served_label_tokens = routed, loss_sum, label_tokens
+        else:
+            self.routed += routed
+            self.served_loss_sum += loss_sum
+            self.served_label_tokens += label_tokens
+
+
+def per_token_loss(logits, labels):
+    """(B, S) cross-entropy of predicting token t+1 from position t, and the (B, S) mask of positions
+    that have such a label; the last position of each row never does."""
+    targets = next_token_targets(labels)
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
+    return loss, targets != IGNORE_INDEX
+
+
+def routing_sums(layers, token_mask, token_loss, label_mask) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """Per (layer, expert): assignments over ``token_mask``, summed loss and label count of the tokens served."""
+    flat_tokens = token_mask.reshape(-1)
+    flat_labels = label_mask.reshape(-1)
+    flat_loss = token_loss.reshape(-1).double()
+    routed, loss_sum, label_tokens = [], [], []
+    for layer in layers:
+        index = layer.topk_index.reshape(flat_tokens.shape[0], -1).cpu()
+        k, num_experts = index.shape[1], layer.num_experts
+        routed.append(torch.bincount(index[flat_tokens].reshape(-1), minlength=num_experts))
+        served = index[flat_labels].reshape(-1)
+        loss_sum.append(torch.bincount(served, weights=flat_loss[flat_labels].repeat_interleave(k), minlength=num_experts))
+        label_tokens.append(torch.bincount(served, minlength=num_experts))
+    as_np = lambda rows, dtype: np.stack([r.numpy() for r in rows]).astype(dtype)  # noqa: E731
+    return [layer.layer for layer in layers], as_np(routed, np.int64), as_np(loss_sum, np.float64), as_np(label_tokens, np.int64)
+
+
+def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, precision: str = "fp32") -> SetStats:
+    """Run ``model`` over collated batches (``moeflow.collate.collate`` output) and sum loss and routing.
+
+    ``adapter``: the model's ``moeflow.routing`` adapter, or None for a dense model (no expert statistics).
+    Padding (negative ``doc_ids``, see ``moeflow.losses.token_mask``) is routed but not counted.
+    """
+    stats = SetStats()
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    model.eval()
+    started = time.perf_counter()
+    with torch.no_grad(), autocast:
+        for batch in batches:
+            inputs = model_inputs(model, batch)
+            labels = batch["labels"].to(device)
+            if adapter is not None:
+                with capture(model, adapter) as routing:
+                    logits = model(**inputs, use_cache=False).logits
+                layers = routing.layers
+            else:
+                logits = model(**inputs, use_cache=False).logits
+                layers = []
+            stats.loss_sum += float(cross_entropy_sum(logits, labels))
+            stats.label_tokens += count_label_tokens(labels)
+            stats.sequences += int(labels.shape[0])
+            mask = token_mask(batch)
+            stats.input_tokens += int(mask.sum())
+            if layers:
+                token_loss, label_mask = per_token_loss(logits, labels)
+                stats.add_routing(*routing_sums(layers, mask.cpu(), token_loss.cpu(), label_mask.cpu()))
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def batches(dataset, batch_size: int, attn_implementation: str, max_sequences: int | None = None) -> Iterator[dict]:
+    """Collated batches (``moeflow.collate.collate``) of ``batch_size`` packed rows, in order, from a
+    data-stage split (a ``datasets.Dataset`` or a list of rows), with ``doc_ids`` (-1 on padding)."""
+    n = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
+    for start in range(0, n, batch_size):
+        rows = [dataset[i] for i in range(start, min(start + batch_size, n))]
+        yield collate(rows)

@@ -1,0 +1,28 @@
+"""The device and dtype a stage computes in, from the config keys ``hardware.device`` and ``precision``."""
+
+from __future__ import annotations
+
+import torch
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class DeviceUnavailable(RuntimeError):
+    """The config asks for a device this machine does not have."""
+
+
+def compute_device(hardware_device: str) -> torch.device:
+    """The device ``hardware.device`` names; a CUDA config on a machine without a visible GPU is refused
+    (never a silent fall-back to the CPU: the stage's results and timings would be the CPU's)."""
+    if hardware_device == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            "config key 'hardware.device' is 'cuda' but torch sees no CUDA device here "
+            "(torch.cuda.is_available() is False; check CUDA_VISIBLE_DEVICES and the node's GPUs), "
+            "or set hardware.device: cpu"
+        )
+    return torch.device(hardware_device)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the model's weights are loaded in for a forward-only stage with ``precision``."""
+    return COMPUTE_DTYPES[precision]

@@ -1,0 +1,95 @@
+"""Tiny models of every supported MoE family with each family's distinctive features on, shared by the tests.
+
+Sliding windows where the family has them (mixed sliding/full layers for gpt_oss, qwen2_moe on transformers 5
+and step3p5), shared experts, dense first layers, group-limited routing, correction biases of both signs,
+expert and router biases (gpt_oss), tied and untied embeddings. ``build_family`` gives a model in float64 on
+the CPU (eager experts on transformers 5: grouped_mm rejects float64 on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeflow import compat
+from moeflow.modeling import build_model
+from moeflow.routing import adapter_for
+
+VOCAB = 128
+SEQ = 32
+WINDOW = 8  # sliding window, well under SEQ so that it matters
+COMMON = {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+
+FAMILY_CONFIGS = {
+    "qwen2_moe": {"intermediate_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                  "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False,
+                  "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "qwen3_moe": {"intermediate_size": 64, "moe_intermediate_size": 16, "head_dim": 16, "num_hidden_layers": 2,
+                  "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "tie_word_embeddings": True,
+                  "use_sliding_window": True, "sliding_window": WINDOW},
+    "mixtral": {"intermediate_size": 16, "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "sliding_window": WINDOW},
+    "olmoe": {"intermediate_size": 16, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+              "norm_topk_prob": False},
+    "deepseek_v3": {"intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+                    "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+                    "topk_group": 2, "n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 8, "num_key_value_heads": 2},
+    # layer_types alternate sliding/full by default; experts and router carry biases
+    "gpt_oss": {"intermediate_size": 16, "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "head_dim": 16, "sliding_window": WINDOW},
+    "granitemoe": {"intermediate_size": 16, "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+                   "tie_word_embeddings": True},
+    "step3p5": {"intermediate_size": 64, "moe_intermediate_size": 16, "share_expert_dim": 16, "head_dim": 16,
+                "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                "mlp_layer_types": ["dense", "sparse", "sparse"], "sliding_window": WINDOW,
+                "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+}
+FAMILIES = tuple(FAMILY_CONFIGS)
+MOE_LAYERS = {"deepseek_v3": [1, 2], "step3p5": [1, 2]}  # the others: [0, 1]
+TRANSFORMERS_5_ONLY = ("step3p5",)
+
+
+def model_config(model_type: str, attn: str = "eager") -> dict:
+    """The ``model`` config section (``moeflow.modeling.build_model``) of a family's tiny model."""
+    cfg = {"attn_implementation": attn, "config": {"model_type": model_type, **COMMON, **FAMILY_CONFIGS[model_type]}}
+    if compat.is_transformers_v5():
+        cfg["experts_implementation"] = "eager"  # grouped_mm rejects float64 on the CPU
+    return cfg
+
+
+def build_family(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0):
+    """A family's tiny model in ``dtype``, in eval mode, with routers spread far from ties."""
+    if model_type == "step3p5":
+        model = _step3p5_text_model(attn, seed)
+    else:
+        model = build_model(model_config(model_type, attn), vocab_size=VOCAB, seed=seed)
+    model = model.to(dtype)
+    spread_routers(model, seed)
+    return model.eval()
+
+
+def _step3p5_text_model(attn: str, seed: int):
+    """Step-3.5's text model: transformers 5 ships it (model_type step3p5) inside step3p7, without a causal-LM
+    class; the published checkpoint's own code needs trust_remote_code."""
+    compat.require_transformers_v5("step3p5")
+    from transformers import AutoConfig
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+
+    config = AutoConfig.for_model("step3p5", vocab_size=VOCAB, **COMMON, **FAMILY_CONFIGS["step3p5"])
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    return Step3p7TextModel(config)
+
+
+def spread_routers(model, seed: int = 0) -> None:
+    """Router weights large enough that selections are far from ties, and correction biases of both signs, so
+    that the sigmoid routers' biased, group-limited choice differs from a plain top-k of the logits."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    for site in adapter_for(model).sites:
+        weight = site.weight
+        with torch.no_grad():
+            weight.copy_(torch.randn(weight.shape, generator=generator, dtype=torch.float64) * 0.5)
+            bias = getattr(site.router, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_((torch.rand(bias.shape, generator=generator, dtype=torch.float64) - 0.5) * 0.8)

@@ -1,0 +1,254 @@
+"""moeflow.config: schema errors name the key, runs are validated overlays, the schema's defaults are the only
+defaults, typed settings per stage, and keys shared where settings agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeflow import config as mfconfig
+
+SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
+
+
+def optional_keys_without_default(node, path=""):
+    """Keys the schema lets a config leave out but gives no default (a source's keys per kind count)."""
+    node = mfconfig._resolved(node)
+    branches = [(node.get(b) or {}).get("properties") or {} for b in ("then", "else")]
+    per_kind = {k for props in branches for k, v in props.items() if "default" in v}
+    missing = []
+    for key, sub in (node.get("properties") or {}).items():
+        resolved = mfconfig._resolved(sub)
+        if key not in node.get("required", []) and "default" not in resolved and key not in per_kind:
+            missing.append(f"{path}.{key}")
+        if "properties" in resolved or isinstance(resolved.get("additionalProperties"), dict):
+            missing += optional_keys_without_default(sub, f"{path}.{key}")
+    others = node.get("additionalProperties")
+    if isinstance(others, dict) and "properties" in mfconfig._resolved(others):
+        missing += optional_keys_without_default(others, f"{path}.*")
+    return missing
+
+
+def test_every_optional_key_has_its_default_in_the_schema():
+    # a file source's path has none: the file kinds require it and stdlib takes none
+    assert optional_keys_without_default(mfconfig.schema()) == [".data.sources.*.path"]
+
+
+def test_defaults_fill_in_through_refs_and_per_source_kind():
+    filled = mfconfig.with_defaults({
+        "train": {"steps": 3, "lr": 1.0, "balance": {"coef": 0.5}},
+        "data": {"sources": {"code": {"type": "stdlib"}, "chat": {"type": "jsonl", "path": "c.jsonl"}}},
+    })
+    assert filled["train"]["balance"] == {"coef": 0.5, "mode": "running", "z_loss_coef": 0.0, "bias_update_rate": 0.0}
+    assert filled["train"]["routing_guard"]["window_steps"] == 10 and filled["train"]["betas"] == [0.9, 0.95]
+    assert filled["data"]["sources"]["code"] == {"type": "stdlib", "packages": None, "exclude_packages": []}
+    assert filled["data"]["sources"]["chat"] == {
+        "type": "jsonl", "path": "c.jsonl", "text_field": "text", "messages_field": None, "assistant_only_labels": True,
+    }
+    assert filled["parallel"]["strategy"] == "none" and filled["env"] == {"strict": False}
+    # keys present, null included, are kept
+    assert mfconfig.with_defaults({"hardware": {"num_devices": None}})["hardware"] == {
+        "num_devices": None, "device": "cpu", "memory_gib_per_device": None}
+
+
+def test_a_runs_overlay_gets_the_defaults_too():
+    cfg = mfconfig.load(SMOKE, overrides={"runs": {"wide": {
+        "parallel": {"strategy": "fsdp", "nproc_per_node": 2}, "hardware": {"num_devices": 2},
+        "data": {"sources": {"notes": {"type": "text", "path": "notes/"}}},  # a source the base does not have
+    }}})
+    wide = mfconfig.run_config(cfg, "wide")
+    assert wide["parallel"] == {"strategy": "fsdp", "nproc_per_node": 2, "nnodes": 1, "ep_size": 1, "fsdp_size": None,
+                                "ep_implementation": "auto"}
+    assert wide["data"]["sources"]["notes"]["assistant_only_labels"] is True
+
+
+def test_enumerations_are_read_from_the_schema():
+    assert mfconfig.enum("#/$defs/balance/properties/mode") == ("running", "exact", "micro_batch", "off", False)
+    lora = mfconfig.settings(mfconfig.LoraSettings, {"targets": ["all"]})
+    assert lora.categories == ("attention", "dense_ffn", "shared_experts", "routed_experts")
+
+
+def test_training_settings_resolve_the_warmup_and_drop_lora_of_a_full_run():
+    train = mfconfig.training({"steps": 40, "lr": 1e-3, "warmup_ratio": 0.2, "balance": {"mode": False}})
+    settings = mfconfig.settings(mfconfig.TrainSettings, train)
+    assert settings.warmup_steps == 8 and settings.lora is None and settings.balance.mode == "off"
+    assert isinstance(settings.betas, tuple)
+    assert settings.routing_guard == mfconfig.RoutingThresholds(10, 3.0, 0.6, 0, 50, 0.5, 0.5)
+    lora = mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({"steps": 4, "lr": 1e-3, "method": "lora"}))
+    assert lora.lora == mfconfig.LoraSettings(rank=16, alpha=32.0, dropout=0.0, targets=("all",), router="frozen")
+
+
+def test_typed_settings_need_every_key_and_know_them_all():
+    with pytest.raises(mfconfig.ConfigError, match=r"missing \['data'"):
+        mfconfig.settings(mfconfig.PretrainStage, {"model": {}, "pretrain": {}, "precision": "fp32", "seed": 0})
+    with pytest.raises(mfconfig.ConfigError, match=r"unknown \['extra'\]"):
+        mfconfig.settings(mfconfig.BalanceSettings, {"coef": 0.1, "extra": 1})
+
+
+@pytest.mark.parametrize("stage,settings_of", [
+    (mfconfig.PretrainStage, mfconfig.base_model_settings),
+    (mfconfig.WarmupStage, mfconfig.warmup_settings),
+    (mfconfig.TrainModelStage, mfconfig.train_model_settings),
+])
+def test_stage_params_are_plain_whole_and_type_back(stage, settings_of):
+    cfg = mfconfig.run_config(mfconfig.load(SMOKE), "moe")
+    params = settings_of(cfg)
+    assert json.loads(json.dumps(params)) == params  # what Snakemake compares to decide a rerun
+    typed = mfconfig.settings(stage, params)
+    assert mfconfig.plain(typed) == json.loads(json.dumps(params))
+
+
+def test_the_warmup_stage_trains_the_warmup_part_only():
+    cfg = mfconfig.run_config(mfconfig.load(SMOKE), "moe")
+    warmup = mfconfig.settings(mfconfig.WarmupStage, mfconfig.warmup_settings(cfg)).train
+    assert (warmup.steps, warmup.warmup_steps) == (cfg["train"]["warmup_steps"],) * 2
+    assert (warmup.min_lr, warmup.log_every, warmup.eval_every, warmup.peak_flops_per_s) == (0.0, 1, 0, None)
+    whole = mfconfig.settings(mfconfig.TrainModelStage, mfconfig.train_model_settings(cfg)).train
+    assert whole.steps == cfg["train"]["steps"] and whole.routing_guard == warmup.routing_guard
+
+
+# --------------------------------------------------------------------------- overlays
+
+
+def test_null_in_an_overlay_removes_a_key_or_a_run():
+    cfg = mfconfig.load(overrides={"train": {"warmup_steps": None, "warmup_ratio": 0.25}, "runs": {"dense": None},
+                                   "paper": {"dense_runs": []}})
+    assert mfconfig.run_names(cfg) == ["moe"]
+    assert mfconfig.train_settings(cfg)["warmup_steps"] == 10  # 0.25 x 40 steps: the default's 8 is gone
+    with pytest.raises(mfconfig.ConfigError, match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe\)"):
+        mfconfig.load(overrides={"runs": {"dense": None}})
+
+
+def test_a_source_of_another_type_replaces_the_one_below_whole(tmp_path):
+    cfg = mfconfig.load(overrides={"data": {"sources": {"target": {"type": "jsonl", "path": str(tmp_path / "t.jsonl")}}}})
+    assert cfg["data"]["sources"]["target"] == {"type": "jsonl", "path": str(tmp_path / "t.jsonl"), "text_field": "text",
+                                                "messages_field": None, "assistant_only_labels": True}
+    same_type = mfconfig.load(overrides={"data": {"sources": {"target": {"type": "stdlib", "exclude_packages": ["xml"]}}}})
+    assert same_type["data"]["sources"]["target"]["packages"] == ["email", "http", "urllib", "json", "xml", "html"]
+
+
+def test_keys_of_another_kind_of_source_are_a_config_error():
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(overrides={"data": {"sources": {"notes": {"type": "jsonl", "path": "n.jsonl", "packages": ["json"]}}}})
+    assert str(err.value) == (
+        "invalid configuration: config key 'data.sources.notes': packages do not apply to a source of type jsonl; remove them"
+    )
+
+
+def test_a_hub_id_as_model_pretrained_says_how_to_fetch_it():
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(overrides={"model": {"pretrained": "Qwen/Qwen3-30B-A3B"}})
+    message = str(err.value)
+    assert "config key 'model.pretrained': 'Qwen/Qwen3-30B-A3B' is not a local model folder" in message
+    assert "moeflow never downloads a model" in message
+    assert "`huggingface-cli download Qwen/Qwen3-30B-A3B --local-dir models/qwen3-30b-a3b`" in message
+    assert message.endswith("then set model.pretrained: models/qwen3-30b-a3b")
+
+
+def test_a_pretrained_model_gets_only_its_own_runs(tmp_path):
+    """The embedded default's dense comparison (model_from_config) changes model.config: a pretrained folder
+    has no model.config to change, so it is not there for one."""
+    pretrained = mfconfig.load(overrides={"model": {"pretrained": str(tmp_path)}})
+    assert mfconfig.run_names(pretrained) == ["moe"] and pretrained["paper"]["dense_runs"] == []
+    assert "model_from_config" not in pretrained and "model_from_config" not in mfconfig.load()
+    # the smoke overlay's change to the dense run lands on the embedded default's
+    assert mfconfig.run_config(mfconfig.load(SMOKE), "dense")["model"]["config"]["num_experts"] == 0
+
+
+def test_a_run_that_changes_model_config_of_a_pretrained_model_is_refused(tmp_path):
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(overrides={"model": {"pretrained": str(tmp_path)},
+                                 "runs": {"narrow": {"model": {"config": {"intermediate_size": 64}}}}})
+    assert str(err.value).startswith(
+        "invalid configuration: config key 'runs.narrow.model.config': run 'narrow' changes model.config, but "
+        "model.pretrained is set"
+    )
+    with pytest.raises(mfconfig.ConfigError, match="run 'own' changes model.config"):  # the run's own pretrained folder
+        mfconfig.load(overrides={"runs": {"own": {"model": {"pretrained": str(tmp_path), "config": {"hidden_size": 64}}}}})
+
+
+# --------------------------------------------------------------------------- validation and keys
+
+
+def test_default_and_smoke_configs_are_valid():
+    for cfg in (mfconfig.load(), mfconfig.load(SMOKE)):
+        assert mfconfig.run_names(cfg) == ["moe", "dense"]
+        mfconfig.run_config(cfg, "moe")
+        dense = mfconfig.run_config(cfg, "dense")["model"]["config"]  # the MoE's active parameters per token
+        moe = cfg["model"]["config"]
+        assert dense["num_experts"] == 0 and dense["intermediate_size"] == moe["num_experts_per_tok"] * moe["moe_intermediate_size"]
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(overrides={"data": {"seq_len": "long"}})
+    assert "config key 'data.seq_len': 'long' is not of type 'integer'" in str(err.value)
+
+
+def test_out_of_range_value_names_the_key():
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(overrides={"threads": 0})
+    assert "config key 'threads': 0 is less than the minimum of 1" in str(err.value)
+
+
+def test_unknown_key_names_it_and_lists_the_allowed_keys():
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(overrides={"coverage": {"min_doc_per_expert": 5}})
+    message = str(err.value)
+    assert "config key 'coverage': unknown key(s) 'min_doc_per_expert'" in message
+    assert "min_docs_per_expert" in message  # the allowed keys are listed
+
+
+def test_enum_lists_the_allowed_values():
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(overrides={"precision": "fp16"})
+    assert "config key 'precision': 'fp16' is not one of the allowed values ('fp32', 'bf16')" in str(err.value)
+
+
+def test_a_bad_run_overlay_is_reported_with_the_run_name():
+    with pytest.raises(mfconfig.ConfigError) as err:
+        mfconfig.load(overrides={"runs": {"wide": {"data": {"seq_len": -4}}}})
+    assert "(run 'wide')" in str(err.value) and "data.seq_len" in str(err.value)
+
+
+def test_run_names_are_restricted_to_path_safe_characters():
+    with pytest.raises(mfconfig.ConfigError, match="run names may use"):
+        mfconfig.load(overrides={"runs": {"../escape": {}}})
+
+
+def test_unknown_corpus_reference_is_refused():
+    with pytest.raises(mfconfig.ConfigError, match="corpus 'nope' is not among 'data.sources'"):
+        mfconfig.load(overrides={"data": {"eval_corpora": ["nope"]}})
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(mfconfig.ConfigError, match="does not exist"):
+        mfconfig.load(tmp_path / "absent.yaml")
+
+
+def test_runs_overlay_the_base_and_share_what_they_agree_on():
+    cfg = mfconfig.load(
+        overrides={"runs": {"moe": {}, "lr_variant": {"train": {"micro_batch_size": 4}}, "short": {"data": {"seq_len": 256}}}}
+    )
+    moe, lr_variant, short = (mfconfig.run_config(cfg, r) for r in ("moe", "lr_variant", "short"))
+    assert lr_variant["train"]["micro_batch_size"] == 4 and moe["train"]["micro_batch_size"] == 2
+    # a training setting does not change the data stages' keys ...
+    assert mfconfig.data_key(moe) == mfconfig.data_key(lr_variant)
+    assert mfconfig.coverage_key(moe) == mfconfig.coverage_key(lr_variant)
+    # ... a data setting does, but the tokenizer (trained before packing) is still shared
+    assert mfconfig.data_key(moe) != mfconfig.data_key(short)
+    assert mfconfig.tokenizer_key(moe) == mfconfig.tokenizer_key(short)
+
+
+def test_stable_hash_ignores_key_order():
+    assert mfconfig.stable_hash({"a": 1, "b": [1, 2]}) == mfconfig.stable_hash({"b": [1, 2], "a": 1})
+
+
+def test_stack_comes_from_config_then_environment():
+    cfg = mfconfig.load()
+    assert mfconfig.resolve_stack(cfg, environ={}) == "pinned"
+    assert mfconfig.resolve_stack(cfg, environ={"STACK": "current"}) == "current"
+    assert mfconfig.resolve_stack({**cfg, "stack": "pinned"}, environ={"STACK": "current"}) == "pinned"
+    with pytest.raises(mfconfig.ConfigError, match="must be one of pinned, current"):
+        mfconfig.resolve_stack(cfg, environ={"STACK": "nightly"})

@@ -1,0 +1,63 @@
+"""The package's import graph: no cycles, and the rule inputs that come from it."""
+
+from __future__ import annotations
+
+from moeflow.config import REPO_ROOT
+from moeflow.imports import PACKAGE_DIR, direct_imports, find_cycle, import_graph, transitive_imports
+
+SCRIPTS = sorted((REPO_ROOT / "workflow" / "scripts").glob("*.py"))
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 20
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_find_cycle_finds_one_through_imports_inside_functions(tmp_path):
+    package = tmp_path / "moeflow"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .b import thing\n")
+    (package / "b.py").write_text("def thing():\n    from moeflow import c\n")
+    (package / "c.py").write_text("import moeflow.a\n")
+    graph = import_graph(package)
+    assert graph["moeflow.b"] == {"moeflow", "moeflow.c"}
+    assert find_cycle(graph) == ["moeflow.a", "moeflow.b", "moeflow.c", "moeflow.a"]
+    (package / "c.py").write_text("import json\n")
+    assert find_cycle(import_graph(package)) is None
+
+
+def test_direct_imports_see_every_form_of_import(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os\nfrom moeflow import distributed as D\nfrom moeflow.files import write_json\n"
+        "import moeflow.stage\ndef f():\n    from moeflow.losses import StepLoss\n"
+    )
+    found = direct_imports(script)
+    assert {"moeflow.distributed", "moeflow.files", "moeflow.stage", "moeflow.losses"} <= found
+    assert not any(m in found for m in ("os", "moeflow.files.write_json", "moeflow.losses.StepLoss"))
+
+
+def test_every_stage_script_reaches_the_package_through_its_imports():
+    assert SCRIPTS
+    for script in SCRIPTS:
+        reached = transitive_imports(script)
+        assert "moeflow" in reached and "moeflow.stage" in reached, script.name
+        for module in reached:
+            path = PACKAGE_DIR / (module.split(".", 1)[1] + ".py" if "." in module else "__init__.py")
+            assert path.is_file(), (script.name, module)
+
+
+def test_transitive_imports_follow_the_package(tmp_path):
+    graph = import_graph()
+    script = tmp_path / "s.py"
+    script.write_text("from moeflow.train import Trainer\n")
+    reached = set(transitive_imports(script))
+    closure, todo = set(), ["moeflow.train"]
+    while todo:
+        module = todo.pop()
+        if module not in closure:
+            closure.add(module)
+            todo += graph[module]
+    assert reached == closure | {"moeflow"}

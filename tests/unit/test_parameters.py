@@ -1,0 +1,101 @@
+"""moeflow.parameters: one classification of parameter names, and the optimizer groups built on it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, build_family
+
+from moeflow import compat
+from moeflow import parameters as P
+from moeflow.optim import param_groups
+from moeflow.routing import adapter_for
+
+STACK_FAMILIES = [f for f in FAMILIES if compat.is_transformers_v5() or f not in TRANSFORMERS_5_ONLY]
+
+
+def settings(**kw):
+    """What param_groups reads of the training settings."""
+    return SimpleNamespace(**{"lr": 1e-3, "weight_decay": 0.1, "router_lr_multiplier": 1.0, "freeze_router": False, **kw})
+
+
+def router_parameter_names(model) -> set[str]:
+    """The router parameters as moeflow.routing finds the routers (not from names)."""
+    return {f"{site.name}.{name}" for site in adapter_for(model).sites for name, _ in site.router.named_parameters()}
+
+
+def group_of(groups, model) -> dict[str, dict]:
+    by_id = {id(p): g for g in groups for p in g["params"]}
+    return {name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id}
+
+
+@pytest.mark.parametrize("family", STACK_FAMILIES)
+def test_every_router_parameter_is_classified_router_and_nothing_else(family):
+    model = build_family(family, dtype=torch.float32)
+    routers = router_parameter_names(model)
+    assert routers
+    for name, _ in model.named_parameters():
+        assert (P.category(name) == P.ROUTER) == (name in routers), name
+
+
+def test_granitemoe_router_gets_the_router_multiplier_and_freezes():
+    # transformers 4.57 names it block_sparse_moe.router.layer.weight (a child Linear), 5 router.weight
+    model = build_family("granitemoe", dtype=torch.float32)
+    routers = router_parameter_names(model)
+    groups = group_of(param_groups(model, settings(router_lr_multiplier=0.25)), model)
+    assert {n for n, g in groups.items() if g["lr_multiplier"] == 0.25} == routers
+    param_groups(model, settings(freeze_router=True))
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == routers
+
+
+def test_gpt_oss_expert_biases_take_no_weight_decay():
+    model = build_family("gpt_oss", dtype=torch.float32)
+    biases = [n for n, p in model.named_parameters() if n.endswith(("gate_up_proj_bias", "down_proj_bias"))]
+    assert biases and all(model.get_parameter(n).ndim == 2 for n in biases)
+    assert {P.category(n) for n in biases} == {P.EXPERT_BIASES}
+    groups = group_of(param_groups(model, settings()), model)
+    for name, p in model.named_parameters():
+        decayed = groups[name]["weight_decay"] > 0
+        assert decayed == (p.ndim >= 2 and name not in biases), name
+
+
+@pytest.mark.parametrize(
+    ("name", "category"),
+    [
+        ("model.layers.1.mlp.gate.weight", P.ROUTER),
+        ("base_model.model.model.layers.1.mlp.gate.base_layer.weight", P.ROUTER),
+        ("base_model.model.model.layers.1.mlp.gate.lora_A.default.weight", P.ROUTER),
+        ("model.layers.1.block_sparse_moe.router.layer.weight", P.ROUTER),
+        ("model.layers.1.mlp.experts.3.up_proj.weight", P.ROUTED_EXPERTS),
+        ("base_model.model.model.layers.1.mlp.experts.lora_B.default.weight", P.ROUTED_EXPERTS),
+        ("model.layers.1.mlp.experts.gate_up_proj_bias", P.EXPERT_BIASES),
+        ("model.layers.1.mlp.gate.e_score_correction_bias", P.CORRECTION_BIAS),
+        ("model.layers.1.mlp.shared_experts.down_proj.weight", P.SHARED_EXPERTS),
+        ("model.layers.1.mlp.shared_expert_gate.weight", P.SHARED_EXPERT_GATE),
+        ("model.layers.1.self_attn.q_norm.weight", P.ATTENTION),
+        ("model.layers.0.mlp.gate_proj.weight", P.DENSE_FFN),
+        ("model.layers.0.post_attention_layernorm.weight", P.NORMS),
+        ("model.norm.weight", P.NORMS),
+        ("model.embed_tokens.weight", P.EMBEDDING),
+        ("lm_head.weight", P.LM_HEAD),
+    ],
+)
+def test_categories_of_names_on_both_layouts_and_under_peft(name, category):
+    assert P.category(name) == category
+
+
+def test_counts_merge_the_small_categories():
+    assert P.counted_category("model.layers.1.mlp.experts.down_proj_bias") == P.ROUTED_EXPERTS
+    assert P.counted_category("model.layers.1.mlp.gate.e_score_correction_bias") == P.ROUTER
+    assert P.counted_category("model.layers.1.mlp.shared_expert_gate.weight") == P.SHARED_EXPERTS
+    assert P.counted_category("model.layers.1.unknown.thing") is None
+
+
+def test_weight_decay_rule_uses_the_shape_in_the_model():
+    # FSDP1 flattens parameters to 1-D: the rule reads the original shape (moeflow.distributed.original_shape)
+    assert P.takes_weight_decay("model.layers.0.self_attn.q_proj.weight", (16, 16))
+    assert not P.takes_weight_decay("model.layers.0.self_attn.q_proj.bias", (16,))
+    assert not P.takes_weight_decay("model.layers.0.self_attn.sinks", (2,))
+    assert not P.takes_weight_decay("model.layers.0.mlp.experts.gate_up_proj_bias", (4, 64))
