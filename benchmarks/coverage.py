@@ -40,7 +40,9 @@ DEFAULT_SIZES = "1000x48x128,10000x48x128,30000x48x128,100000x48x128"
 TOP_K, PAIRS_PER_LAYER, MIN_DOCS, TOPICS = 8, 4, 5, 16
 
 
-def synthetic_constraints(num_docs: int, num_layers: int, num_experts: int, zipf: float, seed: int = 0) -> tuple[Constraints, np.ndarray]:
+def synthetic_constraints(
+    num_docs: int, num_layers: int, num_experts: int, zipf: float, seed: int = 0
+) -> tuple[Constraints, np.ndarray]:
     rng = np.random.default_rng(seed)
     tokens = np.clip(rng.lognormal(np.log(256), 1.0, num_docs), 16, 8192).astype(np.int64)
     popularity = np.arange(1, num_experts + 1, dtype=np.float64) ** -zipf
@@ -94,16 +96,25 @@ def run_one(size: str, seed: int, budget: int, zipf: float) -> dict:
     cells = np.arange(constraints.num_constraints) < constraints.num_cells
     below = (got < MIN_DOCS) & constraints.valid
     return {
-        "docs": num_docs, "layers": num_layers, "experts": num_experts, "top_k": TOP_K, "zipf": zipf,
-        "pairs_per_layer": PAIRS_PER_LAYER, "min_docs_per_expert": MIN_DOCS,
-        "token_budget": budget, "pool_tokens": int(tokens.sum()),
+        "docs": num_docs,
+        "layers": num_layers,
+        "experts": num_experts,
+        "top_k": TOP_K,
+        "zipf": zipf,
+        "pairs_per_layer": PAIRS_PER_LAYER,
+        "min_docs_per_expert": MIN_DOCS,
+        "token_budget": budget,
+        "pool_tokens": int(tokens.sum()),
         "selection_seconds": round(selected_s, 3),
         "selection_plus_random_comparison_seconds": round(total_s, 3),
-        "selection_peak_bytes": int(selection_peak), "statistics_bytes": int(stats_bytes),
+        "selection_peak_bytes": int(selection_peak),
+        "statistics_bytes": int(stats_bytes),
         "process_peak_rss_bytes": int(peak),
-        "selected_docs": int(len(selection.selected)), "greedy_docs": selection.greedy_count,
+        "selected_docs": int(len(selection.selected)),
+        "greedy_docs": selection.greedy_count,
         "selected_tokens": selection.tokens,
-        "valset_cells_below": int(below[cells].sum()), "valset_pairs_below": int(below[~cells].sum()),
+        "valset_cells_below": int(below[cells].sum()),
+        "valset_pairs_below": int(below[~cells].sum()),
         "pool_cells_below": int(((constraints.available < MIN_DOCS) & cells).sum()),
         "valset_unmet_for_budget": int(((selection.shortfall > 0) & constraints.valid).sum()),
         "random_cells_below_mean": comparison["cells_below"]["mean"],
@@ -125,15 +136,28 @@ def main() -> None:
         return
     results = []
     for zipf, size in ((z, s) for z in args.zipf.split(",") for s in args.sizes.split(",")):
-        command = [sys.executable, __file__, "--one", size, "--seed", str(args.seed), "--budget", str(args.budget), "--zipf", zipf]
+        command = [
+            sys.executable,
+            __file__,
+            "--one",
+            size,
+            "--seed",
+            str(args.seed),
+            "--budget",
+            str(args.budget),
+            "--zipf",
+            zipf,
+        ]
         proc = subprocess.run(command, capture_output=True, text=True, check=True)
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(result)
-        print(f"zipf {zipf} {size}: select {result['selection_seconds']} s, +random comparison {result['selection_plus_random_comparison_seconds']} s, "
-              f"peak {(result['selection_peak_bytes'] + result['statistics_bytes']) / 2**30:.3f} GiB "
-              f"(statistics {result['statistics_bytes'] / 2**30:.3f} GiB), "
-              f"{result['selected_docs']} docs; cells below: valset {result['valset_cells_below']}, random {result['random_cells_below_mean']}",
-              flush=True)
+        print(
+            f"zipf {zipf} {size}: select {result['selection_seconds']} s, +random comparison {result['selection_plus_random_comparison_seconds']} s, "
+            f"peak {(result['selection_peak_bytes'] + result['statistics_bytes']) / 2**30:.3f} GiB "
+            f"(statistics {result['statistics_bytes'] / 2**30:.3f} GiB), "
+            f"{result['selected_docs']} docs; cells below: valset {result['valset_cells_below']}, random {result['random_cells_below_mean']}",
+            flush=True,
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {

@@ -94,7 +94,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="cores for every method (default 2)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tokenizer", help="tokenizer folder (default: train the default config's tokenizer first)")
-    parser.add_argument("--config", action="append", default=[], help="config overlay(s) (default: the embedded default)")
+    parser.add_argument(
+        "--config", action="append", default=[], help="config overlay(s) (default: the embedded default)"
+    )
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "tokenize.json"))
     args = parser.parse_args()
 
@@ -122,12 +124,17 @@ def main() -> None:
         results = {}
         results["raw_tokenizer"] = best_of(args.repeats, lambda: run_raw(texts, tokenizer))
         results["moeflow_stage"] = best_of(
-            args.repeats, lambda: run_stage(settings, corpora, tokenizer_dir, args.threads, Path(workdir) / "stage"))
+            args.repeats, lambda: run_stage(settings, corpora, tokenizer_dir, args.threads, Path(workdir) / "stage")
+        )
         with tempfile.TemporaryDirectory(prefix="moeflow-bench-cache-") as cache:
             datasets.config.HF_DATASETS_CACHE = cache
-            results["datasets_map"] = best_of(args.repeats, lambda: run_datasets_recipe(texts, tokenizer, seq_len, args.threads))
+            results["datasets_map"] = best_of(
+                args.repeats, lambda: run_datasets_recipe(texts, tokenizer, seq_len, args.threads)
+            )
 
-    methods = {name: {"seconds": round(s, 3), "tokens": n, "tokens_per_s": round(n / s)} for name, (s, n) in results.items()}
+    methods = {
+        name: {"seconds": round(s, 3), "tokens": n, "tokens_per_s": round(n / s)} for name, (s, n) in results.items()
+    }
     stage = methods["moeflow_stage"]["tokens_per_s"]
     ratios = {
         "stage_vs_datasets_map": round(stage / methods["datasets_map"]["tokens_per_s"], 3),
@@ -136,20 +143,28 @@ def main() -> None:
     report = {
         "methods": methods,
         "ratios": ratios,
-        "goals": {"stage_vs_datasets_map >= 1.5": ratios["stage_vs_datasets_map"] >= 1.5,
-                  "stage_vs_raw_tokenizer >= 0.8": ratios["stage_vs_raw_tokenizer"] >= 0.8},
+        "goals": {
+            "stage_vs_datasets_map >= 1.5": ratios["stage_vs_datasets_map"] >= 1.5,
+            "stage_vs_raw_tokenizer >= 0.8": ratios["stage_vs_raw_tokenizer"] >= 0.8,
+        },
         "corpus": {"corpora": corpora, "documents": len(texts), "characters": sum(map(len, texts)), "seq_len": seq_len},
         "tokenizer": {"vocab_size": len(tokenizer), "trained_seconds": None if trained is None else round(trained, 3)},
         "threads": args.threads,
         "repeats": args.repeats,
-        "environment": {"python": platform.python_version(), "transformers": str(compat.version_of("transformers")),
-                        "tokenizers": str(compat.version_of("tokenizers")), "datasets": str(compat.version_of("datasets")),
-                        "cpu_count": os.cpu_count()},
+        "environment": {
+            "python": platform.python_version(),
+            "transformers": str(compat.version_of("transformers")),
+            "tokenizers": str(compat.version_of("tokenizers")),
+            "datasets": str(compat.version_of("datasets")),
+            "cpu_count": os.cpu_count(),
+        },
     }
     write_json(args.out, report)
     for name, m in methods.items():
         print(f"{name:15s} {m['tokens_per_s']:>12,} tokens/s  ({m['tokens']:,} tokens in {m['seconds']:.2f} s)")
-    print(f"stage / datasets.map = {ratios['stage_vs_datasets_map']:.2f}x   stage / raw tokenizer = {ratios['stage_vs_raw_tokenizer']:.2f}x")
+    print(
+        f"stage / datasets.map = {ratios['stage_vs_datasets_map']:.2f}x   stage / raw tokenizer = {ratios['stage_vs_raw_tokenizer']:.2f}x"
+    )
     print(f"written to {args.out}")
 
 

@@ -72,7 +72,7 @@ def precision_of(setup: str) -> str:
 
 
 def balance_mode_of(setup: str) -> str:
-    return setup[len("moeflow_"):] if setup in BALANCE_SETUPS else "off"
+    return setup[len("moeflow_") :] if setup in BALANCE_SETUPS else "off"
 
 
 def stack_name() -> str:
@@ -100,11 +100,13 @@ def recipe_examples(docs, pad_id) -> list[dict]:
     for ids in docs:
         ids = ids[:RECIPE_MAX_LENGTH]
         pad = RECIPE_MAX_LENGTH - len(ids)
-        out.append({
-            "input_ids": ids + [pad_id] * pad,
-            "attention_mask": [1] * len(ids) + [0] * pad,
-            "labels": ids + [-100] * pad,
-        })
+        out.append(
+            {
+                "input_ids": ids + [pad_id] * pad,
+                "attention_mask": [1] * len(ids) + [0] * pad,
+                "labels": ids + [-100] * pad,
+            }
+        )
     return out
 
 
@@ -156,11 +158,11 @@ def warm_up(model, batch, autocast) -> None:
 def worker(setup: str, args) -> dict:
     import torch
 
-    from moeflow.modeling import load_model, load_tokenizer
-    from moeflow.stage import set_offline
+    from moeflow import config as mfconfig
     from moeflow.collate import collate, model_inputs
     from moeflow.metrics import active_parameters
-    from moeflow import config as mfconfig
+    from moeflow.modeling import load_model, load_tokenizer
+    from moeflow.stage import set_offline
     from moeflow.train import Trainer
 
     set_offline()
@@ -187,14 +189,32 @@ def worker(setup: str, args) -> dict:
     if setup.startswith("moeflow"):
         examples = packed_rows(args.data)
         mode = balance_mode_of(setup)
-        settings = mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({
-            "steps": timed, "lr": LR, "warmup_steps": 1, "micro_batch_size": MICRO, "grad_accum_steps": ACCUM,
-            "weight_decay": 0.1, "max_grad_norm": 1.0, "balance": {"mode": mode, "coef": BALANCE_COEF},
-            "memory_guard": {"skip_steps": 10**6},
-        }))
+        settings = mfconfig.settings(
+            mfconfig.TrainSettings,
+            mfconfig.training(
+                {
+                    "steps": timed,
+                    "lr": LR,
+                    "warmup_steps": 1,
+                    "micro_batch_size": MICRO,
+                    "grad_accum_steps": ACCUM,
+                    "weight_decay": 0.1,
+                    "max_grad_norm": 1.0,
+                    "balance": {"mode": mode, "coef": BALANCE_COEF},
+                    "memory_guard": {"skip_steps": 10**6},
+                }
+            ),
+        )
         warm_up(model, collate(examples[:MICRO]), autocast)
-        trainer = Trainer(model, settings, examples, collate_fn=collate, seed=0,
-                          precision=precision_of(setup), step_hook=lambda step, m: mark())
+        trainer = Trainer(
+            model,
+            settings,
+            examples,
+            collate_fn=collate,
+            seed=0,
+            precision=precision_of(setup),
+            step_hook=lambda step, m: mark(),
+        )
         train_step = trainer.train_step
 
         def first_step_begins():  # the loop has no hook before a step; the first one starts the clock
@@ -234,13 +254,31 @@ def worker(setup: str, args) -> dict:
         warm_up(model, hf_batch(examples[:MICRO]), autocast)
         with tempfile.TemporaryDirectory() as tmp:
             hf_args = TrainingArguments(
-                output_dir=tmp, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM, learning_rate=LR,
-                max_grad_norm=1.0, weight_decay=0.1, adam_beta2=0.95, max_steps=timed, lr_scheduler_type="cosine", warmup_steps=1,
-                gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
-                report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0,
-                use_cpu=True, seed=0, remove_unused_columns=False, optim="adamw_torch",
+                output_dir=tmp,
+                per_device_train_batch_size=MICRO,
+                gradient_accumulation_steps=ACCUM,
+                learning_rate=LR,
+                max_grad_norm=1.0,
+                weight_decay=0.1,
+                adam_beta2=0.95,
+                max_steps=timed,
+                lr_scheduler_type="cosine",
+                warmup_steps=1,
+                gradient_checkpointing=checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
+                report_to=[],
+                save_strategy="no",
+                logging_steps=10**6,
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+                use_cpu=True,
+                seed=0,
+                remove_unused_columns=False,
+                optim="adamw_torch",
             )
-            HFTrainer(model=model, args=hf_args, train_dataset=examples, data_collator=hf_batch, callbacks=[StepClock()]).train()
+            HFTrainer(
+                model=model, args=hf_args, train_dataset=examples, data_collator=hf_batch, callbacks=[StepClock()]
+            ).train()
 
     seconds = statistics.median(step_intervals(ends))
     tokens_per_step = statistics.fmean(label_tokens(e) for e in examples) * MICRO * ACCUM
@@ -295,20 +333,32 @@ def median_ratio(runs: dict, top: str, bottom: str, key: str = "useful_tokens_pe
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="the base model folder (pretrain_base's output or a pretrained model)")
+    parser.add_argument(
+        "--model", required=True, help="the base model folder (pretrain_base's output or a pretrained model)"
+    )
     parser.add_argument("--data", required=True, help="the fine-tuning corpus folder (the tokenize stage's output)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per packed-row run")
     parser.add_argument("--recipe-steps", type=int, default=1, help="timed optimizer steps per recipe run")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE"),
-                        help="OpenMP threads sleep (PASSIVE) or spin (ACTIVE) while waiting; on a shared machine spinning threads "
-                             "that lose their core slow a step down many times over, so every setup runs PASSIVE by default")
+    parser.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        choices=("PASSIVE", "ACTIVE"),
+        help="OpenMP threads sleep (PASSIVE) or spin (ACTIVE) while waiting; on a shared machine spinning threads "
+        "that lose their core slow a step down many times over, so every setup runs PASSIVE by default",
+    )
     parser.add_argument("--balance-modes", action="store_true", help="also run moeflow with each balancing-loss mode")
-    parser.add_argument("--balance-modes-only", action="store_true",
-                        help="run moeflow (off) and its balancing-loss modes only; adds them to this stack's entry as balance_modes")
-    parser.add_argument("--lora-only", action="store_true",
-                        help="run moeflow's full fine-tune and its LoRA fine-tune only; adds them to this stack's entry as lora_vs_full")
+    parser.add_argument(
+        "--balance-modes-only",
+        action="store_true",
+        help="run moeflow (off) and its balancing-loss modes only; adds them to this stack's entry as balance_modes",
+    )
+    parser.add_argument(
+        "--lora-only",
+        action="store_true",
+        help="run moeflow's full fine-tune and its LoRA fine-tune only; adds them to this stack's entry as lora_vs_full",
+    )
     parser.add_argument("--worker", choices=CORE_SETUPS + BALANCE_SETUPS + LORA_SETUPS)
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "train.json"))
     args = parser.parse_args()
@@ -323,24 +373,48 @@ def main() -> None:
     else:
         setups = CORE_SETUPS + (BALANCE_SETUPS if args.balance_modes else ())
     separate = args.lora_only or args.balance_modes_only
-    os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # before torch loads OpenMP: the matmul peak runs like the workers
+    os.environ["OMP_WAIT_POLICY"] = (
+        args.omp_wait_policy
+    )  # before torch loads OpenMP: the matmul peak runs like the workers
     started = time.perf_counter()
     load_start = os.getloadavg()
     peaks = {p: [matmul_peak(args.threads, p)] for p in ("fp32", "bf16")}
     runs: dict[str, list] = {s: [] for s in setups}
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": args.omp_wait_policy}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "src"),
+        "OMP_NUM_THREADS": str(args.threads),
+        "OMP_WAIT_POLICY": args.omp_wait_policy,
+    }
     for round_ in range(args.rounds):
         shift = round_ % len(setups)
         for setup in setups[shift:] + setups[:shift]:
-            command = [sys.executable, __file__, "--worker", setup, "--model", args.model, "--data", args.data,
-                       "--steps", str(args.steps), "--recipe-steps", str(args.recipe_steps), "--threads", str(args.threads)]
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                setup,
+                "--model",
+                args.model,
+                "--data",
+                args.data,
+                "--steps",
+                str(args.steps),
+                "--recipe-steps",
+                str(args.recipe_steps),
+                "--threads",
+                str(args.threads),
+            ]
             done = subprocess.run(command, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"{setup} failed:\n{done.stderr[-4000:]}")
             result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
             runs[setup].append(result)
-            print(f"round {round_ + 1} {setup}: {result['seconds_per_step']:.2f} s/step, {result['useful_tokens_per_s']:.0f} useful tok/s, "
-                  f"{result['peak_rss_mib']:.0f} MiB, load {result['load_average_1min'][0]:.1f}-{result['load_average_1min'][1]:.1f}", flush=True)
+            print(
+                f"round {round_ + 1} {setup}: {result['seconds_per_step']:.2f} s/step, {result['useful_tokens_per_s']:.0f} useful tok/s, "
+                f"{result['peak_rss_mib']:.0f} MiB, load {result['load_average_1min'][0]:.1f}-{result['load_average_1min'][1]:.1f}",
+                flush=True,
+            )
     for p in peaks:
         peaks[p].append(matmul_peak(args.threads, p))
     peak = {p: max(m["wall"] for m in v) for p, v in peaks.items()}
@@ -348,20 +422,36 @@ def main() -> None:
 
     summary = {}
     for setup, results in runs.items():
-        summary[setup] = {key: statistics.median(r[key] for r in results)
-                          for key in ("useful_tokens_per_s", "seconds_per_step", "cpu_seconds_per_step", "peak_rss_mib", "flops_per_s")}
+        summary[setup] = {
+            key: statistics.median(r[key] for r in results)
+            for key in (
+                "useful_tokens_per_s",
+                "seconds_per_step",
+                "cpu_seconds_per_step",
+                "peak_rss_mib",
+                "flops_per_s",
+            )
+        }
         summary[setup]["useful_tokens_per_step"] = results[0]["useful_tokens_per_step"]
         summary[setup]["mfu"] = summary[setup]["flops_per_s"] / peak[precision_of(setup)]
         # Model FLOPs per CPU second of the step against the matmul's: utilisation of the CPU time the step got.
-        flops_per_cpu_second = 6 * results[0]["active_parameters"] / statistics.median(r["cpu_seconds_per_useful_token"] for r in results)
+        flops_per_cpu_second = (
+            6 * results[0]["active_parameters"] / statistics.median(r["cpu_seconds_per_useful_token"] for r in results)
+        )
         summary[setup]["mfu_of_cpu_time"] = flops_per_cpu_second * args.threads / cpu_peak[precision_of(setup)]
         summary[setup]["precision"] = precision_of(setup)
         summary[setup]["balance_mode"] = balance_mode_of(setup)
-    pairs = [] if separate else [("moeflow", "recipe"), ("moeflow", "tuned"), ("tuned", "recipe"), ("moeflow_bf16", "moeflow")]
+    pairs = (
+        []
+        if separate
+        else [("moeflow", "recipe"), ("moeflow", "tuned"), ("tuned", "recipe"), ("moeflow_bf16", "moeflow")]
+    )
     pairs += [(s, "moeflow") for s in setups if s in BALANCE_SETUPS + LORA_SETUPS]
     ratios = {f"{top}_over_{bottom}": median_ratio(runs, top, bottom) for top, bottom in pairs}
     # The same ratios from process CPU time per step (useful tokens per CPU second): less sensitive to the load.
-    cpu_ratios = {f"{top}_over_{bottom}": median_ratio(runs, bottom, top, "cpu_seconds_per_useful_token") for top, bottom in pairs}
+    cpu_ratios = {
+        f"{top}_over_{bottom}": median_ratio(runs, bottom, top, "cpu_seconds_per_useful_token") for top, bottom in pairs
+    }
     import torch
 
     from moeflow import compat
@@ -371,14 +461,27 @@ def main() -> None:
         "ratios_useful_tokens_per_s": ratios,
         "ratios_useful_tokens_per_cpu_second": cpu_ratios,
         "corpus": corpus_fractions(args.data, args.steps, args.recipe_steps),
-        "matmul_peak_flops_per_s": {"size": MATMUL_SIZE, **peak, "per_cpu_second_times_threads": cpu_peak, "measured_before_and_after": peaks},
+        "matmul_peak_flops_per_s": {
+            "size": MATMUL_SIZE,
+            **peak,
+            "per_cpu_second_times_threads": cpu_peak,
+            "measured_before_and_after": peaks,
+        },
         "rounds": args.rounds,
         "timed_steps_per_run": {"recipe": args.recipe_steps, "packed": args.steps},
-        "shape": {"micro_batch_size": MICRO, "grad_accum_steps": ACCUM, "recipe_max_length": RECIPE_MAX_LENGTH, "lr": LR},
+        "shape": {
+            "micro_batch_size": MICRO,
+            "grad_accum_steps": ACCUM,
+            "recipe_max_length": RECIPE_MAX_LENGTH,
+            "lr": LR,
+        },
         "threads": args.threads,
         "omp_wait_policy": args.omp_wait_policy,
-        "machine": {"cpus": os.cpu_count(), "load_average_1min_start_end": [load_start[0], os.getloadavg()[0]],
-                    "wall_seconds": time.perf_counter() - started},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1min_start_end": [load_start[0], os.getloadavg()[0]],
+            "wall_seconds": time.perf_counter() - started,
+        },
         "versions": {"torch": torch.__version__, "transformers": str(compat.version_of("transformers"))},
         "inputs": {"model": args.model, "data": args.data},
         "runs": runs,
@@ -390,8 +493,11 @@ def main() -> None:
     if separate:
         report = {**previous, ("lora_vs_full" if args.lora_only else "balance_modes"): report}
     else:
-        report["goals"] = {"moeflow_over_recipe_at_least": 2.0, "moeflow_over_tuned_at_least": 1.0,
-                           "met": bool(ratios["moeflow_over_recipe"] >= 2.0 and ratios["moeflow_over_tuned"] >= 1.0)}
+        report["goals"] = {
+            "moeflow_over_recipe_at_least": 2.0,
+            "moeflow_over_tuned_at_least": 1.0,
+            "met": bool(ratios["moeflow_over_recipe"] >= 2.0 and ratios["moeflow_over_tuned"] >= 1.0),
+        }
         for key in ("balance_modes", "lora_vs_full"):  # separate runs' (each records its own versions and load)
             if key in previous:
                 report[key] = previous[key]

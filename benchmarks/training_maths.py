@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 from moeflow import compat  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
-from moeflow.modeling import build_model, load_model  # noqa: E402
 from moeflow.collate import collate  # noqa: E402
+from moeflow.modeling import build_model, load_model  # noqa: E402
 from moeflow.routing import adapter_or_none  # noqa: E402
 from moeflow.train import accumulate_gradients  # noqa: E402
 
@@ -42,7 +42,14 @@ def random_rows(n, seq_len, vocab, seed=0):
     rows = []
     for i in range(n):
         ids = torch.randint(0, vocab, (seq_len,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": [-100] + ids[1:], "position_ids": list(range(seq_len)), "doc_ids": [i] * seq_len})
+        rows.append(
+            {
+                "input_ids": ids,
+                "labels": [-100] + ids[1:],
+                "position_ids": list(range(seq_len)),
+                "doc_ids": [i] * seq_len,
+            }
+        )
     return rows
 
 
@@ -100,25 +107,45 @@ def main() -> None:
     else:
         rows = random_rows(8 * micro, seq_len, cfg["tokenizer"]["vocab_size"], seed=1)
     batches = [collate(rows[i : i + micro]) for i in range(0, len(rows), micro)]
-    grads = {mode: gradient(model, batches, mfconfig.settings(mfconfig.BalanceSettings, {"mode": mode, "coef": train["balance"]["coef"]}), adapter)
-             for mode in ("exact", "running", "micro_batch", "off")}
+    grads = {
+        mode: gradient(
+            model,
+            batches,
+            mfconfig.settings(mfconfig.BalanceSettings, {"mode": mode, "coef": train["balance"]["coef"]}),
+            adapter,
+        )
+        for mode in ("exact", "running", "micro_batch", "off")
+    }
     exact_term = grads["exact"] - grads["off"]
     balance_result = {
         "accumulation_steps": len(batches),
         "tokens_per_micro_batch": sum(len(r["input_ids"]) for r in rows) // len(batches),
         "model": args.model or "random init, default shape",
         "balancing_gradient_gap_to_exact": {
-            mode: float(((grads[mode] - grads["off"]) - exact_term).norm() / exact_term.norm()) for mode in ("running", "micro_batch")
+            mode: float(((grads[mode] - grads["off"]) - exact_term).norm() / exact_term.norm())
+            for mode in ("running", "micro_batch")
         },
-        "total_gradient_gap_to_exact": {mode: float((grads[mode] - grads["exact"]).norm() / grads["exact"].norm()) for mode in ("running", "micro_batch")},
+        "total_gradient_gap_to_exact": {
+            mode: float((grads[mode] - grads["exact"]).norm() / grads["exact"].norm())
+            for mode in ("running", "micro_batch")
+        },
     }
     print(json.dumps(balance_result, indent=1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "precision": precision_result, "balance_modes": balance_result,
-        "stack": {"torch": torch.__version__, "transformers": str(compat.version_of("transformers"))}, "threads": args.threads,
-    }, indent=2, sort_keys=True) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "precision": precision_result,
+                "balance_modes": balance_result,
+                "stack": {"torch": torch.__version__, "transformers": str(compat.version_of("transformers"))},
+                "threads": args.threads,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ works on its own copy (``pipeline_copy``), made with mtimes preserved so Snakema
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,14 +14,19 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 
 from moeflow.config import REPO_ROOT
 from moeflow.stage import set_offline
+from moeflow.valset import StageOutputs, build_valset
 
 set_offline()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Outputs a rerun does not reproduce byte for byte: measured seconds; an unseeded generator's state.
+NOT_REPRODUCED = ("timings.json", "rng.safetensors")
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs", "src", "tools", "profiles")
 
 
@@ -34,10 +40,15 @@ def snakemake(workdir: Path, *args: str, check: bool = True, env: dict | None = 
     run_env = {**os.environ, "STACK": active_stack(), **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
-        cwd=workdir, env=run_env, capture_output=True, text=True,
+        cwd=workdir,
+        env=run_env,
+        capture_output=True,
+        text=True,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
@@ -75,3 +86,136 @@ def pipeline_copy(smoke_pipeline, tmp_path) -> Path:
     dest = tmp_path / "moeflow"
     shutil.copytree(smoke_pipeline, dest, symlinks=True, copy_function=shutil.copy2)
     return dest
+
+
+# --------------------------------------------------------------------------- the smoke pipeline's dry runs
+
+SMOKE = ("--configfile", "config/smoke.yaml")
+
+
+def scheduled_rules(workdir: Path, *overlays: str, target: str = "train") -> set[str]:
+    """The rules a dry run would execute with the smoke config plus ``overlays`` (from the job-stats table)."""
+    out = snakemake(workdir, target, "--dry-run", "--cores", "2", *SMOKE, *overlays).stdout
+    if "Nothing to be done" in out:
+        return set()
+    table = out.split("Job stats:", 1)[1]
+    rules = set()
+    for line in table.splitlines()[3:]:
+        fields = line.split()
+        if not fields or fields[0] == "total":
+            break
+        rules.add(fields[0])
+    return rules
+
+
+def write_overlay(workdir: Path, overlay: dict) -> str:
+    path = workdir / "config" / "change.yaml"
+    path.write_text(yaml.safe_dump(overlay))
+    return "config/change.yaml"
+
+
+def results(workdir: Path) -> Path:
+    return workdir / "results" / active_stack()
+
+
+# --------------------------------------------------------------------------- a tokenized corpus and a saved tiny MoE
+
+
+def _corpus_text(i: int, rng) -> str:
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "print",
+        "return",
+        "class",
+        "import",
+        "while",
+        "lambda",
+        "yield",
+        "42",
+        "(",
+        ")",
+        ":",
+    ]
+    return " ".join(rng.choice(words, int(rng.integers(4, 30)))) + f" # doc {i}\n"
+
+
+@pytest.fixture(scope="module")
+def coverage_inputs(tmp_path_factory):
+    """A tokenized corpus (train/heldout/test) and a tiny qwen3_moe saved with its tokenizer."""
+    from moeflow.modeling import build_model
+    from moeflow.tokenize_stage import tokenize_corpus
+    from moeflow.tokenizer import load_fast_tokenizer, train_tokenizer_stage
+
+    root = tmp_path_factory.mktemp("coverage_stage")
+    rng = np.random.default_rng(0)
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": _corpus_text(i, rng)}) + "\n" for i in range(160)))
+    sources = {"code": {"type": "jsonl", "path": str(root / "docs.jsonl")}}
+    split = {"heldout": 0.5, "test": 0.1}
+    tok = {
+        "tokenizer": {"vocab_size": 300, "min_frequency": 2},
+        "pretrained_model": None,
+        "sources": sources,
+        "split": split,
+        "on_bad_record": "fail",
+    }
+    data = {
+        "seq_len": 64,
+        "pad_to_multiple_of": 8,
+        "on_bad_record": "fail",
+        "split": split,
+        "shard_max_bytes": 1 << 20,
+        "sources": sources,
+    }
+    train_tokenizer_stage(tok, root / "tokenizer")
+    tokenize_corpus("code", {"tokenizer": tok, "data": data}, root / "tokenizer", root / "code")
+    tokenizer = load_fast_tokenizer(root / "tokenizer")
+    model_cfg = {
+        "attn_implementation": "sdpa",
+        "config": {
+            "model_type": "qwen3_moe",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 128,
+        },
+    }
+    model = build_model(model_cfg, vocab_size=len(tokenizer), seed=0)
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    return root, model_cfg
+
+
+def run_coverage_stage(root: Path, model_cfg, out: Path, **overrides):
+    from moeflow.modeling import load_model
+
+    settings = {
+        "pool_corpora": ["code"],
+        "min_docs_per_expert": 2,
+        "min_tokens": 1,
+        "pairs_per_layer": 2,
+        "token_budget": 1500,
+        "batch_tokens": 128,
+        "allow_unmet": False,
+        "random_draws": 3,
+    } | overrides
+    outputs = StageOutputs(out / "valset", out / "coverage.json", out / "heatmap.png")
+    model = load_model(root / "base", model_cfg)
+    return build_valset(
+        model,
+        [root / "code"],
+        settings,
+        outputs,
+        model_cfg["attn_implementation"],
+        seed=1234,
+        provenance={"stage": "test"},
+    ), outputs

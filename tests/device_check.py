@@ -53,9 +53,25 @@ SYNC_OPS = {
 INDEX_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default)
 HOST_COPIES = {torch.Tensor.cpu: ".cpu()", torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()"}
 FACTORIES = {
-    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.as_tensor, torch.rand,
-    torch.randn, torch.randint, torch.randperm, torch.linspace, torch.eye, torch.zeros_like, torch.ones_like,
-    torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.tensor,
+    torch.as_tensor,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.linspace,
+    torch.eye,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
 }
 
 

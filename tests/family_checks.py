@@ -93,12 +93,14 @@ def packed_rows(seed: int = 1) -> list[dict]:
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         for start in starts:
             labels[start] = -100
-        rows.append({
-            "input_ids": ids,
-            "labels": labels,
-            "position_ids": [p for n in lengths for p in range(n)],
-            "doc_ids": [10 * doc + i for i, n in enumerate(lengths) for _ in range(n)],
-        })
+        rows.append(
+            {
+                "input_ids": ids,
+                "labels": labels,
+                "position_ids": [p for n in lengths for p in range(n)],
+                "doc_ids": [10 * doc + i for i, n in enumerate(lengths) for _ in range(n)],
+            }
+        )
     return rows
 
 
@@ -291,11 +293,21 @@ def check_train_and_reload(model_type: str) -> None:
     model = build_model(model_cfg, VOCAB, seed=0).to(dtype)
     spread_routers(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    settings = mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({
-        "steps": 2, "lr": 1e-3, "warmup_steps": 1, "micro_batch_size": 2, "grad_accum_steps": 1,
-        "balance": {"mode": "running", "coef": 0.01},
-        "routing_guard": {"window_steps": 100}, "memory_guard": {"skip_steps": 100},
-    }))
+    settings = mfconfig.settings(
+        mfconfig.TrainSettings,
+        mfconfig.training(
+            {
+                "steps": 2,
+                "lr": 1e-3,
+                "warmup_steps": 1,
+                "micro_batch_size": 2,
+                "grad_accum_steps": 1,
+                "balance": {"mode": "running", "coef": 0.01},
+                "routing_guard": {"window_steps": 100},
+                "memory_guard": {"skip_steps": 100},
+            }
+        ),
+    )
     trainer = Trainer(model, settings, packed_rows()[:2] * 2, collate_fn=collate, seed=0)
     trainer.run()
     assert [r["step"] for r in trainer.train_records()] == [1, 2]
@@ -355,6 +367,8 @@ def read_table(text: str) -> dict[tuple[str, str], dict[str, str]]:
 
 
 def render_table(table: dict[tuple[str, str], dict[str, str]], intro: str) -> str:
-    rows = [f"| `{family}` | {check} | " + " | ".join(table[(family, check)].get(s, "not run") for s in STACKS) + " |"
-            for family, check in table]
+    rows = [
+        f"| `{family}` | {check} | " + " | ".join(table[(family, check)].get(s, "not run") for s in STACKS) + " |"
+        for family, check in table
+    ]
     return intro + "\n" + TABLE_HEADER + "\n|---|---|---|---|\n" + "\n".join(rows) + "\n"

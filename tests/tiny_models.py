@@ -20,30 +20,91 @@ WINDOW = 8  # sliding window, well under SEQ so that it matters
 COMMON = {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
 
 FAMILY_CONFIGS = {
-    "qwen2_moe": {"intermediate_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
-                  "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False,
-                  "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
-    "qwen3_moe": {"intermediate_size": 64, "moe_intermediate_size": 16, "head_dim": 16, "num_hidden_layers": 2,
-                  "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "tie_word_embeddings": True,
-                  "use_sliding_window": True, "sliding_window": WINDOW},
-    "mixtral": {"intermediate_size": 16, "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
-                "sliding_window": WINDOW},
-    "olmoe": {"intermediate_size": 16, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
-              "norm_topk_prob": False},
-    "deepseek_v3": {"intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 3,
-                    "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
-                    "topk_group": 2, "n_shared_experts": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-                    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                    "v_head_dim": 8, "num_key_value_heads": 2},
+    "qwen2_moe": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "use_sliding_window": True,
+        "sliding_window": WINDOW,
+        "max_window_layers": 1,
+    },
+    "qwen3_moe": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": True,
+        "use_sliding_window": True,
+        "sliding_window": WINDOW,
+    },
+    "mixtral": {
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": WINDOW,
+    },
+    "olmoe": {
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+    },
+    "deepseek_v3": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "num_key_value_heads": 2,
+    },
     # layer_types alternate sliding/full by default; experts and router carry biases
-    "gpt_oss": {"intermediate_size": 16, "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
-                "head_dim": 16, "sliding_window": WINDOW},
-    "granitemoe": {"intermediate_size": 16, "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
-                   "tie_word_embeddings": True},
-    "step3p5": {"intermediate_size": 64, "moe_intermediate_size": 16, "share_expert_dim": 16, "head_dim": 16,
-                "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2,
-                "mlp_layer_types": ["dense", "sparse", "sparse"], "sliding_window": WINDOW,
-                "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+    "gpt_oss": {
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "head_dim": 16,
+        "sliding_window": WINDOW,
+    },
+    "granitemoe": {
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": True,
+    },
+    "step3p5": {
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "share_expert_dim": 16,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "sliding_window": WINDOW,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+    },
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
 MOE_LAYERS = {"deepseek_v3": [1, 2], "step3p5": [1, 2]}  # the others: [0, 1]
@@ -93,3 +154,30 @@ def spread_routers(model, seed: int = 0) -> None:
             bias = getattr(site.router, "e_score_correction_bias", None)
             if bias is not None:
                 bias.copy_((torch.rand(bias.shape, generator=generator, dtype=torch.float64) - 0.5) * 0.8)
+
+
+def tiny_model_cfg(**config):
+    """The model section of a tiny qwen3_moe (sdpa; 2 layers, 4 experts, top-2) that the training tests share."""
+    cfg = {
+        "attn_implementation": "sdpa",
+        "config": {
+            "model_type": "qwen3_moe",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "max_position_embeddings": 128,
+            "tie_word_embeddings": True,
+            **config,
+        },
+    }
+    if compat.is_transformers_v5():
+        cfg["experts_implementation"] = "eager"  # grouped_mm rejects float64 on CPU
+    return cfg

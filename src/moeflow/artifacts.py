@@ -18,9 +18,10 @@ import hashlib
 import io
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from .files import atomic_file, write_json, write_text
 
@@ -116,8 +117,18 @@ class Table:
         return "\n".join(lines) + "\n"
 
 
-_LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+_LATEX_SPECIAL = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
 
 
 def latex_escape(text: str) -> str:
@@ -195,7 +206,11 @@ def config_hash(config: Mapping[str, Any]) -> str:
 
 def stage_provenance(docs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The ``provenance`` record of each upstream output (label -> record), for outputs that have one."""
-    return {label: doc["provenance"] for label, doc in sorted(docs.items()) if isinstance(doc, Mapping) and "provenance" in doc}
+    return {
+        label: doc["provenance"]
+        for label, doc in sorted(docs.items())
+        if isinstance(doc, Mapping) and "provenance" in doc
+    }
 
 
 def manifest_fingerprint(manifest_path: str | Path) -> str:
@@ -204,7 +219,10 @@ def manifest_fingerprint(manifest_path: str | Path) -> str:
 
 
 def provenance_record(
-    config: Mapping[str, Any], stages: Mapping[str, Mapping[str, Any]], env_report: str | Path, manifests: Mapping[str, str | Path]
+    config: Mapping[str, Any],
+    stages: Mapping[str, Mapping[str, Any]],
+    env_report: str | Path,
+    manifests: Mapping[str, str | Path],
 ) -> dict[str, Any]:
     """What every artifact carries: config hash, each upstream stage's code version and provenance,
     the environment report's hash, and the data manifests' fingerprints."""
@@ -227,7 +245,9 @@ def provenance_line(record: Mapping[str, Any]) -> str:
     )
 
 
-def write_provenance(path: str | Path, record: Mapping[str, Any], artifacts: Iterable[str | Path], root: str | Path) -> None:
+def write_provenance(
+    path: str | Path, record: Mapping[str, Any], artifacts: Iterable[str | Path], root: str | Path
+) -> None:
     """``provenance.json``: the record plus the SHA-256 of every artifact, by path relative to ``root``."""
     files = {Path(p).relative_to(root).as_posix(): sha256_file(p) for p in sorted(map(str, artifacts))}
     write_json(path, {**record, "artifacts": files})
@@ -335,15 +355,36 @@ def final_metrics_table(evals: Mapping[str, Mapping[str, Any]]) -> Table:
     rows = []
     for run, metrics in sorted(evals.items()):
         for s in metrics["sets"]:
-            rows.append([
-                run, s["name"], s["targeted"], s["base"]["loss"], s["finetuned"]["loss"], s["change"].get("loss"),
-                s["base"]["perplexity"], s["finetuned"]["perplexity"], s["forgetting"], s["finetuned"]["label_tokens"],
-            ])
+            rows.append(
+                [
+                    run,
+                    s["name"],
+                    s["targeted"],
+                    s["base"]["loss"],
+                    s["finetuned"]["loss"],
+                    s["change"].get("loss"),
+                    s["base"]["perplexity"],
+                    s["finetuned"]["perplexity"],
+                    s["forgetting"],
+                    s["finetuned"]["label_tokens"],
+                ]
+            )
     return Table(
         name="final_metrics",
         caption="Loss (token-normalised cross-entropy, nats/token) and perplexity of the base and the fine-tuned model "
         "on each evaluation set; forgetting = the loss rose on a set the fine-tune did not target.",
-        columns=["run", "set", "targeted", "base loss", "fine-tuned loss", "change", "base ppl", "fine-tuned ppl", "forgetting", "label tokens"],
+        columns=[
+            "run",
+            "set",
+            "targeted",
+            "base loss",
+            "fine-tuned loss",
+            "change",
+            "base ppl",
+            "fine-tuned ppl",
+            "forgetting",
+            "label tokens",
+        ],
         rows=rows,
         digits={"base ppl": 2, "fine-tuned ppl": 2},
     )
@@ -356,19 +397,41 @@ def expert_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valset
         s = next((x for x in metrics["sets"] if x["name"] == set_name), None)
         if s is None or "experts" not in s["base"]:
             continue
-        below = {(c["layer"], c["expert"]) for c in (metrics.get("coverage_recheck") or {}).get("below_cells_after", [])}
+        below = {
+            (c["layer"], c["expert"]) for c in (metrics.get("coverage_recheck") or {}).get("below_cells_after", [])
+        }
         for b, f in zip(s["base"]["experts"], s["finetuned"]["experts"]):
             for e in range(len(b["tokens"])):
-                rows.append([
-                    run, b["layer"], e, b["share"][e], f["share"][e], b["mean_loss"][e], f["mean_loss"][e],
-                    None if b["mean_loss"][e] is None or f["mean_loss"][e] is None else f["mean_loss"][e] - b["mean_loss"][e],
-                    (b["layer"], e) in below,
-                ])
+                rows.append(
+                    [
+                        run,
+                        b["layer"],
+                        e,
+                        b["share"][e],
+                        f["share"][e],
+                        b["mean_loss"][e],
+                        f["mean_loss"][e],
+                        None
+                        if b["mean_loss"][e] is None or f["mean_loss"][e] is None
+                        else f["mean_loss"][e] - b["mean_loss"][e],
+                        (b["layer"], e) in below,
+                    ]
+                )
     return Table(
         name="experts",
         caption=f"Per expert on the {set_name} set: share of the layer's top-k assignments and mean loss (nats/token) "
         "of the tokens it served, base vs fine-tuned; 'below' = under the coverage threshold with the fine-tuned router.",
-        columns=["run", "layer", "expert", "base share", "fine-tuned share", "base loss", "fine-tuned loss", "loss change", "below"],
+        columns=[
+            "run",
+            "layer",
+            "expert",
+            "base share",
+            "fine-tuned share",
+            "base loss",
+            "fine-tuned loss",
+            "loss change",
+            "below",
+        ],
         rows=rows,
     )
 
@@ -383,7 +446,17 @@ def balance_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valse
         for label in ("base", "finetuned"):
             for layer in s[label]["experts"]:
                 bal = layer["balance"]
-                rows.append([run, layer["layer"], label, bal["max_over_mean"], bal["cv"], bal["load_entropy"], len(bal["dead_experts"])])
+                rows.append(
+                    [
+                        run,
+                        layer["layer"],
+                        label,
+                        bal["max_over_mean"],
+                        bal["cv"],
+                        bal["load_entropy"],
+                        len(bal["dead_experts"]),
+                    ]
+                )
     return Table(
         name="balance",
         caption=f"Expert load balance per layer on the {set_name} set (1, 0, 1, 0 = perfectly balanced).",
@@ -455,22 +528,27 @@ def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     out = []
     for r in records:
         valset = next((s for s in r.metrics["sets"] if s["name"] == "valset"), None)
-        out.append({
-            "run": r.name,
-            "total params": r.metrics["parameters"]["total"],
-            "active params/token": r.metrics["parameters"]["active_per_token"],
-            "tokens trained": last(r.log.tokens),
-            "final train CE": last(r.log.ce),
-            "val loss": valset["finetuned"]["loss"] if valset else None,
-            **training_cost(r),
-            "eval tokens/s": r.speed["finetuned"]["tokens_per_s"],
-            "eval peak MiB": r.speed["peak_memory_bytes"] / 2**20,
-        })
+        out.append(
+            {
+                "run": r.name,
+                "total params": r.metrics["parameters"]["total"],
+                "active params/token": r.metrics["parameters"]["active_per_token"],
+                "tokens trained": last(r.log.tokens),
+                "final train CE": last(r.log.ce),
+                "val loss": valset["finetuned"]["loss"] if valset else None,
+                **training_cost(r),
+                "eval tokens/s": r.speed["finetuned"]["tokens_per_s"],
+                "eval peak MiB": r.speed["peak_memory_bytes"] / 2**20,
+            }
+        )
     return out
 
 
 def rows_with_ratios(
-    rows: Sequence[Mapping[str, Any]], reference: str, ratio_columns: Sequence[str], compared: Callable[[Mapping, Mapping], bool]
+    rows: Sequence[Mapping[str, Any]],
+    reference: str,
+    ratio_columns: Sequence[str],
+    compared: Callable[[Mapping, Mapping], bool],
 ) -> tuple[list[str], list[list[Any]]]:
     """Columns and table rows: one row per run, then for each run that ``compared(run, reference row)``
     selects, its ratio to the ``reference`` run in ``ratio_columns``."""
@@ -480,7 +558,10 @@ def rows_with_ratios(
     if ref is not None:
         for r in rows:
             if compared(r, ref):
-                table_rows.append([f"{r['run']} / {reference}"] + [times(ratio(r[c], ref[c])) if c in ratio_columns else "" for c in columns[1:]])
+                table_rows.append(
+                    [f"{r['run']} / {reference}"]
+                    + [times(ratio(r[c], ref[c])) if c in ratio_columns else "" for c in columns[1:]]
+                )
     return columns, table_rows
 
 
@@ -489,7 +570,9 @@ COMPARISON_RATIOS = ("train tokens/s", "train peak MiB", "train job peak RSS MiB
 
 def comparison_table(records: Sequence[RunRecord], reference: str) -> Table:
     """The MoE-vs-dense table: one row per run, then each other run's ratio to ``reference`` (the MoE run)."""
-    columns, table_rows = rows_with_ratios(comparison_rows(records), reference, COMPARISON_RATIOS, lambda r, ref: r["run"] != reference)
+    columns, table_rows = rows_with_ratios(
+        comparison_rows(records), reference, COMPARISON_RATIOS, lambda r, ref: r["run"] != reference
+    )
     return Table(
         name="moe_vs_dense",
         caption="MoE vs dense on the same data, token budget and recipe: parameters, tokens trained, final training "
@@ -498,7 +581,13 @@ def comparison_table(records: Sequence[RunRecord], reference: str) -> Table:
         "throughput and peak memory. Ratio rows divide by the MoE run.",
         columns=columns,
         rows=table_rows,
-        digits={"train tokens/s": 0, "eval tokens/s": 0, "train peak MiB": 0, "train job peak RSS MiB": 0, "eval peak MiB": 0},
+        digits={
+            "train tokens/s": 0,
+            "eval tokens/s": 0,
+            "train peak MiB": 0,
+            "train job peak RSS MiB": 0,
+            "eval peak MiB": 0,
+        },
     )
 
 
@@ -518,17 +607,19 @@ def method_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     out = []
     for r in records:
         t = r.training
-        out.append({
-            "run": r.name,
-            "method": t.get("method"),
-            "trainable params": t.get("trainable"),
-            "total params": t.get("total"),
-            "trainable %": 100.0 * t["trainable_fraction"] if "trainable_fraction" in t else None,
-            **training_cost(r),
-            "tokens compared": budget,
-            "train CE at tokens": value_at_tokens(r.log.tokens, r.log.ce, budget),
-            "val loss at tokens": value_at_tokens(r.log.val_tokens, r.log.val_loss, budget),
-        })
+        out.append(
+            {
+                "run": r.name,
+                "method": t.get("method"),
+                "trainable params": t.get("trainable"),
+                "total params": t.get("total"),
+                "trainable %": 100.0 * t["trainable_fraction"] if "trainable_fraction" in t else None,
+                **training_cost(r),
+                "tokens compared": budget,
+                "train CE at tokens": value_at_tokens(r.log.tokens, r.log.ce, budget),
+                "val loss at tokens": value_at_tokens(r.log.val_tokens, r.log.val_loss, budget),
+            }
+        )
     return out
 
 
@@ -538,7 +629,9 @@ METHOD_RATIOS = ("trainable params", "train tokens/s", "train peak MiB", "train 
 def method_table(records: Sequence[RunRecord], reference: str) -> Table:
     """The LoRA-vs-full table: one row per run, then each run trained by another method than ``reference``
     (the paper's MoE run) as a ratio to it."""
-    columns, table_rows = rows_with_ratios(method_rows(records), reference, METHOD_RATIOS, lambda r, ref: r["method"] != ref["method"])
+    columns, table_rows = rows_with_ratios(
+        method_rows(records), reference, METHOD_RATIOS, lambda r, ref: r["method"] != ref["method"]
+    )
     return Table(
         name="lora_vs_full",
         caption="LoRA vs full fine-tuning of every run: trainable and total parameters, median training throughput "
@@ -565,7 +658,15 @@ def _plot_losses(ax, logs: Mapping[str, TrainLog]) -> None:
     for run, log in sorted(logs.items()):
         ax.plot(log.tokens, log.ce, color=colors[run], lw=1.2, label=f"{run}: training CE")
         if log.val_tokens:
-            ax.plot(log.val_tokens, log.val_loss, color=colors[run], ls="--", marker="o", ms=4, label=f"{run}: validation loss")
+            ax.plot(
+                log.val_tokens,
+                log.val_loss,
+                color=colors[run],
+                ls="--",
+                marker="o",
+                ms=4,
+                label=f"{run}: validation loss",
+            )
     ax.set_xlabel("tokens trained")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
@@ -611,7 +712,15 @@ def expert_load_figure(run: str, log: TrainLog):
     extent = (log.steps[0] - 0.5, log.steps[-1] + 0.5, experts - 0.5, -0.5)
     for layer in range(layers):
         ax = axes[layer, 0]
-        image = ax.imshow(shares[:, layer, :].T, aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax, extent=extent, interpolation="nearest")
+        image = ax.imshow(
+            shares[:, layer, :].T,
+            aspect="auto",
+            cmap="viridis",
+            vmin=0.0,
+            vmax=vmax,
+            extent=extent,
+            interpolation="nearest",
+        )
         ax.set_ylabel(f"layer {layer}\nexpert")
         if experts <= 16:
             ax.set_yticks(range(experts))
@@ -632,7 +741,9 @@ def coverage_figure(coverage: Mapping[str, Any]):
     min_docs = int(coverage["settings"]["min_docs_per_expert"])
     layers = [layer["layer"] for layer in coverage["layers"]]
     docs = np.asarray([layer["docs"] for layer in coverage["layers"]], dtype=np.int64)
-    fig, (heat, bars) = plt.subplots(1, 2, figsize=(11.0, 1.8 + 0.45 * len(layers)), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (heat, bars) = plt.subplots(
+        1, 2, figsize=(11.0, 1.8 + 0.45 * len(layers)), gridspec_kw={"width_ratios": [3, 2]}
+    )
     image = heat.imshow(docs, aspect="auto", cmap="viridis", vmin=0, interpolation="nearest")
     below_l, below_e = np.nonzero(docs < min_docs)
     heat.scatter(below_e, below_l, marker="x", color="red", s=20, label=f"below {min_docs} documents")
@@ -640,11 +751,22 @@ def coverage_figure(coverage: Mapping[str, Any]):
     heat.set_ylabel("MoE layer")
     heat.set_xticks(range(docs.shape[1]))
     heat.set_yticks(range(len(layers)), [str(layer) for layer in layers])
-    heat.set_title(f"Validation set: documents per (layer, expert)\n({coverage['valset']['docs']} documents, {coverage['valset']['tokens']:,} tokens)", fontsize=10)
+    heat.set_title(
+        f"Validation set: documents per (layer, expert)\n({coverage['valset']['docs']} documents, {coverage['valset']['tokens']:,} tokens)",
+        fontsize=10,
+    )
     fig.colorbar(image, ax=heat, label="documents routing >= min_tokens tokens there")
     if docs.size <= 256:  # small enough to print each count
         for (layer, expert), n in np.ndenumerate(docs):
-            heat.text(expert, layer, str(n), ha="center", va="center", fontsize=7, color="white" if n < docs.max() / 2 else "black")
+            heat.text(
+                expert,
+                layer,
+                str(n),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if n < docs.max() / 2 else "black",
+            )
     if len(below_l):
         heat.legend(fontsize=8, loc="upper right")
     random = coverage["random_comparison"]
@@ -652,9 +774,13 @@ def coverage_figure(coverage: Mapping[str, Any]):
     x = np.arange(len(kinds))
     ours = [coverage["valset"]["cells_below"], coverage["valset"]["pairs_below"]]
     means = [random[f"{k}_below"]["mean"] for k in kinds]
-    spread = np.array([[m - random[f"{k}_below"]["min"], random[f"{k}_below"]["max"] - m] for k, m in zip(kinds, means)]).T
+    spread = np.array(
+        [[m - random[f"{k}_below"]["min"], random[f"{k}_below"]["max"] - m] for k, m in zip(kinds, means)]
+    ).T
     b1 = bars.bar(x - 0.2, ours, width=0.4, label="coverage validation set")
-    b2 = bars.bar(x + 0.2, means, width=0.4, yerr=spread, capsize=4, label=f"random subsets (mean, min-max of {random['draws']})")
+    b2 = bars.bar(
+        x + 0.2, means, width=0.4, yerr=spread, capsize=4, label=f"random subsets (mean, min-max of {random['draws']})"
+    )
     bars.bar_label(b1, fontsize=8)
     bars.bar_label(b2, labels=[f"{m:.1f}" for m in means], fontsize=8, padding=2)
     bars.set_ylim(0, max(ours + [m + e for m, e in zip(means, spread[1])] + [1]) * 1.25)
@@ -666,7 +792,9 @@ def coverage_figure(coverage: Mapping[str, Any]):
     return fig
 
 
-def coverage_heatmap(path: str | Path, layers: Sequence[int], valset_docs: Any, random_docs: Any, min_docs: int) -> None:
+def coverage_heatmap(
+    path: str | Path, layers: Sequence[int], valset_docs: Any, random_docs: Any, min_docs: int
+) -> None:
     """The coverage stage's heatmap.png, layers x experts: documents meeting each cell, the validation set
     beside a random subset of the same size; cells below the threshold are marked. Deterministic bytes
     (no timestamps, no software tag). The counts are (L, E) integer arrays."""
@@ -675,8 +803,13 @@ def coverage_heatmap(path: str | Path, layers: Sequence[int], valset_docs: Any, 
     plt = pyplot()
     vmax = max(2 * min_docs, 1)
     fig, axes = plt.subplots(1, 2, figsize=(12, 1.5 + 0.35 * len(layers)), sharey=True, constrained_layout=True)
-    for ax, counts, title in ((axes[0], valset_docs, "coverage validation set"), (axes[1], random_docs, "random subset, same tokens")):
-        image = ax.imshow(np.minimum(counts, vmax), aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
+    for ax, counts, title in (
+        (axes[0], valset_docs, "coverage validation set"),
+        (axes[1], random_docs, "random subset, same tokens"),
+    ):
+        image = ax.imshow(
+            np.minimum(counts, vmax), aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest"
+        )
         below_l, below_e = np.nonzero(counts < min_docs)
         ax.scatter(below_e, below_l, marker="x", color="red", s=12, linewidths=0.8)
         ax.set_title(f"{title}: {len(below_l)} cells below {min_docs} docs", fontsize=10)

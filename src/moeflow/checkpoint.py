@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -75,7 +76,16 @@ def fingerprint_paths(paths: Sequence[str | os.PathLike]) -> list[Any]:
     for path in sorted(map(str, paths)):
         p = Path(path)
         files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-        out.append([path, [[f.relative_to(p).as_posix() if p.is_dir() else f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.exists()]])
+        out.append(
+            [
+                path,
+                [
+                    [f.relative_to(p).as_posix() if p.is_dir() else f.name, f.stat().st_size, f.stat().st_mtime_ns]
+                    for f in files
+                    if f.exists()
+                ],
+            ]
+        )
     return out
 
 
@@ -138,7 +148,10 @@ def save_checkpoint(
         with atomic_dir(path) as folder:
             save_file(_without_shared_memory(weights), str(folder / "model.safetensors"))
             save_file(tensors, str(folder / "optimizer.safetensors"))
-            save_file({f"rank{r}.{k}": v for r, states in enumerate(rng) for k, v in states.items()}, str(folder / "rng.safetensors"))
+            save_file(
+                {f"rank{r}.{k}": v for r, states in enumerate(rng) for k, v in states.items()},
+                str(folder / "rng.safetensors"),
+            )
             write_json(folder / "trainer_state.json", {**state, "optimizer": meta})
             write_json(folder / "timings.json", [{k: r[k] for k in TIMING_KEYS if k in r} for r in history])
             for name, obj in (extra_json or {}).items():
@@ -146,7 +159,9 @@ def save_checkpoint(
     D.barrier()
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """Load weights and optimizer state from a full checkpoint into ``model`` and ``optimizer`` (every rank
     keeps its own shards), set this rank's RNG states (rank 0's for a checkpoint saved by fewer ranks),
     and return the trainer's state, its history with the timings put back."""

@@ -23,7 +23,8 @@ positions restarting at 0 (a block of their own). Causal attention means real to
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -21,9 +21,10 @@ import os
 import re
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar
 
 import jsonschema
 import yaml
@@ -54,7 +55,11 @@ def deep_merge(base: Mapping[str, Any], overlay: Mapping[str, Any], path: tuple[
         below = out.get(key)
         if value is None:
             out.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(below, Mapping) and not _replaces_source(path + (key,), below, value):
+        elif (
+            isinstance(value, Mapping)
+            and isinstance(below, Mapping)
+            and not _replaces_source(path + (key,), below, value)
+        ):
             out[key] = deep_merge(below, value, path + (key,))
         else:
             out[key] = deep_merge({}, value, path + (key,)) if isinstance(value, Mapping) else copy.deepcopy(value)
@@ -226,16 +231,22 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
         problems.append("config keys 'data.split.heldout' + 'data.split.test' must sum to less than 1")
     for corpus, source in data.get("sources", {}).items():  # a corpus name is a folder under results/: no '/', no '..'
         if not RUN_NAME.match(str(corpus)):
-            problems.append(f"config key 'data.sources.{corpus}': corpus names may use letters, digits, '_', '.', '-' only "
-                            "(the name is a folder under results/)")
+            problems.append(
+                f"config key 'data.sources.{corpus}': corpus names may use letters, digits, '_', '.', '-' only "
+                "(the name is a folder under results/)"
+            )
         misplaced = sorted(set(source) - source_keys(source["type"]))
         if misplaced:
-            problems.append(f"config key 'data.sources.{corpus}': {', '.join(misplaced)} do not apply to a source of type "
-                            f"{source['type']}; remove them")
+            problems.append(
+                f"config key 'data.sources.{corpus}': {', '.join(misplaced)} do not apply to a source of type "
+                f"{source['type']}; remove them"
+            )
     model = cfg.get("model") or {}
     if model.get("trust_remote_code") and not model.get("pretrained"):
-        problems.append("config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may only be "
-                        "turned on for a named model folder whose code you trust")
+        problems.append(
+            "config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may only be "
+            "turned on for a named model folder whose code you trust"
+        )
     if model.get("pretrained") and not Path(model["pretrained"]).is_dir():
         problems.append(pretrained_folder_problem(model["pretrained"]))
     if (cfg.get("pretrain") or {}).get("method", "full") != "full":
@@ -255,9 +266,13 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
                 "(set the other to null), e.g. warmup_steps: 1000 or warmup_ratio: 0.1"
             )
         if train.get("warmup_steps") and train.get("steps") and train["warmup_steps"] >= train["steps"]:
-            problems.append(f"config key '{section}.warmup_steps' ({train['warmup_steps']}) must be less than '{section}.steps' ({train['steps']})")
+            problems.append(
+                f"config key '{section}.warmup_steps' ({train['warmup_steps']}) must be less than '{section}.steps' ({train['steps']})"
+            )
         if train.get("min_lr") is not None and train.get("lr") is not None and train["min_lr"] > train["lr"]:
-            problems.append(f"config key '{section}.min_lr' ({train['min_lr']}) must not exceed '{section}.lr' ({train['lr']})")
+            problems.append(
+                f"config key '{section}.min_lr' ({train['min_lr']}) must not exceed '{section}.lr' ({train['lr']})"
+            )
     problems += parallel_problems(cfg)
     return problems
 
@@ -296,7 +311,9 @@ def run_problems(cfg: Mapping[str, Any]) -> list[str]:
     paper = cfg.get("paper") or {}
     for name in [paper.get("moe_run"), *paper.get("dense_runs", [])]:
         if name is not None and name not in runs:
-            problems.append(f"config keys 'paper.moe_run' / 'paper.dense_runs': {name!r} is not a run ({', '.join(runs)})")
+            problems.append(
+                f"config keys 'paper.moe_run' / 'paper.dense_runs': {name!r} is not a run ({', '.join(runs)})"
+            )
     return problems
 
 
@@ -331,7 +348,9 @@ def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:
             "DistributedConfig lays the expert-parallel groups over the FSDP ranks"
         )
     if fsdp is not None and fsdp > 1 and strategy == "none":
-        problems.append("config key 'parallel.fsdp_size' is set but parallel.strategy is 'none': use strategy: fsdp or ep")
+        problems.append(
+            "config key 'parallel.fsdp_size' is set but parallel.strategy is 'none': use strategy: fsdp or ep"
+        )
     return problems
 
 
@@ -416,7 +435,13 @@ def copied_recipe_problems(cfg: Any, path: str = "") -> list[str]:
     problems: list[str] = []
     items = cfg.items() if isinstance(cfg, Mapping) else enumerate(cfg) if isinstance(cfg, list) else []
     for key, value in items:
-        where = f"{path}.{key}" if path and not isinstance(key, int) else f"{path}[{key}]" if isinstance(key, int) else str(key)
+        where = (
+            f"{path}.{key}"
+            if path and not isinstance(key, int)
+            else f"{path}[{key}]"
+            if isinstance(key, int)
+            else str(key)
+        )
         advice = recipe_flag_advice(key, value) if isinstance(key, str) else None
         if advice:  # the recipe's expert-parallel flags: the real setting, or why there is none
             problems.append(f"config key '{where}': {advice}")
@@ -514,7 +539,13 @@ def base_key(cfg: Mapping[str, Any]) -> str:
 
 
 def coverage_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    return {"base": base_key(cfg), "data": data_key(cfg), "coverage": cfg["coverage"], "seed": cfg["seed"], "model": cfg["model"]}
+    return {
+        "base": base_key(cfg),
+        "data": data_key(cfg),
+        "coverage": cfg["coverage"],
+        "seed": cfg["seed"],
+        "model": cfg["model"],
+    }
 
 
 def coverage_key(cfg: Mapping[str, Any]) -> str:
@@ -536,7 +567,15 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- fine-tuning stages (warmup, train_model)
 
 # Settings that only affect the part after warmup: changing them reruns train_model, not warmup.
-AFTER_WARMUP_KEYS = ("steps", "warmup_ratio", "min_lr", "eval_every", "eval_max_sequences", "log_every", "peak_flops_per_s")
+AFTER_WARMUP_KEYS = (
+    "steps",
+    "warmup_ratio",
+    "min_lr",
+    "eval_every",
+    "eval_max_sequences",
+    "log_every",
+    "peak_flops_per_s",
+)
 
 
 def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
@@ -782,7 +821,9 @@ def settings(cls: type, data: Mapping[str, Any]) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     missing, unknown = [n for n in names if n not in data], sorted(set(data) - set(names))
     if missing or unknown:
-        raise ConfigError(f"{cls.__name__}: missing {missing or 'nothing'}, unknown {unknown or 'nothing'} (known: {', '.join(names)})")
+        raise ConfigError(
+            f"{cls.__name__}: missing {missing or 'nothing'}, unknown {unknown or 'nothing'} (known: {', '.join(names)})"
+        )
     return cls(**{name: _typed(hints[name], data[name]) for name in names})
 
 

@@ -31,9 +31,10 @@ import platform
 import sys
 import sysconfig
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from .config import BAD_RECORD_POLICIES, SOURCE_SCHEMA, enum, with_defaults
 
@@ -160,7 +161,9 @@ class BadRecords:
 
     def __init__(self, policy: str, source: str):
         if policy not in enum(BAD_RECORD_POLICIES):
-            raise CorpusError(f"config key 'data.on_bad_record': {policy!r} must be one of {', '.join(enum(BAD_RECORD_POLICIES))}")
+            raise CorpusError(
+                f"config key 'data.on_bad_record': {policy!r} must be one of {', '.join(enum(BAD_RECORD_POLICIES))}"
+            )
         self.policy = policy
         self.source = source
         self.counts: Counter[str] = Counter()
@@ -183,7 +186,12 @@ def _decode(data: bytes, where: str, bad: BadRecords, line: int | None = None) -
         if line is None:
             line = data[: exc.start].count(b"\n") + 1
         at = f"{where}:{line}"
-        bad("not_utf8", at, f"bytes that are not UTF-8 ({exc.reason} at byte {exc.start})", "Re-encode the file as UTF-8")
+        bad(
+            "not_utf8",
+            at,
+            f"bytes that are not UTF-8 ({exc.reason} at byte {exc.start})",
+            "Re-encode the file as UTF-8",
+        )
         return None
 
 
@@ -231,7 +239,9 @@ class SourceReader:
         if self.kind == "stdlib":
             return []
         if "path" not in self.cfg:
-            raise CorpusError(f"config key 'data.sources.{self.name}.path' is required for a source of type {self.kind}")
+            raise CorpusError(
+                f"config key 'data.sources.{self.name}.path' is required for a source of type {self.kind}"
+            )
         path = self.cfg["path"]
         files = _expand(self.cfg)
         if not files:
@@ -261,7 +271,11 @@ class SourceReader:
         return out
 
     def skipped(self) -> dict[str, Any]:
-        return {"counts": dict(sorted(self.bad.counts.items())), "total": sum(self.bad.counts.values()), "examples": self.bad.examples}
+        return {
+            "counts": dict(sorted(self.bad.counts.items())),
+            "total": sum(self.bad.counts.values()),
+            "examples": self.bad.examples,
+        }
 
     # ----------------------------------------------------------------- readers
 
@@ -321,7 +335,12 @@ class SourceReader:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        self.bad("invalid_json", f"{path}:{number}", f"not valid JSON ({exc.msg} at column {exc.colno})", "Fix the line")
+                        self.bad(
+                            "invalid_json",
+                            f"{path}:{number}",
+                            f"not valid JSON ({exc.msg} at column {exc.colno})",
+                            "Fix the line",
+                        )
                         continue
                     doc = self._record(record, f"{path}:{number}")
                     if doc is not None:
@@ -337,7 +356,9 @@ class SourceReader:
             return
         if field not in names:
             self.bad(
-                "missing_field", path, f"no column '{field}' (columns: {', '.join(names)})",
+                "missing_field",
+                path,
+                f"no column '{field}' (columns: {', '.join(names)})",
                 f"Set data.sources.{self.name}.{'messages_field' if self.messages_field else 'text_field'} to the right column",
             )
             return
@@ -362,7 +383,9 @@ class SourceReader:
             names = pf.schema_arrow.names
             field = self.messages_field or self.text_field
             columns = [field] if field in names else None
-            yield from self._table_batches(path, pf.iter_batches(batch_size=1024, columns=columns), names, pf.metadata.num_rows)
+            yield from self._table_batches(
+                path, pf.iter_batches(batch_size=1024, columns=columns), names, pf.metadata.num_rows
+            )
 
     def _hf_disk(self) -> Iterator[Document]:
         import datasets
@@ -389,26 +412,58 @@ class SourceReader:
     def _record(self, record: Any, where: str) -> Document | None:
         """A document from one JSON object / table row, or None (counted) if it is unusable."""
         if not isinstance(record, dict):
-            self.bad("invalid_json", where, f"a JSON {type(record).__name__}, not an object", "Write one JSON object per line")
+            self.bad(
+                "invalid_json",
+                where,
+                f"a JSON {type(record).__name__}, not an object",
+                "Write one JSON object per line",
+            )
             return None
         if self.messages_field:
             messages = record.get(self.messages_field)
             if messages is None:
-                self.bad("missing_field", where, f"record without the field '{self.messages_field}'", f"Add it, or set data.sources.{self.name}.messages_field")
+                self.bad(
+                    "missing_field",
+                    where,
+                    f"record without the field '{self.messages_field}'",
+                    f"Add it, or set data.sources.{self.name}.messages_field",
+                )
                 return None
-            if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-            )):
-                self.bad("invalid_messages", where, f"'{self.messages_field}' is not a non-empty list of {{role, content}} strings", "Fix the record")
+            if not (
+                isinstance(messages, list)
+                and messages
+                and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages
+                )
+            ):
+                self.bad(
+                    "invalid_messages",
+                    where,
+                    f"'{self.messages_field}' is not a non-empty list of {{role, content}} strings",
+                    "Fix the record",
+                )
                 return None
-            return Document(origin=where, messages=tuple({"role": m["role"], "content": m["content"]} for m in messages))
+            return Document(
+                origin=where, messages=tuple({"role": m["role"], "content": m["content"]} for m in messages)
+            )
         text = record.get(self.text_field)
         if text is None:
             fields = ", ".join(sorted(record)) or "none"
-            self.bad("missing_field", where, f"record without the field '{self.text_field}' (fields: {fields})", f"Add it, or set data.sources.{self.name}.text_field")
+            self.bad(
+                "missing_field",
+                where,
+                f"record without the field '{self.text_field}' (fields: {fields})",
+                f"Add it, or set data.sources.{self.name}.text_field",
+            )
             return None
         if not isinstance(text, str):
-            self.bad("missing_field", where, f"field '{self.text_field}' is a {type(text).__name__}, not a string", "Fix the record")
+            self.bad(
+                "missing_field",
+                where,
+                f"field '{self.text_field}' is a {type(text).__name__}, not a string",
+                "Fix the record",
+            )
             return None
         return Document(origin=where, text=text)
 

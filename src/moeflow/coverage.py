@@ -21,8 +21,9 @@ The stage that routes the pool and writes the validation set is ``moeflow.valset
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,11 +55,18 @@ class Constraints:
     pair_experts: np.ndarray  # (L, P, 2) int64
 
     @classmethod
-    def from_dense(cls, meets: np.ndarray, num_layers: int, num_experts: int, pair_experts: np.ndarray) -> "Constraints":
+    def from_dense(
+        cls, meets: np.ndarray, num_layers: int, num_experts: int, pair_experts: np.ndarray
+    ) -> Constraints:
         """From (D, C) booleans (tests and small pools)."""
         meets = np.asarray(meets, dtype=bool)
-        return cls(pack_word_bits(meets), meets.sum(axis=0).astype(np.int64),
-                   num_layers, num_experts, np.asarray(pair_experts, dtype=np.int64))
+        return cls(
+            pack_word_bits(meets),
+            meets.sum(axis=0).astype(np.int64),
+            num_layers,
+            num_experts,
+            np.asarray(pair_experts, dtype=np.int64),
+        )
 
     @property
     def num_constraints(self) -> int:
@@ -120,7 +128,11 @@ def build_constraints(stats: PoolStats, min_tokens: int, pairs_per_layer: int) -
     doc, constraint = np.concatenate(docs), np.concatenate(constraint)  # unique (doc, constraint) entries
     num_words = (num_constraints + WORD - 1) // WORD
     words = np.zeros((D, num_words), dtype=np.uint64)
-    np.bitwise_or.at(words.reshape(-1), doc * num_words + constraint // WORD, np.left_shift(np.uint64(1), (constraint % WORD).astype(np.uint64)))
+    np.bitwise_or.at(
+        words.reshape(-1),
+        doc * num_words + constraint // WORD,
+        np.left_shift(np.uint64(1), (constraint % WORD).astype(np.uint64)),
+    )
     available = np.bincount(constraint, minlength=num_constraints).astype(np.int64)
     return Constraints(words, available, L, E, pair_experts)
 
@@ -149,8 +161,15 @@ def seeded_rank(num_docs: int, seed: int) -> np.ndarray:
     return rank
 
 
-def greedy_multicover(words: np.ndarray, demand: np.ndarray, cost: np.ndarray, budget: int, rank: np.ndarray,
-                      refresh: int = 256, hot_size: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+def greedy_multicover(
+    words: np.ndarray,
+    demand: np.ndarray,
+    cost: np.ndarray,
+    budget: int,
+    rank: np.ndarray,
+    refresh: int = 256,
+    hot_size: int = 8192,
+) -> tuple[np.ndarray, np.ndarray]:
     """Pick documents until every constraint has ``demand`` of them, or no pick within budget helps.
 
     Each step takes the document with the most still-needed constraints per token (ties: lowest rank).
@@ -224,13 +243,22 @@ def greedy_multicover(words: np.ndarray, demand: np.ndarray, cost: np.ndarray, b
         out = score <= 0
         if 4 * int(out.sum()) > len(live):
             keep = ~out
-            live, cost, rank, inv_cost, score, fresh = live[keep], cost[keep], rank[keep], inv_cost[keep], score[keep], fresh[keep]
+            live, cost, rank, inv_cost, score, fresh = (
+                live[keep],
+                cost[keep],
+                rank[keep],
+                inv_cost[keep],
+                score[keep],
+                fresh[keep],
+            )
             hot, bound = hot_set()
             rebuilt = True
     return np.asarray(picked, dtype=np.int64), demand
 
 
-def fill_to_distribution(chosen: np.ndarray, cost: np.ndarray, group: np.ndarray, budget: int, rank: np.ndarray) -> np.ndarray:
+def fill_to_distribution(
+    chosen: np.ndarray, cost: np.ndarray, group: np.ndarray, budget: int, rank: np.ndarray
+) -> np.ndarray:
     """Add documents in ``rank`` order so each group (pool corpus) approaches its pool share of the
     token budget; returns the added doc indices."""
     cost = np.asarray(cost, dtype=np.int64)
@@ -256,7 +284,9 @@ def fill_to_distribution(chosen: np.ndarray, cost: np.ndarray, group: np.ndarray
     return np.asarray(sorted(added, key=lambda j: rank[j]), dtype=np.int64)
 
 
-def select_documents(constraints: Constraints, cost: np.ndarray, group: np.ndarray, min_docs: int, budget: int, seed: int) -> Selection:
+def select_documents(
+    constraints: Constraints, cost: np.ndarray, group: np.ndarray, min_docs: int, budget: int, seed: int
+) -> Selection:
     """Greedy multi-cover (demand ``min_docs`` per constraint, capped at what the pool has), then fill."""
     rank = seeded_rank(constraints.num_docs, seed)
     demand = np.minimum(constraints.available, min_docs) * constraints.valid
@@ -278,35 +308,52 @@ def _constraint_name(constraints: Constraints, layers: Sequence[int], c: int) ->
     return layers[position], f"pair {a}+{b}"
 
 
-def unmet_constraints(constraints: Constraints, layers: Sequence[int], selection: Selection, min_docs: int) -> list[dict[str, Any]]:
+def unmet_constraints(
+    constraints: Constraints, layers: Sequence[int], selection: Selection, min_docs: int
+) -> list[dict[str, Any]]:
     """Every valid constraint the selection leaves below ``min_docs`` documents, with the reason."""
     got = constraints.column_counts(np.sort(selection.selected))
     out = []
     for c in np.flatnonzero((got < min_docs) & constraints.valid).tolist():
         layer, what = _constraint_name(constraints, layers, c)
         reason = "pool" if constraints.available[c] < min_docs else "token_budget"
-        out.append({"layer": layer, "constraint": what, "docs": int(got[c]), "pool_docs": int(constraints.available[c]), "reason": reason})
+        out.append(
+            {
+                "layer": layer,
+                "constraint": what,
+                "docs": int(got[c]),
+                "pool_docs": int(constraints.available[c]),
+                "reason": reason,
+            }
+        )
     return out
 
 
 def infeasible_message(unmet: Sequence[Mapping[str, Any]], min_docs: int, min_tokens: int) -> str:
     by_layer: dict[int, list[str]] = {}
     for u in unmet:
-        by_layer.setdefault(u["layer"], []).append(f"{u['constraint']} ({u['pool_docs']} in pool, {u['docs']} selected)")
+        by_layer.setdefault(u["layer"], []).append(
+            f"{u['constraint']} ({u['pool_docs']} in pool, {u['docs']} selected)"
+        )
     lines = [f"  layer {layer}: " + ", ".join(items) for layer, items in sorted(by_layer.items())]
     reasons = {u["reason"] for u in unmet}
     remedy = [f"set '{ALLOW_UNMET_KEY}: true' to record them as unmet instead"]
     if "token_budget" in reasons:
         remedy.insert(0, "raise 'coverage.token_budget'")
     if "pool" in reasons:
-        remedy.insert(0, "add held-out documents to 'coverage.pool_corpora' or lower 'coverage.min_docs_per_expert'/'coverage.min_tokens'")
+        remedy.insert(
+            0,
+            "add held-out documents to 'coverage.pool_corpora' or lower 'coverage.min_docs_per_expert'/'coverage.min_tokens'",
+        )
     return (
         f"expert coverage cannot be met: {len(unmet)} constraint(s) have fewer than {min_docs} documents with "
         f">= {min_tokens} routed tokens:\n" + "\n".join(lines) + "\nTo proceed: " + "; or ".join(remedy) + "."
     )
 
 
-def random_comparison(constraints: Constraints, cost: np.ndarray, tokens: int, min_docs: int, draws: int, seed: int) -> dict[str, Any]:
+def random_comparison(
+    constraints: Constraints, cost: np.ndarray, tokens: int, min_docs: int, draws: int, seed: int
+) -> dict[str, Any]:
     """Random subsets with (at most) the same number of tokens: cells and pairs left below ``min_docs``."""
     cost = np.asarray(cost, dtype=np.int64)
     valid = constraints.valid
@@ -321,8 +368,14 @@ def random_comparison(constraints: Constraints, cost: np.ndarray, tokens: int, m
         if first_counts is None:
             first_counts = got
         below = (got < min_docs) & valid
-        per_draw.append({"docs": int(len(subset)), "tokens": int(cost[subset].sum()),
-                         "cells_below": int(below[cells].sum()), "pairs_below": int(below[~cells].sum())})
+        per_draw.append(
+            {
+                "docs": int(len(subset)),
+                "tokens": int(cost[subset].sum()),
+                "cells_below": int(below[cells].sum()),
+                "pairs_below": int(below[~cells].sum()),
+            }
+        )
 
     def summary(key: str) -> dict[str, Any]:
         values = np.array([d[key] for d in per_draw], dtype=np.float64)
@@ -345,8 +398,9 @@ def _load_distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(0.5 * np.abs(pa - pb).sum(axis=1).mean())
 
 
-def coverage_report(stats: PoolStats, constraints: Constraints, selection: Selection, settings: Mapping[str, Any],
-                    seed: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def coverage_report(
+    stats: PoolStats, constraints: Constraints, selection: Selection, settings: Mapping[str, Any], seed: int
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``coverage.json``'s content, and the (L, E) document counts per cell of the validation set and of
     the first random subset (for the heatmap)."""
     min_docs, min_tokens = int(settings["min_docs_per_expert"]), int(settings["min_tokens"])
@@ -364,15 +418,19 @@ def coverage_report(stats: PoolStats, constraints: Constraints, selection: Selec
             if a >= 0:
                 c = constraints.num_cells + position * P + p
                 pairs.append({"experts": [a, b], "docs": int(got[c]), "pool_docs": int(constraints.available[c])})
-        layers.append({
-            "layer": layer,
-            "docs": docs[position].tolist(),
-            "tokens": tokens[position].tolist(),
-            "pool_docs": pool_docs[position].tolist(),
-            "pool_tokens": pool_tokens[position].tolist(),
-            "top_pairs": pairs,
-        })
-    comparison = random_comparison(constraints, stats.doc_tokens, selection.tokens, min_docs, int(settings["random_draws"]), seed)
+        layers.append(
+            {
+                "layer": layer,
+                "docs": docs[position].tolist(),
+                "tokens": tokens[position].tolist(),
+                "pool_docs": pool_docs[position].tolist(),
+                "pool_tokens": pool_tokens[position].tolist(),
+                "top_pairs": pairs,
+            }
+        )
+    comparison = random_comparison(
+        constraints, stats.doc_tokens, selection.tokens, min_docs, int(settings["random_draws"]), seed
+    )
     random_first = np.asarray(comparison.pop("first_draw_cell_docs"))
     valid = constraints.valid
     below = (got < min_docs) & valid
@@ -380,9 +438,13 @@ def coverage_report(stats: PoolStats, constraints: Constraints, selection: Selec
     unmet = unmet_constraints(constraints, stats.layers, selection, min_docs)
 
     def by_corpus(mask: np.ndarray) -> dict[str, Any]:
-        return {name: {"docs": int((mask & (stats.doc_corpus == i)).sum()),
-                       "tokens": int(stats.doc_tokens[mask & (stats.doc_corpus == i)].sum())}
-                for i, name in enumerate(stats.corpora)}
+        return {
+            name: {
+                "docs": int((mask & (stats.doc_corpus == i)).sum()),
+                "tokens": int(stats.doc_tokens[mask & (stats.doc_corpus == i)].sum()),
+            }
+            for i, name in enumerate(stats.corpora)
+        }
 
     return {
         "settings": dict(settings),

@@ -34,8 +34,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -46,7 +47,6 @@ from .modeling import _impl_kwargs, check_model_folder, check_vocabulary, model_
 from .modeling import load_model as load_whole_model
 
 log = logging.getLogger("moeflow.distributed")
-
 
 
 class DistributedError(RuntimeError):
@@ -183,7 +183,9 @@ def distributed_config(parallel: ParallelSettings, world: int | None = None):
     """transformers 5's ``DistributedConfig`` for ``strategy: ep`` (experts over ``ep_size`` ranks, the rest
     FSDP2-sharded over ``fsdp_size``, default all ranks)."""
     if parallel.strategy != "ep":
-        raise DistributedError(f"parallel.strategy is {parallel.strategy!r}: transformers' DistributedConfig is for strategy: ep")
+        raise DistributedError(
+            f"parallel.strategy is {parallel.strategy!r}: transformers' DistributedConfig is for strategy: ep"
+        )
     if not compat.is_transformers_v5():
         raise DistributedError(
             "config key 'parallel.strategy': ep (expert parallelism) needs transformers 5's DistributedConfig, and "
@@ -216,7 +218,11 @@ def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any], parallel: 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     trust = model_section(model_cfg)["trust_remote_code"]
-    if getattr(AutoConfig.from_pretrained(check_model_folder(path), trust_remote_code=trust, local_files_only=True), "tie_word_embeddings", False):
+    if getattr(
+        AutoConfig.from_pretrained(check_model_folder(path), trust_remote_code=trust, local_files_only=True),
+        "tie_word_embeddings",
+        False,
+    ):
         # Measured on transformers 5.24 (tests/test_train_distributed.py): the first step's gradients are
         # right, but the output layer and the embedding then train apart (loss 5e-4 off one process's at step 2).
         raise DistributedError(
@@ -236,7 +242,11 @@ def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any], parallel: 
 
 
 def load_for_training(
-    path: str | os.PathLike, model_cfg: Mapping[str, Any], train: TrainSettings, parallel: ParallelSettings, ranks: Ranks,
+    path: str | os.PathLike,
+    model_cfg: Mapping[str, Any],
+    train: TrainSettings,
+    parallel: ParallelSettings,
+    ranks: Ranks,
     data: str | os.PathLike | None = None,
 ) -> torch.nn.Module:
     """A saved model folder, ready for the Trainer: loaded for the layout (:func:`load_model`), checked
@@ -264,7 +274,9 @@ def _layer_classes(model: torch.nn.Module) -> tuple[type, ...]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
-        raise DistributedError(f"{type(model).__name__} names no decoder-layer class (_no_split_modules): cannot place FSDP units")
+        raise DistributedError(
+            f"{type(model).__name__} names no decoder-layer class (_no_split_modules): cannot place FSDP units"
+        )
     return tuple(sorted(classes, key=lambda c: c.__name__))
 
 
@@ -427,7 +439,9 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            out[_clean(name)] = p.grad.full_tensor().detach().clone() if _is_dtensor(p.grad) else p.grad.detach().clone()
+            out[_clean(name)] = (
+                p.grad.full_tensor().detach().clone() if _is_dtensor(p.grad) else p.grad.detach().clone()
+            )
     return out
 
 
@@ -444,7 +458,9 @@ def _state_dict_options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def full_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, rank0_only: bool = False) -> tuple[dict, dict | None]:
+def full_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, rank0_only: bool = False
+) -> tuple[dict, dict | None]:
     """Whole (unsharded) model and optimizer state on every rank, keyed by parameter name as the unwrapped
     model names them (the optimizer's too: ``{"state": {name: {...}}, "param_groups": [{"params": [names]}]}``),
     in one format for every layout and world size: what the safetensors checkpoint writes. A collective:
@@ -476,7 +492,9 @@ def _cpu_safe_fsdp1() -> Iterator[None]:
         torch.cuda.synchronize = synchronize
 
 
-def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor], optimizer=None, optim_state=None) -> None:
+def load_full_state_dict(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], optimizer=None, optim_state=None
+) -> None:
     """The inverse of :func:`full_state_dict`: every rank passes the whole state, each keeps its shards.
     Call it on a model without gradients (before the first step), as PyTorch requires."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -489,17 +507,33 @@ def load_full_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tenso
             if is_fsdp1(model):
                 _load_fsdp1_optimizer(model, optimizer, optim_state)
             else:
-                set_optimizer_state_dict(model, optimizer, optim_state_dict=_with_tied_names(model, optim_state), options=_state_dict_options())
+                set_optimizer_state_dict(
+                    model,
+                    optimizer,
+                    optim_state_dict=_with_tied_names(model, optim_state),
+                    options=_state_dict_options(),
+                )
         set_model_state_dict(model, dict(state), options=_state_dict_options())
 
 
-def _load_fsdp1_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_state: Mapping[str, Any]) -> None:
+def _load_fsdp1_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_state: Mapping[str, Any]
+) -> None:
     """FSDP1's own loader: torch 2.3's generic one asks for a tied parameter's state under each of its
     names, which FSDP1's loader (keyed by the first name only) then refuses."""
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        FullyShardedDataParallel,
+        StateDictType,
+    )
 
-    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()):
-        optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, dict(optim_state)))
+    with FullyShardedDataParallel.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+    ):
+        optimizer.load_state_dict(
+            FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, dict(optim_state))
+        )
 
 
 def _with_tied_names(model: torch.nn.Module, optim_state: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,9 +14,10 @@ import importlib.util
 import logging
 import os
 import platform
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .pins import pinned_versions
 
@@ -56,9 +57,7 @@ def fingerprint() -> str:
 
     Snakemake evaluates it when it builds the DAG: a package change reruns ``verify_env``.
     """
-    pairs = sorted(
-        f"{(dist.metadata['Name'] or '').lower()}=={dist.version}" for dist in metadata.distributions()
-    )
+    pairs = sorted(f"{(dist.metadata['Name'] or '').lower()}=={dist.version}" for dist in metadata.distributions())
     return hashlib.sha256("\n".join(pairs).encode()).hexdigest()[:16]
 
 
@@ -210,7 +209,10 @@ def torch_facts() -> dict[str, Any]:
         "cuda_available": cuda_available,
         "gpus": gpus,
         "gpu_summary": (
-            f"{len(gpus)} GPU(s): " + ", ".join(f"{g['name']} ({g['memory_bytes'] / 2**30:.1f} GiB, sm {g['compute_capability']})" for g in gpus)
+            f"{len(gpus)} GPU(s): "
+            + ", ".join(
+                f"{g['name']} ({g['memory_bytes'] / 2**30:.1f} GiB, sm {g['compute_capability']})" for g in gpus
+            )
             if gpus
             else "no GPU: torch.cuda.is_available() is False, training runs on the CPU"
         ),
@@ -229,7 +231,8 @@ def attention_implementations(gpus: list[Mapping[str, Any]]) -> dict[str, dict[s
         "eager": {"available": True, "reason": "plain PyTorch matmul and softmax"},
         "sdpa": {
             "available": sdpa,
-            "reason": "torch.nn.functional.scaled_dot_product_attention" + ("" if sdpa else " is missing from this torch"),
+            "reason": "torch.nn.functional.scaled_dot_product_attention"
+            + ("" if sdpa else " is missing from this torch"),
         },
     }
     if importlib.util.find_spec("flash_attn") is None:
@@ -238,7 +241,10 @@ def attention_implementations(gpus: list[Mapping[str, Any]]) -> dict[str, dict[s
     try:
         importlib.import_module("flash_attn")
     except Exception as exc:
-        out["flash_attention_2"] = {"available": False, "reason": f"flash_attn fails to import: {type(exc).__name__}: {exc}"}
+        out["flash_attention_2"] = {
+            "available": False,
+            "reason": f"flash_attn fails to import: {type(exc).__name__}: {exc}",
+        }
         return out
     capable = [g for g in gpus if _capability(g) >= FLASH_ATTN_MIN_CAPABILITY]
     if not gpus:
@@ -284,7 +290,10 @@ def experts_implementations(gpus: list[Mapping[str, Any]]) -> dict[str, Any]:
             "available": True,
             "reason": f"{grouped_kernel} on the {device}" + ("" if gpus else " (no float64 on CPU)"),
         },
-        "batched_mm": {"available": True, "reason": "batched matmul; copies the expert weights per token (memory-hungry)"},
+        "batched_mm": {
+            "available": True,
+            "reason": "batched matmul; copies the expert weights per token (memory-hungry)",
+        },
     }
     implementations = {}
     for name in sorted(set(ALL_EXPERTS_FUNCTIONS._global_mapping) | {"eager"}):
@@ -349,7 +358,9 @@ def enforce(report: Mapping[str, Any], strict: bool) -> list[str]:
     warnings = [f"differs from {report['pins']['env_file']}: {line}" for line in lines]
     remote = [run for run, trusted in report["trust_remote_code"].items() if trusted]
     if remote:
-        warnings.append(f"run(s) {', '.join(remote)} set model.trust_remote_code: they execute code from the model folder")
+        warnings.append(
+            f"run(s) {', '.join(remote)} set model.trust_remote_code: they execute code from the model folder"
+        )
     for warning in warnings:
         log.warning(warning)
     return warnings
@@ -422,5 +433,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += [f"{len(pins['differences'])} difference(s) (with env.strict: true the stage fails instead):", ""]
         lines += [f"- {describe_difference(d)}" for d in pins["differences"]]
     lines += ["", "## trust_remote_code per run", ""]
-    lines += [f"- `{run}`: {_yes_no(flag)}" for run, flag in report["trust_remote_code"].items()] or ["- off for every run"]
+    lines += [f"- `{run}`: {_yes_no(flag)}" for run, flag in report["trust_remote_code"].items()] or [
+        "- off for every run"
+    ]
     return "\n".join(lines) + "\n"

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,10 +75,17 @@ def routing_sums(layers, token_mask, token_loss, label_mask) -> tuple[list[int],
         k, num_experts = index.shape[1], layer.num_experts
         routed.append(torch.bincount(index[flat_tokens].reshape(-1), minlength=num_experts))
         served = index[flat_labels].reshape(-1)
-        loss_sum.append(torch.bincount(served, weights=flat_loss[flat_labels].repeat_interleave(k), minlength=num_experts))
+        loss_sum.append(
+            torch.bincount(served, weights=flat_loss[flat_labels].repeat_interleave(k), minlength=num_experts)
+        )
         label_tokens.append(torch.bincount(served, minlength=num_experts))
     as_np = lambda rows, dtype: np.stack([r.numpy() for r in rows]).astype(dtype)  # noqa: E731
-    return [layer.layer for layer in layers], as_np(routed, np.int64), as_np(loss_sum, np.float64), as_np(label_tokens, np.int64)
+    return (
+        [layer.layer for layer in layers],
+        as_np(routed, np.int64),
+        as_np(loss_sum, np.float64),
+        as_np(label_tokens, np.int64),
+    )
 
 
 def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, precision: str = "fp32") -> SetStats:

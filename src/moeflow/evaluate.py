@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 import resource
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +32,6 @@ from .pool_stats import cell_table, route_pool
 from .routing import adapter_or_none
 from .shards import iter_rows
 from .stage import progress
-
 
 # --------------------------------------------------------------------------- records
 
@@ -87,7 +87,9 @@ def change_record(base: Mapping[str, Any], finetuned: Mapping[str, Any]) -> dict
             {
                 "layer": b["layer"],
                 "share": [f - s for s, f in zip(b["share"], a["share"])],
-                "mean_loss": [None if s is None or f is None else f - s for s, f in zip(b["mean_loss"], a["mean_loss"])],
+                "mean_loss": [
+                    None if s is None or f is None else f - s for s, f in zip(b["mean_loss"], a["mean_loss"])
+                ],
             }
             for b, a in zip(base["experts"], finetuned["experts"])
         ]
@@ -135,7 +137,10 @@ def _fmt(x: float | None, digits: int = 4) -> str:
 def summary_markdown(metrics: Mapping[str, Any]) -> str:
     """A short human summary of ``metrics.json``: loss per set, forgetting, expert balance, coverage."""
     lines = [f"# Evaluation of run `{metrics['run']}`", ""]
-    lines += ["| set | targeted | base loss | fine-tuned loss | change | base ppl | fine-tuned ppl |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "| set | targeted | base loss | fine-tuned loss | change | base ppl | fine-tuned ppl |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in metrics["sets"]:
         lines.append(
             f"| {s['name']} | {'yes' if s['targeted'] else 'no'} | {_fmt(s['base']['loss'])} | {_fmt(s['finetuned']['loss'])} "
@@ -157,8 +162,11 @@ def summary_markdown(metrics: Mapping[str, Any]) -> str:
     if recheck:
         newly = recheck["newly_below"]
         cells = ", ".join(f"layer {c['layer']} expert {c['expert']}" for c in newly) or "none"
-        lines += ["", f"Coverage of the validation set with the fine-tuned router: {recheck['below_after']} (layer, expert) cells "
-                  f"below the threshold (base router: {recheck['below_before']}); newly below: {cells}."]
+        lines += [
+            "",
+            f"Coverage of the validation set with the fine-tuned router: {recheck['below_after']} (layer, expert) cells "
+            f"below the threshold (base router: {recheck['below_before']}); newly below: {cells}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -174,7 +182,9 @@ class EvalSet:
     rows: Any  # a datasets.Dataset of packed rows (moeflow.shards format)
 
 
-def evaluate_model(model, sets: Sequence[EvalSet], settings: Mapping[str, Any], precision: str = "fp32") -> dict[str, SetStats]:
+def evaluate_model(
+    model, sets: Sequence[EvalSet], settings: Mapping[str, Any], precision: str = "fp32"
+) -> dict[str, SetStats]:
     """Every set through one model (``settings``: the config's ``evaluate`` section)."""
     adapter = adapter_or_none(model)
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -182,7 +192,9 @@ def evaluate_model(model, sets: Sequence[EvalSet], settings: Mapping[str, Any], 
     for s in sets:
         out[s.name] = evaluate_batches(
             model,
-            progress(batches(s.rows, settings["batch_size"], attn, settings["max_sequences"]), desc=f"evaluate {s.name}"),
+            progress(
+                batches(s.rows, settings["batch_size"], attn, settings["max_sequences"]), desc=f"evaluate {s.name}"
+            ),
             adapter,
             precision,
         )
@@ -203,7 +215,10 @@ def run_metrics(
         "finetune_corpus": finetune_corpus,
         "parameters": dict(parameters),
         "sets": [
-            {**set_comparison(s.name, finetune_corpus in s.corpora, base[s.name], finetuned[s.name]), "corpora": list(s.corpora)}
+            {
+                **set_comparison(s.name, finetune_corpus in s.corpora, base[s.name], finetuned[s.name]),
+                "corpora": list(s.corpora),
+            }
             for s in sets
         ],
     }
@@ -212,7 +227,9 @@ def run_metrics(
 # --------------------------------------------------------------------------- coverage, rechecked
 
 
-def valset_coverage(model, rows, coverage_settings: Mapping[str, Any], precision: str = "fp32") -> dict[str, Any] | None:
+def valset_coverage(
+    model, rows, coverage_settings: Mapping[str, Any], precision: str = "fp32"
+) -> dict[str, Any] | None:
     """Per (layer, expert) of ``model``'s router: validation documents with at least ``min_tokens`` tokens
     routed there (``moeflow.pool_stats.route_pool`` and ``cell_table``, as the coverage stage counts them).
     None for a model without experts."""
@@ -220,12 +237,16 @@ def valset_coverage(model, rows, coverage_settings: Mapping[str, Any], precision
     if adapter is None:
         return None
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    stats = route_pool(model, [("valset", iter_rows(rows))], int(coverage_settings["batch_tokens"]), attn, precision, adapter)
+    stats = route_pool(
+        model, [("valset", iter_rows(rows))], int(coverage_settings["batch_tokens"]), attn, precision, adapter
+    )
     docs, tokens = cell_table(stats, np.ones(stats.num_docs, dtype=bool), int(coverage_settings["min_tokens"]))
     return {"layers": list(stats.layers), "documents": stats.num_docs, "docs": docs.tolist(), "tokens": tokens.tolist()}
 
 
-def coverage_recheck(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, coverage_settings: Mapping[str, Any]) -> dict[str, Any] | None:
+def coverage_recheck(
+    before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, coverage_settings: Mapping[str, Any]
+) -> dict[str, Any] | None:
     """Which (layer, expert) cells of the validation set fall below the coverage threshold
     (``min_docs_per_expert`` documents with ``min_tokens`` tokens) with the base and the fine-tuned router."""
     if before is None or after is None:
@@ -237,7 +258,9 @@ def coverage_recheck(before: Mapping[str, Any] | None, after: Mapping[str, Any] 
 
     def cells(keys: set[tuple[int, int]], cov: Mapping[str, Any]) -> list[dict[str, int]]:
         position = {layer: i for i, layer in enumerate(cov["layers"])}
-        return [{"layer": layer, "expert": e, "docs": int(cov["docs"][position[layer]][e])} for layer, e in sorted(keys)]
+        return [
+            {"layer": layer, "expert": e, "docs": int(cov["docs"][position[layer]][e])} for layer, e in sorted(keys)
+        ]
 
     b, a = below(before), below(after)
     return {

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .config import MemoryThresholds, RoutingThresholds
 
@@ -88,7 +89,9 @@ class RoutingGuard:
         self.alarmed: set[int] = set()
         self.early_warned = False
 
-    def observe(self, step: int, counts: Sequence[Sequence[int]], router_entropy: Sequence[float], ce: float) -> list[str]:
+    def observe(
+        self, step: int, counts: Sequence[Sequence[int]], router_entropy: Sequence[float], ce: float
+    ) -> list[str]:
         """Record one step; return the alarms and warnings it raised (also logged)."""
         self.window.append([list(map(int, row)) for row in counts])
         messages = []
@@ -117,7 +120,10 @@ class RoutingGuard:
         if not self.window:
             return []
         layers = len(self.window[0])
-        return [[sum(step[layer][e] for step in self.window) for e in range(len(self.window[0][layer]))] for layer in range(layers)]
+        return [
+            [sum(step[layer][e] for step in self.window) for e in range(len(self.window[0][layer]))]
+            for layer in range(layers)
+        ]
 
     def problems(self) -> list[dict[str, Any]]:
         out = []
@@ -125,13 +131,22 @@ class RoutingGuard:
             h = layer_health(load)
             reasons = []
             if h["max_over_mean"] > self.t.max_load_ratio:
-                reasons.append(f"busiest expert gets {h['max_over_mean']:.2f}x the mean load (max {self.t.max_load_ratio})")
+                reasons.append(
+                    f"busiest expert gets {h['max_over_mean']:.2f}x the mean load (max {self.t.max_load_ratio})"
+                )
             if h["load_entropy"] < self.t.min_load_entropy:
                 reasons.append(f"normalised load entropy {h['load_entropy']:.3f} (min {self.t.min_load_entropy})")
             if len(h["dead_experts"]) > self.t.max_dead_experts:
                 reasons.append(f"dead experts {h['dead_experts']} (at most {self.t.max_dead_experts} allowed)")
             if reasons:
-                out.append({"layer": layer, "message": f"MoE layer {layer}: " + "; ".join(reasons) + f" over the last {len(self.window)} steps"})
+                out.append(
+                    {
+                        "layer": layer,
+                        "message": f"MoE layer {layer}: "
+                        + "; ".join(reasons)
+                        + f" over the last {len(self.window)} steps",
+                    }
+                )
         return out
 
     def report(self) -> dict[str, Any]:
@@ -146,7 +161,12 @@ class RoutingGuard:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": list(self.window), "first": self.first, "alarmed": sorted(self.alarmed), "early_warned": self.early_warned}
+        return {
+            "window": list(self.window),
+            "first": self.first,
+            "alarmed": sorted(self.alarmed),
+            "early_warned": self.early_warned,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.window.clear()

@@ -69,7 +69,6 @@ ROUTER_FILE = "router.safetensors"
 REPORT_FILE = "trainable_parameters.json"
 
 
-
 class LoraConfigError(ValueError):
     """A LoRA setting that cannot work for this model, naming the key and what to do."""
 
@@ -212,11 +211,15 @@ def _native_layout():
 
     saved = conversion.convert_peft_config_for_transformers, conversion.convert_peft_adapter_state_dict_for_transformers
     conversion.convert_peft_config_for_transformers = lambda peft_config, model, conversions=None: None
-    conversion.convert_peft_adapter_state_dict_for_transformers = lambda model, peft_config, adapter_state_dict, adapter_name="default": adapter_state_dict
+    conversion.convert_peft_adapter_state_dict_for_transformers = (
+        lambda model, peft_config, adapter_state_dict, adapter_name="default": adapter_state_dict
+    )
     try:
         yield
     finally:
-        conversion.convert_peft_config_for_transformers, conversion.convert_peft_adapter_state_dict_for_transformers = saved
+        conversion.convert_peft_config_for_transformers, conversion.convert_peft_adapter_state_dict_for_transformers = (
+            saved
+        )
 
 
 def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool) -> Any:
@@ -308,12 +311,18 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
     if not is_lora_model(model):
         model = apply_lora(model, saved, gradient_checkpointing)
     elif lora_settings(model) != saved:
-        raise LoraConfigError(f"the adapter in {folder} was trained with train.lora {saved.as_dict()}, the model has {lora_settings(model).as_dict()}")
+        raise LoraConfigError(
+            f"the adapter in {folder} was trained with train.lora {saved.as_dict()}, the model has {lora_settings(model).as_dict()}"
+        )
     with _native_layout():
-        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"), adapter_name=ADAPTER_NAME)
+        result = set_peft_model_state_dict(
+            model, load_peft_weights(str(folder), device="cpu"), adapter_name=ADAPTER_NAME
+        )
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
-        raise LoraConfigError(f"the adapter in {folder} does not fit this model: missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
+        raise LoraConfigError(
+            f"the adapter in {folder} does not fit this model: missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}"
+        )
     if saved.router == "trainable":
         state = load_file(str(folder / ROUTER_FILE))
         with torch.no_grad():
@@ -395,7 +404,10 @@ def describe(model: Any) -> str:
     """One line for the log: trainable parameters and where the adapters are."""
     r = trainable_parameter_report(model)
     parts = [f"{k} {v['trainable']:,}" for k, v in r["by_category"].items() if v["trainable"]]
-    return f"{r['method']}: {r['trainable']:,} of {r['total']:,} parameters trainable ({100 * r['trainable_fraction']:.2f}%): " + ", ".join(parts)
+    return (
+        f"{r['method']}: {r['trainable']:,} of {r['total']:,} parameters trainable ({100 * r['trainable_fraction']:.2f}%): "
+        + ", ".join(parts)
+    )
 
 
 def prepare_model(model: Any, train: TrainSettings) -> Any:
@@ -407,6 +419,16 @@ def prepare_model(model: Any, train: TrainSettings) -> Any:
 
 
 __all__ = [
-    "LoraSettings", "LoraConfigError", "apply_lora", "save_adapter", "load_adapter", "save_adapter_output", "merge_and_save",
-    "trainable_parameter_report", "router_is_trainable", "is_lora_model", "find_targets", "describe",
+    "LoraSettings",
+    "LoraConfigError",
+    "apply_lora",
+    "save_adapter",
+    "load_adapter",
+    "save_adapter_output",
+    "merge_and_save",
+    "trainable_parameter_report",
+    "router_is_trainable",
+    "is_lora_model",
+    "find_targets",
+    "describe",
 ]

@@ -32,8 +32,9 @@ backward (never ``retain_graph``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -180,7 +181,7 @@ class StepLoss:
         routed_tokens: int,
         num_micro_batches: int,
         step_counts: torch.Tensor | None = None,
-    ) -> "StepLoss":
+    ) -> StepLoss:
         counts = all_reduce_sum(torch.tensor([label_tokens, routed_tokens], dtype=torch.float64))
         if settings.needs_counting_forward and step_counts is None:
             raise ValueError("balance mode 'exact' needs the step's expert counts (a counting forward) first")

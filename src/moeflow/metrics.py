@@ -7,8 +7,9 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import psutil
 import torch
@@ -46,7 +47,9 @@ class MetricsLog:
             if total:
                 self.writer.add_histogram_raw(
                     f"routing/layer{layer}/expert_load",
-                    min=0, max=len(load) - 1, num=total,
+                    min=0,
+                    max=len(load) - 1,
+                    num=total,
                     sum=sum(i * c for i, c in enumerate(load)),
                     sum_squares=sum(i * i * c for i, c in enumerate(load)),
                     bucket_limits=[i + 0.5 for i in range(len(load))],
@@ -79,7 +82,11 @@ def active_parameters(model: torch.nn.Module) -> int:
     """Parameters one token passes through: everything but the experts a token does not use (whole
     parameters, also of a sharded model). Six times this is the training FLOPs per token."""
     config = unwrap(model).config
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
+    experts = (
+        getattr(config, "num_experts", None)
+        or getattr(config, "num_local_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
     top_k = getattr(config, "num_experts_per_tok", None)
     sizes = {n: math.prod(original_shape(p)) for n, p in model.named_parameters()}
     total = sum(sizes.values())

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from . import compat
 from .config import MODEL_SCHEMA, with_defaults
@@ -65,14 +66,20 @@ def check_model_folder(path: str | os.PathLike) -> Path:
     """A folder made by ``save_pretrained`` with safetensors weights, or a ModelError saying what is wrong."""
     path = Path(path)
     if not path.exists():
-        raise ModelError(f"model folder {path} does not exist: point 'model.pretrained' at a local folder made by save_pretrained")
+        raise ModelError(
+            f"model folder {path} does not exist: point 'model.pretrained' at a local folder made by save_pretrained"
+        )
     if not (path / "config.json").is_file():
         raise ModelError(
             f"model folder {path} has no config.json: point 'model.pretrained' at a folder made by save_pretrained"
         )
     if not any(path.glob("*.safetensors")):
         pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in path.glob(pattern))
-        found = f"it holds pickle weights ({', '.join(pickles)}), which " if pickles else "it has no weights; pickle weights "
+        found = (
+            f"it holds pickle weights ({', '.join(pickles)}), which "
+            if pickles
+            else "it has no weights; pickle weights "
+        )
         raise ModelError(
             f"model folder {path} has no safetensors weights: {found}moeflow refuses to load because unpickling can "
             "run code. Convert the model to safetensors (save_pretrained(..., safe_serialization=True)) from a source you trust"
@@ -119,7 +126,9 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
 
     path = Path(path)
     if not path.is_dir():
-        raise ModelError(f"tokenizer folder {path} does not exist: it is the model folder ('model.pretrained') or one the pipeline trained")
+        raise ModelError(
+            f"tokenizer folder {path} does not exist: it is the model folder ('model.pretrained') or one the pipeline trained"
+        )
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as exc:
@@ -129,7 +138,9 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
         raise remote from None
 
 
-def check_vocabulary(model: Any, data_dirs: Sequence[str | os.PathLike], model_path: str | os.PathLike = "the model") -> None:
+def check_vocabulary(
+    model: Any, data_dirs: Sequence[str | os.PathLike], model_path: str | os.PathLike = "the model"
+) -> None:
     """Refuse data tokenized with a tokenizer that has more tokens than the model has embedding rows
     (a model may have more rows than tokens: vocabularies are often padded)."""
     rows = model.get_input_embeddings().num_embeddings

@@ -55,5 +55,9 @@ def param_groups(model: torch.nn.Module, settings: Any) -> list[dict[str, Any]]:
 
 def correction_biases(model: torch.nn.Module) -> list[torch.Tensor]:
     """DeepSeek-V3-style expert correction biases (``e_score_correction_bias``), in layer order."""
-    found = [(name, t) for name, t in [*model.named_buffers(), *model.named_parameters()] if P.category(name) == P.CORRECTION_BIAS]
+    found = [
+        (name, t)
+        for name, t in [*model.named_buffers(), *model.named_parameters()]
+        if P.category(name) == P.CORRECTION_BIAS
+    ]
     return [t for _, t in sorted(found, key=lambda nt: -1 if P.layer_index(nt[0]) is None else P.layer_index(nt[0]))]

@@ -29,7 +29,9 @@ def _popcount_swar(x: np.ndarray) -> np.ndarray:
 popcount = getattr(np, "bitwise_count", _popcount_swar)
 
 
-def masked_popcounts(words: np.ndarray, mask: np.ndarray, docs: np.ndarray | None = None, chunk: int = 8192) -> np.ndarray:
+def masked_popcounts(
+    words: np.ndarray, mask: np.ndarray, docs: np.ndarray | None = None, chunk: int = 8192
+) -> np.ndarray:
     """Set bits of ``words[doc] & mask`` for each document (all, or ``docs``), in bounded memory."""
     columns = np.flatnonzero(mask)
     docs = np.arange(words.shape[0]) if docs is None else np.asarray(docs)
@@ -57,7 +59,6 @@ def pack_word_bits(flags: np.ndarray) -> np.ndarray:
         flags = np.concatenate([flags, np.zeros(flags.shape[:-1] + (pad,), dtype=bool)], axis=-1)
     grouped = flags.reshape(flags.shape[:-1] + (-1, WORD)).astype(np.uint64)
     return (grouped << _SHIFTS).sum(axis=-1, dtype=np.uint64)
-
 
 
 def column_bit_counts(words: np.ndarray, rows: np.ndarray, num_bits: int, chunk: int = 1024) -> np.ndarray:

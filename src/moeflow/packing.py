@@ -4,8 +4,9 @@ the padding and document-boundary counts of the result."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class PackStats:
         self.max_length_truncated_tokens += max(0, n - self.seq_len)
 
     @classmethod
-    def combined(cls, parts: Iterable["PackStats"]) -> "PackStats":
+    def combined(cls, parts: Iterable[PackStats]) -> PackStats:
         parts = list(parts)
         total = cls(seq_len=parts[0].seq_len)
         for name in asdict(total):
@@ -53,7 +54,9 @@ class PackStats:
         out["padding_fraction"] = self.padding_tokens / slots if slots else 0.0
         out["pad_to_max_length"] = {
             "max_length": self.seq_len,
-            "padding_fraction": self.max_length_padding_tokens / (self.documents * self.seq_len) if self.documents else 0.0,
+            "padding_fraction": self.max_length_padding_tokens / (self.documents * self.seq_len)
+            if self.documents
+            else 0.0,
             "truncated_fraction": self.max_length_truncated_tokens / self.tokens if self.tokens else 0.0,
         }
         del out["max_length_padding_tokens"], out["max_length_truncated_tokens"]
@@ -74,7 +77,9 @@ class Packer:
         self._pieces: list[tuple[np.ndarray, ...]] = []
         self._fill = 0
 
-    def add(self, doc_id: int, ids: Sequence[int] | np.ndarray, labels: Sequence[int] | np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
+    def add(
+        self, doc_id: int, ids: Sequence[int] | np.ndarray, labels: Sequence[int] | np.ndarray | None = None
+    ) -> list[dict[str, np.ndarray]]:
         """Add one document; return the rows it completed."""
         ids = np.asarray(ids, dtype=np.int32)
         n = len(ids)
@@ -89,12 +94,14 @@ class Packer:
             take = min(self.seq_len - self._fill, n - start)
             segment_labels = labels[start : start + take].copy()
             segment_labels[0] = IGNORE_INDEX
-            self._pieces.append((
-                ids[start : start + take],
-                segment_labels,
-                np.arange(take, dtype=np.int32),
-                np.full(take, doc_id, dtype=np.int64),
-            ))
+            self._pieces.append(
+                (
+                    ids[start : start + take],
+                    segment_labels,
+                    np.arange(take, dtype=np.int32),
+                    np.full(take, doc_id, dtype=np.int64),
+                )
+            )
             self._fill += take
             start += take
             spanned += 1
@@ -111,12 +118,14 @@ class Packer:
         padded = min(self.seq_len, math.ceil(self._fill / m) * m)
         pad = padded - self._fill
         if pad:
-            self._pieces.append((
-                np.full(pad, self.pad_id, dtype=np.int32),
-                np.full(pad, IGNORE_INDEX, dtype=np.int32),
-                np.arange(pad, dtype=np.int32),
-                np.full(pad, PAD_DOC_ID, dtype=np.int64),
-            ))
+            self._pieces.append(
+                (
+                    np.full(pad, self.pad_id, dtype=np.int32),
+                    np.full(pad, IGNORE_INDEX, dtype=np.int32),
+                    np.arange(pad, dtype=np.int32),
+                    np.full(pad, PAD_DOC_ID, dtype=np.int64),
+                )
+            )
             self.stats.padding_tokens += pad
         return [self._emit()]
 

@@ -54,7 +54,7 @@ _RULES = (
 
 def base_name(name: str) -> str:
     """The name in the plain model of the weight a (possibly peft-wrapped) parameter is or adapts."""
-    name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+    name = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
     return _LORA_PARAM.sub(".weight", name.replace(".base_layer", ""))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 def pip_requirements(env_file: str | Path) -> list[str]:
     lines = Path(env_file).read_text(encoding="utf-8").splitlines()
     reqs: list[str] = []

@@ -57,9 +57,10 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .config import MODEL_SCHEMA, LoraSettings, with_defaults
 from .config import settings as config_settings
@@ -301,8 +302,7 @@ def model_shape(config_fields: Mapping[str, Any], vocab_size: int) -> Shape:
     model_type = config_fields.get("model_type")
     if model_type not in FAMILIES:
         raise PlanError(
-            f"config key 'model.config.model_type': the planner knows {', '.join(sorted(FAMILIES))}; "
-            f"got {model_type!r}"
+            f"config key 'model.config.model_type': the planner knows {', '.join(sorted(FAMILIES))}; got {model_type!r}"
         )
     fields = FAMILIES[model_type](config_fields)
     return Shape(model_type=model_type, vocab_size=int(vocab_size), **fields)
@@ -482,7 +482,9 @@ def model_config_fields(model: Mapping[str, Any]) -> dict[str, Any]:
     return dict(model["config"])
 
 
-def count_parameters(model: Mapping[str, Any], tokenizer_vocab: int | None = None) -> tuple[Shape, ParamCount, ParamCount]:
+def count_parameters(
+    model: Mapping[str, Any], tokenizer_vocab: int | None = None
+) -> tuple[Shape, ParamCount, ParamCount]:
     """The shape, the count the planner uses (meta where possible), and the formula's count."""
     fields = model_config_fields(model)
     vocab = resolve_vocab_size(fields, tokenizer_vocab)
@@ -509,7 +511,11 @@ def attention_matrices(s: Shape) -> list[tuple[int, int]]:
     h = s.hidden_size
     if s.attention == "mla":
         qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
-        q = [(h, s.num_heads * qk_head)] if s.q_lora_rank is None else [(h, s.q_lora_rank), (s.q_lora_rank, s.num_heads * qk_head)]
+        q = (
+            [(h, s.num_heads * qk_head)]
+            if s.q_lora_rank is None
+            else [(h, s.q_lora_rank), (s.q_lora_rank, s.num_heads * qk_head)]
+        )
         return q + [
             (h, s.kv_lora_rank + s.qk_rope_head_dim),
             (s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)),
@@ -547,7 +553,9 @@ class LoraCount:
 
     by_category: dict[str, int]  # adapter parameters (added to the model) by category
     router_weights: int  # router weights trained in full (router: trainable); part of the base count
-    moe_layer: tuple[int, int, int]  # one MoE layer's adapter parameters, those of its routed experts, its trainable router weights
+    moe_layer: tuple[
+        int, int, int
+    ]  # one MoE layer's adapter parameters, those of its routed experts, its trainable router weights
     dense_layer: int  # one dense layer's adapter parameters
     fused_experts: bool
 
@@ -578,6 +586,7 @@ class LoraCount:
 
 def lora_count(s: Shape, lora: LoraSettings) -> LoraCount:
     """``rank x (in + out)`` per adapted matrix (each expert's included), plus trainable router weights."""
+
     def per_layer(moe: bool) -> dict[str, int]:
         return {c: sum(lora.rank * (i + o) * n for i, o, n in mats) for c, mats in lora_matrices(s, lora, moe).items()}
 
@@ -588,8 +597,11 @@ def lora_count(s: Shape, lora: LoraSettings) -> LoraCount:
         for c in ("attention", "dense_ffn", "shared_experts", "routed_experts", "router")
     }
     return LoraCount(
-        by_category, router * len(s.moe_layers), (sum(moe.values()), moe.get("routed_experts", 0), router),
-        sum(dense.values()), experts_fused(s.model_type),
+        by_category,
+        router * len(s.moe_layers),
+        (sum(moe.values()), moe.get("routed_experts", 0), router),
+        sum(dense.values()),
+        experts_fused(s.model_type),
     )
 
 
@@ -623,7 +635,7 @@ class Job:
     lora: LoraSettings  # train.lora: used when method is lora (and for the LoRA suggestion)
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> "Job":
+    def from_settings(cls, settings: Mapping[str, Any]) -> Job:
         """The job of ``moeflow.config.plan_settings``."""
         train, hardware = settings["train"], settings["hardware"]
         if train["optimizer"] != "adamw":
@@ -777,12 +789,17 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
         what = f"rank {job.lora.rank} on {', '.join(job.lora.targets)}, router {job.lora.router}"
         candidates += [
             (f"train.method: lora ({what})", lora),
-            (f"train.method: lora ({what}), gradient checkpointing and micro-batch 1", dataclasses.replace(lora, **lean)),
+            (
+                f"train.method: lora ({what}), gradient checkpointing and micro-batch 1",
+                dataclasses.replace(lora, **lean),
+            ),
         ]
         if s.moe_layers and not job.expert_parallel:
             candidates.append(
-                (f"train.method: lora ({what}) with expert parallelism, gradient checkpointing and micro-batch 1",
-                 dataclasses.replace(lora, expert_parallel=True, **lean))
+                (
+                    f"train.method: lora ({what}) with expert parallelism, gradient checkpointing and micro-batch 1",
+                    dataclasses.replace(lora, expert_parallel=True, **lean),
+                )
             )
     candidates += [
         ("train.gradient_checkpointing: true", dataclasses.replace(job, gradient_checkpointing=True)),
@@ -790,7 +807,10 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
         ("gradient checkpointing and micro-batch 1", dataclasses.replace(job, **lean)),
         ("model.attn_implementation: sdpa", dataclasses.replace(job, attn_implementation="sdpa")),
     ]
-    for base, label in ((job, ""), (dataclasses.replace(job, **lean), " with gradient checkpointing and micro-batch 1")):
+    for base, label in (
+        (job, ""),
+        (dataclasses.replace(job, **lean), " with gradient checkpointing and micro-batch 1"),
+    ):
         longest = max_seq_len(s, params, base, memory)
         if longest and longest < job.seq_len:
             candidates.append((f"data.seq_len: {longest}{label}", dataclasses.replace(base, seq_len=longest)))
@@ -823,8 +843,10 @@ def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> dict[str
     result = verdict(per_device["total"], memory)
     out = {
         "model_type": shape.model_type,
-        "shape": dataclasses.asdict(shape) | {"moe_layers": list(shape.moe_layers), "dense_layers": list(shape.dense_layers)},
-        "parameters": params.as_dict() | {"formula_total": formula.total, "formula_matches": formula.total == params.total},
+        "shape": dataclasses.asdict(shape)
+        | {"moe_layers": list(shape.moe_layers), "dense_layers": list(shape.dense_layers)},
+        "parameters": params.as_dict()
+        | {"formula_total": formula.total, "formula_matches": formula.total == params.total},
         "job": dataclasses.asdict(job),
         "device_memory_bytes": memory,
         "device_memory_source": source,
@@ -868,10 +890,13 @@ def summary(p: Mapping[str, Any]) -> str:
         f"{'on' if job['gradient_checkpointing'] else 'off'}, on {job['num_devices']} x {job['device']} of "
         f"{memory:.1f} GiB ({p['device_memory_source']}):",
         *(
-            [f"  LoRA rank {p['lora']['rank']} on {', '.join(p['lora']['targets'])}, router {p['lora']['router']}: "
-             f"{_count(p['lora']['trainable'])} trainable parameters ({_count(p['lora']['adapter'])} in adapters); "
-             f"the {_count(params['total'])} base weights are frozen"]
-            if "lora" in p else []
+            [
+                f"  LoRA rank {p['lora']['rank']} on {', '.join(p['lora']['targets'])}, router {p['lora']['router']}: "
+                f"{_count(p['lora']['trainable'])} trainable parameters ({_count(p['lora']['adapter'])} in adapters); "
+                f"the {_count(params['total'])} base weights are frozen"
+            ]
+            if "lora" in p
+            else []
         ),
         f"  per device {_size(mem['total'])} = weights {_size(mem['weights'])} + gradients {_size(mem['gradients'])} + "
         f"AdamW states {_size(mem['optimizer'])} + unsharded layer {_size(mem['unsharded_layer'])} + activations "
@@ -916,36 +941,46 @@ def render_markdown(p: Mapping[str, Any]) -> str:
     params, mem = p["parameters"], p["per_device_bytes"]
     rows = [f"| {k} | {v:,} |" for k, v in params["by_category"].items()]
     mem_rows = [f"| {k.replace('_', ' ')} | {_size(v)} | {v:,} |" for k, v in mem.items()]
-    return "\n".join(
-        [
-            f"# Memory plan: {p['model_type']}",
-            "",
-            "```",
-            summary(p),
-            "```",
-            "",
-            f"## Parameters ({params['method']} count; formula {'agrees' if params['formula_matches'] else 'differs: ' + format(params['formula_total'], ',')})",
-            "",
-            "| category | parameters |",
-            "|---|---|",
-            *rows,
-            f"| **total** | {params['total']:,} |",
-            f"| active per token | {params['active_per_token']:,} |",
-            f"| active per token without embeddings | {params['active_per_token_without_embeddings']:,} |",
-            "",
-            "## Memory per device",
-            "",
-            "| component | size | bytes |",
-            "|---|---|---|",
-            *mem_rows,
-            "",
-            "The formulas are in the docstring of `moeflow.plan`.",
-            *(
-                ["", "## LoRA adapters", "", "| category | adapter parameters |", "|---|---|",
-                 *[f"| {k} | {v:,} |" for k, v in p["lora"]["by_category"].items() if v],
-                 f"| router weights trained in full | {p['lora']['router_weights']:,} |",
-                 f"| **trainable** | {p['lora']['trainable']:,} |"]
-                if "lora" in p else []
-            ),
-        ]
-    ) + "\n"
+    return (
+        "\n".join(
+            [
+                f"# Memory plan: {p['model_type']}",
+                "",
+                "```",
+                summary(p),
+                "```",
+                "",
+                f"## Parameters ({params['method']} count; formula {'agrees' if params['formula_matches'] else 'differs: ' + format(params['formula_total'], ',')})",
+                "",
+                "| category | parameters |",
+                "|---|---|",
+                *rows,
+                f"| **total** | {params['total']:,} |",
+                f"| active per token | {params['active_per_token']:,} |",
+                f"| active per token without embeddings | {params['active_per_token_without_embeddings']:,} |",
+                "",
+                "## Memory per device",
+                "",
+                "| component | size | bytes |",
+                "|---|---|---|",
+                *mem_rows,
+                "",
+                "The formulas are in the docstring of `moeflow.plan`.",
+                *(
+                    [
+                        "",
+                        "## LoRA adapters",
+                        "",
+                        "| category | adapter parameters |",
+                        "|---|---|",
+                        *[f"| {k} | {v:,} |" for k, v in p["lora"]["by_category"].items() if v],
+                        f"| router weights trained in full | {p['lora']['router_weights']:,} |",
+                        f"| **trainable** | {p['lora']['trainable']:,} |",
+                    ]
+                    if "lora" in p
+                    else []
+                ),
+            ]
+        )
+        + "\n"
+    )

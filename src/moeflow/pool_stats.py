@@ -11,8 +11,9 @@ together (``PoolStats``). Memory grows with the number of distinct (document, la
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ class Sparse:
     count: np.ndarray
 
     @classmethod
-    def empty(cls) -> "Sparse":
+    def empty(cls) -> Sparse:
         z = np.zeros(0, dtype=np.int64)
         return cls(z, z.copy(), z.copy())
 
@@ -170,6 +171,8 @@ def _row_batches(rows: Iterable[Mapping[str, Any]], batch_tokens: int) -> Iterat
         tokens += n
     if batch:
         yield batch
+
+
 def route_pool(
     model: Any,
     pools: Sequence[tuple[str, Iterable[Mapping[str, Any]]]],
@@ -197,7 +200,12 @@ def route_pool(
             collector.add(corpus_index, doc_ids.reshape(-1), [r.topk_index.cpu().numpy() for r in routing.layers])
             kill_point("coverage.batch")
     stats = collector.finish([name for name, _ in pools])
-    log.info("routed %d documents (%d tokens) through %d MoE layers", stats.num_docs, stats.doc_tokens.sum(), len(stats.layers))
+    log.info(
+        "routed %d documents (%d tokens) through %d MoE layers",
+        stats.num_docs,
+        stats.doc_tokens.sum(),
+        len(stats.layers),
+    )
     return stats
 
 

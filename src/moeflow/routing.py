@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -264,7 +265,8 @@ def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
     if family is None:
         experts = _expert_count(model)
         hint = (
-            f"its config has {experts}, so it looks like a mixture-of-experts model" if experts
+            f"its config has {experts}, so it looks like a mixture-of-experts model"
+            if experts
             else "its config names no experts, so it looks like a dense model"
         )
         error = UnsupportedModel if experts else NoMoELayers

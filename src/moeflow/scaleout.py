@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -91,8 +92,12 @@ def profile_request(profile: str, rule: str = TRAINING_RULE, profiles: Path = PR
         raise ScaleoutError(f"profiles/{profile}: gpu_model {model!r} of rule {rule!r} is not one of {', '.join(GPUS)}")
     nodes = int(res.get("nodes", 1))
     if int(res["gpu"]) % nodes:
-        raise ScaleoutError(f"profiles/{profile}: rule {rule!r} requests {res['gpu']} GPUs on {nodes} nodes: use a multiple")
-    return Request(profile, rule, res["slurm_partition"], int(res["gpu"]), nodes, model, int(res["mem_mb"]), int(res["runtime"]))
+        raise ScaleoutError(
+            f"profiles/{profile}: rule {rule!r} requests {res['gpu']} GPUs on {nodes} nodes: use a multiple"
+        )
+    return Request(
+        profile, rule, res["slurm_partition"], int(res["gpu"]), nodes, model, int(res["mem_mb"]), int(res["runtime"])
+    )
 
 
 def hardware_overlay(profile: str, profiles: Path = PROFILES) -> Path:
@@ -105,7 +110,9 @@ def request_problems(cfg: Mapping[str, Any], request: Request) -> list[str]:
     hw, par = cfg["hardware"], cfg["parallel"]
     problems = []
     if hw["device"] != "cuda" or hw["num_devices"] != request.gpus:
-        problems.append(f"hardware: {hw['num_devices']} x {hw['device']}, but profiles/{request.profile} requests {request.gpus} GPUs")
+        problems.append(
+            f"hardware: {hw['num_devices']} x {hw['device']}, but profiles/{request.profile} requests {request.gpus} GPUs"
+        )
     if hw["memory_gib_per_device"] != request.gpu_memory_gib:
         problems.append(
             f"hardware.memory_gib_per_device: {hw['memory_gib_per_device']}, but a {request.gpu_model} has {request.gpu_memory_gib} GiB"
@@ -148,7 +155,9 @@ def _num_experts(cfg: Mapping[str, Any]) -> int:
     return int(model.get("num_experts") or model.get("n_routed_experts") or model.get("num_local_experts") or 0)
 
 
-def cost(active_parameters: int, tokens: int, gpus: int, peak_flops: float, mfu: float = ASSUMED_MFU) -> dict[str, float]:
+def cost(
+    active_parameters: int, tokens: int, gpus: int, peak_flops: float, mfu: float = ASSUMED_MFU
+) -> dict[str, float]:
     """GPU-hours and wall-clock hours for ``tokens`` training tokens from ``6 N_active tokens`` FLOPs."""
     flops = 6 * active_parameters * tokens
     gpu_seconds = flops / (peak_flops * mfu)
@@ -180,7 +189,11 @@ def scaleout_plan(
     placed = mfconfig.deep_merge(
         cfg,
         {
-            "hardware": {"device": "cuda", "num_devices": request.gpus, "memory_gib_per_device": request.gpu_memory_gib},
+            "hardware": {
+                "device": "cuda",
+                "num_devices": request.gpus,
+                "memory_gib_per_device": request.gpu_memory_gib,
+            },
             "parallel": {"nproc_per_node": request.gpus_per_node, "nnodes": request.nodes},
         },
     )

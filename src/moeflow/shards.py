@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -41,12 +42,14 @@ MANIFEST = "manifest.json"
 
 
 def row_schema():
-    return pa.schema([
-        ("input_ids", pa.list_(pa.int32())),
-        ("labels", pa.list_(pa.int32())),
-        ("position_ids", pa.list_(pa.int32())),
-        ("doc_ids", pa.list_(pa.int64())),
-    ])
+    return pa.schema(
+        [
+            ("input_ids", pa.list_(pa.int32())),
+            ("labels", pa.list_(pa.int32())),
+            ("position_ids", pa.list_(pa.int32())),
+            ("doc_ids", pa.list_(pa.int64())),
+        ]
+    )
 
 
 def _int_array(values: np.ndarray):
@@ -107,7 +110,11 @@ class ShardWriter:
             return
         batch = _record_batch(self._rows)
         self._rows, self._buffered = [], 0
-        if self._writer is not None and self.shards[-1]["rows"] and self._sink.tell() + batch.nbytes + 1024 > self.shard_max_bytes:
+        if (
+            self._writer is not None
+            and self.shards[-1]["rows"]
+            and self._sink.tell() + batch.nbytes + 1024 > self.shard_max_bytes
+        ):
             self._close_shard()
         if self._writer is None:
             self._open()
@@ -127,7 +134,9 @@ class ShardWriter:
         return self.shards
 
 
-def write_split(out_dir: str | os.PathLike, rows: Iterable[Mapping[str, Any]], shard_max_bytes: int = 32 << 20) -> list[dict[str, Any]]:
+def write_split(
+    out_dir: str | os.PathLike, rows: Iterable[Mapping[str, Any]], shard_max_bytes: int = 32 << 20
+) -> list[dict[str, Any]]:
     """Write rows (dicts with the four columns, lists or arrays) as a split folder of shards."""
     writer = ShardWriter(out_dir, shard_max_bytes)
     writer.write_all(rows)

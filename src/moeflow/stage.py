@@ -19,16 +19,22 @@ import platform
 import signal
 import sys
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from . import compat
 from .config import settings as typed_settings
 
 T = TypeVar("T")
 PACKAGE_DIR = Path(__file__).resolve().parent
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
 KILL_ENV = "MOEFLOW_KILL_AT"
 # MOEFLOW_KILL_SCOPE=group kills the whole process group (Snakemake too, when a test starts it in its
 # own session): what a power cut or `kill -9` of the run leaves behind, incomplete markers included.
@@ -67,7 +73,9 @@ def setup_logging(log_file: str | os.PathLike | None) -> None:
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file, mode="w", encoding="utf-8"))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True
+    )
 
 
 def progress(items: Iterable[T], total: int | None = None, desc: str = "", every: float = 10.0) -> Iterator[T]:
@@ -107,7 +115,7 @@ class Stage:
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if self.threads > 1 else "false"
 
     @classmethod
-    def from_snakemake(cls, smk: Any) -> "Stage":
+    def from_snakemake(cls, smk: Any) -> Stage:
         """Threads come from the rule's ``threads:``; stack, precision and seed from ``params.runtime``."""
         runtime = smk.params.runtime  # every rule passes it (common.smk's runtime())
         log_file = smk.log[0] if len(smk.log) else None

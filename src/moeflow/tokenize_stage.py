@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 from .corpus import SPLITS, CorpusError, Document, SourceReader, split_documents
 from .files import atomic_dir, write_json
@@ -86,21 +87,31 @@ def tokenize_corpus(
         manifest = _manifest(corpus, settings, tokenizer, tokenizer_path, reader, splits, totals, pad_id, provenance)
         write_json(tmp / MANIFEST, manifest)
         kill_point("tokenize.before_rename")
-    log.info("corpus %s: %d documents, %d tokens, padding %.4f%%", corpus, manifest["totals"]["documents"],
-             manifest["totals"]["tokens"], 100 * manifest["totals"]["padding_fraction"])
+    log.info(
+        "corpus %s: %d documents, %d tokens, padding %.4f%%",
+        corpus,
+        manifest["totals"]["documents"],
+        manifest["totals"]["tokens"],
+        100 * manifest["totals"]["padding_fraction"],
+    )
     return manifest
 
 
-def _manifest(corpus, settings, tokenizer, tokenizer_path, reader, splits, totals, pad_id, provenance) -> dict[str, Any]:
+def _manifest(
+    corpus, settings, tokenizer, tokenizer_path, reader, splits, totals, pad_id, provenance
+) -> dict[str, Any]:
     seq_len = settings["data"]["seq_len"]
     return {
         "corpus": corpus,
         "format": {
             "version": FORMAT_VERSION,
             "shards": "Arrow IPC stream, {train,heldout,test}/shard-NNNNN.arrow",
-            "columns": {"input_ids": "list<int32>", "labels": "list<int32> (-100 ignored)",
-                        "position_ids": "list<int32> (0 at each document/segment start)",
-                        "doc_ids": "list<int64> (-1 on padding)"},
+            "columns": {
+                "input_ids": "list<int32>",
+                "labels": "list<int32> (-100 ignored)",
+                "position_ids": "list<int32> (0 at each document/segment start)",
+                "doc_ids": "list<int64> (-1 on padding)",
+            },
         },
         "seq_len": seq_len,
         "pad_to_multiple_of": settings["data"]["pad_to_multiple_of"],
@@ -115,7 +126,11 @@ def _manifest(corpus, settings, tokenizer, tokenizer_path, reader, splits, total
             "skipped_records": reader.skipped(),
         },
         "source": reader.fingerprint(),
-        "tokenizer": {"sha256": folder_hash(tokenizer_path), "vocab_size": len(tokenizer), "class": type(tokenizer).__name__},
+        "tokenizer": {
+            "sha256": folder_hash(tokenizer_path),
+            "vocab_size": len(tokenizer),
+            "class": type(tokenizer).__name__,
+        },
         "settings": settings,
         "provenance": dict(provenance or {}),
     }

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
 
     specials = [EOS, BOS, PAD, IM_START, IM_END]
     if vocab_size < 256 + len(specials):
-        raise CorpusError(f"config key 'tokenizer.vocab_size': {vocab_size} is below the 256 bytes + {len(specials)} special tokens")
+        raise CorpusError(
+            f"config key 'tokenizer.vocab_size': {vocab_size} is below the 256 bytes + {len(specials)} special tokens"
+        )
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -88,7 +91,9 @@ def load_fast_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
     if not Path(path, "tokenizer_config.json").is_file() and not Path(path, "tokenizer.json").is_file():
-        raise CorpusError(f"{path} is not a tokenizer folder (no tokenizer.json / tokenizer_config.json); point model.pretrained at a model folder with its tokenizer")
+        raise CorpusError(
+            f"{path} is not a tokenizer folder (no tokenizer.json / tokenizer_config.json); point model.pretrained at a model folder with its tokenizer"
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not getattr(tokenizer, "is_fast", False):
         raise CorpusError(f"the tokenizer in {path} is not a fast (Rust) tokenizer; save it with tokenizer.json")
@@ -103,7 +108,6 @@ def folder_hash(path: str | os.PathLike) -> str:
         digest.update(file.relative_to(root).as_posix().encode() + b"\0")
         digest.update(file.read_bytes())
     return digest.hexdigest()
-
 
 
 class DocumentEncoder:
@@ -135,14 +139,20 @@ class DocumentEncoder:
 
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool, origin: str) -> str:
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as exc:  # jinja2 and transformers raise several types for a bad template/record
-            raise CorpusError(f"{origin}: the tokenizer's chat template failed on this conversation ({exc}); fix the record or the template") from None
+            raise CorpusError(
+                f"{origin}: the tokenizer's chat template failed on this conversation ({exc}); fix the record or the template"
+            ) from None
 
     def encode_chat(self, doc: Document) -> tuple[np.ndarray, np.ndarray]:
         """Render a conversation and label the assistant turns (character spans mapped to tokens)."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise CorpusError(f"{doc.origin}: chat data needs a tokenizer with a chat_template; this tokenizer has none")
+            raise CorpusError(
+                f"{doc.origin}: chat data needs a tokenizer with a chat_template; this tokenizer has none"
+            )
         messages = list(doc.messages)
         text = self._render(messages, False, doc.origin)
         enc = self.backend.encode(text, add_special_tokens=False)
@@ -168,9 +178,12 @@ class DocumentEncoder:
         return ids, np.where(keep, ids, IGNORE_INDEX).astype(np.int32)
 
 
-
-def train_tokenizer_stage(settings: Mapping[str, Any], out_dir: str | os.PathLike, threads: int = 1,
-                          provenance: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def train_tokenizer_stage(
+    settings: Mapping[str, Any],
+    out_dir: str | os.PathLike,
+    threads: int = 1,
+    provenance: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Train the tokenizer of a model built from config and save it (atomically) as a tokenizer folder,
     with ``moeflow_tokenizer.json`` saying what it was trained on."""
     set_tokenizer_threads(threads)
@@ -183,10 +196,17 @@ def train_tokenizer_stage(settings: Mapping[str, Any], out_dir: str | os.PathLik
             counter["chars"] += len(text)
             yield text
 
-    tokenizer = train_tokenizer(counted(training_texts(settings)), int(tok_cfg["vocab_size"]), int(tok_cfg["min_frequency"]))
+    tokenizer = train_tokenizer(
+        counted(training_texts(settings)), int(tok_cfg["vocab_size"]), int(tok_cfg["min_frequency"])
+    )
     with atomic_dir(out_dir) as tmp:
         tokenizer.save_pretrained(str(tmp))
-        info = {"trained_on": counter, "vocab_size": len(tokenizer), "settings": settings, "provenance": dict(provenance or {})}
+        info = {
+            "trained_on": counter,
+            "vocab_size": len(tokenizer),
+            "settings": settings,
+            "provenance": dict(provenance or {}),
+        }
         write_json(tmp / "moeflow_tokenizer.json", info)
         kill_point("train_tokenizer.before_rename")
     return info

@@ -23,8 +23,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -35,7 +36,15 @@ from .collate import collate, model_inputs
 from .config import PRECISIONS, BalanceSettings, TrainSettings, enum
 from .data_order import DataOrder
 from .eval_loop import batches, evaluate_batches
-from .losses import LayerRouter, StepLoss, count_label_tokens, expert_counts, real_token_positions, token_mask, update_correction_bias
+from .losses import (
+    LayerRouter,
+    StepLoss,
+    count_label_tokens,
+    expert_counts,
+    real_token_positions,
+    token_mask,
+    update_correction_bias,
+)
 from .metrics import MetricsLog, active_parameters, start_step_memory, step_memory_mib
 from .optim import correction_biases, lr_factor, param_groups
 from .routing import adapter_or_none, capture
@@ -44,14 +53,11 @@ from .stage import kill_point, progress
 log = logging.getLogger("moeflow.train")
 
 
-
 class TrainConfigError(ValueError):
     """A training setting that cannot work, naming the key and what to do."""
 
 
 # --------------------------------------------------------------------------- forward
-
-
 
 
 def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], routing=None, router_grad: bool = True):
@@ -164,7 +170,9 @@ class Trainer:
             enable_checkpointing(inner)
         model.train()
         self.adapter = adapter_or_none(inner)
-        self.optimizer = torch.optim.AdamW(param_groups(model, settings), lr=settings.lr, betas=settings.betas, eps=settings.eps)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, settings), lr=settings.lr, betas=settings.betas, eps=settings.eps
+        )
         self.biases = correction_biases(model)
         self.order = DataOrder(len(rows), seed)
         # Dropout (LoRA's too) draws from the global generator: seeded here, its state saved in checkpoints,
@@ -231,7 +239,10 @@ class Trainer:
         s = self.settings
         per_rank = s.rows_per_step
         indices = self.order.take(per_rank * self.world)[self.rank * per_rank : (self.rank + 1) * per_rank]
-        return [self.collate_fn([self.rows[i] for i in indices[j : j + s.micro_batch_size]]) for j in range(0, per_rank, s.micro_batch_size)]
+        return [
+            self.collate_fn([self.rows[i] for i in indices[j : j + s.micro_batch_size]])
+            for j in range(0, per_rank, s.micro_batch_size)
+        ]
 
     def step_gradients(self) -> dict[str, Any]:
         """The next step's forward and backward on this rank's micro-batches, then the gradients summed over
@@ -296,11 +307,21 @@ class Trainer:
             self.precision,
         )
         self.model.train()
-        return {"kind": "eval", "step": self.step, "loss": stats.loss, "perplexity": stats.perplexity, "label_tokens": stats.label_tokens}
+        return {
+            "kind": "eval",
+            "step": self.step,
+            "loss": stats.loss,
+            "perplexity": stats.perplexity,
+            "label_tokens": stats.label_tokens,
+        }
 
     def _evaluation_due(self) -> bool:
         s = self.settings
-        return self.eval_rows is not None and self.step > 0 and ((s.eval_every and self.step % s.eval_every == 0) or self.step == s.steps)
+        return (
+            self.eval_rows is not None
+            and self.step > 0
+            and ((s.eval_every and self.step % s.eval_every == 0) or self.step == s.steps)
+        )
 
     def _evaluate_and_log(self, metrics: MetricsLog | None) -> None:
         evaluation = self.evaluate()
@@ -331,8 +352,18 @@ class Trainer:
                 if self._evaluation_due():
                     self._evaluate_and_log(metrics)
                 if s.log_every and self.step % s.log_every == 0:
-                    log.info("%s step %d/%d: loss %.4f ce %.4f balance %.4f lr %.3g grad %.3f %.0f tok/s",
-                             self.stage, self.step, until, record["loss"], record["ce"], record["balance_loss"], record["lr"], record["grad_norm"], record["tokens_per_s"])
+                    log.info(
+                        "%s step %d/%d: loss %.4f ce %.4f balance %.4f lr %.3g grad %.3f %.0f tok/s",
+                        self.stage,
+                        self.step,
+                        until,
+                        record["loss"],
+                        record["ce"],
+                        record["balance_loss"],
+                        record["lr"],
+                        record["grad_norm"],
+                        record["tokens_per_s"],
+                    )
                 if s.checkpoint_every and self.step % s.checkpoint_every == 0 and self.step < until:
                     self._checkpoint()
                 kill_point(f"{self.stage}.step{self.step}")

@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from .artifacts import coverage_heatmap
 from .coverage import CoverageInfeasible, build_constraints, coverage_report, infeasible_message, select_documents
@@ -21,8 +22,12 @@ from .stage import kill_point
 VALSET_SPLIT = "heldout"  # the validation set is a corpus folder whose one split holds held-out documents
 
 
-def write_valset(pool_dirs: Sequence[str | os.PathLike], selected: Mapping[int, set[int]], out_dir: str | os.PathLike,
-                 extra_manifest: Mapping[str, Any]) -> dict[str, Any]:
+def write_valset(
+    pool_dirs: Sequence[str | os.PathLike],
+    selected: Mapping[int, set[int]],
+    out_dir: str | os.PathLike,
+    extra_manifest: Mapping[str, Any],
+) -> dict[str, Any]:
     """Write the selected held-out documents (``selected[corpus position] = doc_ids``) in the data stage's
     format: ``out_dir/manifest.json`` and ``out_dir/heldout/shard-*.arrow`` (open with ``open_valset``)."""
     first = read_json(Path(pool_dirs[0]) / MANIFEST)
@@ -37,7 +42,9 @@ def write_valset(pool_dirs: Sequence[str | os.PathLike], selected: Mapping[int, 
 
     rows = pack_documents(documents(), first["seq_len"], first.get("pad_to_multiple_of", 64), first.get("pad_id", 0))
     with atomic_dir(out_dir) as tmp:
-        shards = write_split(tmp / VALSET_SPLIT, rows, first.get("settings", {}).get("data", {}).get("shard_max_bytes", 32 << 20))
+        shards = write_split(
+            tmp / VALSET_SPLIT, rows, first.get("settings", {}).get("data", {}).get("shard_max_bytes", 32 << 20)
+        )
         manifest = {
             "kind": "coverage validation set",
             "split": VALSET_SPLIT,
@@ -63,8 +70,16 @@ class StageOutputs:
     heatmap: str | os.PathLike
 
 
-def build_valset(model: Any, pool_dirs: Sequence[str | os.PathLike], settings: Mapping[str, Any], outputs: StageOutputs,
-                 attn_implementation: str, seed: int, precision: str = "fp32", provenance: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def build_valset(
+    model: Any,
+    pool_dirs: Sequence[str | os.PathLike],
+    settings: Mapping[str, Any],
+    outputs: StageOutputs,
+    attn_implementation: str,
+    seed: int,
+    precision: str = "fp32",
+    provenance: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The coverage stage: route the pools, select, check, write the valset, coverage.json and the heatmap."""
     corpora = list(settings["pool_corpora"])
     if len(corpora) != len(pool_dirs):
@@ -80,23 +95,38 @@ def build_valset(model: Any, pool_dirs: Sequence[str | os.PathLike], settings: M
     stats = route_pool(model, pools, int(settings["batch_tokens"]), attn_implementation, precision, adapter)
     min_docs, min_tokens = int(settings["min_docs_per_expert"]), int(settings["min_tokens"])
     if stats.num_docs == 0:
-        raise CoverageInfeasible(f"the held-out pool of {', '.join(corpora)} has no documents: raise 'data.split.heldout'")
+        raise CoverageInfeasible(
+            f"the held-out pool of {', '.join(corpora)} has no documents: raise 'data.split.heldout'"
+        )
     constraints = build_constraints(stats, min_tokens, int(settings["pairs_per_layer"]))
-    selection = select_documents(constraints, stats.doc_tokens, stats.doc_corpus, min_docs, int(settings["token_budget"]), seed)
+    selection = select_documents(
+        constraints, stats.doc_tokens, stats.doc_corpus, min_docs, int(settings["token_budget"]), seed
+    )
     report, heat = coverage_report(stats, constraints, selection, settings, seed)
     if report["unmet"] and not settings["allow_unmet"]:
         message = infeasible_message(report["unmet"], min_docs, min_tokens)
         if stats.num_docs < min_docs:
-            message = (f"the held-out pool of {', '.join(corpora)} has {stats.num_docs} document(s), fewer than "
-                       f"'coverage.min_docs_per_expert' ({min_docs}), so no expert can be covered. {message}")
+            message = (
+                f"the held-out pool of {', '.join(corpora)} has {stats.num_docs} document(s), fewer than "
+                f"'coverage.min_docs_per_expert' ({min_docs}), so no expert can be covered. {message}"
+            )
         raise CoverageInfeasible(message)
     kill_point("coverage.before_write")
     selected: dict[int, set[int]] = {}
     for j in selection.selected.tolist():
         selected.setdefault(int(stats.doc_corpus[j]), set()).add(int(stats.doc_id[j]))
     report["provenance"] = dict(provenance or {})
-    write_valset(pool_dirs, selected, outputs.valset, {"corpora": corpora, "docs": report["valset"]["docs"],
-                                                       "tokens": report["valset"]["tokens"], "provenance": report["provenance"]})
+    write_valset(
+        pool_dirs,
+        selected,
+        outputs.valset,
+        {
+            "corpora": corpora,
+            "docs": report["valset"]["docs"],
+            "tokens": report["valset"]["tokens"],
+            "provenance": report["provenance"],
+        },
+    )
     kill_point("coverage.after_valset")  # one output written, two to go: what a rerun must not mistake for done
     coverage_heatmap(outputs.heatmap, stats.layers, heat["valset"], heat["random"], min_docs)
     write_json(outputs.json, report)

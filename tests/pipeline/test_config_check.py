@@ -10,13 +10,19 @@ from conftest import copy_workflow, snakemake
 pytestmark = pytest.mark.pipeline
 
 BAD_OVERLAYS = {
-    "hub id": ({"model": {"pretrained": "Qwen/Qwen3-30B-A3B"}},
-               "`huggingface-cli download Qwen/Qwen3-30B-A3B --local-dir models/qwen3-30b-a3b`"),
-    "key of another kind of source": ({"data": {"sources": {"notes": {"type": "text", "path": "notes", "packages": ["json"]}}}},
-                                      "config key 'data.sources.notes': packages do not apply to a source of type text"),
+    "hub id": (
+        {"model": {"pretrained": "Qwen/Qwen3-30B-A3B"}},
+        "`huggingface-cli download Qwen/Qwen3-30B-A3B --local-dir models/qwen3-30b-a3b`",
+    ),
+    "key of another kind of source": (
+        {"data": {"sources": {"notes": {"type": "text", "path": "notes", "packages": ["json"]}}}},
+        "config key 'data.sources.notes': packages do not apply to a source of type text",
+    ),
     "run dropped but named by the paper": ({"runs": {"dense": None}}, "'paper.dense_runs': 'dense' is not a run"),
-    "run changes a pretrained model": ({"model": {"pretrained": "."}, "runs": {"wide": {"model": {"config": {"hidden_size": 64}}}}},
-                                       "config key 'runs.wide.model.config': run 'wide' changes model.config"),
+    "run changes a pretrained model": (
+        {"model": {"pretrained": "."}, "runs": {"wide": {"model": {"config": {"hidden_size": 64}}}}},
+        "config key 'runs.wide.model.config': run 'wide' changes model.config",
+    ),
 }
 
 
@@ -40,7 +46,14 @@ def test_overlays_merge_by_moeflows_rules_in_the_dry_run(workdir):
     run with the paper's comparison leaves one run: the dry run plans without error."""
     (workdir / "t.jsonl").write_text('{"text": "def f(x):\\n    return x\\n"}\n')
     path = workdir / "swap.yaml"
-    path.write_text(yaml.safe_dump({"data": {"sources": {"target": {"type": "jsonl", "path": "t.jsonl"}}},
-                                    "runs": {"dense": None}, "paper": {"dense_runs": []}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"sources": {"target": {"type": "jsonl", "path": "t.jsonl"}}},
+                "runs": {"dense": None},
+                "paper": {"dense_runs": []},
+            }
+        )
+    )
     done = snakemake(workdir, "paper", "-n", "--configfile", "config/smoke.yaml", str(path))
     assert "runs/dense" not in done.stdout and "runs/moe/model" in done.stdout

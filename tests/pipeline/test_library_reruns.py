@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import active_stack, snakemake
+
 from moeflow.imports import PACKAGE_DIR, transitive_imports
 
 pytestmark = pytest.mark.pipeline
@@ -58,13 +58,17 @@ def scheduled(workdir: Path) -> set[str]:
 def test_editing_any_module_reruns_exactly_its_importers_and_their_dependants(pipeline_copy):
     scripts, after = rule_scripts(pipeline_copy), downstream(pipeline_copy)
     assert set(scripts) >= set(after), "every rule of the DAG runs a stage script"
-    importers = {m: {r for r, s in scripts.items() if r in after and f"moeflow.{m}" in transitive_imports(s)} for m in MODULES}
+    importers = {
+        m: {r for r, s in scripts.items() if r in after and f"moeflow.{m}" in transitive_imports(s)} for m in MODULES
+    }
     importers["__init__"] = {r for r in after if r in scripts}
     assert importers["files"] and importers["train"] == {"pretrain_base", "warmup", "train_model"}
     for module in MODULES:
         path = pipeline_copy / "src" / "moeflow" / f"{module}.py"
         original = path.read_bytes()
-        path.write_bytes(original + f"\n# an edit to {module}\n".encode())  # a content change: Snakemake checksums small files
+        path.write_bytes(
+            original + f"\n# an edit to {module}\n".encode()
+        )  # a content change: Snakemake checksums small files
         try:
             expected = importers[module] | {d for r in importers[module] for d in after[r]}
             assert scheduled(pipeline_copy) == expected, module

@@ -36,30 +36,55 @@ def test_every_optional_key_has_its_default_in_the_schema():
 
 
 def test_defaults_fill_in_through_refs_and_per_source_kind():
-    filled = mfconfig.with_defaults({
-        "train": {"steps": 3, "lr": 1.0, "balance": {"coef": 0.5}},
-        "data": {"sources": {"code": {"type": "stdlib"}, "chat": {"type": "jsonl", "path": "c.jsonl"}}},
-    })
+    filled = mfconfig.with_defaults(
+        {
+            "train": {"steps": 3, "lr": 1.0, "balance": {"coef": 0.5}},
+            "data": {"sources": {"code": {"type": "stdlib"}, "chat": {"type": "jsonl", "path": "c.jsonl"}}},
+        }
+    )
     assert filled["train"]["balance"] == {"coef": 0.5, "mode": "running", "z_loss_coef": 0.0, "bias_update_rate": 0.0}
     assert filled["train"]["routing_guard"]["window_steps"] == 10 and filled["train"]["betas"] == [0.9, 0.95]
     assert filled["data"]["sources"]["code"] == {"type": "stdlib", "packages": None, "exclude_packages": []}
     assert filled["data"]["sources"]["chat"] == {
-        "type": "jsonl", "path": "c.jsonl", "text_field": "text", "messages_field": None, "assistant_only_labels": True,
+        "type": "jsonl",
+        "path": "c.jsonl",
+        "text_field": "text",
+        "messages_field": None,
+        "assistant_only_labels": True,
     }
     assert filled["parallel"]["strategy"] == "none" and filled["env"] == {"strict": False}
     # keys present, null included, are kept
     assert mfconfig.with_defaults({"hardware": {"num_devices": None}})["hardware"] == {
-        "num_devices": None, "device": "cpu", "memory_gib_per_device": None}
+        "num_devices": None,
+        "device": "cpu",
+        "memory_gib_per_device": None,
+    }
 
 
 def test_a_runs_overlay_gets_the_defaults_too():
-    cfg = mfconfig.load(SMOKE, overrides={"runs": {"wide": {
-        "parallel": {"strategy": "fsdp", "nproc_per_node": 2}, "hardware": {"num_devices": 2},
-        "data": {"sources": {"notes": {"type": "text", "path": "notes/"}}},  # a source the base does not have
-    }}})
+    cfg = mfconfig.load(
+        SMOKE,
+        overrides={
+            "runs": {
+                "wide": {
+                    "parallel": {"strategy": "fsdp", "nproc_per_node": 2},
+                    "hardware": {"num_devices": 2},
+                    "data": {
+                        "sources": {"notes": {"type": "text", "path": "notes/"}}
+                    },  # a source the base does not have
+                }
+            }
+        },
+    )
     wide = mfconfig.run_config(cfg, "wide")
-    assert wide["parallel"] == {"strategy": "fsdp", "nproc_per_node": 2, "nnodes": 1, "ep_size": 1, "fsdp_size": None,
-                                "ep_implementation": "auto"}
+    assert wide["parallel"] == {
+        "strategy": "fsdp",
+        "nproc_per_node": 2,
+        "nnodes": 1,
+        "ep_size": 1,
+        "fsdp_size": None,
+        "ep_implementation": "auto",
+    }
     assert wide["data"]["sources"]["notes"]["assistant_only_labels"] is True
 
 
@@ -86,11 +111,14 @@ def test_typed_settings_need_every_key_and_know_them_all():
         mfconfig.settings(mfconfig.BalanceSettings, {"coef": 0.1, "extra": 1})
 
 
-@pytest.mark.parametrize("stage,settings_of", [
-    (mfconfig.PretrainStage, mfconfig.base_model_settings),
-    (mfconfig.WarmupStage, mfconfig.warmup_settings),
-    (mfconfig.TrainModelStage, mfconfig.train_model_settings),
-])
+@pytest.mark.parametrize(
+    "stage,settings_of",
+    [
+        (mfconfig.PretrainStage, mfconfig.base_model_settings),
+        (mfconfig.WarmupStage, mfconfig.warmup_settings),
+        (mfconfig.TrainModelStage, mfconfig.train_model_settings),
+    ],
+)
 def test_stage_params_are_plain_whole_and_type_back(stage, settings_of):
     cfg = mfconfig.run_config(mfconfig.load(SMOKE), "moe")
     params = settings_of(cfg)
@@ -112,25 +140,43 @@ def test_the_warmup_stage_trains_the_warmup_part_only():
 
 
 def test_null_in_an_overlay_removes_a_key_or_a_run():
-    cfg = mfconfig.load(overrides={"train": {"warmup_steps": None, "warmup_ratio": 0.25}, "runs": {"dense": None},
-                                   "paper": {"dense_runs": []}})
+    cfg = mfconfig.load(
+        overrides={
+            "train": {"warmup_steps": None, "warmup_ratio": 0.25},
+            "runs": {"dense": None},
+            "paper": {"dense_runs": []},
+        }
+    )
     assert mfconfig.run_names(cfg) == ["moe"]
     assert mfconfig.train_settings(cfg)["warmup_steps"] == 10  # 0.25 x 40 steps: the default's 8 is gone
-    with pytest.raises(mfconfig.ConfigError, match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe\)"):
+    with pytest.raises(
+        mfconfig.ConfigError, match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe\)"
+    ):
         mfconfig.load(overrides={"runs": {"dense": None}})
 
 
 def test_a_source_of_another_type_replaces_the_one_below_whole(tmp_path):
-    cfg = mfconfig.load(overrides={"data": {"sources": {"target": {"type": "jsonl", "path": str(tmp_path / "t.jsonl")}}}})
-    assert cfg["data"]["sources"]["target"] == {"type": "jsonl", "path": str(tmp_path / "t.jsonl"), "text_field": "text",
-                                                "messages_field": None, "assistant_only_labels": True}
-    same_type = mfconfig.load(overrides={"data": {"sources": {"target": {"type": "stdlib", "exclude_packages": ["xml"]}}}})
+    cfg = mfconfig.load(
+        overrides={"data": {"sources": {"target": {"type": "jsonl", "path": str(tmp_path / "t.jsonl")}}}}
+    )
+    assert cfg["data"]["sources"]["target"] == {
+        "type": "jsonl",
+        "path": str(tmp_path / "t.jsonl"),
+        "text_field": "text",
+        "messages_field": None,
+        "assistant_only_labels": True,
+    }
+    same_type = mfconfig.load(
+        overrides={"data": {"sources": {"target": {"type": "stdlib", "exclude_packages": ["xml"]}}}}
+    )
     assert same_type["data"]["sources"]["target"]["packages"] == ["email", "http", "urllib", "json", "xml", "html"]
 
 
 def test_keys_of_another_kind_of_source_are_a_config_error():
     with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(overrides={"data": {"sources": {"notes": {"type": "jsonl", "path": "n.jsonl", "packages": ["json"]}}}})
+        mfconfig.load(
+            overrides={"data": {"sources": {"notes": {"type": "jsonl", "path": "n.jsonl", "packages": ["json"]}}}}
+        )
     assert str(err.value) == (
         "invalid configuration: config key 'data.sources.notes': packages do not apply to a source of type jsonl; remove them"
     )
@@ -158,14 +204,20 @@ def test_a_pretrained_model_gets_only_its_own_runs(tmp_path):
 
 def test_a_run_that_changes_model_config_of_a_pretrained_model_is_refused(tmp_path):
     with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(overrides={"model": {"pretrained": str(tmp_path)},
-                                 "runs": {"narrow": {"model": {"config": {"intermediate_size": 64}}}}})
+        mfconfig.load(
+            overrides={
+                "model": {"pretrained": str(tmp_path)},
+                "runs": {"narrow": {"model": {"config": {"intermediate_size": 64}}}},
+            }
+        )
     assert str(err.value).startswith(
         "invalid configuration: config key 'runs.narrow.model.config': run 'narrow' changes model.config, but "
         "model.pretrained is set"
     )
     with pytest.raises(mfconfig.ConfigError, match="run 'own' changes model.config"):  # the run's own pretrained folder
-        mfconfig.load(overrides={"runs": {"own": {"model": {"pretrained": str(tmp_path), "config": {"hidden_size": 64}}}}})
+        mfconfig.load(
+            overrides={"runs": {"own": {"model": {"pretrained": str(tmp_path), "config": {"hidden_size": 64}}}}}
+        )
 
 
 # --------------------------------------------------------------------------- validation and keys
@@ -177,7 +229,10 @@ def test_default_and_smoke_configs_are_valid():
         mfconfig.run_config(cfg, "moe")
         dense = mfconfig.run_config(cfg, "dense")["model"]["config"]  # the MoE's active parameters per token
         moe = cfg["model"]["config"]
-        assert dense["num_experts"] == 0 and dense["intermediate_size"] == moe["num_experts_per_tok"] * moe["moe_intermediate_size"]
+        assert (
+            dense["num_experts"] == 0
+            and dense["intermediate_size"] == moe["num_experts_per_tok"] * moe["moe_intermediate_size"]
+        )
 
 
 def test_wrong_type_names_the_key():
@@ -229,7 +284,9 @@ def test_missing_config_file_is_named(tmp_path):
 
 def test_runs_overlay_the_base_and_share_what_they_agree_on():
     cfg = mfconfig.load(
-        overrides={"runs": {"moe": {}, "lr_variant": {"train": {"micro_batch_size": 4}}, "short": {"data": {"seq_len": 256}}}}
+        overrides={
+            "runs": {"moe": {}, "lr_variant": {"train": {"micro_batch_size": 4}}, "short": {"data": {"seq_len": 256}}}
+        }
     )
     moe, lr_variant, short = (mfconfig.run_config(cfg, r) for r in ("moe", "lr_variant", "short"))
     assert lr_variant["train"]["micro_batch_size"] == 4 and moe["train"]["micro_batch_size"] == 2

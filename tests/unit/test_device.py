@@ -39,8 +39,15 @@ def trainer(balance: dict, dense: bool = False, grad_accum_steps: int = 2, max_g
     if dense:
         cfg["config"] |= {"num_experts": 0, "intermediate_size": 32}
     model = build_model(cfg, VOCAB, seed=0)
-    section = {"steps": 4, "lr": 1e-3, "micro_batch_size": 2, "grad_accum_steps": grad_accum_steps,
-               "max_grad_norm": max_grad_norm, "balance": balance, "memory_guard": {"skip_steps": 100}}
+    section = {
+        "steps": 4,
+        "lr": 1e-3,
+        "micro_batch_size": 2,
+        "grad_accum_steps": grad_accum_steps,
+        "max_grad_norm": max_grad_norm,
+        "balance": balance,
+        "memory_guard": {"skip_steps": 100},
+    }
     settings = mfconfig.settings(mfconfig.TrainSettings, mfconfig.training(section))
     return Trainer(model, settings, rows(), collate_fn=collate, seed=0)
 
@@ -118,7 +125,9 @@ def test_the_check_catches_a_host_tensor_added_to_a_device_tensor():
         float(total)
         model.weight[model.weight > 0].sum()
     assert [s.what for s in check.syncs] == [
-        "scalar read (item/float/int/bool)", "boolean-mask indexing (data-dependent shape)"]
+        "scalar read (item/float/int/bool)",
+        "boolean-mask indexing (data-dependent shape)",
+    ]
 
 
 # --------------------------------------------------------------------------- stages and memory

@@ -18,7 +18,9 @@ params = snakemake.params
 device = compute_device(params.device)
 
 sets = [ev.EvalSet("valset", list(params.pool_corpora), open_valset(snakemake.input.valset))]
-sets += [ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in zip(params.eval_corpora, snakemake.input.eval_data)]
+sets += [
+    ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in zip(params.eval_corpora, snakemake.input.eval_data)
+]
 
 stats, speed, coverage, parameters = {}, {}, {}, {}
 for label in ("base", "finetuned"):
@@ -32,7 +34,9 @@ for label in ("base", "finetuned"):
     gc.collect()
     kill_point(f"evaluate.{label}")
 
-metrics = ev.run_metrics(snakemake.wildcards.run, sets, stats["base"], stats["finetuned"], params.finetune_corpus, parameters)
+metrics = ev.run_metrics(
+    snakemake.wildcards.run, sets, stats["base"], stats["finetuned"], params.finetune_corpus, parameters
+)
 metrics["coverage_recheck"] = ev.coverage_recheck(coverage["base"], coverage["finetuned"], params.coverage)
 metrics["provenance"] = stage.provenance()
 speed["peak_memory_bytes"] = ev.peak_memory_bytes(device.type)

@@ -18,12 +18,16 @@ records = {
         benchmark=A.read_benchmark(bench),
         training=read_json(f"{adapter}/{REPORT_FILE}"),
     )
-    for run, metrics, speed, logs, bench, adapter in zip(params.runs, inp.metrics, inp.speed, inp.train_logs, inp.train_benchmarks, inp.adapters)
+    for run, metrics, speed, logs, bench, adapter in zip(
+        params.runs, inp.metrics, inp.speed, inp.train_logs, inp.train_benchmarks, inp.adapters
+    )
 }
 manifests = {label: f"{folder}/manifest.json" for label, folder in zip(params.data_labels, inp.data)}
 stage_docs = {f"evaluate/{run}": r.metrics for run, r in records.items()}
 stage_docs |= {f"tokenize/{label}": read_json(path) for label, path in manifests.items()}
-stage_docs |= {f"train_model/{run}": read_json(f"{logs}/summary.json") for run, logs in zip(params.runs, inp.train_logs)}
+stage_docs |= {
+    f"train_model/{run}": read_json(f"{logs}/summary.json") for run, logs in zip(params.runs, inp.train_logs)
+}
 stage_docs["coverage"] = coverage = read_json(inp.coverage)
 stage_docs["verify_env"] = read_json(inp.env)
 

@@ -29,7 +29,10 @@ rows = open_split(snakemake.input.data, "train")
 
 with atomic_dir(snakemake.output.model) if ranks.is_main else contextlib.nullcontext() as out:
     trainer = train_stage(
-        stage, model, settings.pretrain, rows,
+        stage,
+        model,
+        settings.pretrain,
+        rows,
         attn_implementation=model_cfg["attn_implementation"],
         log_dir=Path(out) / "training" if ranks.is_main else None,
         checkpoint_root=snakemake.params.checkpoints,
@@ -39,9 +42,14 @@ with atomic_dir(snakemake.output.model) if ranks.is_main else contextlib.nullcon
     if trainer.rank == 0:
         write_model_folder(model, tokenizer, out)
         last = trainer.train_records()[-1]
-        write_json(Path(out) / "training" / "summary.json", {
-            "steps": trainer.step, "final": {k: last[k] for k in ("loss", "ce", "balance_loss", "balance_global", "z_loss")},
-            "routing": trainer.routing_guard.report(), "provenance": stage.provenance(),
-        })
+        write_json(
+            Path(out) / "training" / "summary.json",
+            {
+                "steps": trainer.step,
+                "final": {k: last[k] for k in ("loss", "ce", "balance_loss", "balance_global", "z_loss")},
+                "routing": trainer.routing_guard.report(),
+                "provenance": stage.provenance(),
+            },
+        )
 trainer.remove_checkpoints()
 D.teardown()

@@ -23,10 +23,15 @@ settings = snakemake.settings
 ranks = D.init(settings.hardware_device)
 parallel = D.check_ranks(settings.parallel, ranks)
 
-model = D.load_for_training(snakemake.input.model, settings.model, settings.train, parallel, ranks, snakemake.input.data)
+model = D.load_for_training(
+    snakemake.input.model, settings.model, settings.train, parallel, ranks, snakemake.input.data
+)
 tokenizer = load_tokenizer(snakemake.input.model)
 trainer = train_stage(
-    stage, model, settings.train, open_split(snakemake.input.data, "train"),
+    stage,
+    model,
+    settings.train,
+    open_split(snakemake.input.data, "train"),
     attn_implementation=settings.model["attn_implementation"],
     log_dir=snakemake.output.logs,
     checkpoint_root=snakemake.params.checkpoints,
@@ -39,14 +44,17 @@ model = D.whole_model(trainer.model)  # a collective when sharded: the whole wei
 if trainer.rank == 0:
     last = trainer.train_records()[-1]
     evals = [r for r in trainer.history if r["kind"] == "eval"]
-    write_json(Path(snakemake.output.logs) / "summary.json", {
-        "steps": trainer.step,
-        "final": {k: last[k] for k in ("loss", "ce", "balance_loss", "balance_global", "z_loss", "lr")},
-        "eval": [{k: r[k] for k in ("step", "loss", "perplexity")} for r in evals],
-        "alarms": [a for r in trainer.train_records() for a in r.get("alarms", [])],
-        "routing": trainer.routing_guard.report(),
-        "provenance": stage.provenance(),
-    })
+    write_json(
+        Path(snakemake.output.logs) / "summary.json",
+        {
+            "steps": trainer.step,
+            "final": {k: last[k] for k in ("loss", "ce", "balance_loss", "balance_global", "z_loss", "lr")},
+            "eval": [{k: r[k] for k in ("step", "loss", "perplexity")} for r in evals],
+            "alarms": [a for r in trainer.train_records() for a in r.get("alarms", [])],
+            "routing": trainer.routing_guard.report(),
+            "provenance": stage.provenance(),
+        },
+    )
     save_adapter_output(model, snakemake.output.adapter)  # before the merge, which consumes a LoRA wrapper
     save_final_model(model, tokenizer, snakemake.output.model)
 trainer.remove_checkpoints()

@@ -6,8 +6,8 @@ rank runs this script; the layout is the config's ``parallel`` section (moeflow.
 
 from moeflow import distributed as D
 from moeflow.config import WarmupStage
-from moeflow.guards import UnstableRouting
 from moeflow.files import dumps_json, write_json
+from moeflow.guards import UnstableRouting
 from moeflow.shards import open_split
 from moeflow.stage import Stage, job_from_argv, log
 from moeflow.train import train_stage
@@ -18,10 +18,15 @@ settings = snakemake.settings  # train: the warmup part's (train.warmup_steps st
 ranks = D.init(settings.hardware_device)
 parallel = D.check_ranks(settings.parallel, ranks)
 
-model = D.load_for_training(snakemake.input.model, settings.model, settings.train, parallel, ranks, snakemake.input.data)
+model = D.load_for_training(
+    snakemake.input.model, settings.model, settings.train, parallel, ranks, snakemake.input.data
+)
 rows = open_split(snakemake.input.data, "train")
 trainer = train_stage(
-    stage, model, settings.train, rows,
+    stage,
+    model,
+    settings.train,
+    rows,
     attn_implementation=settings.model["attn_implementation"],
     log_dir=None,
     checkpoint_root=snakemake.params.checkpoints,
@@ -38,7 +43,9 @@ if not report["stable"]:
     raise UnstableRouting(
         f"warmup: routing is unstable after {trainer.step} steps: {'; '.join(report['problems'])}. "
         f"Report: {snakemake.params.failed_report}. Lengthen train.warmup_steps, lower train.lr, raise "
-        "train.balance.coef, or relax train.routing_guard", report)
+        "train.balance.coef, or relax train.routing_guard",
+        report,
+    )
 trainer.save(snakemake.output.checkpoint, extra_json={"routing_report.json": report})  # every rank: a collective
 trainer.remove_checkpoints()
 D.teardown()

@@ -155,7 +155,12 @@ def bad_cases(tmp_path: Path):
         ("invalid JSON", {"type": "jsonl", "path": str(tmp_path / "invalid.jsonl")}, "invalid.jsonl:2", "invalid_json"),
         ("not UTF-8 (jsonl)", {"type": "jsonl", "path": str(tmp_path / "latin1.jsonl")}, "latin1.jsonl:2", "not_utf8"),
         ("not UTF-8 (text)", {"type": "text", "path": str(tmp_path / "bin")}, "bad.txt:2", "not_utf8"),
-        ("missing field", {"type": "jsonl", "path": str(tmp_path / "nofield.jsonl")}, "nofield.jsonl:2", "missing_field"),
+        (
+            "missing field",
+            {"type": "jsonl", "path": str(tmp_path / "nofield.jsonl")},
+            "nofield.jsonl:2",
+            "missing_field",
+        ),
         ("empty file (text)", {"type": "text", "path": str(tmp_path / "txt")}, "empty.txt", "empty_file"),
         ("empty file (jsonl)", {"type": "jsonl", "path": str(tmp_path / "empty")}, "b.jsonl", "empty_file"),
     ]

@@ -23,9 +23,17 @@ from moeflow.modeling import build_model
 from moeflow.packing import pack_documents
 
 TINY_MOE = {
-    "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-    "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128,
+    "model_type": "qwen3_moe",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
 }
 VOCAB = 64
 
@@ -97,8 +105,13 @@ def test_model_inputs_give_the_masks_the_model_uses(family):
 
 
 def test_mixed_windows_for_a_model_that_takes_one_mask_are_refused():
-    config = SimpleNamespace(model_type="mixtral", _attn_implementation="eager", num_hidden_layers=2, sliding_window=4,
-                             layer_types=["sliding_attention", "full_attention"])
+    config = SimpleNamespace(
+        model_type="mixtral",
+        _attn_implementation="eager",
+        num_hidden_layers=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     position_ids = torch.tensor([[0, 1, 2, 0]])
     if compat.is_transformers_v5():  # the model's own mask builders see the documents and the window
         assert packed_attention_mask(config, position_ids, torch.float32) is None

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import copy_workflow, snakemake
+
 from moeflow.config import REPO_ROOT
 
 pytest.importorskip("snakemake_executor_plugin_slurm")
@@ -63,7 +63,9 @@ def slurm_bin(tmp_path) -> tuple[Path, Path]:
 
 def summary(workdir: Path, *targets: str) -> list[dict[str, str]]:
     """Snakemake's ``--summary`` of the targets: one row per output file with its rule."""
-    out = snakemake(workdir, *targets, "--configfile", "config/smoke.yaml", "--summary", "--workflow-profile", "none").stdout
+    out = snakemake(
+        workdir, *targets, "--configfile", "config/smoke.yaml", "--summary", "--workflow-profile", "none"
+    ).stdout
     lines = [line.split("\t") for line in out.splitlines() if "\t" in line]
     header, rows = lines[0], lines[1:]
     return [dict(zip(header, row)) for row in rows]
@@ -90,7 +92,16 @@ def submit(workdir: Path, slurm_bin: tuple[Path, Path], target: str, profile: st
     """Run Snakemake with ``profile`` on ``target``; return the recorded sbatch call (argv and script)."""
     bin_dir, calls = slurm_bin
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_STANDIN_LOG": str(calls)}
-    proc = snakemake(workdir, target, "--configfile", "config/smoke.yaml", "--workflow-profile", str(PROFILES / profile), check=False, env=env)
+    proc = snakemake(
+        workdir,
+        target,
+        "--configfile",
+        "config/smoke.yaml",
+        "--workflow-profile",
+        str(PROFILES / profile),
+        check=False,
+        env=env,
+    )
     assert proc.returncode != 0, "the stand-in sbatch refuses every submission"
     recorded = [json.loads(line) for line in calls.read_text().splitlines()] if calls.is_file() else []
     sbatch = [c for c in recorded if c["cmd"] == "sbatch"]
@@ -142,7 +153,9 @@ def ready_for_training(tmp_path_factory) -> tuple[Path, str, str]:
 
 
 @pytest.mark.parametrize("profile", ["slurm", "slurm-multinode"])
-def test_training_rule_is_submitted_with_the_profiles_partition_gpus_memory_and_time(tmp_path, slurm_bin, ready_for_training, profile):
+def test_training_rule_is_submitted_with_the_profiles_partition_gpus_memory_and_time(
+    tmp_path, slurm_bin, ready_for_training, profile
+):
     source, rule, target = ready_for_training
     workdir = tmp_path / "moeflow"
     shutil.copytree(source, workdir, symlinks=True, copy_function=shutil.copy2)  # mtimes kept: still up to date

@@ -5,19 +5,16 @@ held-out pools (empty, too small for the coverage constraints). Each test checks
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import run_coverage_stage
 
 from moeflow import config as mfconfig
 from moeflow.coverage import CoverageInfeasible, infeasible_message
 from moeflow.modeling import ModelError, build_model, check_vocabulary, load_model, load_tokenizer
 from moeflow.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
 from moeflow.valset import StageOutputs, build_valset
-from test_coverage import run_stage, stage_inputs  # noqa: F401  (the module-scoped fixture: tokenized corpus + tiny MoE)
 
 SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
 SUPPORTED = ", ".join(sorted(FAMILIES))
@@ -101,21 +98,35 @@ def test_a_folder_that_is_not_a_model(tmp_path):
 
 
 def _model(model_type: str, **config):
-    common = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-              "head_dim": 16, "max_position_embeddings": 128}
-    return build_model({"attn_implementation": "sdpa", "config": {"model_type": model_type, **common, **config}}, vocab_size=300)
+    common = {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+    }
+    return build_model(
+        {"attn_implementation": "sdpa", "config": {"model_type": model_type, **common, **config}}, vocab_size=300
+    )
 
 
 def _coverage_refusal(model, root, tmp_path) -> str:
     """The coverage stage's error for ``model`` on the ``code`` pool."""
     with pytest.raises(UnsupportedModel) as err:
-        build_valset(model, [root / "code"], {"pool_corpora": ["code"], "batch_tokens": 128}, StageOutputs(
-            tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png"), "sdpa", seed=0)
+        build_valset(
+            model,
+            [root / "code"],
+            {"pool_corpora": ["code"], "batch_tokens": 128},
+            StageOutputs(tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png"),
+            "sdpa",
+            seed=0,
+        )
     return str(err.value)
 
 
-def test_a_dense_model_where_the_coverage_stage_needs_experts(stage_inputs, tmp_path):  # noqa: F811
-    root, _ = stage_inputs
+def test_a_dense_model_where_the_coverage_stage_needs_experts(coverage_inputs, tmp_path):  # noqa: F811
+    root, _ = coverage_inputs
     dense = _model("llama", intermediate_size=64)
     assert _coverage_refusal(dense, root, tmp_path) == (
         "the coverage stage routes the held-out pool through the model's experts, and this model has none it can read: "
@@ -126,8 +137,8 @@ def test_a_dense_model_where_the_coverage_stage_needs_experts(stage_inputs, tmp_
     assert not any(tmp_path.iterdir())
 
 
-def test_an_unsupported_moe_family(stage_inputs, tmp_path):  # noqa: F811
-    root, _ = stage_inputs
+def test_an_unsupported_moe_family(coverage_inputs, tmp_path):  # noqa: F811
+    root, _ = coverage_inputs
     phimoe = _model("phimoe", intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)
     assert _coverage_refusal(phimoe, root, tmp_path) == (
         "the coverage stage routes the held-out pool through the model's experts, and this model has none it can read: "
@@ -137,8 +148,8 @@ def test_an_unsupported_moe_family(stage_inputs, tmp_path):  # noqa: F811
     )
 
 
-def test_a_tokenizer_larger_than_the_model_vocabulary(stage_inputs):  # noqa: F811
-    root, model_cfg = stage_inputs
+def test_a_tokenizer_larger_than_the_model_vocabulary(coverage_inputs):  # noqa: F811
+    root, model_cfg = coverage_inputs
     tokens = json.loads((root / "code" / "manifest.json").read_text())["tokenizer"]["vocab_size"]
     small = build_model(model_cfg, vocab_size=tokens - 40, seed=0)
     with pytest.raises(ModelError) as err:
@@ -155,32 +166,49 @@ def test_a_tokenizer_larger_than_the_model_vocabulary(stage_inputs):  # noqa: F8
 # --------------------------------------------------------------------------- held-out pools
 
 
-def test_an_empty_held_out_pool(stage_inputs, tmp_path):  # noqa: F811
+def test_an_empty_held_out_pool(coverage_inputs, tmp_path):  # noqa: F811
     from moeflow.tokenize_stage import tokenize_corpus
 
-    root, model_cfg = stage_inputs
+    root, model_cfg = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     no_heldout = {"heldout": 0.0, "test": 0.1}
-    settings = {"tokenizer": {**settings["tokenizer"], "split": no_heldout}, "data": {**settings["data"], "split": no_heldout}}
+    settings = {
+        "tokenizer": {**settings["tokenizer"], "split": no_heldout},
+        "data": {**settings["data"], "split": no_heldout},
+    }
     tokenize_corpus("code", settings, root / "tokenizer", tmp_path / "code")
     outputs = StageOutputs(tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png")
     with pytest.raises(CoverageInfeasible) as err:
-        build_valset(load_model(root / "base", model_cfg), [tmp_path / "code"], {
-            "pool_corpora": ["code"], "min_docs_per_expert": 2, "min_tokens": 1, "pairs_per_layer": 2,
-            "token_budget": 1500, "batch_tokens": 128}, outputs, "sdpa", seed=0)
+        build_valset(
+            load_model(root / "base", model_cfg),
+            [tmp_path / "code"],
+            {
+                "pool_corpora": ["code"],
+                "min_docs_per_expert": 2,
+                "min_tokens": 1,
+                "pairs_per_layer": 2,
+                "token_budget": 1500,
+                "batch_tokens": 128,
+            },
+            outputs,
+            "sdpa",
+            seed=0,
+        )
     assert str(err.value) == "the held-out pool of code has no documents: raise 'data.split.heldout'"
     assert not Path(outputs.valset).exists() and not Path(outputs.json).exists()
 
 
-def test_a_held_out_pool_too_small_for_the_constraints(stage_inputs, tmp_path):  # noqa: F811
+def test_a_held_out_pool_too_small_for_the_constraints(coverage_inputs, tmp_path):  # noqa: F811
     from moeflow.shards import open_split, read_documents
 
-    root, model_cfg = stage_inputs
+    root, model_cfg = coverage_inputs
     docs = len(dict(read_documents(open_split(root / "code", "heldout"))))
     with pytest.raises(CoverageInfeasible) as err:
-        run_stage(root, model_cfg, tmp_path / "strict", min_docs_per_expert=docs + 1)
+        run_coverage_stage(root, model_cfg, tmp_path / "strict", min_docs_per_expert=docs + 1)
     assert not (tmp_path / "strict").exists()
-    report, _ = run_stage(root, model_cfg, tmp_path / "allowed", min_docs_per_expert=docs + 1, allow_unmet=True)
+    report, _ = run_coverage_stage(
+        root, model_cfg, tmp_path / "allowed", min_docs_per_expert=docs + 1, allow_unmet=True
+    )
     # every expert of both MoE layers (4 each) is short of documents, because the pool is
     assert all(u["reason"] == "pool" for u in report["unmet"])
     assert sum(u["constraint"].startswith("expert ") for u in report["unmet"]) == 2 * 4

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import snakemake
-from test_pipeline import SMOKE, results, scheduled_rules, write_overlay
+from conftest import SMOKE, results, scheduled_rules, snakemake, write_overlay
 
 pytestmark = pytest.mark.pipeline
 LORA = {"method": "lora", "gradient_checkpointing": True, "lora": {"rank": 4}}
@@ -83,7 +81,9 @@ def test_a_lora_run_trains_merges_evaluates_and_reruns_only_its_training_on_a_lo
     base = AutoModelForCausalLM.from_pretrained(base_dir, **load)
     assert (logits(merged, ids) - logits(base, ids)).abs().max() > 1e-6  # training moved the adapters
     evaluated = json.loads((res / "runs" / LORA_RUN / "eval" / "metrics.json").read_text())
-    assert evaluated["parameters"]["total"] == sum(p.numel() for p in merged.parameters())  # the merged model, no adapters
+    assert evaluated["parameters"]["total"] == sum(
+        p.numel() for p in merged.parameters()
+    )  # the merged model, no adapters
 
     columns, rows = read_csv_table(res / "paper" / "tables" / "lora_vs_full.csv")
     by_run = {row[0]: dict(zip(columns, row)) for row in rows}

@@ -20,16 +20,31 @@ VOCAB = 96
 TINY_MOE = {
     "attn_implementation": "eager",
     "config": {
-        "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 64,
+        "model_type": "qwen3_moe",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 64,
     },
 }
 TINY_DENSE = {
     "attn_implementation": "eager",
     "config": {
-        "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 64,
+        "model_type": "qwen3",
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
     },
 }
 
@@ -103,7 +118,9 @@ def test_per_expert_load_and_served_loss_match_a_token_loop(moe):
                         for e in index[r, t].tolist():
                             routed[li, e] += 1
                             if t + 1 < length and b["labels"][r, t + 1] != -100:
-                                loss_sum[li, e] += float(-torch.log_softmax(logits[r, t].double(), -1)[b["labels"][r, t + 1]])
+                                loss_sum[li, e] += float(
+                                    -torch.log_softmax(logits[r, t].double(), -1)[b["labels"][r, t + 1]]
+                                )
                                 served[li, e] += 1
     assert np.array_equal(stats.routed, routed)
     assert np.array_equal(stats.served_label_tokens, served)
@@ -150,7 +167,11 @@ def test_summary_names_forgetting(moe):
     stats = evaluate_batches(moe, batches, adapter_for(moe))
     other = build_model(TINY_MOE, VOCAB, seed=4)
     worse = evaluate_batches(other, batches, adapter_for(other))
-    general = set_comparison("test/general", False, stats, worse) if worse.loss > stats.loss else set_comparison("test/general", False, worse, stats)
+    general = (
+        set_comparison("test/general", False, stats, worse)
+        if worse.loss > stats.loss
+        else set_comparison("test/general", False, worse, stats)
+    )
     assert general["forgetting"]
     text = summary_markdown({"run": "moe", "sets": [general]})
     assert "Forgetting" in text and "test/general" in text.split("Forgetting", 1)[1]
@@ -158,8 +179,10 @@ def test_summary_names_forgetting(moe):
 
 def packed_documents(seed: int = 0, count: int = 7):
     gen = torch.Generator().manual_seed(seed)
-    docs = [(1000 + i, torch.randint(1, VOCAB, (int(n),), generator=gen).tolist(), None)
-            for i, n in enumerate(torch.randint(5, 30, (count,), generator=gen))]
+    docs = [
+        (1000 + i, torch.randint(1, VOCAB, (int(n),), generator=gen).tolist(), None)
+        for i, n in enumerate(torch.randint(5, 30, (count,), generator=gen))
+    ]
     from moeflow.packing import pack_documents
 
     return docs, list(pack_documents(iter(docs), seq_len=32, pad_to_multiple_of=8))
@@ -218,7 +241,10 @@ def test_valset_coverage_counts_documents_per_expert_like_a_hand_count(moe, tmp_
                 if doc_id < 0:
                     continue
                 with capture(moe) as routing:
-                    moe(input_ids=torch.as_tensor(np.asarray(row["input_ids"][lo:hi]), dtype=torch.long)[None], use_cache=False)
+                    moe(
+                        input_ids=torch.as_tensor(np.asarray(row["input_ids"][lo:hi]), dtype=torch.long)[None],
+                        use_cache=False,
+                    )
                 for li, layer in enumerate(routing.layers):
                     tokens[doc_id][li] += np.bincount(layer.topk_index.reshape(-1).numpy(), minlength=4)
     expected = sum((t >= 2).astype(np.int64) for t in tokens.values())

@@ -22,7 +22,12 @@ LAYERS, EXPERTS, TOP_K = 2, 4, 2
 def set_stats(seed: int, moe: bool) -> SetStats:
     rng = np.random.default_rng(seed)
     label_tokens = int(rng.integers(500, 1000))
-    stats = SetStats(loss_sum=float(rng.uniform(2, 4)) * label_tokens, label_tokens=label_tokens, sequences=8, input_tokens=label_tokens + 8)
+    stats = SetStats(
+        loss_sum=float(rng.uniform(2, 4)) * label_tokens,
+        label_tokens=label_tokens,
+        sequences=8,
+        input_tokens=label_tokens + 8,
+    )
     if moe:
         routed = rng.integers(0, 400, size=(LAYERS, EXPERTS))
         routed[1, 3] = 0  # a dead expert
@@ -32,7 +37,11 @@ def set_stats(seed: int, moe: bool) -> SetStats:
 
 
 def metrics_for(run: str, moe: bool, seed: int) -> dict:
-    sets = [EvalSet("valset", ["target", "general"], None), EvalSet("test/general", ["general"], None), EvalSet("test/target", ["target"], None)]
+    sets = [
+        EvalSet("valset", ["target", "general"], None),
+        EvalSet("test/general", ["general"], None),
+        EvalSet("test/target", ["target"], None),
+    ]
     base = {s.name: set_stats(seed + i, moe) for i, s in enumerate(sets)}
     tuned = {s.name: set_stats(seed + 10 + i, moe) for i, s in enumerate(sets)}
     total = 1_000_000 if moe else 600_000
@@ -48,13 +57,30 @@ def train_log(path: Path, moe: bool, steps: int = 12) -> Path:
     rng = np.random.default_rng(0)
     for step in range(1, steps + 1):
         loads = rng.integers(50, 150, size=(LAYERS, EXPERTS)).tolist() if moe else []
-        log.write({
-            "kind": "train", "step": step, "lr": 1e-3 * min(1.0, step / 4), "loss": 5.0 / step ** 0.3, "ce": 4.9 / step ** 0.3,
-            "tokens": 2048, "tokens_per_s": 9000.0 if moe else 12000.0, "memory_mib": 400.0 + step, "label_tokens": 2000,
-            "routing": [layer_health(load) for load in loads],
-        })
+        log.write(
+            {
+                "kind": "train",
+                "step": step,
+                "lr": 1e-3 * min(1.0, step / 4),
+                "loss": 5.0 / step**0.3,
+                "ce": 4.9 / step**0.3,
+                "tokens": 2048,
+                "tokens_per_s": 9000.0 if moe else 12000.0,
+                "memory_mib": 400.0 + step,
+                "label_tokens": 2000,
+                "routing": [layer_health(load) for load in loads],
+            }
+        )
         if step % 4 == 0:
-            log.write({"kind": "eval", "step": step, "loss": 5.0 / step ** 0.25, "perplexity": math.exp(5.0 / step ** 0.25), "label_tokens": 999})
+            log.write(
+                {
+                    "kind": "eval",
+                    "step": step,
+                    "loss": 5.0 / step**0.25,
+                    "perplexity": math.exp(5.0 / step**0.25),
+                    "label_tokens": 999,
+                }
+            )
     log.close()
     return path / "metrics.jsonl"
 
@@ -126,14 +152,23 @@ def test_training_log_is_read_by_step_with_cumulative_tokens(tmp_path):
 
 def test_comparison_table_reports_both_runs_and_their_ratios(tmp_path):
     records = [
-        A.RunRecord(run, metrics_for(run, moe, seed), {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": mem * 2**20},
-                    A.read_train_log(train_log(tmp_path / run, moe)), {"max_rss_mib": mem})
+        A.RunRecord(
+            run,
+            metrics_for(run, moe, seed),
+            {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": mem * 2**20},
+            A.read_train_log(train_log(tmp_path / run, moe)),
+            {"max_rss_mib": mem},
+        )
         for run, moe, seed, tps, mem in (("moe", True, 0, 5000.0, 800.0), ("dense", False, 100, 10000.0, 600.0))
     ]
     rows = A.as_dict_rows(A.comparison_table(records, "moe"))
     assert [r["run"] for r in rows] == ["moe", "dense", "dense / moe"]
     assert rows[0]["train tokens/s"] == "9000" and rows[1]["train tokens/s"] == "12000"
-    assert rows[2]["train tokens/s"] == "1.33x" and rows[2]["eval tokens/s"] == "2.00x" and rows[2]["eval peak MiB"] == "0.75x"
+    assert (
+        rows[2]["train tokens/s"] == "1.33x"
+        and rows[2]["eval tokens/s"] == "2.00x"
+        and rows[2]["eval peak MiB"] == "0.75x"
+    )
     assert rows[0]["total params"] == "1000000" and rows[0]["active params/token"] == "600000"
     assert float(rows[1]["val loss"]) == pytest.approx(records[1].metrics["sets"][0]["finetuned"]["loss"], abs=5e-5)
 
@@ -154,12 +189,22 @@ def test_lora_vs_full_table_compares_every_run_at_the_same_tokens(tmp_path):
     rows = A.as_dict_rows(A.method_table(records, "moe"))
     assert [r["run"] for r in rows] == ["moe", "lora", "lora / moe"]
     assert [r["method"] for r in rows[:2]] == ["full", "lora"]
-    assert rows[1]["trainable params"] == "40000" and rows[1]["trainable %"] == "3.85" and rows[0]["trainable %"] == "100.00"
+    assert (
+        rows[1]["trainable params"] == "40000"
+        and rows[1]["trainable %"] == "3.85"
+        and rows[0]["trainable %"] == "100.00"
+    )
     assert rows[0]["tokens compared"] == rows[1]["tokens compared"] == str(8 * 2048)
-    assert float(rows[0]["train CE at tokens"]) == pytest.approx(full_log.ce[7], abs=5e-5)  # step 8, not the last step 12
+    assert float(rows[0]["train CE at tokens"]) == pytest.approx(
+        full_log.ce[7], abs=5e-5
+    )  # step 8, not the last step 12
     assert float(rows[0]["val loss at tokens"]) == pytest.approx(full_log.val_loss[1], abs=5e-5)  # eval at step 8
     assert rows[1]["train tokens/s"] == "15000" and rows[0]["train tokens/s"] == "9000"
-    assert rows[2]["trainable params"] == "0.04x" and rows[2]["train tokens/s"] == "1.67x" and rows[2]["train job peak RSS MiB"] == "0.67x"
+    assert (
+        rows[2]["trainable params"] == "0.04x"
+        and rows[2]["train tokens/s"] == "1.67x"
+        and rows[2]["train job peak RSS MiB"] == "0.67x"
+    )
     assert rows[2]["train peak MiB"] == "0.99x"  # 408 (step 8) / 412 (step 12) MiB: each run's own peak
 
 
@@ -181,7 +226,9 @@ def test_provenance_record_names_code_config_environment_and_data(tmp_path):
     write_json(env, {"stack": "pinned"})
     manifest = tmp_path / "manifest.json"
     write_json(manifest, {"corpus": "general"})
-    stages = A.stage_provenance({"evaluate/moe": {"provenance": {"moeflow_code": "abc", "stage": "evaluate_run"}}, "plain": {"x": 1}})
+    stages = A.stage_provenance(
+        {"evaluate/moe": {"provenance": {"moeflow_code": "abc", "stage": "evaluate_run"}}, "plain": {"x": 1}}
+    )
     record = A.provenance_record({"seed": 1}, stages, env, {"general": manifest})
     assert record["code_versions"] == ["abc"] and list(record["stages"]) == ["evaluate/moe"]
     assert record["data_manifests"]["general"] == A.sha256_file(manifest)[:16]
@@ -199,7 +246,9 @@ def coverage_json() -> dict:
     collector = StatsCollector(list(range(LAYERS)), EXPERTS, TOP_K)
     for batch in range(20):
         doc_ids = np.repeat(np.arange(batch * 3, batch * 3 + 3), 20)
-        collector.add(0, doc_ids, [np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in doc_ids]) for _ in range(LAYERS)])
+        collector.add(
+            0, doc_ids, [np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in doc_ids]) for _ in range(LAYERS)]
+        )
     stats = collector.finish(["target"])
     settings = {"min_docs_per_expert": 3, "min_tokens": 2, "pairs_per_layer": 2, "token_budget": 400, "random_draws": 5}
     constraints = build_constraints(stats, 2, 2)
@@ -209,22 +258,51 @@ def coverage_json() -> dict:
 
 def write_paper_inputs(tmp_path: Path):
     env = tmp_path / "env.json"
-    write_json(env, {"stack": "pinned", "system": {"python": "3.11.7"}, "torch": {"version": "2.3.1"}, "packages": {"transformers": "4.57.1"},
-                     "pins": {"matches": True}, "provenance": {"stage": "verify_env"}})
+    write_json(
+        env,
+        {
+            "stack": "pinned",
+            "system": {"python": "3.11.7"},
+            "torch": {"version": "2.3.1"},
+            "packages": {"transformers": "4.57.1"},
+            "pins": {"matches": True},
+            "provenance": {"stage": "verify_env"},
+        },
+    )
     manifest = tmp_path / "manifest.json"
     write_json(manifest, {"corpus": "target", "provenance": {"stage": "tokenize", "moeflow_code": "c0de"}})
     records = {
-        run: A.RunRecord(run, metrics_for(run, moe, seed) | {"provenance": {"stage": "evaluate_run", "moeflow_code": "c0de"}},
-                         {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": 700 * 2**20},
-                         A.read_train_log(train_log(tmp_path / run, moe)), {"max_rss_mib": 900.0}, training_report("full", total, total))
+        run: A.RunRecord(
+            run,
+            metrics_for(run, moe, seed) | {"provenance": {"stage": "evaluate_run", "moeflow_code": "c0de"}},
+            {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": 700 * 2**20},
+            A.read_train_log(train_log(tmp_path / run, moe)),
+            {"max_rss_mib": 900.0},
+            training_report("full", total, total),
+        )
         for run, moe, seed, tps, total in (("moe", True, 0, 5000.0, 1_000_000), ("dense", False, 100, 9000.0, 600_000))
     }
-    config = mfconfig.with_defaults({"threads": 2, "precision": "fp32", "seed": 1, "hardware": {"device": "cpu"}, "train": {},
-              "model": {"config": {"model_type": "qwen3_moe", "num_experts": EXPERTS}}, "data": {"seq_len": 128, "finetune_corpus": "target"},
-              "runs": {"moe": {}, "dense": {}}})
-    return dict(config=config, settings={"moe_run": "moe", "dense_runs": ["dense"], "set": "valset", "dpi": 80},
-                records=records, coverage=coverage_json(), env_report_path=env, manifests={"d-1/target": manifest},
-                stage_docs={"evaluate/moe": records["moe"].metrics, "tokenize/target": json.loads(manifest.read_text())})
+    config = mfconfig.with_defaults(
+        {
+            "threads": 2,
+            "precision": "fp32",
+            "seed": 1,
+            "hardware": {"device": "cpu"},
+            "train": {},
+            "model": {"config": {"model_type": "qwen3_moe", "num_experts": EXPERTS}},
+            "data": {"seq_len": 128, "finetune_corpus": "target"},
+            "runs": {"moe": {}, "dense": {}},
+        }
+    )
+    return dict(
+        config=config,
+        settings={"moe_run": "moe", "dense_runs": ["dense"], "set": "valset", "dpi": 80},
+        records=records,
+        coverage=coverage_json(),
+        env_report_path=env,
+        manifests={"d-1/target": manifest},
+        stage_docs={"evaluate/moe": records["moe"].metrics, "tokenize/target": json.loads(manifest.read_text())},
+    )
 
 
 def test_write_paper_makes_every_artifact_reproducibly_with_provenance(tmp_path):
@@ -239,7 +317,9 @@ def test_write_paper_makes_every_artifact_reproducibly_with_provenance(tmp_path)
     provenance = json.loads(outputs["a"]["provenance.json"])
     assert provenance["code_versions"] == ["c0de"]
     assert set(provenance["stages"]) == {"evaluate/moe", "tokenize/target"}
-    assert provenance["artifacts"]["tables/moe_vs_dense.csv"] == A.sha256_file(tmp_path / "a" / "tables" / "moe_vs_dense.csv")
+    assert provenance["artifacts"]["tables/moe_vs_dense.csv"] == A.sha256_file(
+        tmp_path / "a" / "tables" / "moe_vs_dense.csv"
+    )
     line = A.provenance_line({k: v for k, v in provenance.items() if k != "artifacts"})
     for name, blob in outputs["a"].items():
         if name.endswith((".csv", ".md", ".tex")):

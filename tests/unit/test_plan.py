@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import active_stack
+
 from moeflow import compat, config, env, plan
 from moeflow.config import REPO_ROOT
 from moeflow.files import dumps_json
@@ -14,27 +14,62 @@ from moeflow.modeling import build_model
 
 STEP3P5 = REPO_ROOT / "config" / "models" / "step3p5-flash.yaml"
 QWEN3_30B = REPO_ROOT / "config" / "models" / "qwen3-30b-a3b.yaml"
-SMALL = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96}
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+}
 MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "n_group": 2, "topk_group": 1}
 FAMILY_CONFIGS = {
-    "qwen3_moe": {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1]},
-    "qwen3_moe-tied-sparse-step": {
-        "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
-        "num_experts_per_tok": 2, "decoder_sparse_step": 2, "tie_word_embeddings": True,
+    "qwen3_moe": {
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
     },
-    "qwen2_moe": {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 48},
+    "qwen3_moe-tied-sparse-step": {
+        "model_type": "qwen3_moe",
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 2,
+        "tie_word_embeddings": True,
+    },
+    "qwen2_moe": {
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "shared_expert_intermediate_size": 48,
+    },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
     "deepseek_v3": {
-        "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-        "first_k_dense_replace": 1, "q_lora_rank": 24, **MLA,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 24,
+        **MLA,
     },
     "deepseek_v3-no-q-lora": {
-        "model_type": "deepseek_v3", "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
-        "n_shared_experts": 2, "first_k_dense_replace": 2, "q_lora_rank": None, **MLA,
+        "model_type": "deepseek_v3",
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 2,
+        "q_lora_rank": None,
+        **MLA,
     },
     "gpt_oss": {
-        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
         "layer_types": ["full_attention", "sliding_attention", "full_attention"],
     },
 }
@@ -62,7 +97,10 @@ def test_formula_matches_the_meta_device_count(name):
     shape, exact, formula = plan.count_parameters(model_section(name), tokenizer_vocab=300)
     assert exact.method == "meta"
     assert formula.by_category == exact.by_category
-    assert (formula.largest_layer, formula.largest_layer_without_routed) == (exact.largest_layer, exact.largest_layer_without_routed)
+    assert (formula.largest_layer, formula.largest_layer_without_routed) == (
+        exact.largest_layer,
+        exact.largest_layer_without_routed,
+    )
     assert formula.active == exact.active < exact.total
     assert exact.by_category["routed_experts"] > 0 and exact.by_category["router"] > 0
 
@@ -108,10 +146,24 @@ def test_step3p5_formula_matches_transformers_step3p7_text_model():
     from moeflow.modeling import build_config
 
     settings = settings_of(STEP3P5)
-    small = {**settings["model"], "config": {**settings["model"]["config"], "hidden_size": 64, "num_hidden_layers": 5,
-             "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 3, "layer_types": ["full_attention"] * 5,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
-             "n_routed_experts": 6, "moe_intermediate_size": 32, "share_expert_dim": 24, "vocab_size": 300}}
+    small = {
+        **settings["model"],
+        "config": {
+            **settings["model"]["config"],
+            "hidden_size": 64,
+            "num_hidden_layers": 5,
+            "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 3,
+            "layer_types": ["full_attention"] * 5,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 96,
+            "n_routed_experts": 6,
+            "moe_intermediate_size": 32,
+            "share_expert_dim": 24,
+            "vocab_size": 300,
+        },
+    }
     with torch.device("meta"):
         model = Step3p7TextModel(build_config(small, 300))
     _, counted, _ = plan.count_parameters(small)
@@ -199,7 +251,9 @@ def test_min_devices_is_the_smallest_count_that_fits():
     assert n and n > 100
 
     def fits(k):
-        return plan.verdict(plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=k))["total"], memory)
+        return plan.verdict(
+            plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=k))["total"], memory
+        )
 
     assert fits(n) == "fits" and fits(n - 1) != "fits"
 
@@ -290,18 +344,37 @@ def test_lora_makes_a_refused_step3p5_flash_fine_tune_fit_on_enough_cards(env_re
     fewer, and the planner says how many, both as its own plan and as a suggestion for the full one."""
     full = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}}), env_report)
     assert full["verdict"] == "does_not_fit" and full["min_devices"] > 40
-    lora = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}, "train": {"method": "lora"}}), env_report)
+    lora = plan.plan(
+        settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}, "train": {"method": "lora"}}),
+        env_report,
+    )
     assert lora["verdict"] == "does_not_fit" and lora["lora"]["trainable"] > 1e9  # every one of the 288 x 42 experts
     n = lora["min_devices"]
     assert 5 <= n < full["min_devices"] / 4
-    at_n = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n}, "train": {"method": "lora"}}), env_report)
-    fewer = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n - 1}, "train": {"method": "lora"}}), env_report)
+    at_n = plan.plan(
+        settings_of(
+            STEP3P5,
+            overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n}, "train": {"method": "lora"}},
+        ),
+        env_report,
+    )
+    fewer = plan.plan(
+        settings_of(
+            STEP3P5,
+            overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n - 1}, "train": {"method": "lora"}},
+        ),
+        env_report,
+    )
     assert at_n["verdict"] == "fits" and fewer["verdict"] != "fits"
     per_device = at_n["per_device_bytes"]
     # bf16: frozen weights 2 bytes each; trainable ones also a 2-byte gradient and 12 bytes of AdamW state
     assert per_device["optimizer"] == pytest.approx(6 * per_device["gradients"], abs=6)
     assert per_device["gradients"] == pytest.approx(2 * lora["lora"]["trainable"] / n, abs=1)
-    suggestion = next(o for o in full["suggestions"] if o["change"].startswith("train.method: lora (rank 16 on all, router frozen)"))
+    suggestion = next(
+        o for o in full["suggestions"] if o["change"].startswith("train.method: lora (rank 16 on all, router frozen)")
+    )
     assert suggestion["min_devices"] == n
     assert f"train.method: lora (rank 16 on all, router frozen): at least {n} devices" in plan.summary(full)
-    assert "LoRA rank 16 on all, router frozen" in plan.summary(lora) and "## LoRA adapters" in plan.render_markdown(lora)
+    assert "LoRA rank 16 on all, router frozen" in plan.summary(lora) and "## LoRA adapters" in plan.render_markdown(
+        lora
+    )

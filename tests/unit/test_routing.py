@@ -75,8 +75,14 @@ def test_dense_model_is_a_clear_error():
 
 
 def test_unsupported_moe_family_names_what_an_adapter_needs():
-    cfg = {"model_type": "phimoe", **COMMON, "intermediate_size": 16, "num_hidden_layers": 1,
-           "num_local_experts": 4, "num_experts_per_tok": 2}
+    cfg = {
+        "model_type": "phimoe",
+        **COMMON,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
     model = build_model({"config": cfg}, vocab_size=VOCAB)
     with pytest.raises(UnsupportedModel) as err:
         adapter_for(model)

@@ -49,6 +49,8 @@ def test_what_ci_installed_is_exactly_the_active_stacks_pins():
 def test_pip_pins_tool_prints_the_requirements():
     out = subprocess.run(
         [sys.executable, str(mfconfig.REPO_ROOT / "tools" / "pip_pins.py"), str(ENVS / "pinned.yaml")],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.split()
     assert out == pip_requirements(ENVS / "pinned.yaml")

@@ -24,20 +24,19 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a torchrun script: tiny_models, tiny_training
+
+from tiny_models import tiny_model_cfg  # noqa: E402
+from tiny_training import VOCAB, packed_rows  # noqa: E402
 
 from moeflow import compat
 from moeflow import distributed as D
-from moeflow.config import REPO_ROOT
-from moeflow.scaleout import torchrun_command
-from moeflow.stage import KILL_ENV
 from moeflow.collate import collate
-from moeflow.stage import job_from_argv
-from moeflow.config import ParallelSettings, TrainSettings, training
+from moeflow.config import REPO_ROOT, ParallelSettings, TrainSettings, training
 from moeflow.config import settings as typed_settings
+from moeflow.scaleout import torchrun_command
+from moeflow.stage import KILL_ENV, job_from_argv
 from moeflow.train import Trainer
-from test_losses import tiny_model_cfg  # noqa: E402
-from test_train import VOCAB, packed_rows  # noqa: E402
 
 RANKS = 2
 MICRO_BATCH = 2
@@ -52,13 +51,28 @@ MODEL_OF_LAYOUT = {"none": "tied", "fsdp": "tied", "ep": "untied"}  # tied: embe
 
 
 def settings(mode: str, accum: int, **extra) -> TrainSettings:
-    return typed_settings(TrainSettings, training({
-        "steps": 3, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "micro_batch_size": MICRO_BATCH, "grad_accum_steps": accum,
-        "balance": {"mode": mode, "coef": 0.05, "z_loss_coef": 0.001},
-        "routing_guard": {"window_steps": 2, "max_load_ratio": 3.9, "min_load_entropy": 0.1, "max_dead_experts": 4},
-        "memory_guard": {"skip_steps": 100},
-        **extra,
-    }))
+    return typed_settings(
+        TrainSettings,
+        training(
+            {
+                "steps": 3,
+                "lr": 3e-3,
+                "min_lr": 3e-4,
+                "warmup_steps": 1,
+                "micro_batch_size": MICRO_BATCH,
+                "grad_accum_steps": accum,
+                "balance": {"mode": mode, "coef": 0.05, "z_loss_coef": 0.001},
+                "routing_guard": {
+                    "window_steps": 2,
+                    "max_load_ratio": 3.9,
+                    "min_load_entropy": 0.1,
+                    "max_dead_experts": 4,
+                },
+                "memory_guard": {"skip_steps": 100},
+                **extra,
+            }
+        ),
+    )
 
 
 def parallel(**section) -> ParallelSettings:
@@ -70,7 +84,9 @@ def parallel_section(layout: str) -> dict:
     return {"strategy": layout, "nproc_per_node": RANKS} | ({"ep_size": RANKS} if layout == "ep" else {})
 
 
-def make_trainer(model_dir, layout: ParallelSettings, ranks: D.Ranks, train_settings: TrainSettings, **kwargs) -> Trainer:
+def make_trainer(
+    model_dir, layout: ParallelSettings, ranks: D.Ranks, train_settings: TrainSettings, **kwargs
+) -> Trainer:
     """What the stage scripts do: load for the layout, shard, then the Trainer."""
     model = D.load_for_training(model_dir, tiny_model_cfg(), train_settings, layout, ranks)
     return Trainer(model, train_settings, packed_rows(), collate_fn=collate, seed=0, **kwargs)
@@ -97,7 +113,11 @@ def one_process(model_dir: Path) -> dict:
     out = {}
     for mode, accum in CASES.items():
         # the ranks' micro-batches one after the other (running: the ranks' single micro-batches as one)
-        same_batch = settings(mode, 1, micro_batch_size=MICRO_BATCH * RANKS) if mode == "running" else settings(mode, accum * RANKS)
+        same_batch = (
+            settings(mode, 1, micro_batch_size=MICRO_BATCH * RANKS)
+            if mode == "running"
+            else settings(mode, accum * RANKS)
+        )
         trainer = make_trainer(model_dir, parallel(), ranks, same_batch)
         summary = trainer.step_gradients()
         out[mode] = (D.full_gradients(trainer.model), {k: summary[k] for k in LOSS_TERMS})
@@ -108,9 +128,18 @@ def one_process(model_dir: Path) -> dict:
 
 
 def run_ranks(saved_model: Path, out: Path, layout: str) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop(KILL_ENV, None)
-    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [__file__, str(saved_model), str(out), json.dumps(parallel_section(layout))]
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [
+        __file__,
+        str(saved_model),
+        str(out),
+        json.dumps(parallel_section(layout)),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -135,7 +164,10 @@ def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly
         print(f"{layout} {mode}: relative gradient error vs one process {error:.1e}")  # shown with pytest -s
         assert error < 1e-5, (mode, error)
         got_terms = report["terms"][mode]
-        assert got_terms["label_tokens"] == want_terms["label_tokens"] and got_terms["routed_tokens"] == want_terms["routed_tokens"]
+        assert (
+            got_terms["label_tokens"] == want_terms["label_tokens"]
+            and got_terms["routed_tokens"] == want_terms["routed_tokens"]
+        )
         for term in ("ce", "balance", "z_loss"):  # the logged loss is the global one, on every rank
             assert got_terms[term] == pytest.approx(want_terms[term], rel=1e-6), (mode, term)
         assert report["terms_rank1"][mode] == got_terms
@@ -152,7 +184,9 @@ def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
     unknown = make_trainer(saved_models["tied"], parallel(), ranks, settings("running", 1, steps=1))
     unknown.run()
     assert unknown.train_records()[-1]["mfu"] is None
-    known = make_trainer(saved_models["tied"], parallel(), ranks, settings("running", 1, steps=1, peak_flops_per_s=2.0e12))
+    known = make_trainer(
+        saved_models["tied"], parallel(), ranks, settings("running", 1, steps=1, peak_flops_per_s=2.0e12)
+    )
     known.run()
     record = known.train_records()[-1]
     assert record["mfu"] == pytest.approx(record["flops_per_s"] / 2.0e12) and 0 < record["mfu"] < 1
@@ -161,7 +195,13 @@ def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
 def test_lora_on_sharded_ranks_is_refused_naming_the_settings(saved_models):
     two = D.Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(D.DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp"):
-        D.load_for_training(saved_models["tied"], tiny_model_cfg(), settings("running", 1, method="lora"), parallel(strategy="fsdp", nproc_per_node=2), two)
+        D.load_for_training(
+            saved_models["tied"],
+            tiny_model_cfg(),
+            settings("running", 1, method="lora"),
+            parallel(strategy="fsdp", nproc_per_node=2),
+            two,
+        )
 
 
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
@@ -177,7 +217,14 @@ def test_ranks_that_differ_from_the_config_are_a_clear_error():
 
 
 def test_ranks_share_the_rules_threads_and_only_rank_0_writes_the_log(monkeypatch):
-    argv = ["--job", json.dumps({"rule": "warmup", "input": {}, "output": {}, "params": {}}), "--threads", "8", "--log-file", "w.log"]
+    argv = [
+        "--job",
+        json.dumps({"rule": "warmup", "input": {}, "output": {}, "params": {}}),
+        "--threads",
+        "8",
+        "--log-file",
+        "w.log",
+    ]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert (job_from_argv(argv).threads, job_from_argv(argv).log) == (4, ["w.log"])
@@ -190,8 +237,7 @@ def test_ranks_share_the_rules_threads_and_only_rank_0_writes_the_log(monkeypatc
 
 @pytest.mark.pipeline
 def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_after_a_kill(pipeline_copy):
-    from conftest import active_stack, snakemake
-    from test_pipeline import scheduled_rules
+    from conftest import active_stack, scheduled_rules, snakemake
 
     results = pipeline_copy / "results" / active_stack()
     target = f"results/{active_stack()}/runs/moe/model"
@@ -210,7 +256,9 @@ def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_afte
     assert summary["steps"] == 8
 
     # rerun train_model and kill every rank with SIGKILL after step 6's checkpoint; then resume it
-    killed = snakemake(pipeline_copy, target, *args, "--forcerun", "train_model", check=False, env={KILL_ENV: "train_model.step6"})
+    killed = snakemake(
+        pipeline_copy, target, *args, "--forcerun", "train_model", check=False, env={KILL_ENV: "train_model.step6"}
+    )
     assert killed.returncode != 0
     checkpoints = list((results / "checkpoints").glob("train_model-*/step-00000006"))
     assert len(checkpoints) == 1
@@ -267,7 +315,8 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
         "continued_from": continued_from,
         "straight": last(straight),
         "resumed": last(resumed),
-        "same_weights": sorted(weights[0]) == sorted(weights[1]) and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
+        "same_weights": sorted(weights[0]) == sorted(weights[1])
+        and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
     }
     record = straight.train_records()[-1]
     report["mfu"], report["flops_per_s"] = record["mfu"], record["flops_per_s"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_model_cfg
 
-from moeflow import compat
 from moeflow import config as mfconfig
 from moeflow.collate import collate
 from moeflow.losses import (
@@ -34,32 +34,6 @@ LENGTHS = [23, 9, 31, 17, 12, 28, 5, 20]  # 8 sequences, 4 micro-batches of 2 of
 COEF = 0.05
 
 
-def tiny_model_cfg(**config):
-    cfg = {
-        "attn_implementation": "sdpa",
-        "config": {
-            "model_type": "qwen3_moe",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "moe_intermediate_size": 16,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 16,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "max_position_embeddings": 128,
-            "tie_word_embeddings": True,
-            **config,
-        },
-    }
-    if compat.is_transformers_v5():
-        cfg["experts_implementation"] = "eager"  # grouped_mm rejects float64 on CPU
-    return cfg
-
-
 def rows_of(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -67,7 +41,9 @@ def rows_of(lengths, seed=0):
         ids = torch.randint(3, VOCAB, (n,), generator=g)
         labels = ids.clone()
         labels[0] = -100
-        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist(), "position_ids": list(range(n)), "doc_ids": [doc] * n})
+        rows.append(
+            {"input_ids": ids.tolist(), "labels": labels.tolist(), "position_ids": list(range(n)), "doc_ids": [doc] * n}
+        )
     return rows
 
 
@@ -153,12 +129,19 @@ def reference_accumulated_grads(model, rows, mode: str, micro=2):
     k, experts = model.config.num_experts_per_tok, model.config.num_experts
     running = None
     for batch in batches:
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, output_router_logits=True)
+        out = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, output_router_logits=True
+        )
         logits, labels = out.logits[:, :-1], batch["labels"][:, 1:]
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum") / label_tokens
+        loss = (
+            F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum")
+            / label_tokens
+        )
         real = (batch["doc_ids"] >= 0).reshape(-1)
         probs = [torch.softmax(layer_logits[real], dim=-1) for layer_logits in out.router_logits]
-        counts = torch.stack([torch.bincount(p.topk(k, dim=-1).indices.reshape(-1), minlength=experts).double() for p in probs])
+        counts = torch.stack(
+            [torch.bincount(p.topk(k, dim=-1).indices.reshape(-1), minlength=experts).double() for p in probs]
+        )
         running = counts if running is None else running + counts
         if mode == "running":
             f, shares, weight = running / running.sum(-1, keepdim=True), [p.sum(0) / routed_tokens for p in probs], 1.0
@@ -188,15 +171,19 @@ def test_running_mode_is_closer_to_exact_than_micro_batch(model64):
     # compare the balancing term's own gradient contribution (the CE part is identical in all modes)
     running_gap = relative(running - ce_only, exact - ce_only)
     micro_gap = relative(micro - ce_only, exact - ce_only)
-    print(f"8 accumulation steps of 2 sequences: balancing-gradient gap to exact: running {running_gap:.3f}, "
-          f"micro_batch {micro_gap:.3f}")
+    print(
+        f"8 accumulation steps of 2 sequences: balancing-gradient gap to exact: running {running_gap:.3f}, "
+        f"micro_batch {micro_gap:.3f}"
+    )
     assert 0 < running_gap < micro_gap
 
 
 def test_cross_entropy_sum_and_counts_follow_hf_shifting():
     logits = torch.randn(2, 5, 7, dtype=torch.float64)
     labels = torch.tensor([[1, 2, -100, 4, 5], [-100, 6, 1, -100, -100]])
-    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    expected = F.cross_entropy(
+        logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
     assert torch.allclose(cross_entropy_sum(logits, labels), expected)
     assert count_label_tokens(labels) == 5
     assert cross_entropy_sum(logits.bfloat16(), labels).dtype == torch.float32
@@ -226,7 +213,9 @@ def test_z_loss_matches_its_definition():
 def test_exact_mode_without_counts_is_refused():
     with pytest.raises(ValueError, match="counting forward"):
         StepLoss.for_step(balance(mode="exact"), 1, 1, 1)
-    with pytest.raises(mfconfig.ConfigError, match="config key 'train.balance.mode': 'global' is not one of the allowed values"):
+    with pytest.raises(
+        mfconfig.ConfigError, match="config key 'train.balance.mode': 'global' is not one of the allowed values"
+    ):
         mfconfig.load(overrides={"train": {"balance": {"mode": "global"}}})
 
 

@@ -4,40 +4,11 @@ exactly the stages a change invalidates."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import yaml
-
-from conftest import active_stack, snakemake
+from conftest import SMOKE, active_stack, results, scheduled_rules, snakemake, write_overlay
 
 pytestmark = pytest.mark.pipeline
-SMOKE = ("--configfile", "config/smoke.yaml")
-
-
-def scheduled_rules(workdir: Path, *overlays: str, target: str = "train") -> set[str]:
-    """The rules a dry run would execute with the smoke config plus ``overlays`` (from the job-stats table)."""
-    out = snakemake(workdir, target, "--dry-run", "--cores", "2", *SMOKE, *overlays).stdout
-    if "Nothing to be done" in out:
-        return set()
-    table = out.split("Job stats:", 1)[1]
-    rules = set()
-    for line in table.splitlines()[3:]:
-        fields = line.split()
-        if not fields or fields[0] == "total":
-            break
-        rules.add(fields[0])
-    return rules
-
-
-def write_overlay(workdir: Path, overlay: dict) -> str:
-    path = workdir / "config" / "change.yaml"
-    path.write_text(yaml.safe_dump(overlay))
-    return "config/change.yaml"
-
-
-def results(workdir: Path) -> Path:
-    return workdir / "results" / active_stack()
 
 
 def test_smoke_pipeline_produces_every_stage_output(smoke_pipeline):
@@ -98,12 +69,19 @@ def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
 # plan_memory reads the model, tokenizer.vocab_size and the training settings, not the data.
 TRAINING = {"plan_memory", "warmup", "train_model", "evaluate_run", "paper"}
 RERUN_TABLE = {
-    "tokenizer setting": ({"tokenizer": {"min_frequency": 3}},
-                          {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"}),
+    "tokenizer setting": (
+        {"tokenizer": {"min_frequency": 3}},
+        {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"},
+    ),
     # The tokenizer is trained on every corpus, so a corpus change retrains it and the base model too.
-    "data path": ({"data": {"sources": {"target": {"packages": ["email"]}}}},
-                  {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"}),
-    "coverage setting": ({"coverage": {"token_budget": 8192}}, {"coverage_valset", "train_model", "evaluate_run", "paper"}),
+    "data path": (
+        {"data": {"sources": {"target": {"packages": ["email"]}}}},
+        {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"},
+    ),
+    "coverage setting": (
+        {"coverage": {"token_budget": 8192}},
+        {"coverage_valset", "train_model", "evaluate_run", "paper"},
+    ),
     "peak learning rate": ({"train": {"lr": 1e-3}}, TRAINING),
     "total steps": ({"train": {"steps": 10}}, {"plan_memory", "train_model", "evaluate_run", "paper"}),
     "evaluation setting": ({"evaluate": {"max_sequences": 4}}, {"evaluate_run", "paper"}),
@@ -120,7 +98,13 @@ def test_rerun_table(pipeline_copy, change):
 def test_editing_the_environment_file_reruns_the_stages_that_read_its_report(pipeline_copy):
     env_file = pipeline_copy / "envs" / f"{active_stack()}.yaml"
     env_file.write_text(env_file.read_text() + "\n# an edit\n")
-    assert scheduled_rules(pipeline_copy, target="paper") == {"verify_env", "plan_memory", "train_model", "evaluate_run", "paper"}
+    assert scheduled_rules(pipeline_copy, target="paper") == {
+        "verify_env",
+        "plan_memory",
+        "train_model",
+        "evaluate_run",
+        "paper",
+    }
 
 
 def test_stacks_write_to_separate_result_trees(smoke_pipeline):

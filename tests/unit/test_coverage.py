@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_coverage_stage
 
 from moeflow.artifacts import coverage_heatmap
 from moeflow.coverage import (
@@ -27,7 +28,7 @@ from moeflow.coverage import (
 )
 from moeflow.packed_bits import masked_popcounts, pack_word_bits, unpack_word_bits
 from moeflow.pool_stats import PoolStats, StatsCollector, cell_table, route_pool
-from moeflow.valset import StageOutputs, build_valset, open_valset
+from moeflow.valset import open_valset
 
 LAYERS, E, K = [1, 3], 8, 2
 
@@ -54,7 +55,9 @@ def collect(docs, batch_tokens: int = 50) -> PoolStats:
     """Feed the collector as packed batches would: docs split across batches, padding (-1) between."""
     collector = StatsCollector(LAYERS, E, K)
     doc_ids = np.concatenate([np.full(len(r[0]), d) for d, r in docs.items()] + [np.full(5, -1)])
-    routes = [np.concatenate([r[p] for r in docs.values()] + [np.zeros((5, K), dtype=np.int64)]) for p in range(len(LAYERS))]
+    routes = [
+        np.concatenate([r[p] for r in docs.values()] + [np.zeros((5, K), dtype=np.int64)]) for p in range(len(LAYERS))
+    ]
     for start in range(0, len(doc_ids), batch_tokens):
         sl = slice(start, start + batch_tokens)
         collector.add(0, doc_ids[sl], [r[sl] for r in routes])
@@ -79,10 +82,19 @@ def test_collector_counts_match_the_tokens_and_merge_across_batches():
     cells, pairs = truth(docs)
     assert stats.doc_id.tolist() == list(docs)
     assert stats.doc_tokens.tolist() == [len(r[0]) for r in docs.values()]
-    got_cells = Counter({(int(stats.doc_id[d]), int(c) // E, int(c) % E): int(n) for d, c, n in zip(stats.cells.doc, stats.cells.code, stats.cells.count)})
+    got_cells = Counter(
+        {
+            (int(stats.doc_id[d]), int(c) // E, int(c) % E): int(n)
+            for d, c, n in zip(stats.cells.doc, stats.cells.code, stats.cells.count)
+        }
+    )
     assert got_cells == Counter({(d, p, e): n for d, cnt in cells.items() for (p, e), n in cnt.items()})
-    got_pairs = Counter({(int(stats.doc_id[d]), int(c) // (E * E), int(c) % (E * E) // E, int(c) % E): int(n)
-                         for d, c, n in zip(stats.pairs.doc, stats.pairs.code, stats.pairs.count)})
+    got_pairs = Counter(
+        {
+            (int(stats.doc_id[d]), int(c) // (E * E), int(c) % (E * E) // E, int(c) % E): int(n)
+            for d, c, n in zip(stats.pairs.doc, stats.pairs.code, stats.pairs.count)
+        }
+    )
     assert got_pairs == Counter({(d, *key): n for d, cnt in pairs.items() for key, n in cnt.items()})
 
 
@@ -143,14 +155,23 @@ def test_packed_bits_roundtrip():
     assert np.array_equal(masked_popcounts(words, pack_word_bits(np.arange(130) % 2 == 0)), meets[:, ::2].sum(axis=1))
 
 
-SETTINGS = {"pool_corpora": ["pool"], "min_docs_per_expert": 3, "min_tokens": 2, "pairs_per_layer": 2,
-            "token_budget": 600, "batch_tokens": 64, "allow_unmet": False, "random_draws": 4}
+SETTINGS = {
+    "pool_corpora": ["pool"],
+    "min_docs_per_expert": 3,
+    "min_tokens": 2,
+    "pairs_per_layer": 2,
+    "token_budget": 600,
+    "batch_tokens": 64,
+    "allow_unmet": False,
+    "random_draws": 4,
+}
 
 
 def select(stats, settings=SETTINGS, seed=0):
     constraints = build_constraints(stats, settings["min_tokens"], settings["pairs_per_layer"])
-    selection = select_documents(constraints, stats.doc_tokens, stats.doc_corpus, settings["min_docs_per_expert"],
-                                   settings["token_budget"], seed)
+    selection = select_documents(
+        constraints, stats.doc_tokens, stats.doc_corpus, settings["min_docs_per_expert"], settings["token_budget"], seed
+    )
     return constraints, selection
 
 
@@ -246,73 +267,31 @@ def test_heatmap_is_a_deterministic_png(tmp_path):
 # --------------------------------------------------------------------------- the stage, end to end
 
 
-def _corpus_text(i: int, rng) -> str:
-    words = ["alpha", "beta", "gamma", "delta", "print", "return", "class", "import", "while", "lambda", "yield", "42", "(", ")", ":"]
-    return " ".join(rng.choice(words, int(rng.integers(4, 30)))) + f" # doc {i}\n"
-
-
-@pytest.fixture(scope="module")
-def stage_inputs(tmp_path_factory):
-    """A tokenized corpus (train/heldout/test) and a tiny qwen3_moe saved with its tokenizer."""
-    from moeflow.modeling import build_model
-    from moeflow.tokenize_stage import tokenize_corpus
-    from moeflow.tokenizer import load_fast_tokenizer, train_tokenizer_stage
-
-    root = tmp_path_factory.mktemp("coverage_stage")
-    rng = np.random.default_rng(0)
-    (root / "docs.jsonl").write_text("".join(json.dumps({"text": _corpus_text(i, rng)}) + "\n" for i in range(160)))
-    sources = {"code": {"type": "jsonl", "path": str(root / "docs.jsonl")}}
-    split = {"heldout": 0.5, "test": 0.1}
-    tok = {"tokenizer": {"vocab_size": 300, "min_frequency": 2}, "pretrained_model": None, "sources": sources,
-           "split": split, "on_bad_record": "fail"}
-    data = {"seq_len": 64, "pad_to_multiple_of": 8, "on_bad_record": "fail", "split": split, "shard_max_bytes": 1 << 20, "sources": sources}
-    train_tokenizer_stage(tok, root / "tokenizer")
-    tokenize_corpus("code", {"tokenizer": tok, "data": data}, root / "tokenizer", root / "code")
-    tokenizer = load_fast_tokenizer(root / "tokenizer")
-    model_cfg = {"attn_implementation": "sdpa", "config": {
-        "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 128}}
-    model = build_model(model_cfg, vocab_size=len(tokenizer), seed=0)
-    model.save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
-    return root, model_cfg
-
-
-def run_stage(root: Path, model_cfg, out: Path, **overrides):
-    from moeflow.modeling import load_model
-
-    settings = {"pool_corpora": ["code"], "min_docs_per_expert": 2, "min_tokens": 1, "pairs_per_layer": 2,
-                "token_budget": 1500, "batch_tokens": 128, "allow_unmet": False, "random_draws": 3} | overrides
-    outputs = StageOutputs(out / "valset", out / "coverage.json", out / "heatmap.png")
-    model = load_model(root / "base", model_cfg)
-    return build_valset(model, [root / "code"], settings, outputs, model_cfg["attn_implementation"], seed=1234,
-                          provenance={"stage": "test"}), outputs
-
-
-def test_stage_writes_a_disjoint_covering_valset(stage_inputs, tmp_path):
+def test_stage_writes_a_disjoint_covering_valset(coverage_inputs, tmp_path):
     from moeflow.shards import open_split, read_documents
 
-    root, model_cfg = stage_inputs
-    report, outputs = run_stage(root, model_cfg, tmp_path / "a")
+    root, model_cfg = coverage_inputs
+    report, outputs = run_coverage_stage(root, model_cfg, tmp_path / "a")
     valset_docs = dict(read_documents(open_valset(outputs.valset)))
     heldout = dict(read_documents(open_split(root / "code", "heldout")))
     train_ids = {d for d, _ in read_documents(open_split(root / "code", "train"))}
     assert valset_docs and not (set(valset_docs) & train_ids)
     assert all(heldout[d] == ids for d, ids in valset_docs.items())
-    assert report["valset"]["docs"] == len(valset_docs) and report["valset"]["tokens"] == sum(map(len, valset_docs.values()))
+    assert report["valset"]["docs"] == len(valset_docs) and report["valset"]["tokens"] == sum(
+        map(len, valset_docs.values())
+    )
     assert report["valset"]["tokens"] <= 1500 and report["unmet"] == [] and report["valset"]["cells_below"] == 0
     assert all(min(layer["docs"]) >= 2 for layer in report["layers"])
     assert json.loads(Path(outputs.json).read_text()) == report
     manifest = json.loads((Path(outputs.valset) / "manifest.json").read_text())
     assert manifest["docs"] == len(valset_docs) and manifest["seq_len"] == 64
     # Same inputs and seed: the same bytes.
-    run_stage(root, model_cfg, tmp_path / "b")
+    run_coverage_stage(root, model_cfg, tmp_path / "b")
     for name in ("coverage.json", "heatmap.png", "valset/heldout/shard-00000.arrow", "valset/manifest.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-def test_stage_statistics_match_routing_each_document_alone(stage_inputs):
+def test_stage_statistics_match_routing_each_document_alone(coverage_inputs):
     """Packed documents are masked from each other: routing a document alone gives the same counts."""
     import torch
 
@@ -320,14 +299,17 @@ def test_stage_statistics_match_routing_each_document_alone(stage_inputs):
     from moeflow.routing import capture
     from moeflow.shards import iter_rows, open_split, read_documents
 
-    root, model_cfg = stage_inputs
+    root, model_cfg = coverage_inputs
     model = load_model(root / "base", model_cfg).eval()
     rows = list(iter_rows(open_split(root / "code", "heldout")))[:8]
     stats = route_pool(model, [("code", rows)], 128, model_cfg["attn_implementation"])
     docs = dict(read_documents(open_split(root / "code", "heldout")))
     segments = Counter(int(row["doc_ids"][i]) for row in rows for i in np.flatnonzero(row["position_ids"] == 0))
-    whole = [j for j, d in enumerate(stats.doc_id.tolist())  # not split across rows
-             if segments[d] == 1 and len(docs[d]) == stats.doc_tokens[j]]
+    whole = [
+        j
+        for j, d in enumerate(stats.doc_id.tolist())  # not split across rows
+        if segments[d] == 1 and len(docs[d]) == stats.doc_tokens[j]
+    ]
     later = {int(row["doc_ids"][i]) for row in rows for i in np.flatnonzero(row["position_ids"] == 0) if i > 0}
     assert len(whole) >= 3 and any(int(stats.doc_id[j]) in later for j in whole)  # some follow another document
     for j in whole:
@@ -341,10 +323,10 @@ def test_stage_statistics_match_routing_each_document_alone(stage_inputs):
         assert Counter(dict(zip(stats.cells.code[mine].tolist(), stats.cells.count[mine].tolist()))) == alone
 
 
-def test_stage_fails_on_an_unmet_constraint_unless_allowed(stage_inputs, tmp_path):
-    root, model_cfg = stage_inputs
+def test_stage_fails_on_an_unmet_constraint_unless_allowed(coverage_inputs, tmp_path):
+    root, model_cfg = coverage_inputs
     with pytest.raises(CoverageInfeasible, match=r"(?s)layer \d: expert \d.*coverage.allow_unmet: true"):
-        run_stage(root, model_cfg, tmp_path / "a", min_docs_per_expert=10_000)
+        run_coverage_stage(root, model_cfg, tmp_path / "a", min_docs_per_expert=10_000)
     assert not (tmp_path / "a" / "coverage.json").exists() and not (tmp_path / "a" / "valset").exists()
-    report, _ = run_stage(root, model_cfg, tmp_path / "b", min_docs_per_expert=10_000, allow_unmet=True)
+    report, _ = run_coverage_stage(root, model_cfg, tmp_path / "b", min_docs_per_expert=10_000, allow_unmet=True)
     assert report["unmet"] and all(u["reason"] == "pool" for u in report["unmet"])

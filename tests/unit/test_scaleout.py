@@ -17,7 +17,9 @@ LARGE_MODELS = {
 
 
 def cluster_config(model: str, profile: str, overrides=None) -> dict:
-    return config.run_config(config.load(MODELS / f"{model}.yaml", scaleout.hardware_overlay(profile), overrides=overrides), "moe")
+    return config.run_config(
+        config.load(MODELS / f"{model}.yaml", scaleout.hardware_overlay(profile), overrides=overrides), "moe"
+    )
 
 
 @pytest.mark.parametrize("model,profile", sorted(LARGE_MODELS.items()))
@@ -51,16 +53,25 @@ def test_layouts_at_real_scale():
     assert (qwen["layout"]["world_size"], qwen["layout"]["fsdp_size"], qwen["layout"]["ep_size"]) == (8, 8, 1)
     assert qwen["layout"]["strategy"] == "fsdp" and qwen["layout"]["gradient_checkpointing"]
     assert not qwen["layout"]["needs_transformers_5"]
-    step = scaleout.scaleout_plan(cluster_config("step3p5-flash", "slurm-multinode"), scaleout.profile_request("slurm-multinode"))
+    step = scaleout.scaleout_plan(
+        cluster_config("step3p5-flash", "slurm-multinode"), scaleout.profile_request("slurm-multinode")
+    )
     assert (step["layout"]["world_size"], step["layout"]["fsdp_size"], step["layout"]["ep_size"]) == (48, 48, 8)
     assert step["layout"]["experts_per_rank"] == 288 / 8 and step["layout"]["needs_transformers_5"]
     assert step["job"]["expert_parallel"] and step["layout"]["gradient_checkpointing"]
     # under expert parallelism only the dense part of a layer is gathered: far less than the whole layer
     fsdp_only = scaleout.scaleout_plan(
-        cluster_config("step3p5-flash", "slurm-multinode", {"parallel": {"strategy": "fsdp", "ep_size": 1, "ep_implementation": "auto"}}),
+        cluster_config(
+            "step3p5-flash",
+            "slurm-multinode",
+            {"parallel": {"strategy": "fsdp", "ep_size": 1, "ep_implementation": "auto"}},
+        ),
         scaleout.profile_request("slurm-multinode"),
     )
-    assert step["on_request"]["per_gpu_gib"]["unsharded_layer"] * 5 < fsdp_only["on_request"]["per_gpu_gib"]["unsharded_layer"]
+    assert (
+        step["on_request"]["per_gpu_gib"]["unsharded_layer"] * 5
+        < fsdp_only["on_request"]["per_gpu_gib"]["unsharded_layer"]
+    )
 
 
 def test_cost_is_six_n_active_tokens_at_the_assumed_mfu():
@@ -68,7 +79,9 @@ def test_cost_is_six_n_active_tokens_at_the_assumed_mfu():
     assert c["flops"] == 6 * 3e9 * 1e9
     assert c["gpu_hours"] == pytest.approx(1.8e19 / 2.5e14 / 3600)
     assert c["wall_hours"] == pytest.approx(c["gpu_hours"] / 8)
-    step = scaleout.scaleout_plan(cluster_config("step3p5-flash", "slurm-multinode"), scaleout.profile_request("slurm-multinode"))
+    step = scaleout.scaleout_plan(
+        cluster_config("step3p5-flash", "slurm-multinode"), scaleout.profile_request("slurm-multinode")
+    )
     assert step["cost"]["assumed_mfu"] == scaleout.ASSUMED_MFU
     assert step["cost"]["flops"] == 6 * step["parameters"]["active_per_token"] * scaleout.DEFAULT_TOKEN_BUDGET
     assert scaleout.wall_hours_fit(scaleout.profile_request("slurm-multinode").runtime_min, step)
@@ -76,7 +89,9 @@ def test_cost_is_six_n_active_tokens_at_the_assumed_mfu():
 
 def test_profile_without_gpus_for_the_rule_is_an_error(tmp_path):
     (tmp_path / "p").mkdir()
-    (tmp_path / "p" / "config.yaml").write_text("executor: slurm\ndefault-resources: {slurm_partition: cpu, mem_mb: 1000, runtime: 10}\n")
+    (tmp_path / "p" / "config.yaml").write_text(
+        "executor: slurm\ndefault-resources: {slurm_partition: cpu, mem_mb: 1000, runtime: 10}\n"
+    )
     with pytest.raises(scaleout.ScaleoutError, match="requests no GPUs"):
         scaleout.profile_request("p", profiles=tmp_path)
 
@@ -95,8 +110,16 @@ def test_default_parallel_section_is_one_process():
     [
         ({"strategy": "ep"}, {}, "parallel.strategy"),
         ({"nproc_per_node": 2}, {}, "must agree"),
-        ({"nproc_per_node": 4, "strategy": "ep", "ep_size": 3}, {"num_devices": 4}, "parallel.ep_size' \\(3\\) must divide"),
-        ({"nproc_per_node": 4, "strategy": "fsdp", "fsdp_size": 3}, {"num_devices": 4}, "parallel.fsdp_size' \\(3\\) must divide"),
+        (
+            {"nproc_per_node": 4, "strategy": "ep", "ep_size": 3},
+            {"num_devices": 4},
+            "parallel.ep_size' \\(3\\) must divide",
+        ),
+        (
+            {"nproc_per_node": 4, "strategy": "fsdp", "fsdp_size": 3},
+            {"num_devices": 4},
+            "parallel.fsdp_size' \\(3\\) must divide",
+        ),
         ({"nproc_per_node": 2, "fsdp_size": 2}, {"num_devices": 2}, "strategy is 'none'"),
     ],
 )
@@ -122,14 +145,21 @@ def test_recipe_launch_flags_map_to_the_parallel_section_or_are_refused():
     # torchrun --nproc_per_node 4 train.py --moe_expert_parallel_degree 2 --moe_token_dispatcher_type balance
     #   --moe_eval_capacity_factor 1.2, and group_experts_by: device
     overrides, refused = config.translate_recipe_flags(
-        {"--moe_expert_parallel_degree": 2, "--moe_token_dispatcher_type": "balance", "--moe_eval_capacity_factor": 1.2, "group_experts_by": "device"}
+        {
+            "--moe_expert_parallel_degree": 2,
+            "--moe_token_dispatcher_type": "balance",
+            "--moe_eval_capacity_factor": 1.2,
+            "group_experts_by": "device",
+        }
     )
     assert overrides == {"parallel": {"strategy": "ep", "ep_size": 2}}
     assert len(refused) == 2
     assert any("moe_token_dispatcher_type" in r and "train.balance" in r for r in refused)
     assert any("moe_eval_capacity_factor" in r and "dropless" in r for r in refused)
     # the mapped settings make a valid config on 4 ranks (the recipe's --nproc_per_node 4)
-    cfg = config.load(overrides=config.deep_merge(overrides, {"parallel": {"nproc_per_node": 4}, "hardware": {"num_devices": 4}}))
+    cfg = config.load(
+        overrides=config.deep_merge(overrides, {"parallel": {"nproc_per_node": 4}, "hardware": {"num_devices": 4}})
+    )
     assert scaleout.layout(config.run_config(cfg, "moe"))["ep_size"] == 2
 
 
@@ -168,9 +198,11 @@ def test_launcher_starts_one_rank_per_gpu_or_the_cpu_ranks():
     assert scaleout.torchrun_command("python", gpus=8).endswith("--nproc_per_node 8")
     request = scaleout.profile_request("slurm-multinode")
     multi = scaleout.torchrun_command("python", gpus=request.gpus, nodes=request.nodes)
-    assert multi.startswith(f"srun --overlap --nodes {request.nodes} --ntasks-per-node 1 python -m torch.distributed.run")
+    assert multi.startswith(
+        f"srun --overlap --nodes {request.nodes} --ntasks-per-node 1 python -m torch.distributed.run"
+    )
     assert f"--nproc_per_node {request.gpus_per_node} --nnodes {request.nodes} --rdzv-backend c10d" in multi
-    assert "--standalone" not in multi and '$SLURM_JOB_NODELIST' in multi
+    assert "--standalone" not in multi and "$SLURM_JOB_NODELIST" in multi
     with pytest.raises(scaleout.ScaleoutError, match="evenly"):
         scaleout.torchrun_command("python", gpus=12, nodes=8)
 

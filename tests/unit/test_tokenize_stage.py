@@ -24,10 +24,21 @@ SMALL_STDLIB = {"type": "stdlib", "packages": ["json", "glob", "fnmatch", "textw
 
 
 def settings(sources, seq_len=64, on_bad_record="fail", pad_to_multiple_of=8, shard_max_bytes=1 << 20):
-    tok = {"tokenizer": {"vocab_size": 400, "min_frequency": 2}, "pretrained_model": None,
-           "sources": sources, "split": SPLIT, "on_bad_record": on_bad_record}
-    data = {"seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of, "on_bad_record": on_bad_record,
-            "split": SPLIT, "shard_max_bytes": shard_max_bytes, "sources": sources}
+    tok = {
+        "tokenizer": {"vocab_size": 400, "min_frequency": 2},
+        "pretrained_model": None,
+        "sources": sources,
+        "split": SPLIT,
+        "on_bad_record": on_bad_record,
+    }
+    data = {
+        "seq_len": seq_len,
+        "pad_to_multiple_of": pad_to_multiple_of,
+        "on_bad_record": on_bad_record,
+        "split": SPLIT,
+        "shard_max_bytes": shard_max_bytes,
+        "sources": sources,
+    }
     return {"tokenizer": tok, "data": data}
 
 
@@ -134,16 +145,25 @@ def test_stage_packs_stdlib_with_under_one_percent_padding_and_is_deterministic(
     manifest = tokenize_corpus("email", cfg, tokenizer_dir, tmp_path / "a")
     totals = manifest["totals"]
     assert totals["padding_fraction"] < 0.01
-    assert totals["pad_to_max_length"]["padding_fraction"] > 10 * totals["padding_fraction"] or \
-        totals["pad_to_max_length"]["truncated_fraction"] > 0.5
+    assert (
+        totals["pad_to_max_length"]["padding_fraction"] > 10 * totals["padding_fraction"]
+        or totals["pad_to_max_length"]["truncated_fraction"] > 0.5
+    )
     assert totals["split_documents"] > 0 and manifest["source"]["files"]
     assert manifest["tokenizer"]["sha256"] == folder_hash(tokenizer_dir)
     for split in ("train", "heldout", "test"):
         ds = open_split(tmp_path / "a", split)
-        assert sum(len(x) for x in ds["input_ids"]) == manifest["splits"][split]["tokens"] + manifest["splits"][split]["padding_tokens"]
+        assert (
+            sum(len(x) for x in ds["input_ids"])
+            == manifest["splits"][split]["tokens"] + manifest["splits"][split]["padding_tokens"]
+        )
         assert len(list(read_documents(tmp_path / "a" / split))) == manifest["splits"][split]["documents"]
     splits = {s: {d for d, _ in read_documents(tmp_path / "a" / s)} for s in ("train", "heldout", "test")}
-    assert not (splits["train"] & splits["heldout"]) and not (splits["train"] & splits["test"]) and not (splits["heldout"] & splits["test"])
+    assert (
+        not (splits["train"] & splits["heldout"])
+        and not (splits["train"] & splits["test"])
+        and not (splits["heldout"] & splits["test"])
+    )
     tokenize_corpus("email", cfg, tokenizer_dir, tmp_path / "b")
     assert files_of(tmp_path / "a") == files_of(tmp_path / "b")
 
@@ -163,9 +183,13 @@ def test_documents_end_with_eos_and_decode_back(tokenizer_dir, tmp_path):
 def test_chat_labels_only_on_assistant_turns(tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is json?"},
-            {"role": "assistant", "content": "a data format"}, {"role": "user", "content": "thanks"},
-            {"role": "assistant", "content": "you are welcome"}]
+    chat = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what is json?"},
+        {"role": "assistant", "content": "a data format"},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "you are welcome"},
+    ]
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     source = {"type": "jsonl", "path": str(tmp_path / "c.jsonl"), "messages_field": "messages"}
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -175,7 +199,9 @@ def test_chat_labels_only_on_assistant_turns(tokenizer_dir, tmp_path):
     learned = tok.decode(ids[labels != -100])
     assert learned == "a data format<|im_end|>\nyou are welcome<|im_end|>\n"
     assert tok.decode(ids) == tok.apply_chat_template(chat, tokenize=False)
-    _, all_labels = DocumentEncoder(tok, source | {"assistant_only_labels": False}).encode_chat(Document("c", messages=tuple(chat)))
+    _, all_labels = DocumentEncoder(tok, source | {"assistant_only_labels": False}).encode_chat(
+        Document("c", messages=tuple(chat))
+    )
     assert (all_labels == ids).all()
     # through the stage: labels in the shards are the assistant tokens (the first token of a row is never labelled)
     manifest = tokenize_corpus("chat", settings({"chat": source}, seq_len=512), tokenizer_dir, tmp_path / "out")
@@ -186,7 +212,9 @@ def test_chat_labels_only_on_assistant_turns(tokenizer_dir, tmp_path):
 
 
 def test_skipped_records_are_counted_in_the_manifest(tokenizer_dir, tmp_path):
-    (tmp_path / "d.jsonl").write_bytes(b'{"text": "good one"}\n{"text": bad}\n{"body": "x"}\n{"text": "\xff"}\n{"text": "good two"}\n')
+    (tmp_path / "d.jsonl").write_bytes(
+        b'{"text": "good one"}\n{"text": bad}\n{"body": "x"}\n{"text": "\xff"}\n{"text": "good two"}\n'
+    )
     source = {"type": "jsonl", "path": str(tmp_path / "d.jsonl")}
     with pytest.raises(CorpusError, match=r"d\.jsonl:2: not valid JSON"):
         tokenize_corpus("d", settings({"d": source}), tokenizer_dir, tmp_path / "fail")

@@ -26,10 +26,20 @@ from moeflow.scaleout import torchrun_command
 MODEL = {
     "attn_implementation": "sdpa",
     "config": {
-        "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
-        "max_position_embeddings": 128, "tie_word_embeddings": False,
+        "model_type": "qwen3_moe",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
     },
 }
 VOCAB = 96
@@ -65,7 +75,9 @@ def one_step(model, rows_per_micro_batch: list[list[dict]]):
     from moeflow.train import accumulate_gradients
 
     batches = [collate(rows) for rows in rows_per_micro_batch]
-    return accumulate_gradients(model, batches, mfconfig.settings(mfconfig.BalanceSettings, LOSS), adapter_or_none(distributed.unwrap(model)))
+    return accumulate_gradients(
+        model, batches, mfconfig.settings(mfconfig.BalanceSettings, LOSS), adapter_or_none(distributed.unwrap(model))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +109,17 @@ def reference(reference_model) -> dict[str, torch.Tensor]:
 
 
 def run_ranks(saved_model: Path, out: Path, parallel: dict) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [__file__, str(saved_model), str(out), json.dumps(parallel)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [
+        __file__,
+        str(saved_model),
+        str(out),
+        json.dumps(parallel),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
@@ -142,8 +163,13 @@ def test_two_ranks_give_the_gradients_of_one_process(saved_model, reference, ref
     assert report["shapes"] == {n: list(g.shape) for n, g in reference.items()}
 
 
-@pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only (the pinned stack raises: see below)")
-def test_expert_parallel_plus_fsdp_gives_the_gradients_of_one_process(saved_model, reference, reference_model, tmp_path):
+@pytest.mark.skipif(
+    not compat.is_transformers_v5(),
+    reason="expert parallelism is transformers 5 only (the pinned stack raises: see below)",
+)
+def test_expert_parallel_plus_fsdp_gives_the_gradients_of_one_process(
+    saved_model, reference, reference_model, tmp_path
+):
     run_ranks(saved_model, tmp_path, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2})
     from safetensors.torch import load_file
 
@@ -156,7 +182,9 @@ def test_expert_parallel_plus_fsdp_gives_the_gradients_of_one_process(saved_mode
 @pytest.mark.skipif(compat.is_transformers_v5(), reason="transformers 5 has expert parallelism")
 def test_expert_parallel_on_the_pinned_stack_is_a_clear_error():
     with pytest.raises(distributed.DistributedError, match="no expert parallelism.*STACK=current"):
-        distributed.distributed_config(mfconfig.settings(mfconfig.ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2}), world=2)
+        distributed.distributed_config(
+            mfconfig.settings(mfconfig.ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2}), world=2
+        )
 
 
 def test_full_state_round_trips_in_one_process(saved_model, reference_model):
@@ -222,7 +250,11 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         optimizer.step()
         weights, optim_state = distributed.full_state_dict(model, optimizer)
         # the whole state loads into a freshly sharded model and optimizer and reads back the same
-        fresh = distributed.load_model(saved_model, MODEL, parallel) if parallel.strategy == "ep" else load_model(saved_model, MODEL)
+        fresh = (
+            distributed.load_model(saved_model, MODEL, parallel)
+            if parallel.strategy == "ep"
+            else load_model(saved_model, MODEL)
+        )
         fresh = distributed.shard_model(fresh, parallel, ranks)
         fresh_optimizer = optimizer_for(fresh)
         distributed.load_full_state_dict(fresh, weights, fresh_optimizer, optim_state)
@@ -233,7 +265,12 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
             save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out) / "grads.safetensors"))
             save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(out) / "weights.safetensors"))
             shapes = {distributed._clean(n): list(distributed.original_shape(p)) for n, p in model.named_parameters()}
-            report = {"label_tokens": step.num_label_tokens, "sharded": distributed.is_sharded(model), "grad_norm": grad_norm, "shapes": shapes}
+            report = {
+                "label_tokens": step.num_label_tokens,
+                "sharded": distributed.is_sharded(model),
+                "grad_norm": grad_norm,
+                "shapes": shapes,
+            }
             (Path(out) / "rank0.json").write_text(json.dumps(report))
 
 

@@ -16,16 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (  # noqa: E402
+    NOT_REPRODUCED,  # noqa: E402
+    active_stack,
+    copy_workflow,
+    snakemake,
+)
+from tiny_models import tiny_model_cfg  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from conftest import active_stack, copy_workflow, snakemake  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
 from moeflow import env  # noqa: E402
 from moeflow.modeling import ModelError, build_model, load_model, load_tokenizer  # noqa: E402
 from moeflow.stage import OFFLINE_ENV, Stage  # noqa: E402
-from test_faults import NOT_REPRODUCED  # noqa: E402
-from test_losses import tiny_model_cfg  # noqa: E402
 
 SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
 MARKER = "PAYLOAD_RAN"
@@ -67,15 +69,22 @@ def test_trust_remote_code_is_off_unless_turned_on_for_a_named_model(tmp_path):
         "invalid configuration: config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may "
         "only be turned on for a named model folder whose code you trust"
     )
-    trusted = mfconfig.load(SMOKE, overrides={"runs": {"remote": {"model": {"pretrained": str(tmp_path), "trust_remote_code": True}}}})
+    trusted = mfconfig.load(
+        SMOKE, overrides={"runs": {"remote": {"model": {"pretrained": str(tmp_path), "trust_remote_code": True}}}}
+    )
     assert mfconfig.run_config(trusted, "remote")["model"]["trust_remote_code"]
 
 
 def test_the_verification_report_says_when_trust_remote_code_is_on():
-    report = env.collect(active_stack(), mfconfig.REPO_ROOT / "envs" / f"{active_stack()}.yaml",
-                         trust_remote_code={"moe": False, "remote": True})
+    report = env.collect(
+        active_stack(),
+        mfconfig.REPO_ROOT / "envs" / f"{active_stack()}.yaml",
+        trust_remote_code={"moe": False, "remote": True},
+    )
     assert report["trust_remote_code"] == {"moe": False, "remote": True}
-    assert "run(s) remote set model.trust_remote_code: they execute code from the model folder" in env.enforce(report, strict=False)
+    assert "run(s) remote set model.trust_remote_code: they execute code from the model folder" in env.enforce(
+        report, strict=False
+    )
     markdown = env.render_markdown(report)
     assert "## trust_remote_code per run" in markdown and "- `remote`: yes" in markdown and "- `moe`: no" in markdown
 
@@ -84,11 +93,22 @@ def custom_code_folder(folder: Path) -> Path:
     """A model folder whose config.json points at Python in the folder (auto_map), as hub models with custom
     code do; importing that Python writes a marker."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "custom_moe", "architectures": ["CustomMoe"],
-        "auto_map": {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomMoe", "AutoTokenizer": ["custom.CustomTokenizer", None]},
-    }))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "custom_moe",
+                "architectures": ["CustomMoe"],
+                "auto_map": {
+                    "AutoConfig": "custom.CustomConfig",
+                    "AutoModelForCausalLM": "custom.CustomMoe",
+                    "AutoTokenizer": ["custom.CustomTokenizer", None],
+                },
+            }
+        )
+    )
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}})
+    )
     (folder / "custom.py").write_text(f"open(__file__.replace('custom.py', {MARKER!r}), 'w').write('ran')\n")
     (folder / "model.safetensors").write_bytes(b"")
     return folder
@@ -117,16 +137,26 @@ def _torch_load_calls(path: Path) -> list[tuple[str, int, bool]]:
     """Every ``torch.load(...)`` call in a Python file, and whether it passes ``weights_only=True``."""
     calls = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
-            safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True for k in node.keywords)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "load"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"
+        ):
+            safe = any(
+                k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                for k in node.keywords
+            )
             calls.append((path.name, node.lineno, safe))
     return calls
 
 
 def test_every_torch_load_in_the_pipeline_uses_weights_only(tmp_path):
     probe = tmp_path / "probe.py"  # the checker tells a safe call from an unsafe one
-    probe.write_text("import torch\ntorch.load(p)\ntorch.load(p, weights_only=True)\ntorch.load(p, weights_only=False)\n")
+    probe.write_text(
+        "import torch\ntorch.load(p)\ntorch.load(p, weights_only=True)\ntorch.load(p, weights_only=False)\n"
+    )
     assert _torch_load_calls(probe) == [("probe.py", 2, False), ("probe.py", 3, True), ("probe.py", 4, False)]
     files = [*(mfconfig.REPO_ROOT / "src").rglob("*.py"), *(mfconfig.REPO_ROOT / "workflow").rglob("*.py")]
     assert len(files) > 20
@@ -156,12 +186,14 @@ def test_a_model_folder_with_pickle_weights_is_refused(saved_model, tmp_path):
     # beside safetensors weights a pickle is ignored, never read
     (folder / "model.safetensors").write_bytes((saved_model / "model.safetensors").read_bytes())
     model = load_model(folder, tiny_model_cfg())
-    assert torch.equal(model.get_input_embeddings().weight, load_model(saved_model, tiny_model_cfg()).get_input_embeddings().weight)
+    assert torch.equal(
+        model.get_input_embeddings().weight, load_model(saved_model, tiny_model_cfg()).get_input_embeddings().weight
+    )
     assert not (folder / MARKER).exists()
 
 
 def test_a_training_checkpoint_with_a_pickle_instead_of_safetensors_is_refused(tmp_path):
-    from test_train import make_trainer
+    from tiny_training import make_trainer
 
     trainer = make_trainer()
     trainer.run(until=1)
@@ -173,7 +205,8 @@ def test_a_training_checkpoint_with_a_pickle_instead_of_safetensors_is_refused(t
         make_trainer().load(checkpoint)
     assert str(err.value) == (
         f"checkpoint {checkpoint} lacks model.safetensors: moeflow reads checkpoints as safetensors plus JSON only "
-        "(pickle files are never loaded: unpickling can run code). Delete the folder to start the stage afresh")
+        "(pickle files are never loaded: unpickling can run code). Delete the folder to start the stage afresh"
+    )
     assert not (checkpoint / MARKER).exists()
 
 
@@ -275,15 +308,41 @@ def test_stages_without_network_give_the_same_outputs(pipeline_copy, tmp_path):
 
     run_env = {k: v for k, v in os.environ.items() if k not in OFFLINE_ENV}
     dead = "http://127.0.0.1:9"
-    run_env |= {"STACK": active_stack(), "MOEFLOW_NETWORK_LOG": str(attempts), "HF_ENDPOINT": dead,
-                "HTTP_PROXY": dead, "HTTPS_PROXY": dead, "http_proxy": dead, "https_proxy": dead,
-                "PYTHONPATH": os.pathsep.join([str(guard), run_env.get("PYTHONPATH", "")])}
-    targets = [str(results.relative_to(pipeline_copy) / "env" / "report.json"),
-               str(outputs[1].relative_to(pipeline_copy) / "coverage.json"), str(outputs[2].relative_to(pipeline_copy))]
+    run_env |= {
+        "STACK": active_stack(),
+        "MOEFLOW_NETWORK_LOG": str(attempts),
+        "HF_ENDPOINT": dead,
+        "HTTP_PROXY": dead,
+        "HTTPS_PROXY": dead,
+        "http_proxy": dead,
+        "https_proxy": dead,
+        "PYTHONPATH": os.pathsep.join([str(guard), run_env.get("PYTHONPATH", "")]),
+    }
+    targets = [
+        str(results.relative_to(pipeline_copy) / "env" / "report.json"),
+        str(outputs[1].relative_to(pipeline_copy) / "coverage.json"),
+        str(outputs[2].relative_to(pipeline_copy)),
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", *targets, "--cores", "2", "--configfile", "config/smoke.yaml",
-         "--forcerun", "verify_env", "coverage_valset", "warmup"],
-        cwd=pipeline_copy, env=run_env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            *targets,
+            "--cores",
+            "2",
+            "--configfile",
+            "config/smoke.yaml",
+            "--forcerun",
+            "verify_env",
+            "coverage_valset",
+            "warmup",
+        ],
+        cwd=pipeline_copy,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert attempts.exists(), "the guard was not loaded"  # sitecustomize created the log in every process
@@ -307,7 +366,9 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 def test_a_corpus_name_cannot_lead_outside_the_results_folder():
     with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(SMOKE, overrides={"data": {"sources": {"../../outside": {"type": "stdlib", "packages": ["json"]}}}})
+        mfconfig.load(
+            SMOKE, overrides={"data": {"sources": {"../../outside": {"type": "stdlib", "packages": ["json"]}}}}
+        )
     assert str(err.value) == (
         "invalid configuration: config key 'data.sources.../../outside': corpus names may use letters, digits, '_', "
         "'.', '-' only (the name is a folder under results/)"
@@ -327,7 +388,9 @@ def test_every_output_and_log_of_the_workflow_lies_under_the_results_folder(tmp_
     proc = snakemake(workdir, "paper", "--configfile", "config/smoke.yaml", "config/names.yaml", "--summary")
     rows = [line.split("\t") for line in proc.stdout.splitlines() if "\t" in line][1:]
     written = [row[0] for row in rows] + [log for row in rows for log in row[3].split(",") if log not in ("-", "")]
-    assert len(rows) > 30 and any("my.corpus-1" in path for path in written) and any("run_2.b" in path for path in written)
+    assert (
+        len(rows) > 30 and any("my.corpus-1" in path for path in written) and any("run_2.b" in path for path in written)
+    )
     results = (workdir / "results" / active_stack()).resolve()
     outside = [path for path in written if not (workdir / path).resolve().is_relative_to(results)]
     assert outside == []

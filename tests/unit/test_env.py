@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import active_stack
+
 from moeflow import compat, env
 from moeflow.config import REPO_ROOT
 from moeflow.files import dumps_json

@@ -23,17 +23,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import NOT_REPRODUCED, active_stack, snakemake  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from conftest import active_stack, snakemake  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
 from moeflow.files import DiskFull  # noqa: E402
 from moeflow.stage import KILL_ENV, KILL_SCOPE_ENV  # noqa: E402
-from test_coverage import stage_inputs  # noqa: E402,F401  (tokenized corpus + tiny MoE, module-scoped)
 
 SMOKE_ARGS = ("--cores", "2", "--configfile", "config/smoke.yaml")
-NOT_REPRODUCED = ("timings.json", "rng.safetensors")  # measured seconds; an unseeded generator's state (see below)
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -44,15 +40,27 @@ def snakemake_killed_with_its_jobs(workdir: Path, *args: str, kill_at: str) -> s
     """Run Snakemake in its own session and let the stage SIGKILL the whole session at ``kill_at``: Snakemake
     dies with its job, as in a power cut, leaving its incomplete-job markers behind."""
     env = {**os.environ, "STACK": active_stack(), KILL_ENV: kill_at, KILL_SCOPE_ENV: "group"}
-    proc = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, env=env, capture_output=True,
-                          text=True, start_new_session=True, timeout=600)
-    assert proc.returncode == -signal.SIGKILL, f"Snakemake was not killed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", *args],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+        timeout=600,
+    )
+    assert proc.returncode == -signal.SIGKILL, (
+        f"Snakemake was not killed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
 # The fault matrix reruns real stages (about a minute each on 2 shared cores), so it runs on one stack; the
 # code it exercises (kill points, atomic outputs, checkpoints, Snakemake's incomplete markers) is the same on both.
-fault_matrix = pytest.mark.skipif(active_stack() != "pinned", reason="the kill -9 fault matrix runs on the pinned stack only (slow; same code on both)")
+fault_matrix = pytest.mark.skipif(
+    active_stack() != "pinned",
+    reason="the kill -9 fault matrix runs on the pinned stack only (slow; same code on both)",
+)
 
 
 def rerun_after_a_crash(workdir: Path, *args: str, incomplete: Path) -> None:
@@ -82,7 +90,9 @@ def test_coverage_killed_between_its_outputs_reruns_to_the_same_bytes(pipeline_c
     reference = files_of(folder)
     target = str((folder / "coverage.json").relative_to(pipeline_copy))
 
-    snakemake_killed_with_its_jobs(pipeline_copy, target, *SMOKE_ARGS, "--forcerun", "coverage_valset", kill_at="coverage.after_valset")
+    snakemake_killed_with_its_jobs(
+        pipeline_copy, target, *SMOKE_ARGS, "--forcerun", "coverage_valset", kill_at="coverage.after_valset"
+    )
     assert (folder / "valset" / "manifest.json").is_file() and not (folder / "coverage.json").exists()
     rerun_after_a_crash(pipeline_copy, target, *SMOKE_ARGS, incomplete=folder / "valset")
     rerun = files_of(folder)
@@ -97,7 +107,9 @@ def test_evaluation_killed_between_its_outputs_reruns_to_the_same_metrics(pipeli
     reference = files_of(out)
     target = str((out / "metrics.json").relative_to(pipeline_copy))
 
-    snakemake_killed_with_its_jobs(pipeline_copy, target, *SMOKE_ARGS, "--forcerun", "evaluate_run", kill_at="evaluate.write")
+    snakemake_killed_with_its_jobs(
+        pipeline_copy, target, *SMOKE_ARGS, "--forcerun", "evaluate_run", kill_at="evaluate.write"
+    )
     assert (out / "speed.json").is_file() and not (out / "metrics.json").exists()
     rerun_after_a_crash(pipeline_copy, target, *SMOKE_ARGS, incomplete=out / "speed.json")
     rerun = files_of(out)
@@ -116,7 +128,14 @@ def test_warmup_killed_after_a_checkpoint_resumes_to_the_same_weights_and_losses
     cfg = mfconfig.run_config(mfconfig.load(pipeline_copy / "config" / "smoke.yaml", overlay), "moe")
     results = pipeline_copy / "results" / active_stack()
     folder = results / "warmup" / mfconfig.warmup_key(cfg)
-    args = (str(folder.relative_to(pipeline_copy)), "--cores", "2", "--configfile", "config/smoke.yaml", "config/change.yaml")
+    args = (
+        str(folder.relative_to(pipeline_copy)),
+        "--cores",
+        "2",
+        "--configfile",
+        "config/smoke.yaml",
+        "config/change.yaml",
+    )
 
     snakemake(pipeline_copy, *args)
     reference = files_of(folder)
@@ -138,17 +157,20 @@ def test_warmup_killed_after_a_checkpoint_resumes_to_the_same_weights_and_losses
     assert not list((results / "checkpoints").glob("warmup-*"))  # removed once the stage succeeded
 
 
-def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_run(stage_inputs, tmp_path):  # noqa: F811
+def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_run(coverage_inputs, tmp_path):  # noqa: F811
     """Killed before its rename, a stage leaves only a hidden temporary (never the output's name); the
     rerun removes it, so a crash does not leave gigabytes behind."""
     from moeflow.tokenize_stage import tokenize_corpus
 
-    root, _ = stage_inputs
+    root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     out = tmp_path / "data" / "code"
     code = f"from moeflow.tokenize_stage import tokenize_corpus; tokenize_corpus('code', {settings!r}, {str(root / 'tokenizer')!r}, {str(out)!r})"
-    env = {**os.environ, KILL_ENV: "tokenize.before_rename",
-           "PYTHONPATH": os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        KILL_ENV: "tokenize.before_rename",
+        "PYTHONPATH": os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     killed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     left = [p.name for p in out.parent.iterdir()]
@@ -165,11 +187,11 @@ def _no_space(path) -> OSError:
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-def test_disk_full_while_writing_a_shard_keeps_the_previous_output(stage_inputs, tmp_path, monkeypatch):  # noqa: F811
+def test_disk_full_while_writing_a_shard_keeps_the_previous_output(coverage_inputs, tmp_path, monkeypatch):  # noqa: F811
     from moeflow.shards import SHARD_PATTERN, ShardWriter
     from moeflow.tokenize_stage import tokenize_corpus
 
-    root, _ = stage_inputs
+    root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     settings["data"]["shard_max_bytes"] = 1024  # several shards per split: the disk fills up midway
     out = tmp_path / "data" / "code"
@@ -200,16 +222,16 @@ def test_disk_full_while_writing_a_shard_keeps_the_previous_output(stage_inputs,
 
 
 def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
-    import safetensors.torch
+    from tiny_training import losses, make_trainer, settings
 
+    from moeflow import checkpoint
     from moeflow.checkpoint import latest_checkpoint
-    from test_train import losses, make_trainer, settings
 
     whole = make_trainer()
     whole.run()
     checkpoints = tmp_path / "checkpoints"
     trainer = make_trainer(checkpoint_dir=checkpoints, train_settings=settings(checkpoint_every=2))
-    real_save_file = safetensors.torch.save_file
+    real_save_file = checkpoint.save_file
 
     def save_file_until_full(tensors, filename, *args, **kwargs):
         if "step-00000004" in str(filename):  # a partial file, then no space left
@@ -217,7 +239,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
             raise _no_space(filename)
         return real_save_file(tensors, filename, *args, **kwargs)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_file_until_full)
+    monkeypatch.setattr(checkpoint, "save_file", save_file_until_full)
     with pytest.raises(DiskFull) as err:
         trainer.run()
     step4 = checkpoints / "step-00000004"
@@ -229,7 +251,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002"]
     assert latest_checkpoint(checkpoints) == checkpoints / "step-00000002"
 
-    monkeypatch.setattr(safetensors.torch, "save_file", real_save_file)  # space freed: resume, lose nothing
+    monkeypatch.setattr(checkpoint, "save_file", real_save_file)  # space freed: resume, lose nothing
     resumed = make_trainer(checkpoint_dir=checkpoints, train_settings=settings(checkpoint_every=2))
     assert resumed.resume() and resumed.step == 2
     resumed.run()

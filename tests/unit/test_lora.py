@@ -12,16 +12,37 @@ from moeflow import compat, config, lora, routing
 from moeflow.modeling import build_model, load_model
 
 VOCAB = 100
-SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+SMALL = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+}
 FAMILIES = {
     "qwen3_moe": {"head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2},
     "mixtral": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
     "deepseek_v3": {
-        "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-        "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-        "qk_rope_head_dim": 8, "v_head_dim": 8, "n_group": 2, "topk_group": 1, "num_key_value_heads": 4,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "n_group": 2,
+        "topk_group": 1,
+        "num_key_value_heads": 4,
     },
-    "gpt_oss": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["full_attention", "sliding_attention"]},
+    "gpt_oss": {
+        "head_dim": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "layer_types": ["full_attention", "sliding_attention"],
+    },
 }
 V5 = compat.is_transformers_v5()
 
@@ -63,10 +84,16 @@ def lora_of(section: dict) -> config.LoraSettings:
 
 def test_settings_resolve_all_and_name_the_bad_key():
     settings = lora_of({"rank": 8, "alpha": 16, "targets": ["all"]})
-    assert settings.categories == ("attention", "dense_ffn", "shared_experts", "routed_experts") and settings.router == "frozen"
+    assert (
+        settings.categories == ("attention", "dense_ffn", "shared_experts", "routed_experts")
+        and settings.router == "frozen"
+    )
     assert lora_of({"targets": ["attention"]}).categories == ("attention",)
-    for bad, where in (({"targets": ["experts"]}, r"train\.lora\.targets\[0\]': 'experts'"), ({"router": "unfrozen"}, r"train\.lora\.router"),
-                       ({"r": 8}, r"train\.lora': unknown key\(s\) 'r'")):
+    for bad, where in (
+        ({"targets": ["experts"]}, r"train\.lora\.targets\[0\]': 'experts'"),
+        ({"router": "unfrozen"}, r"train\.lora\.router"),
+        ({"r": 8}, r"train\.lora': unknown key\(s\) 'r'"),
+    ):
         with pytest.raises(config.ConfigError, match=where):
             config.load(overrides={"train": {"lora": bad}})
 
@@ -91,11 +118,15 @@ def test_all_targets_adapt_attention_and_every_expert_and_freeze_the_rest(name):
     assert report["trainable"] == report["adapter"] > 0 and not report["router_trainable"]
     targets = lora.find_targets(tiny(name), lora_of({"rank": 4}))
     if V5:  # fused 3D experts: peft's target_parameters, one adapter per expert inside
-        assert set(targets.parameters.values()) == {"routed_experts"} and all(k.endswith(("gate_up_proj", "down_proj")) for k in targets.parameters)
+        assert set(targets.parameters.values()) == {"routed_experts"} and all(
+            k.endswith(("gate_up_proj", "down_proj")) for k in targets.parameters
+        )
     else:  # separate nn.Linear per expert: target_modules
         assert not targets.parameters
         moe_layers = 1 if name == "deepseek_v3" else 2  # DeepSeek-V3's first layer is dense (first_k_dense_replace)
-        assert sum(c == "routed_experts" for c in targets.modules.values()) == moe_layers * 4 * 3  # x experts x gate/up/down
+        assert (
+            sum(c == "routed_experts" for c in targets.modules.values()) == moe_layers * 4 * 3
+        )  # x experts x gate/up/down
     for param_name, param in model.named_parameters():
         if "lora_" not in param_name:
             assert not param.requires_grad, param_name
@@ -105,11 +136,20 @@ def test_all_targets_adapt_attention_and_every_expert_and_freeze_the_rest(name):
 def test_targets_that_the_model_lacks_are_named():
     with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.targets.*no shared_experts"):
         lora.apply_lora(tiny("qwen3_moe"), lora_of({"targets": ["shared_experts"]}), False)
-    dense = build_model({"config": {"model_type": "qwen3_moe", **SMALL, "head_dim": 8, "num_experts": 0}, "attn_implementation": "eager"}, VOCAB)
+    dense = build_model(
+        {
+            "config": {"model_type": "qwen3_moe", **SMALL, "head_dim": 8, "num_experts": 0},
+            "attn_implementation": "eager",
+        },
+        VOCAB,
+    )
     with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.router.*no router"):
         lora.apply_lora(dense, lora_of({"targets": ["all"], "router": "trainable"}), False)
     model = lora.apply_lora(dense, lora_of({"targets": ["all"]}), False)  # a dense model: attention and its MLPs
-    assert set(k for k, v in lora.trainable_parameter_report(model)["by_category"].items() if v["trainable"]) == {"attention", "dense_ffn"}
+    assert set(k for k, v in lora.trainable_parameter_report(model)["by_category"].items() if v["trainable"]) == {
+        "attention",
+        "dense_ffn",
+    }
 
 
 def test_stack_limits_raise_clear_errors():
@@ -118,13 +158,19 @@ def test_stack_limits_raise_clear_errors():
             lora.apply_lora(tiny("qwen3_moe"), lora_of({"dropout": 0.1, "targets": ["routed_experts"]}), False)
         model = lora.apply_lora(tiny("qwen3_moe"), lora_of({"dropout": 0.1, "targets": ["attention"]}), False)
         assert lora.trainable_parameter_report(model)["trainable"] > 0
-        lora.apply_lora(tiny("gpt_oss"), lora_of({"rank": 4}), False)  # fused experts declared (experts, in, out): fine on 5
+        lora.apply_lora(
+            tiny("gpt_oss"), lora_of({"rank": 4}), False
+        )  # fused experts declared (experts, in, out): fine on 5
     else:
-        model = lora.apply_lora(tiny("qwen3_moe"), lora_of({"dropout": 0.1}), False)  # separate linear experts take dropout
+        model = lora.apply_lora(
+            tiny("qwen3_moe"), lora_of({"dropout": 0.1}), False
+        )  # separate linear experts take dropout
         assert lora.trainable_parameter_report(model)["by_category"]["routed_experts"]["trainable"] > 0
         with pytest.raises(compat.UnsupportedOnStack, match=r"gpt_oss.*fused 3D.*needs transformers 5"):
             lora.apply_lora(tiny("gpt_oss"), lora_of({"rank": 4}), False)
-        with pytest.raises(compat.UnsupportedOnStack, match=r"train\.lora\.router.*DeepseekV3TopkRouter.*needs transformers 5"):
+        with pytest.raises(
+            compat.UnsupportedOnStack, match=r"train\.lora\.router.*DeepseekV3TopkRouter.*needs transformers 5"
+        ):
             lora.apply_lora(tiny("deepseek_v3"), lora_of({"rank": 4, "router": "adapter"}), False)
         lora.apply_lora(tiny("gpt_oss"), lora_of({"rank": 4, "targets": ["attention"]}), False)
 
@@ -175,7 +221,10 @@ def test_reentrant_checkpointing_without_input_grads_trains_nothing_on_4_57():
 # --------------------------------------------------------------------------- save, load, resume, merge
 
 
-@pytest.mark.parametrize("name,router", [("qwen3_moe", "frozen"), ("mixtral", "trainable"), ("deepseek_v3", "adapter" if V5 else "trainable")])
+@pytest.mark.parametrize(
+    "name,router",
+    [("qwen3_moe", "frozen"), ("mixtral", "trainable"), ("deepseek_v3", "adapter" if V5 else "trainable")],
+)
 def test_adapter_round_trip_saves_only_what_training_changes(tmp_path, name, router):
     model = lora.apply_lora(tiny(name), lora_of({"rank": 4, "router": router}), False)
     perturb_adapters(model)
@@ -194,11 +243,15 @@ def test_adapter_round_trip_saves_only_what_training_changes(tmp_path, name, rou
     assert torch.equal(logits(fresh, inputs()), expected)
     assert lora.trainable_parameter_report(fresh)["trainable"] == lora.trainable_parameter_report(model)["trainable"]
 
-    wrapped = lora.apply_lora(tiny(name), lora_of({"rank": 4, "router": router}), False)  # resume: adapters already in place
+    wrapped = lora.apply_lora(
+        tiny(name), lora_of({"rank": 4, "router": router}), False
+    )  # resume: adapters already in place
     assert lora.load_adapter(wrapped, tmp_path / "adapter") is wrapped
     assert torch.equal(logits(wrapped, inputs()), expected)
     with pytest.raises(lora.LoraConfigError, match="trained with train.lora"):
-        lora.load_adapter(lora.apply_lora(tiny(name), lora_of({"rank": 8, "router": router}), False), tmp_path / "adapter")
+        lora.load_adapter(
+            lora.apply_lora(tiny(name), lora_of({"rank": 8, "router": router}), False), tmp_path / "adapter"
+        )
 
 
 def test_resumed_lora_training_continues_bit_for_bit(tmp_path):
@@ -224,7 +277,10 @@ def test_resumed_lora_training_continues_bit_for_bit(tmp_path):
         step(model, optimizer, seed)
     lora.save_adapter(model, tmp_path / "ckpt")
     state = optimizer.state_dict()
-    save_file({f"{i}.{k}": v for i, s in state["state"].items() for k, v in s.items()}, str(tmp_path / "ckpt" / "optimizer.safetensors"))
+    save_file(
+        {f"{i}.{k}": v for i, s in state["state"].items() for k, v in s.items()},
+        str(tmp_path / "ckpt" / "optimizer.safetensors"),
+    )
     uninterrupted = [step(model, optimizer, seed) for seed in (12, 13)]
 
     resumed_model = lora.load_adapter(tiny(), tmp_path / "ckpt", gradient_checkpointing=True)
@@ -238,7 +294,10 @@ def test_resumed_lora_training_continues_bit_for_bit(tmp_path):
     assert [step(resumed_model, resumed_optimizer, seed) for seed in (12, 13)] == uninterrupted
 
 
-@pytest.mark.parametrize("name,router", [("qwen3_moe", "adapter" if V5 else "trainable"), ("mixtral", "adapter"), ("deepseek_v3", "trainable")])
+@pytest.mark.parametrize(
+    "name,router",
+    [("qwen3_moe", "adapter" if V5 else "trainable"), ("mixtral", "adapter"), ("deepseek_v3", "trainable")],
+)
 def test_merged_model_matches_the_adapters_and_loads_with_from_pretrained(tmp_path, name, router):
     from transformers import AutoModelForCausalLM
 
@@ -247,7 +306,9 @@ def test_merged_model_matches_the_adapters_and_loads_with_from_pretrained(tmp_pa
     unmerged = logits(model, inputs())
     merged = lora.merge_and_save(model, None, tmp_path / "merged")
     torch.testing.assert_close(logits(merged, inputs()), unmerged, rtol=0, atol=1e-5)
-    assert not (tmp_path / "merged" / "adapter_config.json").exists()  # else from_pretrained would treat it as an adapter
+    assert not (
+        tmp_path / "merged" / "adapter_config.json"
+    ).exists()  # else from_pretrained would treat it as an adapter
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True, torch_dtype=torch.float32)
     assert not any("lora" in n for n, _ in loaded.named_parameters())
     torch.testing.assert_close(logits(loaded, inputs()), unmerged, rtol=0, atol=1e-5)
@@ -274,7 +335,9 @@ def test_adapter_output_loads_with_plain_peft_and_a_full_run_gets_a_marker(tmp_p
     full = tiny(name)
     marker = lora.save_adapter_output(full, tmp_path / "full")
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == [lora.REPORT_FILE]
-    assert marker["method"] == "full" and marker["trainable"] == marker["total"] == sum(p.numel() for p in full.parameters())
+    assert marker["method"] == "full" and marker["trainable"] == marker["total"] == sum(
+        p.numel() for p in full.parameters()
+    )
 
 
 def test_train_settings_drop_lora_settings_of_a_full_run():
@@ -293,6 +356,7 @@ def test_train_settings_drop_lora_settings_of_a_full_run():
 def test_router_learning_rate_and_freeze_see_peft_names(router):
     """moeflow.optim.param_groups finds the router under peft (its weight, base_layer or own adapter)."""
     from moeflow.optim import param_groups
+
     def train(**section):
         return config.settings(config.TrainSettings, config.training({"steps": 1, "lr": 1e-3, **section}))
 
@@ -359,7 +423,9 @@ def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
     cfg = config.load()
     full = build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"])
     full_report = lora.trainable_parameter_report(full)
-    lora_model = lora.apply_lora(build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"]), lora_of(cfg["train"]["lora"]), False)
+    lora_model = lora.apply_lora(
+        build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"]), lora_of(cfg["train"]["lora"]), False
+    )
     report = lora.trainable_parameter_report(lora_model)
     assert full_report["trainable"] == full_report["total"]
     assert report["total"] == full_report["total"] + report["adapter"]
@@ -369,5 +435,7 @@ def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
     shape, counted, _ = plan.count_parameters(cfg["model"], cfg["tokenizer"]["vocab_size"])
     assert counted.total == full_report["total"]
     assert plan.lora_count(shape, lora_of(cfg["train"]["lora"])).trainable == report["trainable"]
-    print(f"\nembedded default: full {full_report['trainable']:,} trainable; LoRA {report['trainable']:,} "
-          f"({100 * report['trainable_fraction']:.2f}%) {report['by_category']}")
+    print(
+        f"\nembedded default: full {full_report['trainable']:,} trainable; LoRA {report['trainable']:,} "
+        f"({100 * report['trainable_fraction']:.2f}%) {report['by_category']}"
+    )

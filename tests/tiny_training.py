@@ -1,0 +1,60 @@
+"""A tiny qwen3_moe Trainer on synthetic packed rows (the data stage's row format): what the training,
+fault and security tests share."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import tiny_model_cfg
+
+from moeflow import config as mfconfig
+from moeflow.collate import collate
+from moeflow.modeling import build_model
+from moeflow.train import Trainer
+
+VOCAB = 97
+SEQ = 32
+
+
+def packed_rows(n=24, seed=0):
+    """Rows in the data stage's format: several documents per row, positions restart, -100 at starts."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for r in range(n):
+        cut = int(torch.randint(5, SEQ - 5, (1,), generator=g))
+        ids = torch.randint(3, VOCAB, (SEQ,), generator=g).tolist()
+        labels = list(ids)
+        labels[0] = labels[cut] = -100
+        rows.append(
+            {
+                "input_ids": ids,
+                "labels": labels,
+                "position_ids": list(range(cut)) + list(range(SEQ - cut)),
+                "doc_ids": [2 * r] * cut + [2 * r + 1] * (SEQ - cut),
+            }
+        )
+    return rows
+
+
+def settings(**overrides):
+    base = {
+        "steps": 6,
+        "lr": 3e-3,
+        "min_lr": 3e-4,
+        "warmup_steps": 2,
+        "micro_batch_size": 2,
+        "grad_accum_steps": 2,
+        "balance": {"mode": "running", "coef": 0.01, "z_loss_coef": 0.001},
+        "routing_guard": {"window_steps": 2, "max_load_ratio": 3.9, "min_load_entropy": 0.1, "max_dead_experts": 4},
+        "memory_guard": {"skip_steps": 100},
+    }
+    return mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({**base, **overrides}))
+
+
+def make_trainer(tmp=None, seed=0, **kwargs):
+    model = build_model(tiny_model_cfg(), VOCAB, seed=seed)
+    s = kwargs.pop("train_settings", None) or settings()
+    return Trainer(model, s, packed_rows(), collate_fn=collate, seed=seed, **kwargs)
+
+
+def losses(trainer):
+    return [(r["step"], r["loss"], r["ce"], r["grad_norm"]) for r in trainer.train_records()]

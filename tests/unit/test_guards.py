@@ -1,0 +1,74 @@
+"""The guards: a leaking step, a non-finite loss and a collapsing router stop or warn, quiet memory stays quiet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_training import make_trainer, settings  # noqa: E402
+
+from moeflow import config as mfconfig
+from moeflow import guards as G
+from moeflow.checkpoint import latest_checkpoint
+
+
+def test_memory_guard_stops_a_leaking_step():
+    leaked = []
+
+    def leak(step, model):
+        leaked.append(torch.ones(6 * 2**20 // 4).add_(step))  # 6 MiB kept alive per step
+
+    trainer = make_trainer(
+        step_hook=leak,
+        train_settings=settings(
+            steps=20, memory_guard={"skip_steps": 1, "window_steps": 4, "max_slope_mib_per_step": 2.0, "patience": 3}
+        ),
+    )
+    with pytest.raises(G.MemoryLeak) as err:
+        trainer.run()
+    report = err.value.report
+    assert report["slope_mib_per_step"] > 4 and report["last_step"] - report["first_step"] == 3
+    assert report["last_step"] < 20 and "MiB/step over steps" in str(err.value)
+
+
+def test_memory_guard_is_quiet_on_flat_memory(caplog):
+    guard = G.MemoryGuard(mfconfig.MemoryThresholds(skip_steps=2, window_steps=4, max_slope_mib_per_step=1, patience=2))
+    with caplog.at_level("WARNING", logger="moeflow.guards"):
+        rates = [guard.observe(step, 1000.0 + (step % 2) * 0.5) for step in range(20)]
+    # skipped steps and a filling window report nothing; from then on every step reports a small slope
+    assert rates[:5] == [None] * 5 and all(r is not None and abs(r) <= 0.5 for r in rates[5:])
+    assert guard.over == 0 and [s for s, _ in guard.samples] == [16, 17, 18, 19]
+    assert not caplog.records
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    def poison(step, model):
+        if step == 3:
+            with torch.no_grad():
+                model.model.embed_tokens.weight[:, 0] = float("nan")
+
+    trainer = make_trainer(step_hook=poison, checkpoint_dir=tmp_path, train_settings=settings(checkpoint_every=2))
+    with pytest.raises(G.NonFiniteLoss, match="step 4: non-finite"):
+        trainer.run()
+    assert latest_checkpoint(tmp_path).name == "step-00000002"
+
+
+def test_routing_guard_flags_collapse_and_dead_experts():
+    guard = G.RoutingGuard(
+        mfconfig.settings(
+            mfconfig.RoutingThresholds,
+            {"window_steps": 2, "max_load_ratio": 2.0, "min_load_entropy": 0.5, "max_dead_experts": 0},
+        )
+    )
+    guard.observe(1, [[10, 10, 10, 10], [40, 0, 0, 0]], [1.3, 0.1], 5.0)
+    alarms = guard.observe(2, [[9, 11, 10, 10], [40, 0, 0, 0]], [1.3, 0.1], 4.9)
+    assert len(alarms) == 1 and "MoE layer 1" in alarms[0] and "dead experts [1, 2, 3]" in alarms[0]
+    report = guard.report()
+    assert not report["stable"] and report["layers"][1]["max_over_mean"] == 4.0
+    assert report["layers"][0]["load_entropy"] > 0.99
+
+
+def test_routing_guard_warns_when_loss_falls_fast_while_entropy_collapses():
+    guard = G.RoutingGuard(mfconfig.settings(mfconfig.RoutingThresholds, {"window_steps": 50, "early_steps": 10}))
+    guard.observe(1, [[5, 5]], [0.69], 8.0)
+    messages = guard.observe(2, [[5, 5]], [0.1], 2.0)
+    assert any("routing may have failed" in m for m in messages)
