@@ -372,3 +372,35 @@ def render_table(table: dict[tuple[str, str], dict[str, str]], intro: str) -> st
         for family, check in table
     ]
     return intro + "\n" + TABLE_HEADER + "\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
+
+
+README_START, README_END = "<!-- families:start -->", "<!-- families:end -->"
+
+
+def summary_table(table: dict[tuple[str, str], dict[str, str]]) -> str:
+    """The README's family x stack summary of the matrix: which checks pass, which are refused (details in
+    docs/families.md)."""
+    families = list(dict.fromkeys(family for family, _ in table))
+    lines = ["| family | " + " | ".join(STACKS) + " |", "|---|" + "---|" * len(STACKS)]
+    for family in families:
+        cells = []
+        for stack in STACKS:
+            results = {check: table[(family, check)].get(stack, "not run") for f, check in table if f == family}
+            passed = [c for c, r in results.items() if r == "pass"]
+            other = [c for c, r in results.items() if r != "pass"]
+            if not other:
+                cells.append(f"all {len(passed)} checks pass")
+            elif not passed:
+                cells.append("refused" if all(results[c].startswith("refused") for c in other) else "fails")
+            else:
+                verdict = "refused" if all(results[c].startswith("refused") for c in other) else "fails"
+                cells.append(f"{len(passed)} pass; {verdict}: {', '.join(other)}")
+        lines.append(f"| `{family}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def with_summary(readme: str, table: dict[tuple[str, str], dict[str, str]]) -> str:
+    """``readme`` with the block between the family markers replaced by :func:`summary_table`."""
+    head, rest = readme.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_START}\n{summary_table(table)}\n{README_END}{tail}"

@@ -9,7 +9,8 @@ import family_checks as C
 import pytest
 from tiny_models import FAMILIES
 
-TABLE = Path(__file__).resolve().parents[2] / "docs" / "families.md"
+ROOT = Path(__file__).resolve().parents[2]
+TABLE = ROOT / "docs" / "families.md"
 
 
 @pytest.fixture(scope="module")
@@ -27,3 +28,9 @@ def test_the_table_covers_every_family_and_check(committed):
 def test_family_check(family, check, committed):
     result = C.cell(C.run_check(check, family))  # a failing check raises here
     assert result == committed[(family, check)][C.stack()], "docs/families.md is out of date: run tools/family_table.py"
+
+
+def test_the_readme_summary_is_the_tables(committed):
+    readme = (ROOT / "README.md").read_text()
+    assert C.README_START in readme and C.README_END in readme
+    assert C.with_summary(readme, committed) == readme, "the README's family table is out of date: run tools/family_table.py"
