@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: env train test lint format clean
+.PHONY: env train test lint format clean gpu-check
 
 $(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/pins.py
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ lint: env
 format: env
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# On a machine with one GPU: the stack, the smoke pipeline on cuda, moeflow vs the HF Trainer on a
+# Qwen3-30B-A3B-shaped slice -> results/bench/gpu_acceptance.json (benchmarks/gpu_acceptance.sh)
+gpu-check:
+	STACK=$(STACK) benchmarks/gpu_acceptance.sh
 
 clean:
 	rm -rf results/pinned results/current .snakemake

@@ -3,8 +3,8 @@
     python benchmarks/coverage.py                      # sizes up to 100,000 docs x 48 layers x 128 experts
     python benchmarks/coverage.py --sizes 1000x4x8     # docs x layers x experts, comma separated
 
-Synthetic pool: top-8 routing with skewed expert popularity (Zipf, exponents 2.0 and 2.5, over a random expert order per layer,
-each document boosting the experts of one of 16 topics), log-normal document lengths. A document meets a
+Synthetic pool: top-8 routing with skewed expert popularity (Zipf, exponents 2.0 and 2.5, over a random expert order
+per layer, each document boosting the experts of one of 16 topics), log-normal document lengths. A document meets a
 cell with probability 1 - exp(-tokens * k * popularity). Generation is not timed; each size is selected
 in a fresh process (2 BLAS threads); memory is the statistics (packed bits, token counts) plus the peak of
 what the selection allocates (tracemalloc, in a second identical run). Goal at 100,000 x 48 x 128: at
@@ -152,10 +152,12 @@ def main() -> None:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(result)
         print(
-            f"zipf {zipf} {size}: select {result['selection_seconds']} s, +random comparison {result['selection_plus_random_comparison_seconds']} s, "
+            f"zipf {zipf} {size}: select {result['selection_seconds']} s, "
+            f"+random comparison {result['selection_plus_random_comparison_seconds']} s, "
             f"peak {(result['selection_peak_bytes'] + result['statistics_bytes']) / 2**30:.3f} GiB "
             f"(statistics {result['statistics_bytes'] / 2**30:.3f} GiB), "
-            f"{result['selected_docs']} docs; cells below: valset {result['valset_cells_below']}, random {result['random_cells_below_mean']}",
+            f"{result['selected_docs']} docs; "
+            f"cells below: valset {result['valset_cells_below']}, random {result['random_cells_below_mean']}",
             flush=True,
         )
     out = Path(args.out)

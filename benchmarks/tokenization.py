@@ -163,7 +163,8 @@ def main() -> None:
     for name, m in methods.items():
         print(f"{name:15s} {m['tokens_per_s']:>12,} tokens/s  ({m['tokens']:,} tokens in {m['seconds']:.2f} s)")
     print(
-        f"stage / datasets.map = {ratios['stage_vs_datasets_map']:.2f}x   stage / raw tokenizer = {ratios['stage_vs_raw_tokenizer']:.2f}x"
+        f"stage / datasets.map = {ratios['stage_vs_datasets_map']:.2f}x   "
+        f"stage / raw tokenizer = {ratios['stage_vs_raw_tokenizer']:.2f}x"
     )
     print(f"written to {args.out}")
 

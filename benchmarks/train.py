@@ -357,7 +357,8 @@ def main() -> None:
     parser.add_argument(
         "--lora-only",
         action="store_true",
-        help="run moeflow's full fine-tune and its LoRA fine-tune only; adds them to this stack's entry as lora_vs_full",
+        help="run moeflow's full fine-tune and its LoRA fine-tune only; "
+        "adds them to this stack's entry as lora_vs_full",
     )
     parser.add_argument("--worker", choices=CORE_SETUPS + BALANCE_SETUPS + LORA_SETUPS)
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "train.json"))
@@ -411,8 +412,10 @@ def main() -> None:
             result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
             runs[setup].append(result)
             print(
-                f"round {round_ + 1} {setup}: {result['seconds_per_step']:.2f} s/step, {result['useful_tokens_per_s']:.0f} useful tok/s, "
-                f"{result['peak_rss_mib']:.0f} MiB, load {result['load_average_1min'][0]:.1f}-{result['load_average_1min'][1]:.1f}",
+                f"round {round_ + 1} {setup}: {result['seconds_per_step']:.2f} s/step, "
+                f"{result['useful_tokens_per_s']:.0f} useful tok/s, "
+                f"{result['peak_rss_mib']:.0f} MiB, "
+                f"load {result['load_average_1min'][0]:.1f}-{result['load_average_1min'][1]:.1f}",
                 flush=True,
             )
     for p in peaks:

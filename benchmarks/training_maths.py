@@ -80,7 +80,9 @@ def main() -> None:
     times = {"fp32": [], "bf16": []}
     for _ in range(args.rounds):
         for precision in times:
-            autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")  # noqa: E731
+            autocast = lambda precision=precision: torch.autocast(  # noqa: E731
+                "cpu", dtype=torch.bfloat16, enabled=precision == "bf16"
+            )
             started = time.perf_counter()
             model.zero_grad(set_to_none=True)
             accumulate_gradients(model, batches, mfconfig.settings(mfconfig.BalanceSettings, {}), adapter, autocast)

@@ -145,6 +145,8 @@ def _corpus_text(i: int, rng) -> str:
 @pytest.fixture(scope="module")
 def coverage_inputs(tmp_path_factory):
     """A tokenized corpus (train/heldout/test) and a tiny qwen3_moe saved with its tokenizer."""
+    from tiny_models import tiny_model_cfg
+
     from moeflow.modeling import build_model
     from moeflow.tokenize_stage import tokenize_corpus
     from moeflow.tokenizer import load_fast_tokenizer, train_tokenizer_stage
@@ -172,23 +174,7 @@ def coverage_inputs(tmp_path_factory):
     train_tokenizer_stage(tok, root / "tokenizer")
     tokenize_corpus("code", {"tokenizer": tok, "data": data}, root / "tokenizer", root / "code")
     tokenizer = load_fast_tokenizer(root / "tokenizer")
-    model_cfg = {
-        "attn_implementation": "sdpa",
-        "config": {
-            "model_type": "qwen3_moe",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "moe_intermediate_size": 16,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 16,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": True,
-            "max_position_embeddings": 128,
-        },
-    }
+    model_cfg = tiny_model_cfg(tie_word_embeddings=False)
     model = build_model(model_cfg, vocab_size=len(tokenizer), seed=0)
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")

@@ -156,10 +156,11 @@ def spread_routers(model, seed: int = 0) -> None:
                 bias.copy_((torch.rand(bias.shape, generator=generator, dtype=torch.float64) - 0.5) * 0.8)
 
 
-def tiny_model_cfg(**config):
-    """The model section of a tiny qwen3_moe (sdpa; 2 layers, 4 experts, top-2) that the training tests share."""
+def tiny_model_cfg(attn: str = "sdpa", **config):
+    """The model section of a tiny qwen3_moe (2 layers, 4 experts, top-2) that the training tests share;
+    ``config`` overrides its ``model.config`` keys."""
     cfg = {
-        "attn_implementation": "sdpa",
+        "attn_implementation": attn,
         "config": {
             "model_type": "qwen3_moe",
             "hidden_size": 32,
@@ -181,3 +182,8 @@ def tiny_model_cfg(**config):
     if compat.is_transformers_v5():
         cfg["experts_implementation"] = "eager"  # grouped_mm rejects float64 on CPU
     return cfg
+
+
+def tiny_dense_cfg(attn: str = "sdpa", **config):
+    """``tiny_model_cfg``'s model without experts: every layer a dense MLP."""
+    return tiny_model_cfg(attn, **{"num_experts": 0, "intermediate_size": 32, **config})

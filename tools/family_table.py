@@ -1,4 +1,5 @@
-"""Write docs/families.md (and its summary in the README): every supported MoE family x check, pass or refused with the reason, per stack.
+"""Write docs/families.md (and its summary in the README): every supported MoE family x check, pass or refused
+with the reason, per stack.
 
 Run once with each stack's interpreter; each run rewrites its own stack's column and keeps the other's:
 

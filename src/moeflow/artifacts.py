@@ -18,7 +18,7 @@ import hashlib
 import io
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -390,13 +390,26 @@ def final_metrics_table(evals: Mapping[str, Mapping[str, Any]]) -> Table:
     )
 
 
+def _eval_set(metrics: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    """A run's evaluation record of the set ``name`` (metrics.json's ``sets``), None where it has none."""
+    return next((s for s in metrics["sets"] if s["name"] == name), None)
+
+
+def _expert_sets(
+    evals: Mapping[str, Mapping[str, Any]], set_name: str
+) -> Iterator[tuple[str, Mapping[str, Any], Mapping[str, Any]]]:
+    """(run, its metrics, its record of ``set_name``) for the runs, by name, whose record has expert
+    statistics (MoE runs)."""
+    for run, metrics in sorted(evals.items()):
+        s = _eval_set(metrics, set_name)
+        if s is not None and "experts" in s["base"]:
+            yield run, metrics, s
+
+
 def expert_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valset") -> Table:
     """Per (run, layer, expert): share of routed tokens and mean loss of the tokens served, before and after."""
     rows = []
-    for run, metrics in sorted(evals.items()):
-        s = next((x for x in metrics["sets"] if x["name"] == set_name), None)
-        if s is None or "experts" not in s["base"]:
-            continue
+    for run, metrics, s in _expert_sets(evals, set_name):
         below = {
             (c["layer"], c["expert"]) for c in (metrics.get("coverage_recheck") or {}).get("below_cells_after", [])
         }
@@ -420,7 +433,8 @@ def expert_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valset
     return Table(
         name="experts",
         caption=f"Per expert on the {set_name} set: share of the layer's top-k assignments and mean loss (nats/token) "
-        "of the tokens it served, base vs fine-tuned; 'below' = under the coverage threshold with the fine-tuned router.",
+        "of the tokens it served, base vs fine-tuned; "
+        "'below' = under the coverage threshold with the fine-tuned router.",
         columns=[
             "run",
             "layer",
@@ -439,10 +453,7 @@ def expert_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valset
 def balance_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valset") -> Table:
     """Per (run, layer, model): max/mean load, coefficient of variation, normalised entropy, dead experts."""
     rows = []
-    for run, metrics in sorted(evals.items()):
-        s = next((x for x in metrics["sets"] if x["name"] == set_name), None)
-        if s is None or "experts" not in s["base"]:
-            continue
+    for run, _, s in _expert_sets(evals, set_name):
         for label in ("base", "finetuned"):
             for layer in s[label]["experts"]:
                 bal = layer["balance"]
@@ -510,7 +521,8 @@ class RunRecord:
     speed: Mapping[str, Any]  # evaluate's speed.json
     log: TrainLog  # training's metrics.jsonl
     benchmark: Mapping[str, float | None]  # the training job's Snakemake benchmark
-    # train_model's adapter/trainable_parameters.json (moeflow.lora.save_adapter_output): method, trainable and total parameters
+    # train_model's adapter/trainable_parameters.json (moeflow.lora.save_adapter_output):
+    # method, trainable and total parameters
     training: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -527,7 +539,7 @@ def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     """Per run: parameters, tokens trained, losses, training and evaluation throughput and peak memory."""
     out = []
     for r in records:
-        valset = next((s for s in r.metrics["sets"] if s["name"] == "valset"), None)
+        valset = _eval_set(r.metrics, "valset")
         out.append(
             {
                 "run": r.name,
@@ -752,7 +764,8 @@ def coverage_figure(coverage: Mapping[str, Any]):
     heat.set_xticks(range(docs.shape[1]))
     heat.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     heat.set_title(
-        f"Validation set: documents per (layer, expert)\n({coverage['valset']['docs']} documents, {coverage['valset']['tokens']:,} tokens)",
+        "Validation set: documents per (layer, expert)\n"
+        f"({coverage['valset']['docs']} documents, {coverage['valset']['tokens']:,} tokens)",
         fontsize=10,
     )
     fig.colorbar(image, ax=heat, label="documents routing >= min_tokens tokens there")

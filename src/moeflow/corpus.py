@@ -170,7 +170,10 @@ class BadRecords:
         self.examples: list[str] = []
 
     def __call__(self, kind: str, where: str, problem: str, fix: str) -> None:
-        message = f"{where}: {problem} (corpus '{self.source}'). {fix}, or set data.on_bad_record: skip to skip and count such records"
+        message = (
+            f"{where}: {problem} (corpus '{self.source}'). {fix}, "
+            "or set data.on_bad_record: skip to skip and count such records"
+        )
         if self.policy == "fail":
             raise CorpusError(message)
         self.counts[kind] += 1
@@ -359,7 +362,8 @@ class SourceReader:
                 "missing_field",
                 path,
                 f"no column '{field}' (columns: {', '.join(names)})",
-                f"Set data.sources.{self.name}.{'messages_field' if self.messages_field else 'text_field'} to the right column",
+                f"Set data.sources.{self.name}.{'messages_field' if self.messages_field else 'text_field'}"
+                " to the right column",
             )
             return
         row = 0

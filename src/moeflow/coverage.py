@@ -55,9 +55,7 @@ class Constraints:
     pair_experts: np.ndarray  # (L, P, 2) int64
 
     @classmethod
-    def from_dense(
-        cls, meets: np.ndarray, num_layers: int, num_experts: int, pair_experts: np.ndarray
-    ) -> Constraints:
+    def from_dense(cls, meets: np.ndarray, num_layers: int, num_experts: int, pair_experts: np.ndarray) -> Constraints:
         """From (D, C) booleans (tests and small pools)."""
         meets = np.asarray(meets, dtype=bool)
         return cls(
@@ -343,7 +341,8 @@ def infeasible_message(unmet: Sequence[Mapping[str, Any]], min_docs: int, min_to
     if "pool" in reasons:
         remedy.insert(
             0,
-            "add held-out documents to 'coverage.pool_corpora' or lower 'coverage.min_docs_per_expert'/'coverage.min_tokens'",
+            "add held-out documents to 'coverage.pool_corpora' "
+            "or lower 'coverage.min_docs_per_expert'/'coverage.min_tokens'",
         )
     return (
         f"expert coverage cannot be met: {len(unmet)} constraint(s) have fewer than {min_docs} documents with "

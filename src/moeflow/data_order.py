@@ -42,7 +42,8 @@ class DataOrder:
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
             raise DataOrderError(
-                f"checkpoint data position is for {state['num_rows']} rows/seed {state['seed']}, not {self.num_rows}/{self.seed}"
+                f"checkpoint data position is for {state['num_rows']} rows/seed {state['seed']}, "
+                f"not {self.num_rows}/{self.seed}"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._perm = self._permutation(self.epoch)

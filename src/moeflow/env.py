@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .pins import pinned_versions
+from .pins import cuda_pinned_versions, pinned_versions
 
 log = logging.getLogger("moeflow.env")
 
@@ -97,6 +97,24 @@ def pin_differences(env_file: str | os.PathLike) -> list[dict[str, Any]]:
         if installed is None or not version_matches(installed, pinned):
             differences.append({"package": name, "pinned": pinned, "installed": installed})
     return differences
+
+
+def optional_cuda_pins(env_file: str | os.PathLike) -> list[dict[str, Any]]:
+    """The env file's CUDA-only pins (``cuda_pip:``; flash-attn), sorted by name, each ``{"package", "pinned",
+    "installed", "matches"}``: never a difference when missing (a CPU machine does not build them); one
+    installed at another version is one (:func:`pin_differences`)."""
+    out = []
+    for name, pinned in sorted(cuda_pinned_versions(env_file).items()):
+        installed = installed_version(name)
+        out.append(
+            {
+                "package": name,
+                "pinned": pinned,
+                "installed": installed,
+                "matches": installed is not None and version_matches(installed, pinned),
+            }
+        )
+    return out
 
 
 def describe_difference(diff: Mapping[str, Any]) -> str:
@@ -325,7 +343,12 @@ def collect(
     must not change the report's bytes.
     """
     torch = torch_facts()
-    differences = pin_differences(env_file)
+    cuda_pins = optional_cuda_pins(env_file)
+    differences = pin_differences(env_file) + [
+        {k: pin[k] for k in ("package", "pinned", "installed")}
+        for pin in cuda_pins
+        if pin["installed"] is not None and not pin["matches"]
+    ]
     return {
         "stack": stack,
         "system": system_facts(),
@@ -338,6 +361,7 @@ def collect(
             "pinned_packages": len(pinned_versions(env_file)),
             "differences": differences,
             "matches": not differences,
+            "optional_cuda": cuda_pins,
         },
         "trust_remote_code": {run: bool(v) for run, v in sorted((trust_remote_code or {}).items())},
     }
@@ -394,7 +418,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"| Python | {system['python']} ({system['python_implementation']}) |",
         f"| OS | {system['os_release'] or system['os']}, kernel {system['kernel']}, {system['machine']} |",
         f"| CPU | {system['cpu_model']}, {system['cpu_count']} logical CPUs ({system['cpus_usable']} usable) |",
-        f"| RAM | {system['ram_total_bytes'] / 2**30:.2f} GiB total, {system['ram_usable_bytes'] / 2**30:.2f} GiB usable |",
+        f"| RAM | {system['ram_total_bytes'] / 2**30:.2f} GiB total, "
+        f"{system['ram_usable_bytes'] / 2**30:.2f} GiB usable |",
         f"| torch | {torch['version']} |",
         f"| CUDA runtime | {torch['cuda_runtime'] or 'none (CPU build)'} |",
         f"| cuDNN | {torch['cudnn'] or 'none'} |",
@@ -432,6 +457,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     else:
         lines += [f"{len(pins['differences'])} difference(s) (with env.strict: true the stage fails instead):", ""]
         lines += [f"- {describe_difference(d)}" for d in pins["differences"]]
+    for pin in pins["optional_cuda"]:
+        state = "not installed" if pin["installed"] is None else f"installed {pin['installed']}"
+        lines.append(
+            f"- optional CUDA pin {pin['package']}=={pin['pinned']}: {state} (CUDA nodes only: "
+            f"pip install --no-build-isolation $(python tools/pip_pins.py --cuda {pins['env_file']}))"
+        )
     lines += ["", "## trust_remote_code per run", ""]
     lines += [f"- `{run}`: {_yes_no(flag)}" for run, flag in report["trust_remote_code"].items()] or [
         "- off for every run"

@@ -1,14 +1,16 @@
 """The batch evaluation loop: a model over collated batches, without grad, summing the token-normalised
 loss and, for an MoE model, each expert's routed tokens and the loss of the tokens it served.
 
-The Trainer's periodic evaluation and the evaluation stage (``moeflow.evaluate``) both run it.
+The Trainer's periodic evaluation and the evaluation stage (``moeflow.evaluate``) both run it. With
+several ranks each takes its share of the batches (:func:`batches` with ``rank``/``world``) and the
+ranks' sums are added up (:func:`sum_stats`): the whole set's, on every rank.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,8 @@ from .collate import collate, model_inputs
 from .losses import count_label_tokens, cross_entropy_sum, next_token_targets, token_mask
 from .routing import capture
 from .shards import IGNORE_INDEX
+
+FILLER = "filler"  # key of a batch a rank runs only to keep step with the others (see batches): not counted
 
 
 @dataclass
@@ -102,6 +106,9 @@ def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, 
     with torch.no_grad(), autocast:
         for batch in batches:
             inputs = model_inputs(model, batch)
+            if FILLER in batch:
+                model(**inputs, use_cache=False)
+                continue
             labels = batch["labels"].to(device)
             if adapter is not None:
                 with capture(model, adapter) as routing:
@@ -122,10 +129,42 @@ def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, 
     return stats
 
 
-def batches(dataset, batch_size: int, attn_implementation: str, max_sequences: int | None = None) -> Iterator[dict]:
+def batches(
+    dataset,
+    batch_size: int,
+    attn_implementation: str,
+    max_sequences: int | None = None,
+    rank: int = 0,
+    world: int = 1,
+) -> Iterator[dict]:
     """Collated batches (``moeflow.collate.collate``) of ``batch_size`` packed rows, in order, from a
-    data-stage split (a ``datasets.Dataset`` or a list of rows), with ``doc_ids`` (-1 on padding)."""
+    data-stage split (a ``datasets.Dataset`` or a list of rows), with ``doc_ids`` (-1 on padding).
+
+    With ``world`` ranks, rank ``rank`` takes batches rank, rank + world, ... of that sequence. Every rank
+    yields as many batches: a sharded model's forward is a collective (FSDP gathers each layer, expert
+    parallelism exchanges tokens), so a rank past its last batch runs the first batch again, marked
+    :data:`FILLER` (not counted by :func:`evaluate_batches`)."""
     n = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
-    for start in range(0, n, batch_size):
-        rows = [dataset[i] for i in range(start, min(start + batch_size, n))]
-        yield collate(rows)
+    starts = range(0, n, batch_size)
+    per_rank = math.ceil(len(starts) / world)
+    for k in range(rank, per_rank * world, world):
+        if k < len(starts):
+            yield collate([dataset[i] for i in range(starts[k], min(starts[k] + batch_size, n))])
+        else:
+            yield {**collate([dataset[i] for i in range(min(batch_size, n))]), FILLER: True}
+
+
+def sum_stats(parts: Sequence[SetStats]) -> SetStats:
+    """The sums of several ranks' :class:`SetStats` over one set (in the order given, so the same digits on
+    every rank); ``seconds``: the slowest rank's."""
+    total = SetStats(seconds=max(p.seconds for p in parts))
+    for part in parts:
+        total.loss_sum += part.loss_sum
+        total.label_tokens += part.label_tokens
+        total.sequences += part.sequences
+        total.input_tokens += part.input_tokens
+        if part.routed is not None:
+            total.add_routing(
+                part.moe_layers, part.routed.copy(), part.served_loss_sum.copy(), part.served_label_tokens.copy()
+            )
+    return total

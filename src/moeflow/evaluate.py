@@ -143,8 +143,10 @@ def summary_markdown(metrics: Mapping[str, Any]) -> str:
     ]
     for s in metrics["sets"]:
         lines.append(
-            f"| {s['name']} | {'yes' if s['targeted'] else 'no'} | {_fmt(s['base']['loss'])} | {_fmt(s['finetuned']['loss'])} "
-            f"| {_fmt(s['change'].get('loss'), 4)} | {_fmt(s['base']['perplexity'], 2)} | {_fmt(s['finetuned']['perplexity'], 2)} |"
+            f"| {s['name']} | {'yes' if s['targeted'] else 'no'} | {_fmt(s['base']['loss'])} "
+            f"| {_fmt(s['finetuned']['loss'])} "
+            f"| {_fmt(s['change'].get('loss'), 4)} "
+            f"| {_fmt(s['base']['perplexity'], 2)} | {_fmt(s['finetuned']['perplexity'], 2)} |"
         )
     forgotten = [s["name"] for s in metrics["sets"] if s["forgetting"]]
     lines += ["", f"Forgetting (loss rose on a set the fine-tune did not target): {', '.join(forgotten) or 'none'}."]
@@ -155,8 +157,10 @@ def summary_markdown(metrics: Mapping[str, Any]) -> str:
         for b, f in zip(experts_set["base"]["experts"], experts_set["finetuned"]["experts"]):
             bb, fb = b["balance"], f["balance"]
             lines.append(
-                f"| {b['layer']} | {_fmt(bb['max_over_mean'], 2)} -> {_fmt(fb['max_over_mean'], 2)} | {_fmt(bb['cv'], 2)} -> {_fmt(fb['cv'], 2)} "
-                f"| {_fmt(bb['load_entropy'], 3)} -> {_fmt(fb['load_entropy'], 3)} | {len(bb['dead_experts'])} -> {len(fb['dead_experts'])} |"
+                f"| {b['layer']} | {_fmt(bb['max_over_mean'], 2)} -> {_fmt(fb['max_over_mean'], 2)} "
+                f"| {_fmt(bb['cv'], 2)} -> {_fmt(fb['cv'], 2)} "
+                f"| {_fmt(bb['load_entropy'], 3)} -> {_fmt(fb['load_entropy'], 3)} "
+                f"| {len(bb['dead_experts'])} -> {len(fb['dead_experts'])} |"
             )
     recheck = metrics.get("coverage_recheck")
     if recheck:
@@ -164,7 +168,8 @@ def summary_markdown(metrics: Mapping[str, Any]) -> str:
         cells = ", ".join(f"layer {c['layer']} expert {c['expert']}" for c in newly) or "none"
         lines += [
             "",
-            f"Coverage of the validation set with the fine-tuned router: {recheck['below_after']} (layer, expert) cells "
+            "Coverage of the validation set with the fine-tuned router: "
+            f"{recheck['below_after']} (layer, expert) cells "
             f"below the threshold (base router: {recheck['below_before']}); newly below: {cells}.",
         ]
     return "\n".join(lines) + "\n"

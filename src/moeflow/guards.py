@@ -3,6 +3,10 @@
 * ``RoutingGuard``: per MoE layer, each step, the load's max/mean ratio, coefficient of variation,
   normalised load entropy, router entropy and dead experts over a sliding window of steps. A layer
   whose window breaks a threshold raises an alarm; ``report()`` is the warmup stage's stability gate.
+  With ``reference: base`` the thresholds are relative to the base model's own routing (``base_reference``:
+  its load on the rows of the warmup's gate window, routed before any update, so an unchanged router
+  compares equal and any difference is the update's, not sampling noise nor a pretrained model's hot
+  experts); until the guard has that reference it judges nothing. ``reference: absolute``: fixed thresholds.
   A loss that falls fast while router entropy collapses early in training gets a warning.
 * ``MemoryGuard``: the least-squares slope of memory (RSS on CPU, each step's peak allocated memory on CUDA) over a
   window of steps after a settling period; a slope above the threshold warns, and one that stays
@@ -19,7 +23,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .config import MemoryThresholds, RoutingThresholds
+from .config import MemoryThresholds, RoutingThresholds, TrainSettings
+from .data_order import DataOrder
+from .distributed import unwrap
+from .pool_stats import expert_load
+from .routing import adapter_or_none
 
 log = logging.getLogger("moeflow.guards")
 
@@ -85,6 +93,7 @@ class RoutingGuard:
     def __init__(self, thresholds: RoutingThresholds):
         self.t = thresholds
         self.window: deque[list[list[int]]] = deque(maxlen=max(1, thresholds.window_steps))
+        self.reference: list[list[int]] | None = None  # the base model's load per layer (reference: base)
         self.first: dict[str, float] | None = None
         self.alarmed: set[int] = set()
         self.early_warned = False
@@ -125,19 +134,51 @@ class RoutingGuard:
             for layer in range(layers)
         ]
 
+    def set_reference(self, load: Sequence[Sequence[int]] | None) -> None:
+        """The base model's load per MoE layer (``base_reference``), judged against with ``reference: base``."""
+        self.reference = None if load is None else [list(map(int, row)) for row in load]
+
+    def _absolute_reasons(self, h: Mapping[str, Any]) -> list[str]:
+        reasons = []
+        if h["max_over_mean"] > self.t.max_load_ratio:
+            reasons.append(f"busiest expert gets {h['max_over_mean']:.2f}x the mean load (max {self.t.max_load_ratio})")
+        if h["load_entropy"] < self.t.min_load_entropy:
+            reasons.append(f"normalised load entropy {h['load_entropy']:.3f} (min {self.t.min_load_entropy})")
+        if len(h["dead_experts"]) > self.t.max_dead_experts:
+            reasons.append(f"dead experts {h['dead_experts']} (at most {self.t.max_dead_experts} allowed)")
+        return reasons
+
+    def _relative_reasons(self, h: Mapping[str, Any], base: Mapping[str, Any]) -> list[str]:
+        reasons = []
+        limit = self.t.max_load_ratio_growth * base["max_over_mean"]
+        if h["max_over_mean"] > limit:
+            reasons.append(
+                f"busiest expert gets {h['max_over_mean']:.2f}x the mean load, "
+                f"the base model's {base['max_over_mean']:.2f}x grown past {self.t.max_load_ratio_growth}x"
+            )
+        drop = base["load_entropy"] - h["load_entropy"]
+        if drop > self.t.max_load_entropy_drop:
+            reasons.append(
+                f"normalised load entropy {h['load_entropy']:.3f} fell {drop:.3f} below the base model's "
+                f"{base['load_entropy']:.3f} (at most {self.t.max_load_entropy_drop})"
+            )
+        died = sorted(set(h["dead_experts"]) - set(base["dead_experts"]))
+        if len(died) > self.t.max_dead_experts:
+            reasons.append(
+                f"dead experts {died} that the base model routed tokens to (at most {self.t.max_dead_experts} allowed)"
+            )
+        return reasons
+
     def problems(self) -> list[dict[str, Any]]:
+        if self.t.reference == "base" and self.reference is None:
+            return []
         out = []
         for layer, load in enumerate(self.window_load()):
             h = layer_health(load)
-            reasons = []
-            if h["max_over_mean"] > self.t.max_load_ratio:
-                reasons.append(
-                    f"busiest expert gets {h['max_over_mean']:.2f}x the mean load (max {self.t.max_load_ratio})"
-                )
-            if h["load_entropy"] < self.t.min_load_entropy:
-                reasons.append(f"normalised load entropy {h['load_entropy']:.3f} (min {self.t.min_load_entropy})")
-            if len(h["dead_experts"]) > self.t.max_dead_experts:
-                reasons.append(f"dead experts {h['dead_experts']} (at most {self.t.max_dead_experts} allowed)")
+            if self.t.reference == "base":
+                reasons = self._relative_reasons(h, layer_health(self.reference[layer]))
+            else:
+                reasons = self._absolute_reasons(h)
             if reasons:
                 out.append(
                     {
@@ -156,6 +197,7 @@ class RoutingGuard:
             "window_steps": len(self.window),
             "thresholds": asdict(self.t),
             "layers": [layer_health(load) for load in self.window_load()],
+            "base_layers": None if self.reference is None else [layer_health(load) for load in self.reference],
             "problems": [p["message"] for p in problems],
             "stable": not problems,
         }
@@ -163,6 +205,7 @@ class RoutingGuard:
     def state_dict(self) -> dict[str, Any]:
         return {
             "window": list(self.window),
+            "reference": self.reference,
             "first": self.first,
             "alarmed": sorted(self.alarmed),
             "early_warned": self.early_warned,
@@ -171,9 +214,42 @@ class RoutingGuard:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.window.clear()
         self.window.extend(state.get("window", []))
+        self.set_reference(state.get("reference"))
         self.first = state.get("first")
         self.alarmed = set(state.get("alarmed", []))
         self.early_warned = bool(state.get("early_warned", False))
+
+
+def gate_window_rows(num_rows: int, seed: int, settings: TrainSettings, world_size: int) -> list[int]:
+    """The rows (all ranks') that the last ``window_steps`` of ``settings.steps`` steps train on, in the
+    Trainer's data order (``moeflow.data_order``, ``rows_per_step`` per rank and step)."""
+    per_step = settings.rows_per_step * world_size
+    window = min(settings.routing_guard.window_steps, settings.steps)
+    order = DataOrder(num_rows, seed)
+    order.take(per_step * (settings.steps - window))
+    return order.take(per_step * window)
+
+
+def base_reference(
+    model: Any,
+    rows: Sequence[Mapping[str, Any]],
+    settings: TrainSettings,
+    seed: int,
+    world_size: int,
+    attn_implementation: str,
+    precision: str,
+) -> list[list[int]] | None:
+    """The base model's load per MoE layer on the rows of the gate's window, routed before any update
+    (no grad, eval mode; every rank routes them all, so every rank holds the same reference): the
+    ``reference: base`` of ``RoutingGuard``. None for a model without MoE layers."""
+    adapter = adapter_or_none(unwrap(model))
+    if adapter is None:
+        return None
+    window = [rows[i] for i in gate_window_rows(len(rows), seed, settings, world_size)]
+    batch_tokens = settings.micro_batch_size * len(window[0]["input_ids"])
+    load = expert_load(model, window, batch_tokens, attn_implementation, precision, adapter)
+    model.train()
+    return load
 
 
 # --------------------------------------------------------------------------- memory

@@ -20,7 +20,16 @@ def compute_device(hardware_device: str) -> torch.device:
             "(torch.cuda.is_available() is False; check CUDA_VISIBLE_DEVICES and the node's GPUs), "
             "or set hardware.device: cpu"
         )
+    if hardware_device == "cuda":
+        enable_tf32()
     return torch.device(hardware_device)
+
+
+def enable_tf32() -> None:
+    """fp32 matmuls and convolutions on TF32 tensor cores (~989 vs ~67 TFLOP/s on an H100; 10-bit mantissa
+    products, fp32 accumulation): every CUDA stage gets its device from :func:`compute_device`."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def compute_dtype(precision: str) -> torch.dtype:

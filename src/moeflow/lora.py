@@ -155,14 +155,16 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
                     parameters[f"{name}.{param_name}"] = "routed_experts"
     if fused and "routed_experts" in wanted and not compat.is_transformers_v5():
         raise compat.UnsupportedOnStack(
-            f"config key 'train.lora.targets': {getattr(_base(model).config, 'model_type', '?')} keeps its routed experts as "
+            f"config key 'train.lora.targets': {getattr(_base(model).config, 'model_type', '?')} "
+            "keeps its routed experts as "
             f"fused 3D parameters ({fused[0]}) in an (experts, in, out) layout on transformers "
             f"{compat.version_of('transformers')}, which peft's target_parameters cannot read; LoRA on these experts "
             "needs transformers 5 (the 'current' stack). Leave routed_experts out of train.lora.targets here"
         )
     if parameters and settings.dropout:
         raise LoraConfigError(
-            f"config key 'train.lora.dropout': {settings.dropout}, but {sorted(set(parameters.values()))} are adapted through "
+            f"config key 'train.lora.dropout': {settings.dropout}, "
+            f"but {sorted(set(parameters.values()))} are adapted through "
             f"peft's target_parameters ({next(iter(parameters))}: a fused parameter, not an nn.Linear), which cannot "
             "apply dropout. Set train.lora.dropout: 0, or leave those out of train.lora.targets"
         )
@@ -175,7 +177,8 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
     if missing or not found:
         raise LoraConfigError(
             f"config key 'train.lora.{'router' if missing == ['router'] else 'targets'}': model_type "
-            f"{getattr(_base(model).config, 'model_type', '?')} has no {', '.join(missing) or 'adaptable weights in ' + ', '.join(settings.categories)}; "
+            f"{getattr(_base(model).config, 'model_type', '?')} has no "
+            f"{', '.join(missing) or 'adaptable weights in ' + ', '.join(settings.categories)}; "
             f"it has {', '.join(sorted(found | ({'router'} if routers else set()))) or 'none of them'}"
         )
     return Targets(modules=modules, parameters=parameters)
@@ -245,7 +248,8 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
     got_modules, got_params = set(tuner.targeted_module_names), set(getattr(tuner, "targeted_parameter_names", []))
     if got_modules != set(targets.modules) or got_params != set(targets.parameters):
         raise RuntimeError(  # the generalised pattern matched something else: a bug here, not a user error
-            f"peft adapted {sorted(got_modules ^ set(targets.modules))[:5]} / {sorted(got_params ^ set(targets.parameters))[:5]} "
+            f"peft adapted {sorted(got_modules ^ set(targets.modules))[:5]} "
+            f"/ {sorted(got_params ^ set(targets.parameters))[:5]} "
             "differently from moeflow.lora.find_targets"
         )
     if settings.router == "trainable":
@@ -312,7 +316,8 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
         model = apply_lora(model, saved, gradient_checkpointing)
     elif lora_settings(model) != saved:
         raise LoraConfigError(
-            f"the adapter in {folder} was trained with train.lora {saved.as_dict()}, the model has {lora_settings(model).as_dict()}"
+            f"the adapter in {folder} was trained with train.lora {saved.as_dict()}, "
+            f"the model has {lora_settings(model).as_dict()}"
         )
     with _native_layout():
         result = set_peft_model_state_dict(
@@ -321,7 +326,8 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         raise LoraConfigError(
-            f"the adapter in {folder} does not fit this model: missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}"
+            f"the adapter in {folder} does not fit this model: missing {missing[:3]}, "
+            f"unexpected {list(result.unexpected_keys)[:3]}"
         )
     if saved.router == "trainable":
         state = load_file(str(folder / ROUTER_FILE))
@@ -405,8 +411,8 @@ def describe(model: Any) -> str:
     r = trainable_parameter_report(model)
     parts = [f"{k} {v['trainable']:,}" for k, v in r["by_category"].items() if v["trainable"]]
     return (
-        f"{r['method']}: {r['trainable']:,} of {r['total']:,} parameters trainable ({100 * r['trainable_fraction']:.2f}%): "
-        + ", ".join(parts)
+        f"{r['method']}: {r['trainable']:,} of {r['total']:,} parameters trainable "
+        f"({100 * r['trainable_fraction']:.2f}%): " + ", ".join(parts)
     )
 
 

@@ -82,7 +82,8 @@ def check_model_folder(path: str | os.PathLike) -> Path:
         )
         raise ModelError(
             f"model folder {path} has no safetensors weights: {found}moeflow refuses to load because unpickling can "
-            "run code. Convert the model to safetensors (save_pretrained(..., safe_serialization=True)) from a source you trust"
+            "run code. Convert the model to safetensors (save_pretrained(..., safe_serialization=True)) "
+            "from a source you trust"
         )
     return path
 
@@ -91,7 +92,8 @@ def _remote_code_error(path: Path, exc: Exception) -> ModelError | None:
     if "trust_remote_code" not in str(exc):
         return None
     return ModelError(
-        f"model folder {path} needs custom code from the folder (config.json auto_map) and model.trust_remote_code is off: "
+        f"model folder {path} needs custom code from the folder (config.json auto_map) "
+        "and model.trust_remote_code is off: "
         "moeflow does not run a model's own Python unless the config says so for that model. If you trust it, set "
         "model.trust_remote_code: true next to model.pretrained (the verification report records it)"
     )
@@ -127,7 +129,8 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     path = Path(path)
     if not path.is_dir():
         raise ModelError(
-            f"tokenizer folder {path} does not exist: it is the model folder ('model.pretrained') or one the pipeline trained"
+            f"tokenizer folder {path} does not exist: "
+            "it is the model folder ('model.pretrained') or one the pipeline trained"
         )
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)

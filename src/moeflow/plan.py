@@ -10,18 +10,31 @@ Parameters
     experts, plus ``top_k / num_experts`` of them; embeddings and the LM head count as active (the usual
     convention: Step-3.5-Flash's "11B active" includes them).
 
-Memory per device (bytes), for a job of ``micro_batch_size`` sequences of ``seq_len`` tokens
+Memory per device (bytes), for a job of ``micro_batch_size`` sequences of ``seq_len`` tokens; the terms
+are summed, a conservative peak (the logits of the loss and the gathered layers of the backward pass
+are not all live at the same instant):
     * weights: parameters x 2 (bf16) or 4 (fp32);
     * gradients: trainable parameters x the same width;
     * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16;
       either way 16 bytes per trainable parameter, the same total as moeflow.train's bf16 autocast
-      (fp32 weights 4 + fp32 gradients 4 + moments 8);
-    * with ``num_devices > 1`` these three are sharded over the devices (FSDP full sharding), and each
-      device also holds the largest layer unsharded while it runs (its weights and its gradient, in
-      the weights' width); with expert parallelism (``Job.expert_parallel``) the routed experts stay
-      with their devices and only the rest of that layer is gathered;
+      (fp32 weights 4 + fp32 gradients 4 + moments 8) and as FSDP mixed precision (fp32 sharded master
+      weights 4 + fp32 sharded gradients 4 + moments 8);
+    * with ``num_devices > 1`` these three are sharded over the devices (FSDP full sharding, bf16 as FSDP
+      mixed precision: bf16 parameters gathered and computed with, fp32 masters, fp32 gradient reduction),
+      and each device also holds, in the gathered width (2 for bf16, 4 for fp32):
+        - unsharded_layer: the largest decoder layer (one FSDP unit) while it runs, its weights and its
+          unsharded gradient; with expert parallelism (``Job.expert_parallel``) the routed experts stay
+          with their devices and only the rest of that layer is gathered;
+        - prefetched_layer: the next unit's weights, all-gathered while this one runs;
+        - layer_gradient_reduce: the unit's gradient copied into the fp32 reduce-scatter buffer;
+        - root_unit: the root unit (embedding, LM head, final norm), gathered for the whole step (the
+          root is not resharded after the forward pass), and its gradient, held until the end of backward;
+    * residual_stream: the layer inputs kept for the backward pass, ``T x layers x H`` with gradient
+      checkpointing (``2 x`` without: the input and the residual after attention), with ``T =
+      micro_batch_size x seq_len`` tokens, in fp32 where the weights are fp32 (fp32, and bf16 autocast on
+      one device), in bf16 under FSDP mixed precision;
     * activations, per device (each device runs its own micro-batch), in the compute width ``a`` (2 for
-      bf16, 4 for fp32), with ``T = micro_batch_size x seq_len`` tokens:
+      bf16, 4 for fp32):
         - per layer and token, the tensors kept for the backward pass: attention ``2H + (q + 2kv) d +
           q d + q`` (layer input, norm output, q/k/v, attention output, softmax statistics; plus the
           head gates where the model has them), plus ``q x seq_len`` attention probabilities with eager
@@ -29,10 +42,22 @@ Memory per device (bytes), for a job of ``micro_batch_size`` sequences of ``seq_
           ``2E + k (2H + 3 I_e) + 3 I_s + H`` (router scores, each token's copy into and out of its
           k experts with their gate/up/activation, the shared expert); MLA (deepseek_v3) uses its
           latent and per-head widths for q/k/v;
-        - without checkpointing: ``T x a x sum over layers``; with gradient checkpointing: ``T x a x
-          (layers x H + the largest layer)`` (layer inputs kept, one layer recomputed at a time);
-        - logits: ``T x vocab x (a + 8)`` (the logits, their fp32 copy for the loss and its gradient);
-    * a fixed runtime overhead (CUDA context, or the interpreter and libraries on CPU).
+        - without checkpointing: ``T x a x sum over layers``; with gradient checkpointing: ``T x a x the
+          largest layer`` (one layer recomputed at a time); less the layer inputs the residual stream
+          counts, plus the final norm;
+    * logits: ``T x vocab x (12 + 2 with bf16)`` (the fp32 logits, their log-softmax, its gradient; and
+      the model's bf16 logits before their fp32 copy);
+    * runtime: a fixed overhead (the CUDA context with NCCL's and cuBLAS's buffers, or the interpreter and
+      libraries on CPU).
+
+The device's memory is ``hardware.memory_gib_per_device``, on CUDA as torch sees a card of that nominal
+size (``VISIBLE_GIB``: 79.11 GiB of an 80 GB H100), or what verify_env measured (torch's total).
+
+Host memory, load phase (``plan()["host"]``): moeflow.modeling.load_model loads the whole model in fp32
+on every rank before FSDP moves it to the GPUs (under expert parallelism transformers 5 loads each
+rank's share), so a node holds ``ranks_per_node x (4 x parameters + runtime per rank)``. It is compared
+with the training job's ``mem_mb`` when the caller knows it, else with this machine's RAM. The plan's
+settings name no parallel layout: ``ranks_per_node`` is all ``hardware.num_devices`` (one node).
 
 The job *fits* when the total is at most ``1 - HEADROOM`` of the device memory, is *tight* up to the
 full memory (a warning), and *does not fit* above it: :func:`enforce` then raises with the numbers and
@@ -64,6 +89,7 @@ from typing import Any
 
 from .config import MODEL_SCHEMA, LoraSettings, with_defaults
 from .config import settings as config_settings
+from .env import device_memory_bytes
 from .parameters import counted_category, layer_index
 
 log = logging.getLogger("moeflow.plan")
@@ -73,8 +99,16 @@ HEADROOM = 0.10
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
 ADAM_MOMENT_BYTES = 8  # two fp32 moments
 MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the weights are bf16
-RUNTIME_OVERHEAD_BYTES = {"cuda": 1 * GIB, "cpu": GIB // 2}
-LOGITS_EXTRA_BYTES = 8  # fp32 copy of the logits for the loss, and its fp32 gradient
+RUNTIME_OVERHEAD_BYTES = {"cuda": 1 * GIB, "cpu": GIB // 2}  # the CUDA context (with NCCL's and cuBLAS's buffers)
+FP32_BYTES = 4  # FSDP's gradient reduce-scatter (reduce_dtype fp32), and the residual stream with fp32 weights
+LOSS_BYTES_PER_LOGIT = 12  # the fp32 logits, their log-softmax (kept for the backward pass) and its gradient
+# What torch.cuda reports as a card's total memory, by the nominal size configs and profiles name
+# (hardware.memory_gib_per_device): "GPU 0 has a total capacity of 79.11 GiB" on an H100 80GB.
+VISIBLE_GIB = {80: 79.11, 24: 23.68}  # H100 / A100 80GB; RTX 4090
+# Host memory of the load phase: moeflow.modeling.load_model loads the whole model in fp32 on every rank
+# before moeflow.distributed.shard_model moves it to its GPU, so a node holds ranks x the fp32 model.
+LOAD_BYTES = 4
+HOST_RUNTIME_BYTES = {"cuda": 3 * GIB, "cpu": 1 * GIB}  # per rank: interpreter, torch, CUDA's host libraries
 
 
 class PlanError(ValueError):
@@ -633,6 +667,7 @@ class Job:
     num_devices: int
     expert_parallel: bool  # experts split over the devices (transformers 5's DistributedConfig)
     lora: LoraSettings  # train.lora: used when method is lora (and for the LoRA suggestion)
+    ranks_per_node: int  # the ranks that load the model on one host (the host plan)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> Job:
@@ -652,7 +687,21 @@ class Job:
             expert_parallel=False,
             # a full run's settings carry no train.lora: the LoRA suggestion uses the defaults
             lora=config_settings(LoraSettings, train["lora"] or {}),
+            # the settings name no parallel layout: one node of all the devices (moeflow.scaleout sets its own)
+            ranks_per_node=int(hardware["num_devices"]),
         )
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP over the devices: one decoder layer (and the root unit) gathered at a time."""
+        return self.num_devices > 1
+
+    @property
+    def mixed_precision(self) -> bool:
+        """FSDP mixed precision (moeflow.distributed with precision bf16): bf16 parameters gathered and
+        computed with, fp32 sharded master weights and an fp32 gradient reduce-scatter. On one device bf16
+        is autocast over fp32 weights."""
+        return self.sharded and self.precision == "bf16"
 
 
 def layer_activation_elements(s: Shape, seq_len: int, eager: bool, moe: bool, lora: LoraSettings | None = None) -> int:
@@ -675,20 +724,47 @@ def layer_activation_elements(s: Shape, seq_len: int, eager: bool, moe: bool, lo
     return attention + ffn_in + ffn + (lora_activation_elements(s, lora, moe) if lora else 0)
 
 
+def kept_layer_inputs(s: Shape, job: Job) -> int:
+    """Residual-stream tensors kept per token for the backward pass: each layer's input with gradient
+    checkpointing (what the recomputation starts from), its input and its residual after attention without."""
+    return s.num_layers * s.hidden_size * (1 if job.gradient_checkpointing else 2)
+
+
+def residual_stream_bytes(s: Shape, job: Job) -> int:
+    """The kept residual stream, in fp32 where the weights are fp32 (fp32, or bf16 autocast on one device:
+    the embedding's output and the residual additions stay fp32), in bf16 under FSDP mixed precision."""
+    width = WEIGHT_BYTES[job.precision] if job.mixed_precision else FP32_BYTES
+    return job.micro_batch_size * job.seq_len * kept_layer_inputs(s, job) * width
+
+
 def activation_bytes(s: Shape, job: Job) -> int:
+    """The decoder layers' other kept tensors, in the compute width (the residual stream and the logits
+    are their own terms)."""
     tokens = job.micro_batch_size * job.seq_len
     width = WEIGHT_BYTES[job.precision]
     eager = job.attn_implementation == "eager"
     lora = job.lora if job.method == "lora" else None
     moe_layer = layer_activation_elements(s, job.seq_len, eager, True, lora) if s.moe_layers else 0
     dense_layer = layer_activation_elements(s, job.seq_len, eager, False, lora) if s.dense_layers else 0
-    if job.gradient_checkpointing:
-        per_token = s.num_layers * s.hidden_size + max(moe_layer, dense_layer)
+    if job.gradient_checkpointing:  # one layer recomputed at a time, from its kept input
+        per_token = max(moe_layer, dense_layer) - s.hidden_size
     else:
-        per_token = len(s.moe_layers) * moe_layer + len(s.dense_layers) * dense_layer
+        per_token = len(s.moe_layers) * moe_layer + len(s.dense_layers) * dense_layer - kept_layer_inputs(s, job)
     per_token += 2 * s.hidden_size  # final norm
-    logits = tokens * s.vocab_size * (width + LOGITS_EXTRA_BYTES)
-    return tokens * per_token * width + logits
+    return tokens * per_token * width
+
+
+def logits_bytes(s: Shape, job: Job) -> int:
+    """The loss's logits: ``LOSS_BYTES_PER_LOGIT`` per token and vocabulary entry, plus the model's bf16
+    logits before their fp32 copy (moeflow.losses.cross_entropy_sum)."""
+    width = WEIGHT_BYTES[job.precision]
+    per_logit = LOSS_BYTES_PER_LOGIT + (width if width < FP32_BYTES else 0)
+    return job.micro_batch_size * job.seq_len * s.vocab_size * per_logit
+
+
+def root_unit_parameters(s: Shape, params: ParamCount) -> int:
+    """The FSDP root unit: what no decoder layer holds (the embedding, the LM head, the final norm)."""
+    return params.embeddings + s.hidden_size
 
 
 def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
@@ -698,19 +774,40 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     # FSDP gathers one layer at a time (and holds its full gradient until the reduce-scatter); under
     # expert parallelism each device keeps its own experts whole, so only the rest of a layer is gathered.
     unit = params.largest_layer_without_routed if job.expert_parallel else params.largest_layer
+    root = root_unit_parameters(s, params)
     if job.method == "lora":  # frozen base: weights only; adapters (and a trainable router) get everything
         adapters = lora_count(s, job.lora)
         added, trainable = adapters.added, adapters.trainable
         unit_added, unit_trainable = adapters.largest_layer(job.expert_parallel)
+        root_trainable = 0  # no adapters on the embedding or the LM head
     else:
-        added, trainable, unit_added, unit_trainable = 0, params.total, 0, unit
+        added, trainable, unit_added, unit_trainable, root_trainable = 0, params.total, 0, unit, root
+    gathered = unit + unit_added
     out = {
         "weights": math.ceil((params.total + added) * width / shards),
         "gradients": math.ceil(trainable * width / shards),
         "optimizer": math.ceil(trainable * (ADAM_MOMENT_BYTES + MASTER_WEIGHT_BYTES[job.precision]) / shards),
-        "unsharded_layer": ((unit + unit_added) * width + unit_trainable * width) if shards > 1 else 0,
+        "unsharded_layer": (gathered * width + unit_trainable * width) if job.sharded else 0,
+        "prefetched_layer": gathered * width if job.sharded else 0,
+        "layer_gradient_reduce": unit_trainable * FP32_BYTES if job.sharded else 0,
+        "root_unit": (root + root_trainable) * width if job.sharded else 0,
+        "residual_stream": residual_stream_bytes(s, job),
         "activations": activation_bytes(s, job),
+        "logits": logits_bytes(s, job),
         "runtime": RUNTIME_OVERHEAD_BYTES[job.device],
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def host_memory(params: ParamCount, job: Job) -> dict[str, int]:
+    """Host bytes per node in the load phase: every rank's fp32 model (under expert parallelism only its
+    share: transformers 5 loads each rank's slices) and each rank's runtime; ``total`` is their sum."""
+    model = params.total * LOAD_BYTES
+    per_rank = math.ceil(model / job.num_devices) if job.expert_parallel else model
+    out = {
+        "model": job.ranks_per_node * per_rank,
+        "runtime": job.ranks_per_node * HOST_RUNTIME_BYTES[job.device],
     }
     out["total"] = sum(out.values())
     return out
@@ -723,12 +820,17 @@ def verdict(total: int, memory: int) -> str:
 
 
 def device_memory(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> tuple[int, str]:
-    """One device's memory: ``hardware.memory_gib_per_device``, else measured by verify_env."""
-    from .env import device_memory_bytes
-
+    """One device's memory: ``hardware.memory_gib_per_device`` (on CUDA what torch sees of a card of that
+    nominal size, ``VISIBLE_GIB``), else measured by verify_env (torch's total)."""
     hardware = settings["hardware"]
-    if hardware["memory_gib_per_device"]:
-        return int(hardware["memory_gib_per_device"] * GIB), "hardware.memory_gib_per_device"
+    nominal = hardware["memory_gib_per_device"]
+    if nominal and hardware["device"] == "cuda" and nominal in VISIBLE_GIB:
+        return (
+            int(VISIBLE_GIB[nominal] * GIB),
+            f"hardware.memory_gib_per_device: {nominal:g}, {VISIBLE_GIB[nominal]} GiB visible to torch",
+        )
+    if nominal:
+        return int(nominal * GIB), "hardware.memory_gib_per_device"
     measured, source = device_memory_bytes(env_report, hardware["device"])
     if measured is None:
         raise PlanError(
@@ -822,10 +924,11 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
         devices = min_devices(s, params, variant, memory)
         at = dataclasses.replace(variant, num_devices=devices or variant.num_devices)
         sharded = memory_per_device(s, params, dataclasses.replace(variant, num_devices=max(2, variant.num_devices)))
+        states = sharded["weights"] + sharded["gradients"] + sharded["optimizer"]
         options.append(
             {
                 "change": change,
-                "unshardable_gib": _gib(sharded["unsharded_layer"] + sharded["activations"] + sharded["runtime"]),
+                "unshardable_gib": _gib(sharded["total"] - states),
                 "fits_as_is": verdict(memory_per_device(s, params, variant)["total"], memory) == "fits",
                 "min_devices": devices,
                 "per_device_gib_at_min_devices": _gib(memory_per_device(s, params, at)["total"]) if devices else None,
@@ -834,8 +937,29 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
     return [o for o in options if o["fits_as_is"] or o["min_devices"] or o["change"] == candidates[0][0]]
 
 
-def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> dict[str, Any]:
-    """The full plan for one run: parameters, memory per device, the verdict and what would make it fit."""
+def host_plan(params: ParamCount, job: Job, env_report: Mapping[str, Any], mem_mb: int | None) -> dict[str, Any]:
+    """The load phase on one host against the training job's ``mem_mb`` (SLURM megabytes: MiB) when
+    known, else against this machine's RAM (verify_env report)."""
+    if mem_mb:
+        limit, source = int(mem_mb) * 2**20, "the training job's mem_mb"
+    else:
+        limit, source = device_memory_bytes(env_report, "cpu")
+    per_node = host_memory(params, job)
+    return {
+        "phase": "load",
+        "ranks_per_node": job.ranks_per_node,
+        "load_dtype": "fp32",
+        "per_node_bytes": per_node,
+        "per_node_gib": {k: _gib(v) for k, v in per_node.items()},
+        "limit_bytes": limit,
+        "limit_source": source,
+        "verdict": verdict(per_node["total"], limit),
+    }
+
+
+def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any], mem_mb: int | None = None) -> dict[str, Any]:
+    """The full plan for one run: parameters, memory per device, the verdict and what would make it fit,
+    and the host memory of loading the model (against ``mem_mb``, the training job's, when given)."""
     shape, params, formula = count_parameters(settings["model"], settings["vocab_size"])
     job = Job.from_settings(settings)
     memory, source = device_memory(settings, env_report)
@@ -856,6 +980,7 @@ def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> dict[str
         "verdict": result,
         "min_devices": min_devices(shape, params, job, memory),
         "suggestions": suggestions(shape, params, job, memory) if result != "fits" else [],
+        "host": host_plan(params, job, env_report, mem_mb),
     }
     if job.method == "lora":
         out["lora"] = {**job.lora.as_dict(), **lora_count(shape, job.lora).as_dict()}
@@ -899,10 +1024,13 @@ def summary(p: Mapping[str, Any]) -> str:
             else []
         ),
         f"  per device {_size(mem['total'])} = weights {_size(mem['weights'])} + gradients {_size(mem['gradients'])} + "
-        f"AdamW states {_size(mem['optimizer'])} + unsharded layer {_size(mem['unsharded_layer'])} + activations "
-        f"{_size(mem['activations'])} + runtime {_size(mem['runtime'])}",
+        f"AdamW states {_size(mem['optimizer'])} + unsharded layer {_size(mem['unsharded_layer'])} + prefetched "
+        f"layer {_size(mem['prefetched_layer'])} + layer gradient reduce {_size(mem['layer_gradient_reduce'])} + "
+        f"root unit {_size(mem['root_unit'])} + residual stream {_size(mem['residual_stream'])} + activations "
+        f"{_size(mem['activations'])} + logits {_size(mem['logits'])} + runtime {_size(mem['runtime'])}",
         f"  verdict: {p['verdict'].replace('_', ' ')} (usable {usable:.1f} of {memory:.1f} GiB, "
         f"{round(100 * (1 - p['usable_fraction']))}% headroom)",
+        host_summary(p["host"]),
     ]
     if p["suggestions"]:
         states = gib["weights"] + gib["gradients"] + gib["optimizer"]
@@ -922,25 +1050,47 @@ def summary(p: Mapping[str, Any]) -> str:
                 )
             else:
                 where = (
-                    f"no number of these devices: the gathered layer, activations and runtime alone take "
+                    f"no number of these devices: the gathered units, activations, logits and runtime alone take "
                     f"{option['unshardable_gib']:.2f} GiB per device"
                 )
             lines.append(f"    - {option['change']}: {where}")
     return "\n".join(lines)
 
 
+def host_summary(host: Mapping[str, Any]) -> str:
+    per_node = host["per_node_bytes"]
+    return (
+        f"  host, loading: {_size(per_node['total'])} per node = {host['ranks_per_node']} rank(s) x (the "
+        f"{host['load_dtype']} model + runtime): model {_size(per_node['model'])} + runtime "
+        f"{_size(per_node['runtime'])}; "
+        f"{host['verdict'].replace('_', ' ')} in {_size(host['limit_bytes'])} ({host['limit_source']})"
+    )
+
+
 def enforce(p: Mapping[str, Any]) -> None:
-    """Fail when the job does not fit (with the numbers and the options); warn when it is tight."""
+    """Fail when the job does not fit (with the numbers and the options), or its model does not load within
+    the training job's ``mem_mb``; warn when either is tight (or the load exceeds this machine's RAM)."""
     if p["verdict"] == "does_not_fit":
         raise PlanError("the training job does not fit in memory:\n" + summary(p))
+    host = p["host"]
+    if host["verdict"] == "does_not_fit" and host["limit_source"] == "the training job's mem_mb":
+        raise PlanError("the training job's ranks cannot load the model within its mem_mb:\n" + summary(p))
     if p["verdict"] == "tight":
         log.warning("the training job fits with less than %d%% headroom:\n%s", round(HEADROOM * 100), summary(p))
+    elif host["verdict"] != "fits":
+        log.warning(
+            "loading the model on the host leaves less than %d%% headroom:\n%s", round(HEADROOM * 100), summary(p)
+        )
 
 
 def render_markdown(p: Mapping[str, Any]) -> str:
     params, mem = p["parameters"], p["per_device_bytes"]
     rows = [f"| {k} | {v:,} |" for k, v in params["by_category"].items()]
     mem_rows = [f"| {k.replace('_', ' ')} | {_size(v)} | {v:,} |" for k, v in mem.items()]
+    host = p["host"]
+    host_rows = [f"| {k} | {_size(v)} | {v:,} |" for k, v in host["per_node_bytes"].items()]
+    host_rows.append(f"| limit ({host['limit_source']}) | {_size(host['limit_bytes'])} | {host['limit_bytes']:,} |")
+    formula = "agrees" if params["formula_matches"] else f"differs: {params['formula_total']:,}"
     return (
         "\n".join(
             [
@@ -950,7 +1100,7 @@ def render_markdown(p: Mapping[str, Any]) -> str:
                 summary(p),
                 "```",
                 "",
-                f"## Parameters ({params['method']} count; formula {'agrees' if params['formula_matches'] else 'differs: ' + format(params['formula_total'], ',')})",
+                f"## Parameters ({params['method']} count; formula {formula})",
                 "",
                 "| category | parameters |",
                 "|---|---|",
@@ -964,6 +1114,12 @@ def render_markdown(p: Mapping[str, Any]) -> str:
                 "| component | size | bytes |",
                 "|---|---|---|",
                 *mem_rows,
+                "",
+                f"## Host memory per node, loading ({host['ranks_per_node']} rank(s))",
+                "",
+                "| component | size | bytes |",
+                "|---|---|---|",
+                *host_rows,
                 "",
                 "The formulas are in the docstring of `moeflow.plan`.",
                 *(

@@ -209,6 +209,21 @@ def route_pool(
     return stats
 
 
+def expert_load(
+    model: Any,
+    rows: Iterable[Mapping[str, Any]],
+    batch_tokens: int,
+    attn_implementation: str,
+    precision: str = "fp32",
+    adapter: Any = None,
+) -> list[list[int]]:
+    """Tokens routed to each expert of each MoE layer over ``rows`` (top-k assignments, padding excluded): the
+    base routing reference of the warmup's gate (``moeflow.guards.base_reference``)."""
+    stats = route_pool(model, [("gate window", rows)], batch_tokens, attn_implementation, precision, adapter)
+    _, tokens = cell_table(stats, np.ones(stats.num_docs, dtype=bool), 0)
+    return tokens.tolist()
+
+
 def cell_table(stats: PoolStats, docs_mask: np.ndarray, min_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """(L, E) documents with >= min_tokens tokens, and tokens, per cell, over the masked documents."""
     L, E = len(stats.layers), stats.num_experts

@@ -294,10 +294,8 @@ def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
                 f"{model_type}: MoE block {name} ({family.block_class}) has no attribute "
                 f"{family.router_attr!r}; this transformers version lays the family out differently: {ADAPTER_NEEDS}"
             )
-        match = None
-        for match in _LAYER_INDEX.finditer(name):
-            pass
-        layer = int(match.group(1)) if match else len(sites)
+        indices = _LAYER_INDEX.findall(name)
+        layer = int(indices[-1]) if indices else len(sites)
         sites.append(
             RouterSite(
                 layer=layer,

@@ -111,11 +111,13 @@ def request_problems(cfg: Mapping[str, Any], request: Request) -> list[str]:
     problems = []
     if hw["device"] != "cuda" or hw["num_devices"] != request.gpus:
         problems.append(
-            f"hardware: {hw['num_devices']} x {hw['device']}, but profiles/{request.profile} requests {request.gpus} GPUs"
+            f"hardware: {hw['num_devices']} x {hw['device']}, "
+            f"but profiles/{request.profile} requests {request.gpus} GPUs"
         )
     if hw["memory_gib_per_device"] != request.gpu_memory_gib:
         problems.append(
-            f"hardware.memory_gib_per_device: {hw['memory_gib_per_device']}, but a {request.gpu_model} has {request.gpu_memory_gib} GiB"
+            f"hardware.memory_gib_per_device: {hw['memory_gib_per_device']}, "
+            f"but a {request.gpu_model} has {request.gpu_memory_gib} GiB"
         )
     if (par["nproc_per_node"], par["nnodes"]) != (request.gpus_per_node, request.nodes):
         problems.append(
@@ -234,9 +236,12 @@ def markdown_row(name: str, p: Mapping[str, Any]) -> str:
     states = g["weights"] + g["gradients"] + g["optimizer"]
     return (
         f"| {name} | {p['parameters']['total'] / 1e9:.1f}B / {p['parameters']['active_per_token'] / 1e9:.2f}B "
-        f"| {p['request']['gpus']} x {p['request']['gpu_model'].upper()} ({p['request']['nodes']} node{'s' if p['request']['nodes'] > 1 else ''}) "
-        f"| {lay['strategy']}: FSDP {lay['fsdp_size']}, EP {lay['ep_size']} | {'on' if lay['gradient_checkpointing'] else 'off'} "
-        f"| {states:.1f} | {g['unsharded_layer']:.1f} | {g['activations']:.1f} | **{g['total']:.1f}** of {p['request']['gpu_memory_gib']} "
+        f"| {p['request']['gpus']} x {p['request']['gpu_model'].upper()} "
+        f"({p['request']['nodes']} node{'s' if p['request']['nodes'] > 1 else ''}) "
+        f"| {lay['strategy']}: FSDP {lay['fsdp_size']}, EP {lay['ep_size']} "
+        f"| {'on' if lay['gradient_checkpointing'] else 'off'} "
+        f"| {states:.1f} | {g['unsharded_layer']:.1f} | {g['activations']:.1f} "
+        f"| **{g['total']:.1f}** of {p['request']['gpu_memory_gib']} "
         f"| {p['min_gpus']} | {c['gpu_hours']:.0f} GPU-h ({c['wall_hours']:.1f} h) | `profiles/{p['profile']}` |"
     )
 

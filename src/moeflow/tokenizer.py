@@ -92,7 +92,8 @@ def load_fast_tokenizer(path: str | os.PathLike):
 
     if not Path(path, "tokenizer_config.json").is_file() and not Path(path, "tokenizer.json").is_file():
         raise CorpusError(
-            f"{path} is not a tokenizer folder (no tokenizer.json / tokenizer_config.json); point model.pretrained at a model folder with its tokenizer"
+            f"{path} is not a tokenizer folder (no tokenizer.json / tokenizer_config.json); "
+            "point model.pretrained at a model folder with its tokenizer"
         )
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not getattr(tokenizer, "is_fast", False):
@@ -144,7 +145,8 @@ class DocumentEncoder:
             )
         except Exception as exc:  # jinja2 and transformers raise several types for a bad template/record
             raise CorpusError(
-                f"{origin}: the tokenizer's chat template failed on this conversation ({exc}); fix the record or the template"
+                f"{origin}: the tokenizer's chat template failed on this conversation "
+                f"({exc}); fix the record or the template"
             ) from None
 
     def encode_chat(self, doc: Document) -> tuple[np.ndarray, np.ndarray]:

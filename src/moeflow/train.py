@@ -35,7 +35,7 @@ from . import guards as G
 from .collate import collate, model_inputs
 from .config import PRECISIONS, BalanceSettings, TrainSettings, enum
 from .data_order import DataOrder
-from .eval_loop import batches, evaluate_batches
+from .eval_loop import SetStats, batches, evaluate_batches, sum_stats
 from .losses import (
     LayerRouter,
     StepLoss,
@@ -298,15 +298,18 @@ class Trainer:
         record["alarms"] = self.routing_guard.observe(self.step, summary.get("counts", []), entropy, summary["ce"])
         return record
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluation_stats(self) -> SetStats:
+        """The validation rows' sums for the whole set, on every rank: each rank evaluates its share of the
+        batches (``moeflow.eval_loop.batches``), then the ranks' sums are gathered and added up."""
         attn = getattr(D.unwrap(self.model).config, "_attn_implementation", "sdpa")
-        stats = evaluate_batches(
-            self.model,
-            batches(self.eval_rows, self.settings.micro_batch_size, attn, self.settings.eval_max_sequences),
-            self.adapter,
-            self.precision,
-        )
+        s = self.settings
+        shard = batches(self.eval_rows, s.micro_batch_size, attn, s.eval_max_sequences, self.rank, self.world)
+        stats = evaluate_batches(self.model, shard, self.adapter, self.precision)
         self.model.train()
+        return sum_stats(D.gather_objects(stats))
+
+    def evaluate(self) -> dict[str, Any]:
+        stats = self.evaluation_stats()
         return {
             "kind": "eval",
             "step": self.step,

@@ -89,7 +89,8 @@ def build_valset(
     except UnsupportedModel as exc:
         raise UnsupportedModel(
             f"the coverage stage routes the held-out pool through the model's experts, and this model has none it can "
-            f"read: {str(exc).rstrip('.')}. A dense run uses another run's validation set: set 'coverage.valset_of_run' to an MoE run"
+            f"read: {str(exc).rstrip('.')}. A dense run uses another run's validation set: "
+            "set 'coverage.valset_of_run' to an MoE run"
         ) from None
     pools = [(name, iter_rows(open_split(path, VALSET_SPLIT))) for name, path in zip(corpora, pool_dirs)]
     stats = route_pool(model, pools, int(settings["batch_tokens"]), attn_implementation, precision, adapter)

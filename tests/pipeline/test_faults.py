@@ -165,7 +165,10 @@ def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_run(coverage
     root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     out = tmp_path / "data" / "code"
-    code = f"from moeflow.tokenize_stage import tokenize_corpus; tokenize_corpus('code', {settings!r}, {str(root / 'tokenizer')!r}, {str(out)!r})"
+    code = (
+        "from moeflow.tokenize_stage import tokenize_corpus; "
+        f"tokenize_corpus('code', {settings!r}, {str(root / 'tokenizer')!r}, {str(out)!r})"
+    )
     env = {
         **os.environ,
         KILL_ENV: "tokenize.before_rename",
@@ -213,8 +216,10 @@ def test_disk_full_while_writing_a_shard_keeps_the_previous_output(coverage_inpu
         tokenize_corpus("code", settings, root / "tokenizer", out)
     assert err.value.errno == errno.ENOSPC
     assert re.fullmatch(
-        rf"\[Errno 28\] disk full while writing {re.escape(str(out))} \(at {re.escape(str(out.parent))}/\.code\.[^/]+\.tmp/(train|heldout|test)/shard-\d{{5}}\.arrow\): "
-        rf"its previous version is unchanged\. Free space on that filesystem \(df -h {re.escape(str(out.parent))}\) and rerun",
+        rf"\[Errno 28\] disk full while writing {re.escape(str(out))} "
+        rf"\(at {re.escape(str(out.parent))}/\.code\.[^/]+\.tmp/(train|heldout|test)/shard-\d{{5}}\.arrow\): "
+        r"its previous version is unchanged\. "
+        rf"Free space on that filesystem \(df -h {re.escape(str(out.parent))}\) and rerun",
         str(err.value),
     ), str(err.value)
     assert files_of(out) == before
@@ -244,8 +249,10 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
         trainer.run()
     step4 = checkpoints / "step-00000004"
     assert re.fullmatch(
-        rf"\[Errno 28\] disk full while writing {re.escape(str(step4))} \(at {re.escape(str(checkpoints))}/\.step-00000004\.[^/]+\.tmp/model\.safetensors\): "
-        rf"nothing was written under that name\. Free space on that filesystem \(df -h {re.escape(str(checkpoints))}\) and rerun",
+        rf"\[Errno 28\] disk full while writing {re.escape(str(step4))} "
+        rf"\(at {re.escape(str(checkpoints))}/\.step-00000004\.[^/]+\.tmp/model\.safetensors\): "
+        r"nothing was written under that name\. "
+        rf"Free space on that filesystem \(df -h {re.escape(str(checkpoints))}\) and rerun",
         str(err.value),
     ), str(err.value)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002"]

@@ -7,12 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import active_stack, snakemake
+from conftest import SMOKE, active_stack, scheduled_rules, snakemake
 
 from moeflow.imports import PACKAGE_DIR, transitive_imports
 
 pytestmark = pytest.mark.pipeline
-SMOKE = ("--configfile", "config/smoke.yaml")
 MODULES = sorted(p.stem for p in PACKAGE_DIR.glob("*.py"))
 
 
@@ -46,14 +45,6 @@ def downstream(workdir: Path) -> dict[str, set[str]]:
     return closure
 
 
-def scheduled(workdir: Path) -> set[str]:
-    out = snakemake(workdir, "paper", "--dry-run", "--cores", "2", *SMOKE).stdout
-    if "Nothing to be done" in out:
-        return set()
-    table = out.split("Job stats:", 1)[1].splitlines()[3:]
-    return {line.split()[0] for line in table if line.split() and line.split()[0] != "total"} - {"total"}
-
-
 @pytest.mark.skipif(active_stack() != "pinned", reason="the rule graph and the imports are the same on both stacks")
 def test_editing_any_module_reruns_exactly_its_importers_and_their_dependants(pipeline_copy):
     scripts, after = rule_scripts(pipeline_copy), downstream(pipeline_copy)
@@ -71,6 +62,6 @@ def test_editing_any_module_reruns_exactly_its_importers_and_their_dependants(pi
         )  # a content change: Snakemake checksums small files
         try:
             expected = importers[module] | {d for r in importers[module] for d in after[r]}
-            assert scheduled(pipeline_copy) == expected, module
+            assert scheduled_rules(pipeline_copy, target="paper") == expected, module
         finally:
             path.write_bytes(original)

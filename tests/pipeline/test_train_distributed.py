@@ -8,6 +8,9 @@
   (gathered by every rank, written by rank 0, loaded into fresh shards) continues bit for bit.
   Expert parallelism runs a model with untied embeddings: with tied ones transformers 5 trains the
   embedding and the output layer apart, which moeflow refuses (tested below).
+* The Trainer's evaluation on 2 ranks (each takes its share of the validation batches, one rank a
+  filler batch to keep step with a sharded model's collective forward) gives one process's sums: the
+  same row and token counts and per-expert routed tokens, loss and perplexity within 1e-6 relative.
 * Through the Snakefile: warmup and train_model of the smoke pipeline on 2 ranks complete, and a
   train_model killed with SIGKILL resumes from its checkpoint with the losses of the uninterrupted run.
 """
@@ -46,6 +49,7 @@ MICRO_BATCH = 2
 # step); ``exact`` and ``micro_batch`` are compared with several.
 CASES = {"running": 1, "exact": 2, "micro_batch": 2}
 LOSS_TERMS = ("ce", "balance", "z_loss", "label_tokens", "routed_tokens")
+EVAL_ROWS = 5  # 3 batches of MICRO_BATCH rows: rank 1 evaluates one and a filler
 LAYOUTS = ["none", "fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
 MODEL_OF_LAYOUT = {"none": "tied", "fsdp": "tied", "ep": "untied"}  # tied: embedding and output layer share weights
 
@@ -88,7 +92,7 @@ def make_trainer(
     model_dir, layout: ParallelSettings, ranks: D.Ranks, train_settings: TrainSettings, **kwargs
 ) -> Trainer:
     """What the stage scripts do: load for the layout, shard, then the Trainer."""
-    model = D.load_for_training(model_dir, tiny_model_cfg(), train_settings, layout, ranks)
+    model = D.load_for_training(model_dir, tiny_model_cfg(), train_settings, layout, ranks, precision="fp32")
     return Trainer(model, train_settings, packed_rows(), collate_fn=collate, seed=0, **kwargs)
 
 
@@ -124,7 +128,24 @@ def one_process(model_dir: Path) -> dict:
     run = make_trainer(model_dir, parallel(), ranks, settings("running", 1, micro_batch_size=MICRO_BATCH * RANKS))
     run.run()
     out["losses"] = [r["loss"] for r in run.train_records()]
+    out["eval"] = evaluation(model_dir, parallel(), ranks)
     return out
+
+
+def evaluation(model_dir, layout: ParallelSettings, ranks: D.Ranks) -> dict:
+    """The Trainer's evaluation sums of the saved model over the validation rows (on every rank)."""
+    trainer = make_trainer(model_dir, layout, ranks, settings("running", 1), eval_rows=packed_rows(EVAL_ROWS, seed=1))
+    stats = trainer.evaluation_stats()
+    record = trainer.evaluate()
+    return {
+        "loss": record["loss"],
+        "perplexity": record["perplexity"],
+        "label_tokens": record["label_tokens"],
+        "sequences": stats.sequences,
+        "input_tokens": stats.input_tokens,
+        "routed": stats.routed.tolist(),
+        "served_loss_sum": stats.served_loss_sum.ravel().tolist(),
+    }
 
 
 def run_ranks(saved_model: Path, out: Path, layout: str) -> None:
@@ -177,6 +198,14 @@ def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly
     assert resumed["continued_from"] == 2 and resumed["straight"] == resumed["resumed"]
     assert resumed["same_weights"]
     assert report["mfu"] == pytest.approx(report["flops_per_s"] / (1e12 * RANKS))
+    want_eval = reference["eval"]
+    for rank_eval in report["eval"]:  # every rank has the whole set's result
+        for key in ("label_tokens", "sequences", "input_tokens", "routed"):
+            assert rank_eval[key] == want_eval[key], key
+        for key in ("loss", "perplexity"):
+            assert rank_eval[key] == pytest.approx(want_eval[key], rel=1e-6), key
+        assert rank_eval["served_loss_sum"] == pytest.approx(want_eval["served_loss_sum"], rel=1e-6)
+    assert want_eval["sequences"] == EVAL_ROWS
 
 
 def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
@@ -201,13 +230,16 @@ def test_lora_on_sharded_ranks_is_refused_naming_the_settings(saved_models):
             settings("running", 1, method="lora"),
             parallel(strategy="fsdp", nproc_per_node=2),
             two,
+            precision="fp32",
         )
 
 
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
 def test_expert_parallelism_refuses_tied_embeddings(saved_models):
     with pytest.raises(D.DistributedError, match="tie_word_embeddings.*parallel.strategy: fsdp"):
-        D.load_model(saved_models["tied"], tiny_model_cfg(), parallel(strategy="ep", ep_size=2, nproc_per_node=2))
+        D.load_model(
+            saved_models["tied"], tiny_model_cfg(), parallel(strategy="ep", ep_size=2, nproc_per_node=2), "fp32"
+        )
 
 
 def test_ranks_that_differ_from_the_config_are_a_clear_error():
@@ -301,6 +333,7 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
         if ranks.is_main:
             save_file({k: v.contiguous() for k, v in grads.items()}, str(out / f"grads-{mode}.safetensors"))
     report["sharded"] = D.is_sharded(trainer.model)
+    report["eval"] = D.gather_objects(evaluation(model_dir, layout, ranks))
 
     with_peak = settings("running", 1, checkpoint_every=1, peak_flops_per_s=1e12)
     straight = make_trainer(model_dir, layout, ranks, with_peak, checkpoint_dir=out / "checkpoints")

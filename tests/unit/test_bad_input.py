@@ -93,7 +93,8 @@ def test_a_folder_that_is_not_a_model(tmp_path):
     with pytest.raises(ModelError) as err:
         load_model(tmp_path / "weights")
     assert str(err.value) == (
-        f"model folder {tmp_path / 'weights'} has no config.json: point 'model.pretrained' at a folder made by save_pretrained"
+        f"model folder {tmp_path / 'weights'} has no config.json: "
+        "point 'model.pretrained' at a folder made by save_pretrained"
     )
 
 
@@ -155,8 +156,10 @@ def test_a_tokenizer_larger_than_the_model_vocabulary(coverage_inputs):  # noqa:
     with pytest.raises(ModelError) as err:
         check_vocabulary(small, [root / "code"], "models/small")
     assert str(err.value) == (
-        f"tokenizer/model mismatch: {root / 'code'} was tokenized with a tokenizer of {tokens} tokens, but models/small "
-        f"has {tokens - 40} embedding rows. Use the model's own tokenizer (model.pretrained brings it) or a model whose "
+        f"tokenizer/model mismatch: {root / 'code'} "
+        f"was tokenized with a tokenizer of {tokens} tokens, but models/small "
+        f"has {tokens - 40} embedding rows. "
+        "Use the model's own tokenizer (model.pretrained brings it) or a model whose "
         "vocabulary covers the tokenizer"
     )
     check_vocabulary(load_model(root / "base", model_cfg), [root / "code"])  # its own tokenizer: accepted

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import family_checks as C
 import pytest
 import torch
-from tiny_models import WINDOW, build_family
+from tiny_models import WINDOW, build_family, tiny_model_cfg
 
 from moeflow import compat
 from moeflow.collate import (
@@ -22,19 +22,6 @@ from moeflow.collate import (
 from moeflow.modeling import build_model
 from moeflow.packing import pack_documents
 
-TINY_MOE = {
-    "model_type": "qwen3_moe",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 16,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 128,
-}
 VOCAB = 64
 
 
@@ -132,7 +119,7 @@ def flash_attention_unavailable() -> str | None:
 
 @pytest.mark.skipif(flash_attention_unavailable() is not None, reason=str(flash_attention_unavailable()))
 def test_flash_attention_packed_logits_equal_each_document_alone():
-    model = build_model({"attn_implementation": "flash_attention_2", "config": TINY_MOE}, vocab_size=VOCAB, seed=0)
+    model = build_model(tiny_model_cfg("flash_attention_2"), vocab_size=VOCAB, seed=0)
     model = model.to(device="cuda", dtype=torch.bfloat16).eval()
     generator = torch.Generator().manual_seed(1)
     docs = [(i, torch.randint(3, VOCAB, (n,), generator=generator).tolist(), None) for i, n in enumerate([7, 9, 12], 1)]

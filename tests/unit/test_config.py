@@ -99,7 +99,7 @@ def test_training_settings_resolve_the_warmup_and_drop_lora_of_a_full_run():
     settings = mfconfig.settings(mfconfig.TrainSettings, train)
     assert settings.warmup_steps == 8 and settings.lora is None and settings.balance.mode == "off"
     assert isinstance(settings.betas, tuple)
-    assert settings.routing_guard == mfconfig.RoutingThresholds(10, 3.0, 0.6, 0, 50, 0.5, 0.5)
+    assert settings.routing_guard == mfconfig.RoutingThresholds(10, 3.0, 0.6, 0, 50, 0.5, 0.5, "base", 1.5, 0.15)
     lora = mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({"steps": 4, "lr": 1e-3, "method": "lora"}))
     assert lora.lora == mfconfig.LoraSettings(rank=16, alpha=32.0, dropout=0.0, targets=("all",), router="frozen")
 
@@ -178,7 +178,8 @@ def test_keys_of_another_kind_of_source_are_a_config_error():
             overrides={"data": {"sources": {"notes": {"type": "jsonl", "path": "n.jsonl", "packages": ["json"]}}}}
         )
     assert str(err.value) == (
-        "invalid configuration: config key 'data.sources.notes': packages do not apply to a source of type jsonl; remove them"
+        "invalid configuration: config key 'data.sources.notes': "
+        "packages do not apply to a source of type jsonl; remove them"
     )
 
 
@@ -258,7 +259,7 @@ def test_unknown_key_names_it_and_lists_the_allowed_keys():
 def test_enum_lists_the_allowed_values():
     with pytest.raises(mfconfig.ConfigError) as err:
         mfconfig.load(overrides={"precision": "fp16"})
-    assert "config key 'precision': 'fp16' is not one of the allowed values ('fp32', 'bf16')" in str(err.value)
+    assert "config key 'precision': 'fp16' is not one of the allowed values ('auto', 'fp32', 'bf16')" in str(err.value)
 
 
 def test_a_bad_run_overlay_is_reported_with_the_run_name():
@@ -309,3 +310,21 @@ def test_stack_comes_from_config_then_environment():
     assert mfconfig.resolve_stack({**cfg, "stack": "pinned"}, environ={"STACK": "current"}) == "pinned"
     with pytest.raises(mfconfig.ConfigError, match="must be one of pinned, current"):
         mfconfig.resolve_stack(cfg, environ={"STACK": "nightly"})
+
+
+def test_precision_auto_is_fp32_on_the_cpu_and_bf16_on_cuda():
+    assert mfconfig.load()["precision"] == "fp32"  # the CPU results and stage keys of before
+    assert mfconfig.load(overrides={"hardware": {"device": "cuda"}})["precision"] == "bf16"
+    cuda = mfconfig.load(overrides={"hardware": {"device": "cuda"}, "precision": "fp32"})
+    assert cuda["precision"] == "fp32"  # an explicit precision wins
+    assert all(mfconfig.run_config(cuda, run)["precision"] == "fp32" for run in mfconfig.run_names(cuda))
+    assert mfconfig.resolved_precision({"precision": "auto", "hardware": {"device": "cuda"}}) == "bf16"
+
+
+def test_flash_attention_in_fp32_is_refused_naming_both_keys():
+    with pytest.raises(
+        mfconfig.ConfigError, match="'model.attn_implementation': flash_attention_2 and 'precision': fp32"
+    ):
+        mfconfig.load(overrides={"model": {"attn_implementation": "flash_attention_2"}})
+    on_cuda = {"model": {"attn_implementation": "flash_attention_2"}, "hardware": {"device": "cuda"}}
+    assert mfconfig.load(overrides=on_cuda)["precision"] == "bf16"

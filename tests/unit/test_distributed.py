@@ -8,6 +8,7 @@ whole gradients, which must equal one process's on the concatenated batch (relat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -17,31 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_model_cfg
 
 from moeflow import compat, distributed
 from moeflow import config as mfconfig
 from moeflow.config import REPO_ROOT
 from moeflow.scaleout import torchrun_command
 
-MODEL = {
-    "attn_implementation": "sdpa",
-    "config": {
-        "model_type": "qwen3_moe",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 16,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": False,
-    },
-}
+MODEL = tiny_model_cfg(tie_word_embeddings=False)
 VOCAB = 96
 LOSS = {"mode": "running", "coef": 0.01, "z_loss_coef": 0.001}
 RANKS = 2
@@ -68,7 +52,12 @@ def optimizer_for(model) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
-def one_step(model, rows_per_micro_batch: list[list[dict]]):
+def bf16_autocast():
+    """The Trainer's autocast with ``precision: bf16`` (moeflow.train.Trainer.autocast), on the CPU."""
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def one_step(model, rows_per_micro_batch: list[list[dict]], autocast=contextlib.nullcontext):
     """The training loop's step on these micro-batches; returns its StepLoss."""
     from moeflow.collate import collate
     from moeflow.routing import adapter_or_none
@@ -76,7 +65,11 @@ def one_step(model, rows_per_micro_batch: list[list[dict]]):
 
     batches = [collate(rows) for rows in rows_per_micro_batch]
     return accumulate_gradients(
-        model, batches, mfconfig.settings(mfconfig.BalanceSettings, LOSS), adapter_or_none(distributed.unwrap(model))
+        model,
+        batches,
+        mfconfig.settings(mfconfig.BalanceSettings, LOSS),
+        adapter_or_none(distributed.unwrap(model)),
+        autocast,
     )
 
 
@@ -108,10 +101,12 @@ def reference(reference_model) -> dict[str, torch.Tensor]:
     return reference_model[0]
 
 
-def run_ranks(saved_model: Path, out: Path, parallel: dict) -> subprocess.CompletedProcess:
+def run_ranks(saved_model: Path, out: Path, parallel: dict, harness: str = "step") -> subprocess.CompletedProcess:
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT / "src"), str(REPO_ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+        ),
         "OMP_NUM_THREADS": "1",
     }
     cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [
@@ -119,6 +114,7 @@ def run_ranks(saved_model: Path, out: Path, parallel: dict) -> subprocess.Comple
         str(saved_model),
         str(out),
         json.dumps(parallel),
+        harness,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -183,7 +179,9 @@ def test_expert_parallel_plus_fsdp_gives_the_gradients_of_one_process(
 def test_expert_parallel_on_the_pinned_stack_is_a_clear_error():
     with pytest.raises(distributed.DistributedError, match="no expert parallelism.*STACK=current"):
         distributed.distributed_config(
-            mfconfig.settings(mfconfig.ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2}), world=2
+            mfconfig.settings(mfconfig.ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2}),
+            "fp32",
+            world=2,
         )
 
 
@@ -205,6 +203,39 @@ def test_full_state_round_trips_in_one_process(saved_model, reference_model):
     again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
     assert all(torch.equal(again[k], weights[k]) for k in weights)
     assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
+
+
+def test_bf16_fsdp_computes_in_bf16_over_fp32_masters_and_gives_the_bf16_gradient(saved_model, tmp_path):
+    """precision: bf16 with strategy: fsdp: FSDP's mixed precision (bf16 gathers and compute, fp32 shards,
+    fp32 reduction), and no whole-model .to(device) before sharding (on CUDA: the whole model on one GPU)."""
+    from moeflow.modeling import load_model
+
+    run_ranks(saved_model, tmp_path, {"strategy": "fsdp"}, harness="bf16")
+    from safetensors.torch import load_file
+
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["masters"] == ["torch.float32"]  # AdamW's master weights
+    assert report["forward_weights"] and set(report["forward_weights"]) == {"torch.bfloat16"}
+    assert report["gradients"] == ["torch.float32"] and report["saved_weights"] == ["torch.float32"]
+    assert report["moved"].count("Qwen3MoeForCausalLM") == 0, report["moved"]
+    # one process computing in bf16 (weights cast, the Trainer's autocast) on every rank's rows
+    single = load_model(saved_model, MODEL).to(torch.bfloat16)
+    single.config.use_cache = False
+    single.train()
+    one_step(single, [packed_rows()], bf16_autocast)
+    want = {n: p.grad.float() for n, p in single.named_parameters() if p.grad is not None}
+    got = load_file(str(tmp_path / "grads.safetensors"))
+    assert sorted(got) == sorted(want)
+    error = float(torch.sqrt(sum(((got[n] - want[n]).double() ** 2).sum() for n in want))) / whole_norm(want)
+    print(f"relative gradient error vs one bf16 process: {error:.1e}")
+    assert error < 2e-2
+
+
+@pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
+def test_expert_parallel_bf16_asks_transformers_for_fsdp_mixed_precision():
+    parallel = mfconfig.settings(mfconfig.ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2})
+    assert distributed.distributed_config(parallel, "bf16", world=2).fsdp_mixed_precision
+    assert not distributed.distributed_config(parallel, "fp32", world=2).fsdp_mixed_precision
 
 
 def test_one_process_needs_no_process_group():
@@ -235,12 +266,12 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
     parallel = mfconfig.settings(mfconfig.ParallelSettings, json.loads(parallel_json))
     with distributed.process_group("cpu") as ranks:
         if parallel.strategy == "ep":
-            model = distributed.load_model(saved_model, MODEL, parallel)
+            model = distributed.load_model(saved_model, MODEL, parallel, "fp32")
         else:
             model = load_model(saved_model, MODEL)
         model.config.use_cache = False
         model.train()
-        model = distributed.shard_model(model, parallel, ranks)
+        model = distributed.shard_model(model, parallel, ranks, "fp32")
         mine = packed_rows()[ranks.rank * ROWS_PER_RANK : (ranks.rank + 1) * ROWS_PER_RANK]
         step = one_step(model, [mine])
         distributed.reduce_gradients(model)
@@ -251,11 +282,11 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         weights, optim_state = distributed.full_state_dict(model, optimizer)
         # the whole state loads into a freshly sharded model and optimizer and reads back the same
         fresh = (
-            distributed.load_model(saved_model, MODEL, parallel)
+            distributed.load_model(saved_model, MODEL, parallel, "fp32")
             if parallel.strategy == "ep"
             else load_model(saved_model, MODEL)
         )
-        fresh = distributed.shard_model(fresh, parallel, ranks)
+        fresh = distributed.shard_model(fresh, parallel, ranks, "fp32")
         fresh_optimizer = optimizer_for(fresh)
         distributed.load_full_state_dict(fresh, weights, fresh_optimizer, optim_state)
         again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
@@ -274,5 +305,50 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
             (Path(out) / "rank0.json").write_text(json.dumps(report))
 
 
+def _main_bf16(saved_model: str, out: str, parallel_json: str) -> None:
+    """One rank of ``precision: bf16`` under FSDP: what moves where while sharding, the dtypes of the shards,
+    of the weights a forward sees and of the reduced gradients; rank 0 saves the whole gradients."""
+    from safetensors.torch import save_file
+
+    from moeflow.modeling import load_model
+
+    torch.set_num_threads(1)
+    parallel = mfconfig.settings(mfconfig.ParallelSettings, json.loads(parallel_json))
+    with distributed.process_group("cpu") as ranks:
+        model = load_model(saved_model, MODEL)
+        model.config.use_cache = False
+        model.train()
+        moved, to = [], torch.nn.Module.to
+
+        def recording_to(module, *args, **kwargs):
+            moved.append(type(module).__name__)
+            return to(module, *args, **kwargs)
+
+        torch.nn.Module.to = recording_to
+        try:
+            model = distributed.shard_model(model, parallel, ranks, "bf16")
+        finally:
+            torch.nn.Module.to = to
+        masters = sorted({str(p.dtype) for p in model.parameters()})
+        seen = []
+        projection = distributed.unwrap(model).model.layers[0].self_attn.q_proj
+        projection.register_forward_pre_hook(lambda module, args: seen.append(str(module.weight.dtype)))
+        mine = packed_rows()[ranks.rank * ROWS_PER_RANK : (ranks.rank + 1) * ROWS_PER_RANK]
+        one_step(model, [mine], bf16_autocast)
+        distributed.reduce_gradients(model)
+        grads = distributed.full_gradients(model)
+        weights, _ = distributed.full_state_dict(model)
+        if ranks.is_main:
+            save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out) / "grads.safetensors"))
+            report = {
+                "moved": moved,
+                "masters": masters,
+                "forward_weights": seen,
+                "gradients": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+                "saved_weights": sorted({str(w.dtype) for w in weights.values()}),
+            }
+            (Path(out) / "rank0.json").write_text(json.dumps(report))
+
+
 if __name__ == "__main__":
-    _main(*sys.argv[1:4])
+    {"step": _main, "bf16": _main_bf16}[sys.argv[4]](*sys.argv[1:4])

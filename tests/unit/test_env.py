@@ -136,3 +136,23 @@ def test_device_memory_comes_from_the_report(report):
     gpu, source = env.device_memory_bytes(report, "cuda")
     if not report["torch"]["gpus"]:
         assert gpu is None and "no GPU" in source
+
+
+def test_an_optional_cuda_pin_that_is_not_installed_is_no_difference(report):
+    """flash-attn on a CPU machine: reported as an optional CUDA pin, not as missing."""
+    from moeflow.pins import cuda_pinned_versions
+
+    optional = {pin["package"]: pin for pin in report["pins"]["optional_cuda"]}
+    assert set(optional) == set(cuda_pinned_versions(ENV_FILE)) == {"flash-attn"}
+    if optional["flash-attn"]["installed"] is None:
+        assert all(d["package"] != "flash-attn" for d in report["pins"]["differences"])
+        assert "optional CUDA pin flash-attn" in env.render_markdown(report)
+
+
+def test_an_optional_cuda_pin_installed_at_another_version_is_a_difference(monkeypatch):
+    real = env.installed_version
+    monkeypatch.setattr(env, "installed_version", lambda name: "0.0.1" if name == "flash-attn" else real(name))
+    [pin] = env.optional_cuda_pins(ENV_FILE)
+    assert (pin["installed"], pin["matches"]) == ("0.0.1", False)
+    report = env.collect(active_stack(), ENV_FILE)
+    assert [d["package"] for d in report["pins"]["differences"]] == ["flash-attn"] and not report["pins"]["matches"]

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from moeflow import config as mfconfig
-from moeflow.pins import pinned_versions, pip_requirements
+from moeflow.pins import cuda_pinned_versions, cuda_requirements, pinned_versions, pip_requirements
 
 ENVS = mfconfig.REPO_ROOT / "envs"
 
@@ -54,3 +54,28 @@ def test_pip_pins_tool_prints_the_requirements():
         text=True,
     ).stdout.split()
     assert out == pip_requirements(ENVS / "pinned.yaml")
+
+
+@pytest.mark.parametrize("stack", mfconfig.STACKS)
+def test_flash_attn_is_an_optional_cuda_pin_that_the_cpu_install_skips(stack):
+    """flash-attn compiles against the CUDA toolkit: pinned in the cuda_pip section, never in the pip list."""
+    env_file = ENVS / f"{stack}.yaml"
+    assert "flash-attn" not in pinned_versions(env_file)
+    assert list(cuda_pinned_versions(env_file)) == ["flash-attn"]
+    assert not any(req.startswith("flash-attn") for req in pip_requirements(env_file))
+    assert "cuda_pip" not in yaml.safe_load(env_file.read_text())["dependencies"][-1]  # conda's pip never sees it
+    assert "--no-build-isolation" in env_file.read_text()  # the note on building it
+
+
+def test_the_flash_attn_pins_match_each_stacks_torch():
+    # 2.6.3: releases built for torch 2.3 / CUDA 12; the current stack takes the newest release
+    assert cuda_pinned_versions(ENVS / "pinned.yaml") == {"flash-attn": "2.6.3"}
+    assert cuda_pinned_versions(ENVS / "current.yaml")["flash-attn"].startswith("2.8.")
+
+
+def test_pip_pins_tool_prints_the_cuda_pins_only_when_asked():
+    tool = [sys.executable, str(mfconfig.REPO_ROOT / "tools" / "pip_pins.py")]
+    out = subprocess.run(
+        tool + ["--cuda", str(ENVS / "pinned.yaml")], check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert out == cuda_requirements(ENVS / "pinned.yaml") == ["flash-attn==2.6.3"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
 from moeflow.eval_loop import evaluate_batches
 from moeflow.evaluate import balance, change_record, set_comparison, set_record, summary_markdown
@@ -17,36 +18,7 @@ from moeflow.modeling import build_model
 from moeflow.routing import adapter_for, capture
 
 VOCAB = 96
-TINY_MOE = {
-    "attn_implementation": "eager",
-    "config": {
-        "model_type": "qwen3_moe",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 16,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "max_position_embeddings": 64,
-    },
-}
-TINY_DENSE = {
-    "attn_implementation": "eager",
-    "config": {
-        "model_type": "qwen3",
-        "hidden_size": 32,
-        "intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "max_position_embeddings": 64,
-    },
-}
+TINY_MOE = tiny_model_cfg("eager", max_position_embeddings=64, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +105,7 @@ def test_per_expert_load_and_served_loss_match_a_token_loop(moe):
 
 
 def test_dense_model_has_loss_but_no_expert_statistics():
-    dense = build_model(TINY_DENSE, VOCAB, seed=0)
+    dense = build_model(tiny_dense_cfg("eager"), VOCAB, seed=0)
     stats = evaluate_batches(dense, make_batches(), adapter=None)
     record = set_record(stats)
     assert record["loss"] > 0 and "experts" not in record

@@ -33,4 +33,6 @@ def test_family_check(family, check, committed):
 def test_the_readme_summary_is_the_tables(committed):
     readme = (ROOT / "README.md").read_text()
     assert C.README_START in readme and C.README_END in readme
-    assert C.with_summary(readme, committed) == readme, "the README's family table is out of date: run tools/family_table.py"
+    assert C.with_summary(readme, committed) == readme, (
+        "the README's family table is out of date: run tools/family_table.py"
+    )

@@ -52,11 +52,17 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step-00000002"
 
 
-def test_routing_guard_flags_collapse_and_dead_experts():
+def test_absolute_routing_guard_flags_collapse_and_dead_experts():
     guard = G.RoutingGuard(
         mfconfig.settings(
             mfconfig.RoutingThresholds,
-            {"window_steps": 2, "max_load_ratio": 2.0, "min_load_entropy": 0.5, "max_dead_experts": 0},
+            {
+                "window_steps": 2,
+                "max_load_ratio": 2.0,
+                "min_load_entropy": 0.5,
+                "max_dead_experts": 0,
+                "reference": "absolute",
+            },
         )
     )
     guard.observe(1, [[10, 10, 10, 10], [40, 0, 0, 0]], [1.3, 0.1], 5.0)
@@ -72,3 +78,73 @@ def test_routing_guard_warns_when_loss_falls_fast_while_entropy_collapses():
     guard.observe(1, [[5, 5]], [0.69], 8.0)
     messages = guard.observe(2, [[5, 5]], [0.1], 2.0)
     assert any("routing may have failed" in m for m in messages)
+
+
+# a pretrained router's hot expert: 4x the mean load, over the absolute max_load_ratio of 3
+SKEWED_BASE = [[40, 10, 8, 6, 6, 4, 4, 2], [12, 12, 10, 10, 10, 10, 8, 8]]
+
+
+def base_guard(**thresholds):
+    guard = G.RoutingGuard(mfconfig.settings(mfconfig.RoutingThresholds, {"window_steps": 2, **thresholds}))
+    guard.set_reference(SKEWED_BASE)
+    return guard
+
+
+def test_base_reference_passes_an_unchanged_router_from_a_skewed_base():
+    guard = base_guard()
+    for step in (1, 2):
+        assert guard.observe(step, [[20, 5, 4, 3, 3, 2, 2, 1], [6, 6, 5, 5, 5, 5, 4, 4]], [1.0, 1.3], 5.0) == []
+    report = guard.report()
+    assert report["stable"] and report["base_layers"][0]["max_over_mean"] == 4.0
+    absolute = G.RoutingGuard(
+        mfconfig.settings(mfconfig.RoutingThresholds, {"window_steps": 2, "reference": "absolute"})
+    )
+    absolute.window.extend(guard.window)
+    assert not absolute.report()["stable"]  # the same routing fails the absolute thresholds
+
+
+def test_base_reference_fails_a_collapse():
+    guard = base_guard()
+    guard.observe(1, [[40, 0, 0, 0, 0, 0, 0, 0], [6, 6, 5, 5, 5, 5, 4, 4]], [0.1, 1.3], 5.0)
+    alarms = guard.observe(2, [[40, 0, 0, 0, 0, 0, 0, 0], [6, 6, 5, 5, 5, 5, 4, 4]], [0.1, 1.3], 5.0)
+    assert len(alarms) == 1 and "MoE layer 0" in alarms[0]
+    assert "the base model's 4.00x grown past 1.5x" in alarms[0] and "fell" in alarms[0]
+    assert "dead experts [1, 2, 3, 4, 5, 6, 7] that the base model routed tokens to" in alarms[0]
+    assert not guard.report()["stable"]
+
+
+def test_base_reference_fails_an_expert_that_died_but_not_one_dead_in_the_base():
+    guard = base_guard(max_load_ratio_growth=10.0, max_load_entropy_drop=1.0)  # only dead experts judged
+    guard.set_reference([[60, 20, 12, 8], [30, 30, 40, 0]])
+    window = [[40, 30, 30, 0], [30, 30, 40, 0]]  # layer 0's expert 3 died; layer 1's was dead in the base
+    guard.observe(1, window, [1.0, 1.0], 5.0)
+    guard.observe(2, window, [1.0, 1.0], 5.0)
+    assert guard.report()["problems"] == [
+        "MoE layer 0: dead experts [3] that the base model routed tokens to (at most 0 allowed) over the last 2 steps"
+    ]
+
+
+def test_base_reference_travels_in_the_state_and_judges_nothing_without_one():
+    guard = base_guard()
+    state = guard.state_dict()
+    restored = G.RoutingGuard(guard.t)
+    for step in (1, 2):
+        restored.observe(step, [[50, 0, 0, 0]], [0.1], 5.0)
+    assert restored.report()["stable"] and restored.report()["base_layers"] is None  # no reference yet
+    restored.load_state_dict(state)
+    assert restored.reference == SKEWED_BASE
+
+
+def test_base_reference_is_the_base_models_load_on_the_gate_windows_rows():
+    """An (all but) unchanged router's gate window equals the reference count for count: same rows, same tokens."""
+    s = settings(steps=5, warmup_steps=5, lr=1e-12, min_lr=1e-12, routing_guard={"window_steps": 2})
+    trainer = make_trainer(train_settings=s)
+    reference = G.base_reference(
+        trainer.model, trainer.rows, s, seed=0, world_size=1, attn_implementation="sdpa", precision="fp32"
+    )
+    trainer.model.train()
+    trainer.run()
+    trainer.routing_guard.set_reference(reference)
+    assert trainer.routing_guard.window_load() == reference
+    report = trainer.routing_guard.report()
+    assert report["stable"] and report["layers"] == report["base_layers"]

@@ -47,8 +47,8 @@ FAMILIES = {
 V5 = compat.is_transformers_v5()
 
 
-def section(name: str) -> dict:
-    return {"config": {"model_type": name, **SMALL, **FAMILIES[name]}, "attn_implementation": "eager"}
+def section(name: str, **config) -> dict:
+    return {"config": {"model_type": name, **SMALL, **FAMILIES[name], **config}, "attn_implementation": "eager"}
 
 
 def tiny(name: str = "qwen3_moe", seed: int = 0):
@@ -63,7 +63,7 @@ def perturb_adapters(model, seed: int = 2) -> None:
     """Give the adapters non-zero weights (peft starts lora_B at zero, so they would do nothing)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for _name, param in model.named_parameters():
             if param.requires_grad:
                 param.add_(0.05 * torch.randn(param.shape, generator=generator))
 
@@ -136,13 +136,7 @@ def test_all_targets_adapt_attention_and_every_expert_and_freeze_the_rest(name):
 def test_targets_that_the_model_lacks_are_named():
     with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.targets.*no shared_experts"):
         lora.apply_lora(tiny("qwen3_moe"), lora_of({"targets": ["shared_experts"]}), False)
-    dense = build_model(
-        {
-            "config": {"model_type": "qwen3_moe", **SMALL, "head_dim": 8, "num_experts": 0},
-            "attn_implementation": "eager",
-        },
-        VOCAB,
-    )
+    dense = build_model(section("qwen3_moe", num_experts=0), VOCAB)
     with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.router.*no router"):
         lora.apply_lora(dense, lora_of({"targets": ["all"], "router": "trainable"}), False)
     model = lora.apply_lora(dense, lora_of({"targets": ["all"]}), False)  # a dense model: attention and its MLPs

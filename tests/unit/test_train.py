@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tiny_models, tiny_training
 
-from tiny_models import tiny_model_cfg  # noqa: E402
+from tiny_models import tiny_dense_cfg, tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, losses, make_trainer, packed_rows, settings  # noqa: E402
 
 from moeflow import config as mfconfig
@@ -184,7 +184,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_dense_model_trains_without_routing():
-    model = build_model(tiny_model_cfg(num_experts=0, intermediate_size=32), VOCAB, seed=0)
+    model = build_model(tiny_dense_cfg(), VOCAB, seed=0)
     trainer = Trainer(model, settings(steps=2, warmup_steps=1), packed_rows(), collate_fn=collate, seed=0)
     trainer.run()
     assert trainer.adapter is None and trainer.train_records()[-1]["balance_loss"] == 0.0

@@ -14,6 +14,7 @@ rule verify_env:
         # Only the runs that turn it on: adding or removing an ordinary run must not rerun every stage.
         trust_remote_code={run: True for run, cfg in RUNS.items() if cfg["model"]["trust_remote_code"]},
         fingerprint=environment_fingerprint(),
+        layout={"device": config["hardware"]["device"], "nproc_per_node": config["parallel"]["nproc_per_node"]},
         runtime=runtime(),
     threads: 1
     log:

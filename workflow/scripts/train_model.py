@@ -24,7 +24,13 @@ ranks = D.init(settings.hardware_device)
 parallel = D.check_ranks(settings.parallel, ranks)
 
 model = D.load_for_training(
-    snakemake.input.model, settings.model, settings.train, parallel, ranks, snakemake.input.data
+    snakemake.input.model,
+    settings.model,
+    settings.train,
+    parallel,
+    ranks,
+    snakemake.input.data,
+    precision=stage.precision,
 )
 tokenizer = load_tokenizer(snakemake.input.model)
 trainer = train_stage(

@@ -1,6 +1,6 @@
 """Stage verify_env: what environment is this, and does it match the stack's pins?"""
 
-from moeflow import env
+from moeflow import env, gpu_node
 from moeflow.files import write_json, write_text
 from moeflow.stage import Stage, kill_point
 
@@ -12,7 +12,9 @@ report = env.collect(
     env_file=snakemake.input.env_file,  # noqa: F821
     trust_remote_code=params.trust_remote_code,
 )
+report["gpu_node"] = gpu_node.check(params.layout)  # driver, GPU count vs layout, NCCL all-reduce
 env.enforce(report, strict=params.env["strict"])  # strict: fails listing every difference; else warns
+gpu_node.enforce(report["gpu_node"], strict=params.env["strict"])
 
 # No code hash or seed in the report: editing moeflow must not change its bytes, or everything
 # downstream of the environment would rerun.
@@ -20,4 +22,4 @@ provenance = stage.provenance()
 report["provenance"] = {k: provenance[k] for k in ("stage", "stack", "python", "torch", "transformers", "threads")}
 kill_point("verify_env.write")
 write_json(snakemake.output.json, report)  # noqa: F821
-write_text(snakemake.output.md, env.render_markdown(report))  # noqa: F821
+write_text(snakemake.output.md, env.render_markdown(report) + "\n" + gpu_node.render_markdown(report["gpu_node"]))  # noqa: F821

@@ -1,13 +1,16 @@
 """Stage warmup: the linear learning-rate warmup of fine-tuning, saved as a full checkpoint (weights,
 optimizer, RNG states, data position, metrics so far) plus a routing-stability report. A router that
 ends the warmup unstable (collapsed layer, dead experts, load beyond train.routing_guard) fails the
-stage with the report, before the expensive part starts. Started through torchrun by its rule: every
+stage with the report, before the expensive part starts. With train.routing_guard.reference base (the
+default) the gate judges change against the base model's own routing on the rows of the gate's window,
+routed here before training (moeflow.guards.base_reference); the reference travels in the checkpoint to
+train_model. Started through torchrun by its rule: every
 rank runs this script; the layout is the config's ``parallel`` section (moeflow.distributed)."""
 
 from moeflow import distributed as D
 from moeflow.config import WarmupStage
 from moeflow.files import dumps_json, write_json
-from moeflow.guards import UnstableRouting
+from moeflow.guards import UnstableRouting, base_reference
 from moeflow.shards import open_split
 from moeflow.stage import Stage, job_from_argv, log
 from moeflow.train import train_stage
@@ -19,9 +22,26 @@ ranks = D.init(settings.hardware_device)
 parallel = D.check_ranks(settings.parallel, ranks)
 
 model = D.load_for_training(
-    snakemake.input.model, settings.model, settings.train, parallel, ranks, snakemake.input.data
+    snakemake.input.model,
+    settings.model,
+    settings.train,
+    parallel,
+    ranks,
+    snakemake.input.data,
+    precision=stage.precision,
 )
 rows = open_split(snakemake.input.data, "train")
+reference = None
+if settings.train.routing_guard.reference == "base":  # before train_stage: a resumed run has the base model here too
+    reference = base_reference(
+        model,
+        rows,
+        settings.train,
+        stage.seed,
+        ranks.world_size,
+        settings.model["attn_implementation"],
+        stage.precision,
+    )
 trainer = train_stage(
     stage,
     model,
@@ -33,6 +53,7 @@ trainer = train_stage(
     key_settings=snakemake.params.settings,
     key_inputs=[snakemake.input.model, snakemake.input.data],
 )
+trainer.routing_guard.set_reference(reference)
 # The routing report is the all-reduced counts': the same verdict on every rank.
 report = {**trainer.routing_guard.report(), "step": trainer.step, "provenance": stage.provenance()}
 if not report["stable"]:

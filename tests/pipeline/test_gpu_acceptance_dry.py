@@ -1,0 +1,53 @@
+"""The GPU acceptance driver in dry mode (tiny slice on the CPU, as CI runs it): it completes and its
+report holds, for moeflow's Trainer and the HF Trainer, the numbers the GPU run is read for."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from conftest import active_stack
+
+from moeflow.config import REPO_ROOT
+
+NUMBERS = (
+    "tokens_per_s",
+    "seconds_per_step",
+    "mfu",
+    "peak_allocated_mib",
+    "host_syncs_per_step",
+    "active_parameters",
+    "total_parameters",
+)
+NAMES = ("attn_implementation", "experts_implementation")
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0
+
+
+def test_the_dry_run_reports_both_trainers_numbers(tmp_path):
+    out = tmp_path / "gpu_acceptance.json"
+    env = {**os.environ, "STACK": active_stack(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [str(REPO_ROOT / "benchmarks" / "gpu_acceptance.sh"), "--dry", "--out", str(out)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry"] is True and report["device"] == "cpu"
+    assert set(report["setups"]) == {"moeflow", "hf_trainer"}
+    for setup, numbers in report["setups"].items():
+        for key in NUMBERS:
+            assert is_number(numbers[key]), (setup, key, numbers[key])
+        for key in NAMES:
+            assert isinstance(numbers[key], str) and numbers[key], (setup, key)
+        assert numbers["tokens_per_s"] > 0 and 0 < numbers["mfu"] < 1
+        assert numbers["host_syncs_per_step"] > 0  # the counter sees the loop's reads of the loss
+    assert is_number(report["peak_flops_per_s"]) and is_number(report["moeflow_over_hf_tokens_per_s"])
+    assert report["shape"]["steps"] >= 2 and report["model"]["num_experts_per_tok"] == 2

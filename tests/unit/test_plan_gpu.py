@@ -1,0 +1,241 @@
+"""What a GPU really holds, per term, and the host's load phase: the planner against arithmetic done by hand.
+
+The shapes are those of config/models/qwen3-30b-a3b.yaml and config/models/step3p5-flash.yaml, written
+out here. Qwen3-30B-A3B is planned as its file gives it: FSDP over 8 x 80 GB, bf16 (FSDP mixed precision:
+bf16 gathered parameters, fp32 sharded masters, fp32 gradient reduce-scatter), micro-batch 1 x 4096
+tokens (the same 4096 tokens as 2 x 2048), gradient checkpointing, sdpa attention. The sum of the terms
+is the planner's (conservative) peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import active_stack
+
+from moeflow import config, env, plan, scaleout
+from moeflow.config import REPO_ROOT
+
+GIB = 2**30
+MODELS = REPO_ROOT / "config" / "models"
+QWEN3_30B = MODELS / "qwen3-30b-a3b.yaml"
+STEP3P5 = MODELS / "step3p5-flash.yaml"
+
+# Qwen3-30B-A3B: hidden 2048, 48 layers (all MoE), 32 query / 4 KV heads of 128, 128 experts of width 768,
+# top-8, vocabulary 151,936, embedding and LM head untied.
+QWEN_TOTAL = 30_532_122_624
+QWEN_LAYER = (
+    2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128  # q, k, v, o, q/k norms
+    + 2 * 2048  # the two RMSNorms
+    + 128 * 2048  # router
+    + 128 * 3 * 2048 * 768  # routed experts: gate, up, down
+)  # fmt: skip
+QWEN_ROOT = 2 * 151_936 * 2048 + 2048  # embedding, LM head, final norm
+QWEN_TOKENS = 1 * 4096
+
+
+def settings_of(*overlays, overrides=None) -> dict:
+    return config.plan_settings(config.run_config(config.load(*overlays, overrides=overrides), "moe"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def formula_counts():
+    """Count with the closed form: building Qwen3-30B-A3B's 6,144 experts on the meta device takes ~40 s on
+    this machine, and tests/unit/test_plan.py checks the formula against the meta count for every family."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan, "meta_count", lambda config, shape: None)
+        yield
+
+
+@pytest.fixture(scope="module")
+def env_report():
+    return env.collect(active_stack(), REPO_ROOT / "envs" / f"{active_stack()}.yaml")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    settings = settings_of(QWEN3_30B)
+    shape, count, _ = plan.count_parameters(settings["model"], settings["vocab_size"])
+    return shape, count, plan.Job.from_settings(settings)
+
+
+def qwen_activation_bytes(tokens: int) -> int:
+    """The recomputed layer's kept tensors per token, less its input (in the residual stream), plus the final norm."""
+    attention = 2 * 2048 + (32 + 2 * 4) * 128 + 32 * 128 + 32  # input + norm out, q/k/v, attention out, softmax stats
+    ffn_norm = 2 * 2048
+    moe = 2 * 128 + 8 * (2 * 2048 + 3 * 768)  # router scores; each token into and out of 8 experts
+    return tokens * (attention + ffn_norm + moe - 2048 + 2 * 2048) * 2
+
+
+def test_qwen3_30b_a3b_terms_on_8_x_80gb_by_hand(qwen):
+    shape, count, job = qwen
+    assert (count.total, count.largest_layer, plan.root_unit_parameters(shape, count)) == (
+        QWEN_TOTAL,
+        QWEN_LAYER,
+        QWEN_ROOT,
+    )
+    assert job.num_devices == 8 and job.precision == "bf16" and job.mixed_precision
+    assert (job.micro_batch_size, job.seq_len, job.gradient_checkpointing) == (1, 4096, True)
+    mem = plan.memory_per_device(shape, count, job)
+    expected = {
+        # fp32 masters 4 + fp32 gradients 4 + AdamW moments 8 = 16 bytes per parameter, over 8 devices
+        "weights": QWEN_TOTAL * 2 // 8,
+        "gradients": QWEN_TOTAL * 2 // 8,
+        "optimizer": QWEN_TOTAL * 12 // 8,
+        "unsharded_layer": QWEN_LAYER * (2 + 2),  # the running layer in bf16 and its bf16 gradient
+        "prefetched_layer": QWEN_LAYER * 2,  # the next layer's bf16 all-gather
+        "layer_gradient_reduce": QWEN_LAYER * 4,  # the gradient's fp32 reduce-scatter buffer
+        "root_unit": QWEN_ROOT * (2 + 2),  # embedding + LM head + norm in bf16, and their bf16 gradient
+        "residual_stream": QWEN_TOKENS * 48 * 2048 * 2,  # one bf16 layer input per layer (checkpointing)
+        "activations": qwen_activation_bytes(QWEN_TOKENS),
+        "logits": QWEN_TOKENS * 151_936 * (2 + 4 + 4 + 4),  # bf16 logits, fp32 copy, log-softmax, gradient
+        "runtime": 1 * GIB,  # CUDA context
+    }
+    assert {k: v for k, v in mem.items() if k != "total"} == expected
+    assert mem["total"] == sum(expected.values())
+    assert expected["root_unit"] / GIB == pytest.approx(2.32, abs=0.01)
+    assert expected["logits"] / (2 * 2048 * 151_936 * 4) == 14 / 4  # 2.5 GB per fp32 copy, 14 bytes in all
+    assert 73 * GIB <= mem["total"] <= 77 * GIB  # 75.41 GiB
+    visible = int(79.11 * GIB)  # an 80 GB H100 as torch sees it
+    assert plan.verdict(mem["total"], visible) == "tight"  # within the card, above 90% of it
+
+
+def test_qwen3_30b_a3b_does_not_fit_when_a_term_pushes_it_over(qwen):
+    shape, count, job = qwen
+    visible = int(79.11 * GIB)
+    two = plan.memory_per_device(shape, count, dataclasses.replace(job, micro_batch_size=2))
+    # micro-batch 2: 8192 tokens; the logits alone grow by 4096 x 151,936 x 14 bytes (8.11 GiB)
+    assert two["logits"] == 2 * 4096 * 151_936 * 14 and two["activations"] == qwen_activation_bytes(8192)
+    assert two["residual_stream"] == 8192 * 48 * 2048 * 2
+    assert two["total"] - two["logits"] < 0.9 * visible < visible < two["total"]
+    assert plan.verdict(two["total"], visible) == "does_not_fit"
+    # seven cards: the states grow to 16 x N / 7; the per-layer FSDP terms and the root unit stay
+    seven = plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=7))
+    assert seven["optimizer"] == -(-QWEN_TOTAL * 12 // 7) and seven["root_unit"] == QWEN_ROOT * 4
+    assert plan.verdict(seven["total"], visible) == "does_not_fit"
+    # one card: nothing is gathered, and the residual stream is fp32 (bf16 autocast over fp32 weights)
+    one = plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=1))
+    assert one["prefetched_layer"] == one["layer_gradient_reduce"] == one["root_unit"] == 0
+    assert one["residual_stream"] == QWEN_TOKENS * 48 * 2048 * 4
+
+
+def test_an_80gb_card_is_planned_with_what_torch_sees_of_it(env_report):
+    result = plan.plan(settings_of(QWEN3_30B), env_report)
+    assert result["device_memory_bytes"] == int(79.11 * GIB) and "79.11 GiB visible" in result["device_memory_source"]
+    assert result["verdict"] == "tight" and 73 <= result["per_device_gib"]["total"] <= 77
+    other = plan.plan(settings_of(QWEN3_30B, overrides={"hardware": {"memory_gib_per_device": 96}}), env_report)
+    assert other["device_memory_bytes"] == 96 * GIB  # not a size the table knows: taken as torch's total
+    cpu = settings_of(QWEN3_30B, overrides={"hardware": {"device": "cpu", "memory_gib_per_device": 80}})
+    assert plan.device_memory(cpu, env_report)[0] == 80 * GIB
+
+
+def test_new_terms_are_in_the_plan_files(env_report):
+    result = plan.plan(settings_of(QWEN3_30B), env_report)
+    for key in ("prefetched_layer", "layer_gradient_reduce", "root_unit", "residual_stream", "logits"):
+        assert key in result["per_device_bytes"] and key in result["per_device_gib"]
+    text, markdown = plan.summary(result), plan.render_markdown(result)
+    gib = result["per_device_gib"]
+    assert f"root unit {gib['root_unit']:.2f} GiB" in text and f"logits {gib['logits']:.2f} GiB" in text
+    assert "| prefetched layer |" in markdown and "| layer gradient reduce |" in markdown
+    assert "## Host memory per node, loading (8 rank(s))" in markdown and "host, loading:" in text
+
+
+# --------------------------------------------------------------------------- Step-3.5-Flash
+
+# hidden 4096, 45 layers (0-2 dense of width 11,264, 3-44 MoE), 64 query / 8 KV heads of 128, a sigmoid gate
+# per head, 288 experts of width 1280, top-8, one shared expert of width 1280, vocabulary 128,896, untied.
+STEP_TOTAL = 195_844_496_640
+STEP_ATTENTION = 4096 * 8192 + 2 * 4096 * 1024 + 8192 * 4096 + 2 * 128 + 4096 * 64  # q, k, v, o, norms, g_proj
+STEP_DENSE_LAYER = STEP_ATTENTION + 2 * 4096 + 3 * 4096 * 11264
+STEP_MOE_LAYER_WITHOUT_ROUTED = STEP_ATTENTION + 2 * 4096 + 3 * 4096 * 1280 + 288 * 4096  # + shared, router
+STEP_ROOT = 2 * 128_896 * 4096 + 4096
+STEP_TOKENS = 2 * 2048
+
+
+def step_activation_bytes(tokens: int) -> int:
+    attention = 2 * 4096 + (64 + 2 * 8) * 128 + 64 * 128 + 64 + 64  # ... softmax stats, head gates
+    moe = 2 * 288 + 8 * (2 * 4096 + 3 * 1280) + 3 * 1280 + 4096  # router, 8 experts, the shared expert
+    return tokens * (attention + 2 * 4096 + moe - 4096 + 2 * 4096) * 2  # the MoE layer is the largest
+
+
+@pytest.fixture(scope="module")
+def step():
+    settings = settings_of(STEP3P5)
+    shape, count, _ = plan.count_parameters(settings["model"], settings["vocab_size"])
+    return shape, count, plan.Job.from_settings(settings)
+
+
+def test_step3p5_flash_on_its_24gb_card_by_hand(step, env_report):
+    shape, count, job = step
+    assert count.total == STEP_TOTAL and (job.num_devices, job.micro_batch_size, job.seq_len) == (1, 2, 2048)
+    mem = plan.memory_per_device(shape, count, job)
+    assert mem["unsharded_layer"] == mem["prefetched_layer"] == mem["layer_gradient_reduce"] == mem["root_unit"] == 0
+    assert mem["residual_stream"] == STEP_TOKENS * 45 * 4096 * 4  # fp32 on one card (autocast)
+    assert mem["activations"] == step_activation_bytes(STEP_TOKENS)
+    assert mem["logits"] == STEP_TOKENS * 128_896 * 14
+    assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * STEP_TOTAL
+    result = plan.plan(settings_of(STEP3P5), env_report)
+    assert result["device_memory_bytes"] == int(23.68 * GIB) and result["verdict"] == "does_not_fit"
+
+
+def test_step3p5_flash_on_the_multinode_profile_by_hand(step, env_report):
+    """48 x 80 GB in 6 nodes of 8, expert parallelism (profiles/slurm-multinode): only a layer's dense part
+    is gathered (the largest is a dense layer), and the root unit (1.06B parameters) weighs most."""
+    shape, count, job = step
+    assert count.largest_layer_without_routed == max(STEP_DENSE_LAYER, STEP_MOE_LAYER_WITHOUT_ROUTED)
+    assert count.largest_layer_without_routed == STEP_DENSE_LAYER
+    ep = dataclasses.replace(job, num_devices=48, expert_parallel=True, ranks_per_node=8)
+    mem = plan.memory_per_device(shape, count, ep)
+    assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * STEP_TOTAL // 48
+    assert mem["unsharded_layer"] == STEP_DENSE_LAYER * 4 and mem["prefetched_layer"] == STEP_DENSE_LAYER * 2
+    assert mem["layer_gradient_reduce"] == STEP_DENSE_LAYER * 4 and mem["root_unit"] == STEP_ROOT * 4
+    assert mem["residual_stream"] == STEP_TOKENS * 45 * 4096 * 2  # bf16 under FSDP mixed precision
+    assert mem["activations"] == step_activation_bytes(STEP_TOKENS) and mem["logits"] == STEP_TOKENS * 128_896 * 14
+    visible = int(79.11 * GIB)
+    assert plan.verdict(mem["total"], visible) == "tight"  # 77.14 GiB
+    five_nodes = plan.memory_per_device(shape, count, dataclasses.replace(ep, num_devices=40))
+    assert plan.verdict(five_nodes["total"], visible) == "does_not_fit"
+    # the load phase: under expert parallelism each rank loads only its share (fp32)
+    host = plan.host_memory(count, ep)
+    assert host == {
+        "model": 8 * -(-STEP_TOTAL * 4 // 48),
+        "runtime": 8 * 3 * GIB,
+        "total": 8 * -(-STEP_TOTAL * 4 // 48) + 8 * 3 * GIB,
+    }
+    mem_mb = scaleout.profile_request("slurm-multinode").mem_mb
+    assert plan.verdict(host["total"], mem_mb * 2**20) == "fits"
+
+
+# --------------------------------------------------------------------------- the host's load phase
+
+
+def test_qwen3_30b_a3b_loads_on_its_node_only_just(qwen, env_report, caplog):
+    """Every rank loads the whole fp32 model before sharding: 8 x 4 x 30.5B bytes + 8 runtimes."""
+    _, count, job = qwen
+    host = plan.host_memory(count, job)
+    assert host["model"] == 8 * QWEN_TOTAL * 4 and host["runtime"] == 8 * 3 * GIB
+    assert host["total"] / GIB == pytest.approx(933.9, abs=0.1)
+    mem_mb = scaleout.profile_request("slurm").mem_mb
+    assert mem_mb == 960_000  # 937.5 GiB
+    result = plan.plan(settings_of(QWEN3_30B), env_report, mem_mb=mem_mb)
+    assert result["host"]["verdict"] == "tight" and result["host"]["limit_bytes"] == mem_mb * 2**20
+    assert result["host"]["limit_source"] == "the training job's mem_mb"
+    with caplog.at_level("WARNING", logger="moeflow.plan"):
+        plan.enforce(result)  # device and host both tight: warnings, no refusal
+    assert "less than 10% headroom" in caplog.text
+    short = plan.plan(settings_of(QWEN3_30B), env_report, mem_mb=900_000)  # 878.9 GiB < 933.9 GiB
+    assert short["host"]["verdict"] == "does_not_fit"
+    with pytest.raises(plan.PlanError, match="cannot load the model within its mem_mb"):
+        plan.enforce(short)
+    # without mem_mb the load is compared with this machine's RAM, and only warned about
+    here = plan.plan(settings_of(QWEN3_30B), env_report)
+    assert here["host"]["limit_bytes"] == env_report["system"]["ram_usable_bytes"]
+    plan.enforce(here)
+
+
+def test_the_embedded_default_loads_within_this_machine(env_report):
+    result = plan.plan(settings_of(), env_report)
+    count = result["parameters"]["total"]
+    assert result["host"]["per_node_bytes"] == {"model": 4 * count, "runtime": GIB, "total": 4 * count + GIB}
+    assert result["host"]["verdict"] == "fits" and result["verdict"] == "fits"
