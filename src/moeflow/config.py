@@ -182,6 +182,11 @@ def with_defaults(tree: Any, node: Mapping[str, Any] | str = "#") -> Any:
         sub = properties.get(key, others if isinstance(others, Mapping) else None)
         if sub is not None and isinstance(value, Mapping):
             out[key] = with_defaults(value, sub)
+    if properties and not isinstance(others, Mapping):
+        # A record of named keys: in key order, so that the same settings are the same rule params (Snakemake
+        # compares them in order) whether a key came from config.yaml, an overlay or the schema's default.
+        # Maps of named entries (data.sources, runs) keep their order: it is meaningful.
+        out = dict(sorted(out.items()))
     return out
 
 

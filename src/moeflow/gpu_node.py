@@ -90,8 +90,15 @@ def all_reduce_check(gpus: int) -> dict[str, Any]:
     return {"ran": True, "ok": True, "reason": f"NCCL all-reduce over {gpus} GPU(s): the sum is right"}
 
 
+def layout(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What :func:`check` compares the node with (verify_env's params): ``hardware.device`` and, on CUDA only,
+    ``parallel.nproc_per_node`` (with CPU ranks it is not checked: changing it must not rerun verify_env)."""
+    device = cfg["hardware"]["device"]
+    return {"device": device, "nproc_per_node": cfg["parallel"]["nproc_per_node"] if device == "cuda" else None}
+
+
 def check(layout: Mapping[str, Any]) -> dict[str, Any]:
-    """The node report for ``layout`` (``{"device": hardware.device, "nproc_per_node": parallel.nproc_per_node}``)."""
+    """The node report for a :func:`layout`."""
     gpus = gpu_count()
     problems = []
     if layout["device"] == "cuda" and gpus != layout["nproc_per_node"]:

@@ -225,7 +225,7 @@ def _qwen2_moe(f: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _all_moe(f: Mapping[str, Any], experts_key: str) -> dict[str, Any]:
-    """mixtral, olmoe, gpt_oss: every layer is MoE and ``intermediate_size`` is the expert width."""
+    """mixtral, granitemoe, olmoe, gpt_oss: every layer is MoE and ``intermediate_size`` is the expert width."""
     base = _attention_fields(f)
     return base | {
         "dense_ffn": 0,
@@ -317,6 +317,7 @@ FAMILIES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
     "mixtral": _mixtral,
+    "granitemoe": _mixtral,  # the same fields and shapes (experts fused as input_linear/output_linear)
     "olmoe": _olmoe,
     "deepseek_v3": _deepseek_v3,
     "gpt_oss": _gpt_oss,

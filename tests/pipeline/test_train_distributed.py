@@ -306,7 +306,14 @@ def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_afte
     from transformers import AutoModelForCausalLM
 
     final = AutoModelForCausalLM.from_pretrained(results / "runs" / "moe" / "model").state_dict()
-    base = AutoModelForCausalLM.from_pretrained(next((results / "base").glob("b-*"))).state_dict()
+    # the moe run's base (the dense run has its own): the base folder whose config is the MoE's
+    moe_config = json.loads((results / "runs" / "moe" / "model" / "config.json").read_text())
+    (base_dir,) = [
+        d
+        for d in (results / "base").glob("b-*")
+        if json.loads((d / "config.json").read_text())["num_experts"] == moe_config["num_experts"]
+    ]
+    base = AutoModelForCausalLM.from_pretrained(base_dir).state_dict()
     assert {k: tuple(v.shape) for k, v in base.items()} == {k: tuple(v.shape) for k, v in final.items()}
     assert not all(torch.equal(base[k], final[k]) for k in base)
 

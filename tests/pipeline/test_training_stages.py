@@ -140,7 +140,9 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
 
 
 def test_warmup_with_an_unstable_router_fails_with_the_report(stage_inputs, tmp_path):
-    warmup_settings, _ = fine_tune_settings(routing_guard={"window_steps": 2, "max_load_ratio": 1.01, "reference": "absolute"})
+    warmup_settings, _ = fine_tune_settings(
+        routing_guard={"window_steps": 2, "max_load_ratio": 1.01, "reference": "absolute"}
+    )
     done = run_stage_script(
         "warmup.py",
         tmp_path,

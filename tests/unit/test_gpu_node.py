@@ -92,7 +92,7 @@ def test_a_broken_all_reduce_is_a_problem(monkeypatch, failure):
 
 def test_a_cpu_machine_skips_the_gpu_checks_with_the_reason(monkeypatch):
     probes = fake_node(monkeypatch, 0)
-    node = gpu_node.check({"device": "cpu", "nproc_per_node": 2})
+    node = gpu_node.check({"device": "cpu", "nproc_per_node": None})
     assert node["gpus"] == 0 and node["gpu_count_matches"] is None and node["problems"] == []
     assert node["nvidia_driver"].startswith("none") and probes == []
     assert node["all_reduce"] == {"ran": False, "ok": None, "reason": "no CUDA GPU here: no NCCL all-reduce to try"}
@@ -104,3 +104,11 @@ def test_a_cuda_config_on_a_cpu_machine_is_reported():
         pytest.skip("this machine has a GPU")
     node = gpu_node.check(CUDA_LAYOUT)  # the real NVML and torch.cuda of this machine
     assert node["gpus"] == 0 and node["problems"] and node["all_reduce"]["ran"] is False
+
+
+def test_the_layout_names_nproc_per_node_on_cuda_only():
+    """CPU ranks are not checked: a change of their number must not rerun verify_env."""
+    cfg = {"hardware": {"device": "cpu"}, "parallel": {"nproc_per_node": 2}}
+    assert gpu_node.layout(cfg) == {"device": "cpu", "nproc_per_node": None}
+    cfg["hardware"]["device"] = "cuda"
+    assert gpu_node.layout(cfg) == {"device": "cuda", "nproc_per_node": 2}

@@ -46,6 +46,7 @@ FAMILY_CONFIGS = {
         "shared_expert_intermediate_size": 48,
     },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
     "deepseek_v3": {
         "moe_intermediate_size": 32,

@@ -1,6 +1,8 @@
 # Stage 1: what environment is this? Facts only (no timestamps), so an unchanged environment gives
 # the same bytes and reruns nothing downstream. The fingerprint param reruns it when packages change.
 
+from moeflow.gpu_node import layout as gpu_layout
+
 
 rule verify_env:
     input:
@@ -14,7 +16,7 @@ rule verify_env:
         # Only the runs that turn it on: adding or removing an ordinary run must not rerun every stage.
         trust_remote_code={run: True for run, cfg in RUNS.items() if cfg["model"]["trust_remote_code"]},
         fingerprint=environment_fingerprint(),
-        layout={"device": config["hardware"]["device"], "nproc_per_node": config["parallel"]["nproc_per_node"]},
+        layout=gpu_layout(config),  # the GPU count is checked against parallel.nproc_per_node on CUDA
         runtime=runtime(),
     threads: 1
     log:
