@@ -272,6 +272,8 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
         )
     if model.get("pretrained") and not Path(model["pretrained"]).is_dir():
         problems.append(pretrained_folder_problem(model["pretrained"]))
+    elif model.get("pretrained") and not model.get("trust_remote_code"):
+        problems += model_type_problems(Path(model["pretrained"]))
     if (cfg.get("pretrain") or {}).get("method", "full") != "full":
         problems.append("config key 'pretrain.method': pretraining trains the whole base model; use method: full")
     named = data.get("eval_corpora", []) + cfg.get("coverage", {}).get("pool_corpora", [])
@@ -330,6 +332,35 @@ def pretrained_folder_problem(pretrained: str) -> str:
         f"never downloads a model: fetch it first, e.g. `huggingface-cli download {pretrained} --local-dir {folder}`, "
         f"then set model.pretrained: {folder}"
     )
+
+
+def model_type_problems(folder: Path) -> list[str]:
+    """A pretrained folder whose config.json names a model type this stack's transformers cannot load as a
+    causal LM: refused before any job runs (a folder with its own code is checked when it loads)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return []  # moeflow.modeling names what the folder lacks when a stage loads it
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return []
+    # transformers' model tables, imported only for a pretrained folder (they import torch: seconds at DAG build)
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    where = f"config key 'model.pretrained': {folder}/config.json names model_type {model_type!r}"
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return [
+            f"{where}, which transformers {transformers.__version__} does not have: a model this new needs "
+            "transformers 5 (the 'current' stack, STACK=current) or a newer release"
+        ]
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return [
+            f"{where}: transformers {transformers.__version__} has its config but no causal-LM class for it "
+            "(AutoModelForCausalLM cannot load it), and moeflow fine-tunes causal language models only"
+        ]
+    return []
 
 
 def run_problems(cfg: Mapping[str, Any]) -> list[str]:

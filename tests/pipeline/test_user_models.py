@@ -23,7 +23,7 @@ pytestmark = pytest.mark.pipeline
 # docs/families.md: step3p5 does not train on either stack (no such model in transformers 4.57; transformers 5 has
 # its text model but no causal-LM class). Every other family trains on both.
 REFUSED = {
-    "step3p5": "needs transformers 5" if not compat.is_transformers_v5() else "no causal-LM class",
+    "step3p5": "needs transformers 5" if not compat.is_transformers_v5() else "no causal-LM class for it",
 }
 TRAINED = [f for f in FAMILIES if f not in REFUSED]
 WORDS = "alpha beta gamma delta print return class import while lambda yield 42 ( ) :".split()
