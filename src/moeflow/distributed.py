@@ -246,6 +246,19 @@ def load_model(
     )
 
 
+def start_fine_tuning(job: Any, precision: str) -> tuple[Ranks, torch.nn.Module]:
+    """What the warmup and train_model stages do first: start this rank's process group, check the ranks
+    against the run's layout, and load the base model (``job.input.model``) for it, checked against the
+    fine-tuning data's vocabulary (``job.input.data``). ``job``: ``stage.job_from_argv``'s, with settings."""
+    settings = job.settings
+    ranks = init(settings.hardware_device)
+    parallel = check_ranks(settings.parallel, ranks)
+    model = load_for_training(
+        job.input.model, settings.model, settings.train, parallel, ranks, job.input.data, precision=precision
+    )
+    return ranks, model
+
+
 def load_for_training(
     path: str | os.PathLike,
     model_cfg: Mapping[str, Any],

@@ -20,18 +20,7 @@ from moeflow.valset import open_valset
 snakemake = job_from_argv(settings=TrainModelStage)
 stage = Stage.from_snakemake(snakemake)
 settings = snakemake.settings
-ranks = D.init(settings.hardware_device)
-parallel = D.check_ranks(settings.parallel, ranks)
-
-model = D.load_for_training(
-    snakemake.input.model,
-    settings.model,
-    settings.train,
-    parallel,
-    ranks,
-    snakemake.input.data,
-    precision=stage.precision,
-)
+ranks, model = D.start_fine_tuning(snakemake, stage.precision)
 tokenizer = load_tokenizer(snakemake.input.model)
 trainer = train_stage(
     stage,

@@ -18,18 +18,7 @@ from moeflow.train import train_stage
 snakemake = job_from_argv(settings=WarmupStage)
 stage = Stage.from_snakemake(snakemake)
 settings = snakemake.settings  # train: the warmup part's (train.warmup_steps steps)
-ranks = D.init(settings.hardware_device)
-parallel = D.check_ranks(settings.parallel, ranks)
-
-model = D.load_for_training(
-    snakemake.input.model,
-    settings.model,
-    settings.train,
-    parallel,
-    ranks,
-    snakemake.input.data,
-    precision=stage.precision,
-)
+ranks, model = D.start_fine_tuning(snakemake, stage.precision)
 rows = open_split(snakemake.input.data, "train")
 reference = None
 if settings.train.routing_guard.reference == "base":  # before train_stage: a resumed run has the base model here too
