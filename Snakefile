@@ -34,6 +34,9 @@ include: "workflow/rules/coverage.smk"
 include: "workflow/rules/plan.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/lm_eval.smk"
+include: "workflow/rules/humaneval.smk"
+include: "workflow/rules/drift.smk"
 include: "workflow/rules/paper.smk"
 
 

@@ -10,7 +10,9 @@ autocast over fp32 weights, 20 steps after one untimed warm-up forward and backw
 Per trainer, written to results/bench/gpu_acceptance.json: tokens/s (from the median step time), MFU
 (6 x active parameters x tokens/s against the GPU's dense bf16 peak from :data:`BF16_PEAK_FLOPS_PER_S`),
 peak allocated memory, host synchronisations per step (``torch.cuda.set_sync_debug_mode("warn")``'s
-warnings, counted), and the attention and experts implementations the model ran.
+warnings, counted), and the attention and experts implementations the model ran. The experts implementation is
+chosen as ``model.experts_implementation: auto`` is in the pipeline (moeflow.experts_choice, at the slice's
+MoE layer shape, micro-batch and bf16 on the device); the report keeps its timings under ``experts_choice``.
 
 ``--dry``: tiny sizes on the CPU for a few steps, so CI keeps the script working without a GPU; host
 synchronisations are then those tests/device_check.py counts, peak memory is the process's peak RSS and
@@ -43,6 +45,7 @@ from benchmarks.train import LR, step_intervals, warm_up  # noqa: E402
 from moeflow import compat  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
 from moeflow.collate import collate, model_inputs  # noqa: E402
+from moeflow.experts_choice import measure as time_experts  # noqa: E402
 from moeflow.files import write_json  # noqa: E402
 from moeflow.metrics import active_parameters  # noqa: E402
 from moeflow.modeling import build_model  # noqa: E402
@@ -276,6 +279,9 @@ def main() -> None:
     device = torch.device("cpu") if args.dry else torch.device("cuda", 0)
     torch.manual_seed(0)
     model_cfg = slice_model_cfg(shape.layers, args.dry)
+    experts = time_experts(model_cfg, shape.micro_batch_size, shape.seq_len, device, "bf16")
+    print(f"experts implementation: {experts['chosen']} ({experts['reason']})", flush=True)
+    model_cfg = {**model_cfg, "experts_implementation": experts["chosen"]}
     vocab = int(model_cfg["config"]["vocab_size"])
     rows = synthetic_rows(shape.micro_batch_size * (shape.steps + 1), shape.seq_len, vocab)
     peak, peak_source = peak_flops_per_s(device)
@@ -292,6 +298,7 @@ def main() -> None:
         "model": {k: model_cfg["config"][k] for k in ("hidden_size", "num_experts", "moe_intermediate_size")}
         | {"num_experts_per_tok": model_cfg["config"]["num_experts_per_tok"], "vocab_size": vocab},
         "setups": setups,
+        "experts_choice": experts,
         "moeflow_over_hf_tokens_per_s": setups["moeflow"]["tokens_per_s"] / setups["hf_trainer"]["tokens_per_s"],
         "smoke_pipeline_seconds": args.smoke_pipeline_seconds,
         "versions": {"torch": torch.__version__, "transformers": str(compat.version_of("transformers"))},

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from moeflow import compat  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
 from moeflow.collate import collate  # noqa: E402
+from moeflow.experts_choice import measure as time_experts  # noqa: E402
 from moeflow.modeling import build_model, load_model  # noqa: E402
 from moeflow.routing import adapter_or_none  # noqa: E402
 from moeflow.train import accumulate_gradients  # noqa: E402
@@ -69,7 +70,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = mfconfig.run_config(mfconfig.load(), "moe")
-    model_cfg, train, seq_len = cfg["model"], cfg["train"], cfg["data"]["seq_len"]
+    train, seq_len = cfg["train"], cfg["data"]["seq_len"]
+    experts = time_experts(cfg["model"], train["micro_batch_size"], seq_len, torch.device("cpu"), "fp32")["chosen"]
+    model_cfg = cfg["model"] | {"experts_implementation": experts}  # as rule choose_experts resolves auto
     model = build_model(model_cfg, cfg["tokenizer"]["vocab_size"], seed=0)
     adapter = adapter_or_none(model)
     micro = train["micro_batch_size"]

@@ -25,7 +25,7 @@ from moeflow import compat
 from moeflow import config as mfconfig
 from moeflow import parameters as P
 from moeflow.collate import collate, model_inputs
-from moeflow.losses import next_token_targets
+from moeflow.linear_loss import next_token_targets
 from moeflow.modeling import build_model, load_model
 from moeflow.routing import SIGMOID, UnsupportedModel, adapter_for, capture
 from moeflow.train import Trainer, accumulate_gradients

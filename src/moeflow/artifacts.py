@@ -23,6 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .eval_results import (
+    RunResults,
+    aligned,
+    drift_rows,
+    eval_set,
+    forgetting_changes,
+    forgetting_rows,
+    humaneval_rows,
+    lm_eval_rows,
+)
 from .files import atomic_file, write_json, write_text
 
 TABLE_FORMATS = ("csv", "md", "tex")
@@ -390,18 +400,13 @@ def final_metrics_table(evals: Mapping[str, Mapping[str, Any]]) -> Table:
     )
 
 
-def _eval_set(metrics: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
-    """A run's evaluation record of the set ``name`` (metrics.json's ``sets``), None where it has none."""
-    return next((s for s in metrics["sets"] if s["name"] == name), None)
-
-
 def _expert_sets(
     evals: Mapping[str, Mapping[str, Any]], set_name: str
 ) -> Iterator[tuple[str, Mapping[str, Any], Mapping[str, Any]]]:
     """(run, its metrics, its record of ``set_name``) for the runs, by name, whose record has expert
     statistics (MoE runs)."""
     for run, metrics in sorted(evals.items()):
-        s = _eval_set(metrics, set_name)
+        s = eval_set(metrics, set_name)
         if s is not None and "experts" in s["base"]:
             yield run, metrics, s
 
@@ -477,8 +482,28 @@ def balance_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valse
     )
 
 
-def environment_table(env_report: Mapping[str, Any], config: Mapping[str, Any], record: Mapping[str, Any]) -> Table:
-    """The environment and config summary every number in the paper was made with."""
+def experts_choice_line(timings: Mapping[str, Any]) -> str:
+    """Rule choose_experts's choice in one line: the implementation, why, what was not eligible, the shape."""
+    shape = timings["shape"]
+    if shape is None:
+        return f"none ({timings['reason']})"
+    dropped = "; ".join(f"{n}: {r['reason']}" for n, r in timings["implementations"].items() if not r["eligible"])
+    return (
+        f"{timings['chosen']}: {timings['reason']}{'; not eligible: ' + dropped if dropped else ''} "
+        f"[{shape['model_type']} layer {shape['layer']}: hidden {shape['hidden_size']}, expert width "
+        f"{shape['expert_width']}, {shape['num_experts']} experts, top-{shape['top_k']}, {shape['tokens']} tokens, "
+        f"{timings['device']}, {timings['precision']}]"
+    )
+
+
+def environment_table(
+    env_report: Mapping[str, Any],
+    config: Mapping[str, Any],
+    record: Mapping[str, Any],
+    experts: Mapping[str, Mapping[str, Any]],
+) -> Table:
+    """The environment and config summary every number in the paper was made with; ``experts``: each run's
+    experts timings (rule choose_experts)."""
     system, torch_ = env_report.get("system", {}), env_report.get("torch", {})
     packages = env_report.get("packages", {})
     model = config["model"]["config"]
@@ -501,6 +526,7 @@ def environment_table(env_report: Mapping[str, Any], config: Mapping[str, Any], 
         ["layers x hidden", f"{model.get('num_hidden_layers')} x {model.get('hidden_size')}"],
         ["experts (top-k)", f"{model.get('num_experts')} ({model.get('num_experts_per_tok')})"],
         ["attention", config["model"]["attn_implementation"]],
+        *([f"experts implementation ({run})", experts_choice_line(timings)] for run, timings in experts.items()),
         ["sequence length", config["data"]["seq_len"]],
         ["micro-batch x accumulation", f"{train['micro_batch_size']} x {train['grad_accum_steps']}"],
         ["fine-tuning corpus", config["data"]["finetune_corpus"]],
@@ -524,6 +550,7 @@ class RunRecord:
     # train_model's adapter/trainable_parameters.json (moeflow.lora.save_adapter_output):
     # method, trainable and total parameters
     training: Mapping[str, Any] = field(default_factory=dict)
+    results: RunResults = field(default_factory=RunResults)  # lm-eval, HumanEval and routing drift
 
 
 def training_cost(r: RunRecord) -> dict[str, float | None]:
@@ -536,10 +563,11 @@ def training_cost(r: RunRecord) -> dict[str, float | None]:
 
 
 def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """Per run: parameters, tokens trained, losses, training and evaluation throughput and peak memory."""
+    """Per run: parameters, tokens trained, losses, training and evaluation throughput and peak memory, and
+    the forgetting table's changes."""
     out = []
     for r in records:
-        valset = _eval_set(r.metrics, "valset")
+        valset = eval_set(r.metrics, "valset")
         out.append(
             {
                 "run": r.name,
@@ -551,9 +579,10 @@ def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
                 **training_cost(r),
                 "eval tokens/s": r.speed["finetuned"]["tokens_per_s"],
                 "eval peak MiB": r.speed["peak_memory_bytes"] / 2**20,
+                **forgetting_changes(r.metrics, r.results),
             }
         )
-    return out
+    return aligned(out)
 
 
 def rows_with_ratios(
@@ -589,8 +618,9 @@ def comparison_table(records: Sequence[RunRecord], reference: str) -> Table:
         name="moe_vs_dense",
         caption="MoE vs dense on the same data, token budget and recipe: parameters, tokens trained, final training "
         "cross-entropy and validation loss (nats/token), median training throughput (tokens/s), peak memory "
-        "(MiB; step-end RSS on CPU or allocated memory on CUDA, and the training job's peak RSS), and evaluation "
-        "throughput and peak memory. Ratio rows divide by the MoE run.",
+        "(MiB; step-end RSS on CPU or allocated memory on CUDA, and the training job's peak RSS), evaluation "
+        f"throughput and peak memory, and the base-to-fine-tuned changes of the forgetting table. {FORGETTING_NOTE} "
+        "Ratio rows divide by the MoE run.",
         columns=columns,
         rows=table_rows,
         digits={
@@ -613,8 +643,9 @@ def value_at_tokens(tokens: Sequence[int], values: Sequence[float], budget: int)
 
 
 def method_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """Per run: training method, trainable parameters, cost, and the losses reached after the same number
-    of tokens (the fewest any run trained), so runs of different lengths compare at equal data."""
+    """Per run: training method, trainable parameters, cost, the losses reached after the same number of
+    tokens (the fewest any run trained), so runs of different lengths compare at equal data, and the
+    forgetting table's changes."""
     budget = min((last(r.log.tokens) or 0 for r in records), default=0)
     out = []
     for r in records:
@@ -630,9 +661,10 @@ def method_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
                 "tokens compared": budget,
                 "train CE at tokens": value_at_tokens(r.log.tokens, r.log.ce, budget),
                 "val loss at tokens": value_at_tokens(r.log.val_tokens, r.log.val_loss, budget),
+                **forgetting_changes(r.metrics, r.results),
             }
         )
-    return out
+    return aligned(out)
 
 
 METHOD_RATIOS = ("trainable params", "train tokens/s", "train peak MiB", "train job peak RSS MiB")
@@ -648,11 +680,99 @@ def method_table(records: Sequence[RunRecord], reference: str) -> Table:
         name="lora_vs_full",
         caption="LoRA vs full fine-tuning of every run: trainable and total parameters, median training throughput "
         "(tokens/s), peak memory (MiB; step-end RSS on CPU or allocated memory on CUDA, and the training job's "
-        "peak RSS), and the training cross-entropy and validation loss (nats/token) at the last logged step "
-        "within the tokens every run trained. Ratio rows divide by the MoE run.",
+        "peak RSS), the training cross-entropy and validation loss (nats/token) at the last logged step "
+        "within the tokens every run trained, and the base-to-fine-tuned changes of the forgetting table. "
+        f"{FORGETTING_NOTE} Ratio rows divide by the MoE run.",
         columns=columns,
         rows=table_rows,
         digits={"trainable %": 2, "train tokens/s": 0, "train peak MiB": 0, "train job peak RSS MiB": 0},
+    )
+
+
+# --------------------------------------------------------------------------- task scores, pass@k, forgetting, drift
+
+FORGETTING_NOTE = (
+    "General = the test split of data.base_corpus, target = that of data.finetune_corpus; a rise in loss is "
+    "worse, a rise in a task score or pass@k better."
+)
+
+
+LM_EVAL_COLUMNS = [
+    "run",
+    "task",
+    "metric",
+    "base",
+    "base stderr",
+    "fine-tuned",
+    "fine-tuned stderr",
+    "change",
+    "samples",
+]
+HUMANEVAL_COLUMNS = ["run", "measure", "base", "fine-tuned", "change", "problems"]
+DRIFT_COLUMNS = [
+    "run",
+    "layer",
+    "JS divergence",
+    "changed expert sets",
+    "gained",
+    "lost",
+    "entropy base",
+    "entropy fine-tuned",
+    "entropy change",
+    "tokens",
+]
+
+
+def lm_eval_table(records: Sequence[RunRecord]) -> Table:
+    """Every lm-eval task of every run (evaluate.tasks): each metric, base vs fine-tuned, with standard errors."""
+    rows = [row for r in records for row in lm_eval_rows(r.name, r.results)]
+    return Table(
+        name="lm_eval",
+        caption="lm-evaluation-harness tasks (evaluate.tasks) of every run: each metric of the base and the fine-tuned "
+        "model with lm-eval's standard error (n/a where lm-eval gives none), the change, and the samples scored.",
+        columns=LM_EVAL_COLUMNS,
+        rows=[[row[c] for c in LM_EVAL_COLUMNS] for row in rows],
+    )
+
+
+def humaneval_table(records: Sequence[RunRecord]) -> Table:
+    """HumanEval pass@k of every run that ran it: greedy pass@1 and sampled pass@k, base vs fine-tuned."""
+    rows = [row for r in records for row in humaneval_rows(r.name, r.results)]
+    return Table(
+        name="humaneval",
+        caption="HumanEval of every run with evaluate.humaneval on: greedy pass@1 and pass@k of the sampled "
+        "completions (unbiased estimator) of the base and the fine-tuned model, and the change.",
+        columns=HUMANEVAL_COLUMNS,
+        rows=[[row[c] for c in HUMANEVAL_COLUMNS] for row in rows],
+    )
+
+
+def forgetting_table(records: Sequence[RunRecord]) -> Table:
+    """Per run: the base-to-fine-tuned change on the general slice beside the target slice (loss), each
+    lm-eval task's metrics and pass@k; columns only for what some run was evaluated on."""
+    rows = forgetting_rows((r.name, r.metrics, r.results) for r in records)
+    columns = list(rows[0]) if rows else ["run"]
+    return Table(
+        name="forgetting",
+        caption="Forgetting: the change from the base to the fine-tuned model of every run, loss (nats/token) on the "
+        f"general and on the target slice, each lm-eval task's metrics and HumanEval pass@k. {FORGETTING_NOTE} "
+        "'forgetting' = the general slice's loss rose.",
+        columns=columns,
+        rows=[[row[c] for c in columns] for row in rows],
+    )
+
+
+def drift_table(records: Sequence[RunRecord]) -> Table:
+    """Per (MoE run, layer): routing drift from the base to the fine-tuned router (drift.json)."""
+    rows = [row for r in records for row in drift_rows(r.name, r.results.drift)]
+    return Table(
+        name="routing_drift",
+        caption="Routing drift per MoE layer on the coverage validation set: Jensen-Shannon divergence (bits) of the "
+        "expert-load distributions of the base and the fine-tuned router, the fraction of tokens whose chosen expert "
+        "set changed, the experts that gained or lost more than half their load, and the mean router entropy "
+        "(nats) per token.",
+        columns=DRIFT_COLUMNS,
+        rows=[[row[c] for c in DRIFT_COLUMNS] for row in rows],
     )
 
 
@@ -860,11 +980,58 @@ def comparison_figure(records: Sequence[RunRecord]):
     return fig
 
 
+def drift_figure(records: Sequence[RunRecord]):
+    """Per MoE run, a heat map layers x experts of the change in each expert's load share from the base to
+    the fine-tuned router; experts that gained (+) or lost (-) more than half their load are marked."""
+    import numpy as np
+
+    plt = pyplot()
+    drifts = [(r.name, r.results.drift) for r in records if r.results.drift is not None]
+    fig, axes = plt.subplots(
+        1, max(len(drifts), 1), figsize=(4.8 * max(len(drifts), 1) + 1.2, 3.0), squeeze=False, constrained_layout=True
+    )
+    if not drifts:
+        axes[0, 0].text(0.5, 0.5, "no MoE run: no routing drift", ha="center", va="center")
+        axes[0, 0].set_axis_off()
+        return fig
+    load = lambda d, model: np.asarray([layer[f"load_{model}"] for layer in d["layers"]])  # noqa: E731
+    changes = {run: 100 * (load(d, "finetuned") - load(d, "base")) for run, d in drifts}
+    vmax = max(max(float(np.abs(c).max()) for c in changes.values()), 1e-9)
+    for ax, (run, d) in zip(axes[0], drifts):
+        image = ax.imshow(changes[run], aspect="auto", cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest")
+        for row, layer in enumerate(d["layers"]):
+            for expert, mark in [(e, "+") for e in layer["gained"]] + [(e, "\u2212") for e in layer["lost"]]:
+                ax.text(expert, row, mark, ha="center", va="center", fontsize=10, fontweight="bold")
+        labels = [
+            f"layer {layer['layer']}\nJS {layer['js_divergence']:.3f}, "
+            f"{layer['changed_expert_set_fraction']:.0%} sets changed"
+            for layer in d["layers"]
+        ]
+        ax.set_yticks(range(len(d["layers"])), labels, fontsize=7)
+        ax.set_xticks(range(changes[run].shape[1]))
+        ax.set_xlabel("expert")
+        ax.set_title(f"run '{run}' ({d['tokens']:,} tokens)", fontsize=10)
+    fig.colorbar(image, ax=axes[0].tolist(), label="load share change (percentage points)")
+    fig.suptitle("Routing drift: base to fine-tuned router")
+    return fig
+
+
 # --------------------------------------------------------------------------- the paper stage
 
 
-FIGURES = ("loss_vs_tokens", "lr_schedule", "expert_load", "coverage", "moe_vs_dense")
-TABLES = ("final_metrics", "experts", "balance", "environment", "moe_vs_dense", "lora_vs_full")
+FIGURES = ("loss_vs_tokens", "lr_schedule", "expert_load", "coverage", "moe_vs_dense", "routing_drift")
+TABLES = (
+    "final_metrics",
+    "experts",
+    "balance",
+    "environment",
+    "moe_vs_dense",
+    "lora_vs_full",
+    "forgetting",
+    "lm_eval",
+    "humaneval",
+    "routing_drift",
+)
 
 
 def paper_outputs(outdir: str) -> dict[str, str]:
@@ -885,12 +1052,14 @@ def write_paper(
     env_report_path: str | Path,
     manifests: Mapping[str, str | Path],
     stage_docs: Mapping[str, Any],
+    experts: Mapping[str, Mapping[str, Any]],
 ) -> list[Path]:
     """Write every figure and table of ``paper_outputs`` plus ``provenance.json``; return the artifacts.
 
     ``settings``: the config's ``paper`` section (``moe_run``, ``dense_runs``, ``set``, ``dpi``);
     ``records``: each run's comparison inputs; ``coverage``: the MoE run's ``coverage.json``;
-    ``stage_docs``: upstream JSON outputs (their ``provenance`` records are collected).
+    ``stage_docs``: upstream JSON outputs (their ``provenance`` records are collected); ``experts``: each run's
+    experts timings (rule choose_experts), for the environment table.
     """
     outdir = Path(outdir)
     record = provenance_record(config, stage_provenance(stage_docs), env_report_path, manifests)
@@ -899,6 +1068,7 @@ def write_paper(
     evals = {run: r.metrics for run, r in records.items()}
     moe, dense = settings["moe_run"], list(settings["dense_runs"])
     compared = [records[moe]] + [records[d] for d in dense]
+    runs = list(records.values())
     dpi = int(settings["dpi"])
 
     artifacts: list[Path] = []
@@ -906,9 +1076,13 @@ def write_paper(
         final_metrics_table(evals),
         expert_table(evals, settings["set"]),
         balance_table(evals, settings["set"]),
-        environment_table(env_report, config, record),
+        environment_table(env_report, config, record, experts),
         comparison_table(compared, moe),
-        method_table(list(records.values()), moe),
+        method_table(runs, moe),
+        forgetting_table(runs),
+        lm_eval_table(runs),
+        humaneval_table(runs),
+        drift_table(runs),
     ):
         artifacts += write_table(table, outdir / "tables", line)
 
@@ -919,5 +1093,6 @@ def write_paper(
     artifacts += save_figure(expert_load_figure(moe, records[moe].log), figures, "expert_load", line, dpi)
     artifacts += save_figure(coverage_figure(coverage), figures, "coverage", line, dpi)
     artifacts += save_figure(comparison_figure(compared), figures, "moe_vs_dense", line, dpi)
+    artifacts += save_figure(drift_figure(runs), figures, "routing_drift", line, dpi)
     write_provenance(outdir / "provenance.json", record, artifacts, outdir)
     return artifacts

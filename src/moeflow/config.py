@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 import jsonschema
 import yaml
 
+from .harness_tasks import task_problems
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
 DEFAULT_CONFIG = REPO_ROOT / "config" / "config.yaml"
@@ -301,7 +303,38 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
             )
     problems += parallel_problems(cfg)
     problems += attention_problems(cfg)
+    problems += humaneval_problems(cfg)
+    problems += lm_eval_problems(cfg)
     return problems
+
+
+def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Every evaluate.tasks entry must resolve (moeflow.harness_tasks); moeflow_perplexity's documents are
+    segments of up to data.seq_len tokens, each scored in one window of evaluate.lm_eval.max_length."""
+    evaluate = cfg.get("evaluate") or {}
+    tasks = evaluate.get("tasks") or []
+    data = cfg.get("data") or {}
+    problems = task_problems(tasks, data.get("eval_corpora") or [])
+    max_length = (evaluate.get("lm_eval") or {}).get("max_length")
+    seq_len = data.get("seq_len")
+    if "moeflow_perplexity" in tasks and max_length is not None and seq_len is not None and max_length < seq_len:
+        problems.append(
+            f"config key 'evaluate.lm_eval.max_length' ({max_length}) is below 'data.seq_len' ({seq_len}): "
+            "moeflow_perplexity scores each packed segment in one window; raise it or set null"
+        )
+    return problems
+
+
+def humaneval_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """pass@k estimates from n samples per problem exist for k <= n only."""
+    humaneval = (cfg.get("evaluate") or {}).get("humaneval") or {}
+    n = humaneval.get("n_samples", 1)
+    return [
+        f"config key 'evaluate.humaneval.k[{i}]' ({k}) exceeds 'evaluate.humaneval.n_samples' ({n}): pass@k needs at "
+        "least k sampled completions per problem; raise n_samples or drop that k"
+        for i, k in enumerate(humaneval.get("k", []))
+        if k > n
+    ]
 
 
 def attention_problems(cfg: Mapping[str, Any]) -> list[str]:
@@ -634,6 +667,51 @@ def coverage_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 coverage_key = settings_key("c", coverage_settings)
 
+# The training section whose micro-batch sizes the experts choice: fine-tuning's for the fine-tuning stages and
+# evaluation, pretraining's for the base model's stages (pretrain_base, coverage_valset), whose keys hold no train:.
+EXPERTS_PARTS = ("train", "pretrain")
+
+
+def experts_settings(cfg: Mapping[str, Any], part: str = "train") -> dict[str, Any]:
+    """What the experts choice depends on (rule choose_experts, moeflow.experts_choice): the model, one
+    micro-batch of ``part`` (one of EXPERTS_PARTS), the device and the precision."""
+    model = cfg["model"]
+    return {
+        "model": {k: model[k] for k in ("pretrained", "trust_remote_code", "config", "experts_implementation")},
+        "micro_batch_size": cfg[part]["micro_batch_size"],
+        "seq_len": cfg["data"]["seq_len"],
+        "device": cfg["hardware"]["device"],
+        "precision": cfg["precision"],
+    }
+
+
+def experts_key(cfg: Mapping[str, Any], part: str = "train") -> str:
+    return f"e-{stable_hash(experts_settings(cfg, part))}"
+
+
+def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """How the evaluation sets are batched (``moeflow.eval_loop.batches``): what rules evaluate_run and
+    routing_drift take from the ``evaluate`` section, so that a change to lm-eval or HumanEval settings does
+    not rerun them."""
+    return {key: cfg["evaluate"][key] for key in ("batch_size", "max_sequences")}
+
+
+HUMANEVAL_GENERATION_KEYS = ("problems", "n_samples", "temperature", "top_p", "max_new_tokens", "batch_size")
+HUMANEVAL_EXECUTION_KEYS = ("k", "timeout_s", "memory_mb")
+
+
+def humaneval_generation_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What rule humaneval_generate depends on (:class:`HumanEvalGeneration`): the sampling settings, with
+    ``seed`` null resolved to the run's. Execution's keys are left out: changing one generates nothing again."""
+    humaneval = cfg["evaluate"]["humaneval"]
+    seed = cfg["seed"] if humaneval["seed"] is None else humaneval["seed"]
+    return {key: humaneval[key] for key in HUMANEVAL_GENERATION_KEYS} | {"seed": seed}
+
+
+def humaneval_execution_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What rule humaneval_execute depends on besides the samples (:class:`HumanEvalExecution`)."""
+    return {key: cfg["evaluate"]["humaneval"][key] for key in HUMANEVAL_EXECUTION_KEYS}
+
 
 def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What the memory planner depends on: the model, the hardware and the training shape."""
@@ -894,6 +972,28 @@ class TrainModelStage:
     warmup: str
     parallel: ParallelSettings
     hardware_device: str
+
+
+@dataclass(frozen=True)
+class HumanEvalGeneration:
+    """Rule humaneval_generate (:func:`humaneval_generation_settings`)."""
+
+    problems: int | None
+    n_samples: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    batch_size: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class HumanEvalExecution:
+    """Rule humaneval_execute (:func:`humaneval_execution_settings`)."""
+
+    k: tuple[int, ...]
+    timeout_s: float
+    memory_mb: int
 
 
 def settings(cls: type, data: Mapping[str, Any]) -> Any:

@@ -45,7 +45,7 @@ from . import compat
 from .config import ParallelSettings, TrainSettings
 from .hardware import compute_device
 from .lora import prepare_model
-from .modeling import _impl_kwargs, check_model_folder, check_vocabulary, model_section
+from .modeling import _impl_kwargs, check_model_folder, check_vocabulary, model_section, with_chunked_loss
 from .modeling import load_model as load_whole_model
 
 log = logging.getLogger("moeflow.distributed")
@@ -235,7 +235,7 @@ def load_model(
             f"{path}/config.json): transformers 5's expert-parallel sharding unties them during training. Use "
             "parallel.strategy: fsdp for this model, or a model with tie_word_embeddings: false (model.config)"
         )
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         check_model_folder(path),
         use_safetensors=True,
         torch_dtype=dtype or torch.float32,
@@ -244,6 +244,7 @@ def load_model(
         distributed_config=distributed_config(parallel, precision),
         **_impl_kwargs(model_cfg),
     )
+    return with_chunked_loss(model, model_cfg)
 
 
 def start_fine_tuning(job: Any, precision: str) -> tuple[Ranks, torch.nn.Module]:

@@ -450,6 +450,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += [f"| {n} | {_yes_no(e['available'])} | {e['reason']} |" for n, e in experts["implementations"].items()]
     else:
         lines.append(f"Not available on this stack: {experts['reason']}.")
+    lines += [
+        "",
+        "`model.experts_implementation: auto` is chosen per MoE shape, device and precision by timing one MoE block "
+        "under each implementation that runs here (rule choose_experts: results/<stack>/experts/<key>/timings.json, "
+        "shown in the paper's environment table).",
+    ]
     pins = report["pins"]
     lines += ["", f"## Pins ({pins['env_file']}, {pins['pinned_packages']} packages)", ""]
     if pins["matches"]:

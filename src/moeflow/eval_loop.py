@@ -8,6 +8,7 @@ ranks' sums are added up (:func:`sum_stats`): the whole set's, on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -16,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .collate import collate, model_inputs
-from .losses import count_label_tokens, cross_entropy_sum, next_token_targets, token_mask
+from .linear_loss import count_label_tokens, next_token_targets, token_losses
+from .losses import token_mask
 from .routing import capture
 from .shards import IGNORE_INDEX
 
@@ -56,16 +57,6 @@ class SetStats:
             self.routed += routed
             self.served_loss_sum += loss_sum
             self.served_label_tokens += label_tokens
-
-
-def per_token_loss(logits, labels):
-    """(B, S) cross-entropy of predicting token t+1 from position t, and the (B, S) mask of positions
-    that have such a label; the last position of each row never does."""
-    targets = next_token_targets(labels)
-    loss = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(targets.shape)
-    return loss, targets != IGNORE_INDEX
 
 
 def routing_sums(layers, token_mask, token_loss, label_mask) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
@@ -106,25 +97,20 @@ def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, 
     with torch.no_grad(), autocast:
         for batch in batches:
             inputs = model_inputs(model, batch)
+            labels = batch["labels"]
             if FILLER in batch:
-                model(**inputs, use_cache=False)
+                token_losses(model, inputs, labels)
                 continue
-            labels = batch["labels"].to(device)
-            if adapter is not None:
-                with capture(model, adapter) as routing:
-                    logits = model(**inputs, use_cache=False).logits
-                layers = routing.layers
-            else:
-                logits = model(**inputs, use_cache=False).logits
-                layers = []
-            stats.loss_sum += float(cross_entropy_sum(logits, labels))
+            with capture(model, adapter) if adapter is not None else contextlib.nullcontext() as routing:
+                out = token_losses(model, inputs, labels)
+            stats.loss_sum += float(out.loss)
             stats.label_tokens += count_label_tokens(labels)
             stats.sequences += int(labels.shape[0])
             mask = token_mask(batch)
             stats.input_tokens += int(mask.sum())
-            if layers:
-                token_loss, label_mask = per_token_loss(logits, labels)
-                stats.add_routing(*routing_sums(layers, mask.cpu(), token_loss.cpu(), label_mask.cpu()))
+            if routing is not None and routing.layers:
+                label_mask = next_token_targets(labels) != IGNORE_INDEX
+                stats.add_routing(*routing_sums(routing.layers, mask.cpu(), out.token_loss.cpu(), label_mask))
     stats.seconds = time.perf_counter() - started
     return stats
 

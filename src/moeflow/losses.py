@@ -3,9 +3,10 @@
 One optimizer step is several micro-batches (gradient accumulation), possibly on several ranks. The
 loss of the step is defined on the whole step, and each micro-batch's backward adds exactly its share:
 
-* Cross-entropy: the sum over the micro-batch's non-ignored (shifted) label tokens divided by the
-  number of such tokens in the whole step, all ranks included. Summing the micro-batch gradients
-  then gives the full-batch gradient (not the mean of per-micro-batch means).
+* Cross-entropy: the sum over the micro-batch's non-ignored (shifted) label tokens
+  (``moeflow.linear_loss``, by chunks of tokens) divided by the number of such tokens in the whole
+  step, all ranks included. Summing the micro-batch gradients then gives the full-batch gradient
+  (not the mean of per-micro-batch means).
 * Load balancing (Qiu et al., arXiv 2501.11873): per MoE layer ``N_E * sum_i f_i * P_i`` with f_i the
   fraction of the step's top-k assignments that went to expert i (a count, no gradient) and P_i the
   mean router probability of expert i over the step's non-padding tokens; averaged over MoE layers.
@@ -37,11 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .config import BalanceSettings
 from .distributed import all_reduce_sum, world_size
-from .shards import IGNORE_INDEX
 
 LOSS_TERMS = ("balance", "ce", "z_loss")  # the loss terms a step sums and reports, in summary order
 
@@ -57,9 +56,6 @@ class LayerRouter:
     @property
     def num_experts(self) -> int:
         return self.probs.shape[-1]
-
-
-# --------------------------------------------------------------------------- distributed
 
 
 # --------------------------------------------------------------------------- tokens
@@ -87,32 +83,6 @@ def real_token_positions(batch: Mapping[str, Any]) -> torch.Tensor | None:
     """
     mask = token_mask(batch).reshape(-1)
     return None if bool(mask.all()) else mask.nonzero().squeeze(1)
-
-
-# --------------------------------------------------------------------------- cross-entropy
-
-
-def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Position t's target, token t+1's label (the last position gets IGNORE_INDEX), in the labels' shape:
-    the targets are shifted instead of the logits, so the (B, L, V) logits are never sliced (a copy in
-    the forward and a zero-padded gradient in the backward)."""
-    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-
-
-def count_label_tokens(labels: torch.Tensor) -> int:
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy over non-ignored labels, in float32 (or float64) at least."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        next_token_targets(labels).reshape(-1).to(logits.device),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 # --------------------------------------------------------------------------- routing statistics
@@ -189,12 +159,11 @@ class StepLoss:
             step_counts = all_reduce_sum(step_counts.clone())
         return cls(settings, int(counts[0]), int(counts[1]), num_micro_batches, step_counts)
 
-    def micro_batch_loss(
-        self, logits: torch.Tensor, labels: torch.Tensor, layers: Sequence[LayerRouter]
-    ) -> torch.Tensor:
-        """This micro-batch's share of the step's loss (call ``.backward()`` on it, then drop it)."""
+    def micro_batch_loss(self, ce_sum: torch.Tensor, layers: Sequence[LayerRouter]) -> torch.Tensor:
+        """This micro-batch's share of the step's loss (call ``.backward()`` on it, then drop it), from its
+        summed next-token cross-entropy (``moeflow.linear_loss``) and its MoE layers' routing."""
         s = self.settings
-        ce = cross_entropy_sum(logits, labels) / max(self.num_label_tokens, 1)
+        ce = ce_sum / max(self.num_label_tokens, 1)
         loss = ce
         terms = {"ce": ce}
 

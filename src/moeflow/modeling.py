@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 from . import compat
 from .config import MODEL_SCHEMA, with_defaults
 from .files import atomic_dir, read_json
+from .linear_loss import install as install_linear_loss
 from .lora import is_lora_model, merge_and_save
 
 
@@ -17,20 +19,64 @@ class ModelError(ValueError):
     """A model that cannot be built or loaded, with what to do about it."""
 
 
+# ``model.experts_implementation`` that a stage resolves by measurement (:func:`resolve_experts`)
+# before it builds or loads the model.
+AUTO_EXPERTS = "auto"
+# The experts implementation of a section that names none (tests and benchmarks give a few keys), and of a
+# choice made for a model without experts: whatever the stack and the folder use by default.
+STACK_DEFAULT_EXPERTS = None
+
+
 def model_section(model_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     """A ``model`` section with the schema's defaults for the keys it leaves out (a stage gets the whole
-    section; tests and benchmarks may give a few keys, or none to load a folder as it is)."""
-    return with_defaults(model_cfg or {}, MODEL_SCHEMA)
+    section; tests and benchmarks may give a few keys, or none to load a folder as it is). One that leaves
+    out ``experts_implementation`` gets the stack's default rather than the config's ``auto``, which only a
+    stage with the measured choice can resolve."""
+    return with_defaults({"experts_implementation": STACK_DEFAULT_EXPERTS, **(model_cfg or {})}, MODEL_SCHEMA)
+
+
+def resolve_experts(model_cfg: Mapping[str, Any], choice_file: str | os.PathLike) -> dict[str, Any]:
+    """The ``model`` section as a stage builds or loads the model: ``experts_implementation`` from the choice
+    file of rule choose_experts (moeflow.experts_choice), which the config's value must be the one chosen for."""
+    choice = read_json(choice_file)
+    if choice["configured"] != model_cfg["experts_implementation"]:
+        raise ModelError(
+            f"{choice_file} was chosen for model.experts_implementation {choice['configured']!r}, but this stage's "
+            f"config has {model_cfg['experts_implementation']!r}: the rule's input 'experts' is another run's choice"
+        )
+    return {**model_cfg, "experts_implementation": choice["implementation"]}
+
+
+def resolve_stage_experts(settings: Any, choice_file: str | os.PathLike) -> Any:
+    """Typed stage settings (moeflow.config) with their ``model`` section :func:`resolve_experts`'d."""
+    return dataclasses.replace(settings, model=resolve_experts(settings.model, choice_file))
 
 
 def _impl_kwargs(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
     model_cfg = model_section(model_cfg)
     kwargs: dict[str, Any] = {"attn_implementation": model_cfg["attn_implementation"]}
     experts = model_cfg["experts_implementation"]
-    if experts:
-        compat.require_transformers_v5("model.experts_implementation")
-        kwargs["experts_implementation"] = experts
+    if experts == AUTO_EXPERTS:
+        raise ModelError(
+            "model.experts_implementation is 'auto', which is resolved by measurement, and no choice was given: "
+            "the stage needs rule choose_experts's choice file (results/<stack>/experts/<key>/choice.json) as its "
+            "input 'experts', applied with moeflow.modeling.resolve_experts before the model is built or loaded "
+            "(or set model.experts_implementation to eager, grouped_mm or batched_mm)"
+        )
+    if experts is STACK_DEFAULT_EXPERTS:
+        return kwargs
+    if not compat.is_transformers_v5():
+        if experts != "eager":  # transformers 4.57 runs its experts in a per-expert loop, the only one it has
+            compat.require_transformers_v5(f"model.experts_implementation: {experts}")
+        return kwargs
+    kwargs["experts_implementation"] = experts
     return kwargs
+
+
+def with_chunked_loss(model, model_cfg: Mapping[str, Any]):
+    """Every model moeflow builds or loads computes its loss by chunks (``moeflow.linear_loss``) of
+    ``model.loss_chunk_tokens`` tokens, never from the full logits."""
+    return install_linear_loss(model, model_section(model_cfg)["loss_chunk_tokens"])
 
 
 def build_config(model_cfg: Mapping[str, Any], vocab_size: int | None = None):
@@ -47,6 +93,20 @@ def build_config(model_cfg: Mapping[str, Any], vocab_size: int | None = None):
         raise ModelError(f"config key 'model.config.model_type': {exc}") from None
 
 
+def model_config(model_cfg: Mapping[str, Any]):
+    """The transformers config of a ``model`` section: the pretrained folder's, or :func:`build_config`'s."""
+    model_cfg = model_section(model_cfg)
+    if not model_cfg["pretrained"]:
+        return build_config(model_cfg)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(
+        check_model_folder(model_cfg["pretrained"]),
+        trust_remote_code=model_cfg["trust_remote_code"],
+        local_files_only=True,
+    )
+
+
 def build_model(model_cfg: Mapping[str, Any], vocab_size: int, seed: int = 0):
     """A freshly initialised causal LM from config (deterministic for a seed)."""
     import torch
@@ -55,7 +115,7 @@ def build_model(model_cfg: Mapping[str, Any], vocab_size: int, seed: int = 0):
     config = build_config(model_cfg, vocab_size)
     torch.manual_seed(seed)
     kwargs = _impl_kwargs(model_cfg)
-    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **kwargs)
+    return with_chunked_loss(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **kwargs), model_cfg)
 
 
 # Weight files that are Python pickles: loading one can run arbitrary code, so moeflow never does.
@@ -108,7 +168,7 @@ def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any] | None = No
     model_cfg = model_section(model_cfg)
     path = check_model_folder(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             path,
             torch_dtype=dtype or torch.float32,
             trust_remote_code=model_cfg["trust_remote_code"],
@@ -121,6 +181,7 @@ def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any] | None = No
         if remote is None:
             raise
         raise remote from None
+    return with_chunked_loss(model, model_cfg)
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):

@@ -11,7 +11,7 @@ Parameters
     convention: Step-3.5-Flash's "11B active" includes them).
 
 Memory per device (bytes), for a job of ``micro_batch_size`` sequences of ``seq_len`` tokens; the terms
-are summed, a conservative peak (the logits of the loss and the gathered layers of the backward pass
+are summed, a conservative peak (the loss's buffers and the gathered layers of the backward pass
 are not all live at the same instant):
     * weights: parameters x 2 (bf16) or 4 (fp32);
     * gradients: trainable parameters x the same width;
@@ -45,8 +45,12 @@ are not all live at the same instant):
         - without checkpointing: ``T x a x sum over layers``; with gradient checkpointing: ``T x a x the
           largest layer`` (one layer recomputed at a time); less the layer inputs the residual stream
           counts, plus the final norm;
-    * logits: ``T x vocab x (12 + 2 with bf16)`` (the fp32 logits, their log-softmax, its gradient; and
-      the model's bf16 logits before their fp32 copy);
+    * loss: moeflow.linear_loss applies the output layer to ``C = min(model.loss_chunk_tokens, T)`` tokens
+      at a time: ``C x vocab x (4 + 2 with bf16)`` (a chunk's fp32 logits, turned into their gradient in
+      place, and with bf16 the product before its fp32 copy and the gradient's bf16 copy), plus what it
+      keeps from the forward to the backward pass, in fp32: the hidden states' gradient ``T x H x 4``, the
+      output weight's gradient ``vocab x H x 4`` when the output layer trains (not with LoRA), and the
+      per-token losses ``T x 4``;
     * runtime: a fixed overhead (the CUDA context with NCCL's and cuBLAS's buffers, or the interpreter and
       libraries on CPU).
 
@@ -101,7 +105,7 @@ ADAM_MOMENT_BYTES = 8  # two fp32 moments
 MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the weights are bf16
 RUNTIME_OVERHEAD_BYTES = {"cuda": 1 * GIB, "cpu": GIB // 2}  # the CUDA context (with NCCL's and cuBLAS's buffers)
 FP32_BYTES = 4  # FSDP's gradient reduce-scatter (reduce_dtype fp32), and the residual stream with fp32 weights
-LOSS_BYTES_PER_LOGIT = 12  # the fp32 logits, their log-softmax (kept for the backward pass) and its gradient
+LOSS_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, which become their gradient in place (moeflow.linear_loss)
 # What torch.cuda reports as a card's total memory, by the nominal size configs and profiles name
 # (hardware.memory_gib_per_device): "GPU 0 has a total capacity of 79.11 GiB" on an H100 80GB.
 VISIBLE_GIB = {80: 79.11, 24: 23.68}  # H100 / A100 80GB; RTX 4090
@@ -668,6 +672,7 @@ class Job:
     num_devices: int
     expert_parallel: bool  # experts split over the devices (transformers 5's DistributedConfig)
     lora: LoraSettings  # train.lora: used when method is lora (and for the LoRA suggestion)
+    loss_chunk_tokens: int  # model.loss_chunk_tokens: the cross-entropy's tokens per chunk
     ranks_per_node: int  # the ranks that load the model on one host (the host plan)
 
     @classmethod
@@ -688,6 +693,7 @@ class Job:
             expert_parallel=False,
             # a full run's settings carry no train.lora: the LoRA suggestion uses the defaults
             lora=config_settings(LoraSettings, train["lora"] or {}),
+            loss_chunk_tokens=int(settings["model"]["loss_chunk_tokens"]),
             # the settings name no parallel layout: one node of all the devices (moeflow.scaleout sets its own)
             ranks_per_node=int(hardware["num_devices"]),
         )
@@ -739,7 +745,7 @@ def residual_stream_bytes(s: Shape, job: Job) -> int:
 
 
 def activation_bytes(s: Shape, job: Job) -> int:
-    """The decoder layers' other kept tensors, in the compute width (the residual stream and the logits
+    """The decoder layers' other kept tensors, in the compute width (the residual stream and the loss
     are their own terms)."""
     tokens = job.micro_batch_size * job.seq_len
     width = WEIGHT_BYTES[job.precision]
@@ -755,12 +761,17 @@ def activation_bytes(s: Shape, job: Job) -> int:
     return tokens * per_token * width
 
 
-def logits_bytes(s: Shape, job: Job) -> int:
-    """The loss's logits: ``LOSS_BYTES_PER_LOGIT`` per token and vocabulary entry, plus the model's bf16
-    logits before their fp32 copy (moeflow.losses.cross_entropy_sum)."""
+def loss_bytes(s: Shape, job: Job) -> int:
+    """The chunked cross-entropy (moeflow.linear_loss): one chunk's logits, ``LOSS_BYTES_PER_LOGIT`` per
+    token and vocabulary entry plus, with bf16, the product before its fp32 copy and the gradient's bf16
+    copy; and the fp32 gradients it computes in the forward pass and keeps for the backward pass."""
+    tokens = job.micro_batch_size * job.seq_len
+    chunk = min(job.loss_chunk_tokens, tokens)
     width = WEIGHT_BYTES[job.precision]
     per_logit = LOSS_BYTES_PER_LOGIT + (width if width < FP32_BYTES else 0)
-    return job.micro_batch_size * job.seq_len * s.vocab_size * per_logit
+    output_trains = job.method != "lora"
+    kept = tokens * (s.hidden_size + 1) + (s.vocab_size * s.hidden_size if output_trains else 0)
+    return chunk * s.vocab_size * per_logit + kept * FP32_BYTES
 
 
 def root_unit_parameters(s: Shape, params: ParamCount) -> int:
@@ -794,7 +805,7 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         "root_unit": (root + root_trainable) * width if job.sharded else 0,
         "residual_stream": residual_stream_bytes(s, job),
         "activations": activation_bytes(s, job),
-        "logits": logits_bytes(s, job),
+        "loss": loss_bytes(s, job),
         "runtime": RUNTIME_OVERHEAD_BYTES[job.device],
     }
     out["total"] = sum(out.values())
@@ -1028,7 +1039,7 @@ def summary(p: Mapping[str, Any]) -> str:
         f"AdamW states {_size(mem['optimizer'])} + unsharded layer {_size(mem['unsharded_layer'])} + prefetched "
         f"layer {_size(mem['prefetched_layer'])} + layer gradient reduce {_size(mem['layer_gradient_reduce'])} + "
         f"root unit {_size(mem['root_unit'])} + residual stream {_size(mem['residual_stream'])} + activations "
-        f"{_size(mem['activations'])} + logits {_size(mem['logits'])} + runtime {_size(mem['runtime'])}",
+        f"{_size(mem['activations'])} + loss {_size(mem['loss'])} + runtime {_size(mem['runtime'])}",
         f"  verdict: {p['verdict'].replace('_', ' ')} (usable {usable:.1f} of {memory:.1f} GiB, "
         f"{round(100 * (1 - p['usable_fraction']))}% headroom)",
         host_summary(p["host"]),
@@ -1051,7 +1062,7 @@ def summary(p: Mapping[str, Any]) -> str:
                 )
             else:
                 where = (
-                    f"no number of these devices: the gathered units, activations, logits and runtime alone take "
+                    f"no number of these devices: the gathered units, activations, loss and runtime alone take "
                     f"{option['unshardable_gib']:.2f} GiB per device"
                 )
             lines.append(f"    - {option['change']}: {where}")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .collate import collate, model_inputs
+from .linear_loss import token_losses
 from .routing import adapter_for, capture
 from .stage import kill_point, progress
 
@@ -196,7 +197,7 @@ def route_pool(
             doc_ids = batch["doc_ids"].numpy()
             inputs = model_inputs(model, batch)
             with torch.no_grad(), autocast, capture(model, adapter) as routing:
-                model(**inputs, use_cache=False)
+                token_losses(model, inputs, batch["labels"])  # the chunked loss: never the full logits
             collector.add(corpus_index, doc_ids.reshape(-1), [r.topk_index.cpu().numpy() for r in routing.layers])
             kill_point("coverage.batch")
     stats = collector.finish([name for name, _ in pools])

@@ -36,10 +36,10 @@ from .collate import collate, model_inputs
 from .config import PRECISIONS, BalanceSettings, TrainSettings, enum
 from .data_order import DataOrder
 from .eval_loop import SetStats, batches, evaluate_batches, sum_stats
+from .linear_loss import count_label_tokens, token_losses
 from .losses import (
     LayerRouter,
     StepLoss,
-    count_label_tokens,
     expert_counts,
     real_token_positions,
     token_mask,
@@ -61,8 +61,9 @@ class TrainConfigError(ValueError):
 
 
 def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], routing=None, router_grad: bool = True):
-    """One training forward (``use_cache=False``) and its MoE layers' routing restricted to the
-    non-padding tokens. ``routing``: an open ``moeflow.routing.capture`` of the model, or None for a
+    """One training forward (``use_cache=False``) with its summed cross-entropy on the batch's labels
+    (``moeflow.linear_loss.TokenLosses``: the full logits are never built) and its MoE layers' routing
+    restricted to the non-padding tokens. ``routing``: an open ``moeflow.routing.capture`` of the model, or None for a
     model without MoE layers. ``router_grad``: False when no loss term differentiates through the
     router (the statistics are then built without a graph). Keep the capture open through the backward
     pass: under non-reentrant checkpointing the recomputation must run the same router hooks as the
@@ -71,7 +72,7 @@ def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], ro
     inputs = model_inputs(model, batch)
     # Routing comes from the hooks: output_router_logits=True would make transformers 4.57 compute
     # its own aux loss, which raises on the 4D per-document mask.
-    outputs = model(**inputs, use_cache=False)
+    outputs = token_losses(model, inputs, batch["labels"])
     if routing is None:
         return outputs, []
     positions = real_token_positions(batch)  # None for packed rows: padding only in a split's last row
@@ -122,7 +123,7 @@ def accumulate_gradients(
         for batch in micro_batches:
             with autocast():
                 outputs, layers = routed_forward(model, batch, routing, settings.needs_router_grad)
-            loss = step.micro_batch_loss(outputs.logits, batch["labels"].to(outputs.logits.device), layers)
+            loss = step.micro_batch_loss(outputs.loss, layers)
             loss.backward()
             del outputs, layers, loss
     return step

@@ -1,7 +1,8 @@
 """The training loop on two CPU ranks (gloo, started by torchrun): the real Trainer and the stage scripts.
 
 * One step's gradients through ``Trainer.step_gradients`` on 2 ranks equal one process's on the same
-  global batch (relative error < 1e-5), for each balancing mode, with the model whole on every rank
+  global batch (relative error < 1e-5), for each balancing mode, the ranks' cross-entropy in chunks of
+  tokens and the reference's in one (the full logits'), with the model whole on every rank
   (``parallel.strategy: none``), FSDP-sharded (FSDP1 on the pinned stack, FSDP2 on the current one) and,
   on the current stack, expert-parallel plus FSDP through transformers 5's DistributedConfig.
 * In each layout three optimizer steps give one process's losses, and a run resumed from a checkpoint
@@ -88,11 +89,19 @@ def parallel_section(layout: str) -> dict:
     return {"strategy": layout, "nproc_per_node": RANKS} | ({"ep_size": RANKS} if layout == "ep" else {})
 
 
+# The ranks compute the cross-entropy in chunks of 24 tokens (a micro-batch of 2 x 32 tokens in 3 chunks); the
+# one-process reference in a single chunk, which is the full logits' cross-entropy (tests/unit/test_linear_loss.py).
+RANK_CHUNK_TOKENS = 24
+REFERENCE_CHUNK_TOKENS = 4096
+
+
 def make_trainer(
     model_dir, layout: ParallelSettings, ranks: D.Ranks, train_settings: TrainSettings, **kwargs
 ) -> Trainer:
     """What the stage scripts do: load for the layout, shard, then the Trainer."""
-    model = D.load_for_training(model_dir, tiny_model_cfg(), train_settings, layout, ranks, precision="fp32")
+    chunk = REFERENCE_CHUNK_TOKENS if ranks.world_size == 1 else RANK_CHUNK_TOKENS
+    model_cfg = {**tiny_model_cfg(), "loss_chunk_tokens": chunk}
+    model = D.load_for_training(model_dir, model_cfg, train_settings, layout, ranks, precision="fp32")
     return Trainer(model, train_settings, packed_rows(), collate_fn=collate, seed=0, **kwargs)
 
 

@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import packed_rows  # noqa: E402
 
 from moeflow import config as mfconfig
+from moeflow.experts_choice import choice_record, measure
+from moeflow.files import write_json
 from moeflow.modeling import build_model
 from moeflow.stage import KILL_ENV
 
@@ -52,6 +55,7 @@ def stage_inputs(tmp_path_factory):
         r["labels"] = [t if t == -100 else min(t, len(tokenizer) - 1) for t in r["labels"]]
     write_split(root / "data" / "train", rows)
     write_split(root / "valset" / "heldout", rows[:4])
+    write_json(root / "experts.json", choice_record(measure(fine_tune_model(), 2, 64, torch.device("cpu"), "fp32")))
     return root
 
 
@@ -87,6 +91,11 @@ def fine_tune_settings(**train):
     return mfconfig.warmup_settings(cfg), mfconfig.train_model_settings(cfg)
 
 
+def fine_tune_model() -> dict:
+    """The model section of :func:`fine_tune_settings`' run (rule choose_experts's choice is made for it)."""
+    return mfconfig.run_config(mfconfig.load(overrides={"model": tiny_model_cfg()}), "moe")["model"]
+
+
 def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -97,7 +106,7 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
         "warmup.py",
         tmp_path,
         "warmup",
-        {"model": stage_inputs / "base", "data": stage_inputs / "data"},
+        {"model": stage_inputs / "base", "data": stage_inputs / "data", "experts": stage_inputs / "experts.json"},
         {"checkpoint": warm},
         {
             "settings": warmup_settings,
@@ -122,6 +131,7 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
             "data": stage_inputs / "data",
             "warmup": warm,
             "valset": stage_inputs / "valset",
+            "experts": stage_inputs / "experts.json",
         },
         outputs,
         {"settings": train_settings, "runtime": runtime, "checkpoints": str(tmp_path / "ckpt")},
@@ -147,7 +157,7 @@ def test_warmup_with_an_unstable_router_fails_with_the_report(stage_inputs, tmp_
         "warmup.py",
         tmp_path,
         "warmup",
-        {"model": stage_inputs / "base", "data": stage_inputs / "data"},
+        {"model": stage_inputs / "base", "data": stage_inputs / "data", "experts": stage_inputs / "experts.json"},
         {"checkpoint": tmp_path / "warmup"},
         {
             "settings": warmup_settings,

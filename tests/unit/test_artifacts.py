@@ -13,6 +13,7 @@ import pytest
 from moeflow import artifacts as A
 from moeflow import config as mfconfig
 from moeflow.eval_loop import SetStats
+from moeflow.eval_results import RunResults, read_run_results
 from moeflow.evaluate import EvalSet, run_metrics
 from moeflow.files import write_json
 
@@ -183,8 +184,22 @@ def test_lora_vs_full_table_compares_every_run_at_the_same_tokens(tmp_path):
     lora_log = A.read_train_log(train_log(tmp_path / "lora", moe=True, steps=8))  # a shorter run
     lora_log.tokens_per_s = [15000.0] * len(lora_log.tokens_per_s)
     records = [
-        A.RunRecord("moe", {}, {}, full_log, {"max_rss_mib": 900.0}, training_report("full", 1_000_000, 1_000_000)),
-        A.RunRecord("lora", {}, {}, lora_log, {"max_rss_mib": 600.0}, training_report("lora", 40_000, 1_040_000)),
+        A.RunRecord(
+            "moe",
+            metrics_for("moe", True, 0),
+            {},
+            full_log,
+            {"max_rss_mib": 900.0},
+            training_report("full", 10**6, 10**6),
+        ),
+        A.RunRecord(
+            "lora",
+            metrics_for("lora", True, 7),
+            {},
+            lora_log,
+            {"max_rss_mib": 600.0},
+            training_report("lora", 40_000, 1_040_000),
+        ),
     ]
     rows = A.as_dict_rows(A.method_table(records, "moe"))
     assert [r["run"] for r in rows] == ["moe", "lora", "lora / moe"]
@@ -256,6 +271,28 @@ def coverage_json() -> dict:
     return coverage_report(stats, constraints, selection, settings, 0)[0]
 
 
+EXPERTS_TIMINGS = {  # a choose_experts timings file (moeflow.experts_choice.measure)
+    "configured": "auto",
+    "device": "cpu",
+    "precision": "fp32",
+    "shape": {
+        "model_type": "qwen3_moe",
+        "layer": 0,
+        "hidden_size": 64,
+        "expert_width": 32,
+        "num_experts": EXPERTS,
+        "top_k": 2,
+        "tokens": 256,
+    },
+    "implementations": {
+        "eager": {"eligible": True, "median_s": 0.004, "reason": "agrees with eager (0 <= 0.0001)"},
+        "batched_mm": {"eligible": False, "reason": "first call 0.05 s, over 30x the best median so far (0.002 s)"},
+    },
+    "chosen": "eager",
+    "reason": "eager is the only eligible implementation (eager 4 ms)",
+}
+
+
 def write_paper_inputs(tmp_path: Path):
     env = tmp_path / "env.json"
     write_json(
@@ -279,6 +316,7 @@ def write_paper_inputs(tmp_path: Path):
             A.read_train_log(train_log(tmp_path / run, moe)),
             {"max_rss_mib": 900.0},
             training_report("full", total, total),
+            results_for(tmp_path, run, drift=moe),  # the dense run: lm-eval and HumanEval, no drift
         )
         for run, moe, seed, tps, total in (("moe", True, 0, 5000.0, 1_000_000), ("dense", False, 100, 9000.0, 600_000))
     }
@@ -302,6 +340,7 @@ def write_paper_inputs(tmp_path: Path):
         env_report_path=env,
         manifests={"d-1/target": manifest},
         stage_docs={"evaluate/moe": records["moe"].metrics, "tokenize/target": json.loads(manifest.read_text())},
+        experts={run: EXPERTS_TIMINGS for run in records},
     )
 
 
@@ -328,3 +367,168 @@ def test_write_paper_makes_every_artifact_reproducibly_with_provenance(tmp_path)
     assert [r[0] for r in rows] == ["moe", "dense", "dense / moe"]
     columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "lora_vs_full.csv")
     assert [r[:2] for r in rows] == [["moe", "full"], ["dense", "full"]]  # every run; no ratio row without a LoRA run
+    columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "forgetting.csv")
+    assert [r[0] for r in rows] == ["moe", "dense"] and "moeflow_body_choice acc change" in columns
+    columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "routing_drift.csv")
+    assert [r[:2] for r in rows] == [["moe", "0"], ["moe", "1"]]
+
+
+# --------------------------------------------------------------------------- lm-eval, HumanEval, drift, forgetting
+# Result files in the format the evaluation stages agree on (issue #18): lm_eval/<model>/<task>.json,
+# humaneval/<model>/results.json and drift.json under runs/<run>/eval/.
+
+TASKS = {"moeflow_perplexity": {"token_perplexity": (30.0, None)}, "moeflow_body_choice": {"acc": (0.25, 0.04)}}
+
+
+def lm_eval_result(task: str, model: str, shift: float) -> dict:
+    metrics = {m: {"value": v + shift, "stderr": e and e - shift / 10} for m, (v, e) in TASKS[task].items()}
+    return {"task": task, "model": model, "metrics": metrics, "num_samples": 40, "provenance": {"stage": "lm_eval"}}
+
+
+def humaneval_result(greedy: float, sampled: dict) -> dict:
+    problems = [
+        {"task_id": f"HumanEval/{i}", "greedy_passed": False, "n": 4, "correct": 0, "samples": []} for i in range(4)
+    ]
+    return {
+        "pass_at_k": {"greedy": {"pass@1": greedy}, "sampled": sampled},
+        "problems": problems,
+        "settings": {"n_samples": 4},
+        "provenance": {"stage": "humaneval_execute"},
+    }
+
+
+def drift_json() -> dict:
+    """drift.json as the routing_drift stage writes it, from hand-made routings of 4 tokens."""
+    from moeflow.drift import LayerTokens, drift_record
+
+    same = LayerTokens(1, EXPERTS, np.array([[0, 1]] * 4), 2.0)
+    base = [LayerTokens(0, EXPERTS, np.array([[0, 1], [0, 1], [2, 3], [0, 2]]), 4.0), same]
+    tuned = [LayerTokens(0, EXPERTS, np.array([[0, 1], [1, 3], [2, 3], [1, 2]]), 3.0), same]
+    return drift_record(base, tuned) | {"provenance": {"stage": "routing_drift"}}
+
+
+def write_results(root: Path, tasks=tuple(TASKS), humaneval=True, drift=True) -> dict:
+    """A run's result files under ``root``; the path mapping common.smk's eval_result_files gives the paper."""
+    files = {"lm_eval": {}, "humaneval": {}, "drift": None}
+    for task in tasks:
+        for model, shift in (("base", 0.0), ("finetuned", -0.5)):
+            files["lm_eval"].setdefault(task, {})[model] = path = root / "lm_eval" / model / f"{task}.json"
+            write_json(path, lm_eval_result(task, model, shift))
+    if humaneval:
+        for model, greedy, sampled in (
+            ("base", 0.0, {"pass@1": 0.0, "pass@2": 0.1, "pass@10": 0.3}),
+            ("finetuned", 0.25, {"pass@1": 0.2, "pass@2": 0.3, "pass@10": 0.6}),  # the table sorts by K, not by name
+        ):
+            files["humaneval"][model] = path = root / "humaneval" / model / "results.json"
+            write_json(path, humaneval_result(greedy, sampled))
+    if drift:
+        files["drift"] = root / "drift.json"
+        write_json(files["drift"], drift_json())
+    return files
+
+
+def results_for(tmp_path: Path, run: str, **what) -> RunResults:
+    return read_run_results("general", "target", **write_results(tmp_path / run, **what))
+
+
+def full_record(tmp_path: Path, run: str, moe: bool, seed: int, **what) -> A.RunRecord:
+    """A run's record with everything the comparison tables read, and its result files (``write_results``)."""
+    return A.RunRecord(
+        run,
+        metrics_for(run, moe, seed),
+        {"finetuned": {"tokens_per_s": 1000.0}, "peak_memory_bytes": 2**20},
+        A.read_train_log(train_log(tmp_path / run, moe)),
+        {"max_rss_mib": 100.0},
+        training_report("full", 10**6, 10**6),
+        results_for(tmp_path, run, **what),
+    )
+
+
+def test_lm_eval_and_humaneval_tables_hold_the_result_files_numbers(tmp_path):
+    record = full_record(tmp_path, "moe", True, 0)
+    rows = A.as_dict_rows(A.lm_eval_table([record]))
+    assert [(r["task"], r["metric"]) for r in rows] == [
+        ("moeflow_perplexity", "token_perplexity"),
+        ("moeflow_body_choice", "acc"),
+    ]
+    assert rows[0]["base"] == "30.0000" and rows[0]["fine-tuned"] == "29.5000" and rows[0]["change"] == "-0.5000"
+    assert rows[0]["base stderr"] == "n/a" and rows[1]["base stderr"] == "0.0400" and rows[1]["samples"] == "40"
+    assert rows[1]["fine-tuned stderr"] == "0.0900"
+    rows = A.as_dict_rows(A.humaneval_table([record]))
+    assert [r["measure"] for r in rows] == ["greedy pass@1", "sampled pass@1", "sampled pass@2", "sampled pass@10"]
+    assert [r["change"] for r in rows] == ["0.2500", "0.2000", "0.2000", "0.3000"] and rows[0]["problems"] == "4"
+
+
+def test_forgetting_table_sets_the_general_slice_beside_the_target(tmp_path):
+    records = [
+        full_record(tmp_path, "moe", True, 0),
+        full_record(tmp_path, "dense", False, 100, tasks=(), humaneval=False, drift=False),
+    ]
+    table = A.forgetting_table(records)
+    rows = A.as_dict_rows(table)
+    assert table.columns == [
+        "run",
+        "general set",
+        "target set",
+        "general loss change",
+        "target loss change",
+        "moeflow_perplexity token_perplexity change",
+        "moeflow_body_choice acc change",
+        "HumanEval greedy pass@1 change",
+        "HumanEval sampled pass@1 change",
+        "HumanEval sampled pass@2 change",
+        "HumanEval sampled pass@10 change",
+        "forgetting",
+    ]
+    for row, record in zip(rows, records):
+        sets = {s["name"]: s for s in record.metrics["sets"]}
+        general, target = sets["test/general"]["change"]["loss"], sets["test/target"]["change"]["loss"]
+        assert float(row["general loss change"]) == pytest.approx(general, abs=5e-5)
+        assert float(row["target loss change"]) == pytest.approx(target, abs=5e-5)
+        assert row["forgetting"] == ("yes" if general > 0 else "no")
+    assert (
+        rows[0]["moeflow_body_choice acc change"] == "-0.5000" and rows[0]["HumanEval greedy pass@1 change"] == "0.2500"
+    )
+    assert rows[1]["moeflow_body_choice acc change"] == "n/a"  # a run without the task, beside one that has it
+
+
+def test_without_tasks_or_humaneval_their_columns_are_absent(tmp_path):
+    records = [
+        full_record(tmp_path, "moe", True, 0, tasks=(), humaneval=False),
+        full_record(tmp_path, "dense", False, 100, tasks=(), humaneval=False, drift=False),
+    ]
+    for table in (A.forgetting_table(records), A.comparison_table(records, "moe"), A.method_table(records, "moe")):
+        assert "general loss change" in table.columns and "target loss change" in table.columns, table.name
+        assert not [c for c in table.columns if "HumanEval" in c or "moeflow_" in c], table.name
+    assert A.lm_eval_table(records).rows == [] and A.humaneval_table(records).rows == []
+
+
+def test_comparison_tables_gain_the_forgetting_columns(tmp_path):
+    records = [full_record(tmp_path, "moe", True, 0), full_record(tmp_path, "dense", False, 100, drift=False)]
+    forgetting = {r["run"]: r for r in A.as_dict_rows(A.forgetting_table(records))}
+    for table in (A.comparison_table(records, "moe"), A.method_table(records, "moe")):
+        rows = A.as_dict_rows(table)
+        for column in [c for c in A.forgetting_table(records).columns if c.endswith(" change")]:
+            assert column in table.columns, (table.name, column)
+            assert [r[column] for r in rows[:2]] == [forgetting["moe"][column], forgetting["dense"][column]]
+            assert all(r[column] == "" for r in rows[2:])  # no ratios of changes
+
+
+def test_drift_table_and_figure_from_drift_json(tmp_path):
+    record, dense = full_record(tmp_path, "moe", True, 0), full_record(tmp_path, "dense", False, 100, drift=False)
+    rows = A.as_dict_rows(A.drift_table([record, dense]))  # the dense run has no rows
+    assert [(r["run"], r["layer"]) for r in rows] == [("moe", "0"), ("moe", "1")]
+    # layer 0: loads (3, 2, 2, 1)/8 -> (1, 3, 2, 2)/8: expert 0 lost more than half, expert 3 doubled, expert 1
+    # rose by exactly half (not more); two of four tokens changed their set
+    p, q = np.array([3, 2, 2, 1]) / 8, np.array([1, 3, 2, 2]) / 8
+    m = (p + q) / 2
+    js = 0.5 * np.sum(p * np.log2(p / m)) + 0.5 * np.sum(q * np.log2(q / m))
+    assert float(rows[0]["JS divergence"]) == pytest.approx(js, abs=5e-5)
+    assert rows[0]["changed expert sets"] == "0.5000" and rows[0]["gained"] == "3" and rows[0]["lost"] == "0"
+    assert rows[0]["entropy change"] == "-0.2500" and rows[0]["tokens"] == "4"
+    assert rows[1]["JS divergence"] == "0.0000" and rows[1]["gained"] == rows[1]["lost"] == "none"
+    for attempt in ("a", "b"):
+        A.save_figure(A.drift_figure([record, dense]), tmp_path / attempt, "drift", "moeflow provenance xyz")
+        A.save_figure(A.drift_figure([dense]), tmp_path / attempt, "no_drift", "moeflow provenance xyz")
+    for name in ("drift.png", "drift.pdf", "no_drift.png"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name

@@ -415,10 +415,11 @@ def test_routing_capture_sees_the_adapted_router_and_the_balance_gradient_path(r
 
 def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
     cfg = config.load()
-    full = build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"])
+    model_cfg = cfg["model"] | {"experts_implementation": "eager"}  # outside a stage: no measured choice
+    full = build_model(model_cfg, vocab_size=cfg["tokenizer"]["vocab_size"])
     full_report = lora.trainable_parameter_report(full)
     lora_model = lora.apply_lora(
-        build_model(cfg["model"], vocab_size=cfg["tokenizer"]["vocab_size"]), lora_of(cfg["train"]["lora"]), False
+        build_model(model_cfg, vocab_size=cfg["tokenizer"]["vocab_size"]), lora_of(cfg["train"]["lora"]), False
     )
     report = lora.trainable_parameter_report(lora_model)
     assert full_report["trainable"] == full_report["total"]

@@ -113,6 +113,22 @@ def coverage_dir(cfg):
     return f"{RESULTS}/coverage/{mfconfig.coverage_key(coverage_source(cfg))}"
 
 
+# --- the experts implementation (rule choose_experts)
+
+EXPERTS = {mfconfig.experts_key(cfg, part): mfconfig.experts_settings(cfg, part) for cfg in RUNS.values() for part in mfconfig.EXPERTS_PARTS}
+
+
+def experts_choice(cfg, part="train"):
+    """The experts choice (moeflow.experts_choice) every rule that loads ``cfg``'s model takes as input ``experts``:
+    timed at a micro-batch of ``part``: train for fine-tuning and evaluation, pretrain for the base model's stages."""
+    return f"{RESULTS}/experts/{mfconfig.experts_key(cfg, part)}/choice.json"
+
+
+def experts_timings(cfg, part="train"):
+    """The timings behind :func:`experts_choice` (reports only: never an input of a rule that trains)."""
+    return f"{RESULTS}/experts/{mfconfig.experts_key(cfg, part)}/timings.json"
+
+
 def run_targets(cfg, run):
     """Everything a run needs before fine-tuning starts."""
     return [
@@ -124,8 +140,68 @@ def run_targets(cfg, run):
 # --- evaluation and paper
 
 from moeflow.artifacts import paper_outputs
+from moeflow.eval_results import MODELS
+from moeflow.harness_tasks import by_label as lm_eval_task_labels
+from moeflow.plan import PlanError, model_config_fields, model_shape
 
 PAPER = f"{RESULTS}/paper"
+
+
+def evaluated_model_dir(wildcards):
+    """The folder of the model a per-model evaluation job reads: the run's base ({model} = base) or its fine-tuned model."""
+    return base_model_dir(RUNS[wildcards.run]) if wildcards.model == "base" else final_model_dir(wildcards.run)
+
+
+def run_eval_dir(run):
+    return f"{RESULTS}/runs/{run}/eval"
+
+
+def is_moe_run(run):
+    """Whether the run's model has MoE layers (from its config, or its pretrained folder's config.json)."""
+    try:
+        return bool(model_shape(model_config_fields(RUNS[run]["model"]), 1).moe_layers)
+    except PlanError as exc:
+        raise WorkflowError(f"moeflow: run {run!r}: {exc}") from None
+
+
+def lm_eval_files(run):
+    """The lm_eval_task rule's results of a run, task label -> model -> path: each of evaluate.tasks on both models."""
+    return {
+        task: {model: f"{run_eval_dir(run)}/lm_eval/{model}/{task}.json" for model in MODELS}
+        for task in lm_eval_task_labels(RUNS[run]["evaluate"]["tasks"])
+    }
+
+
+def humaneval_files(run):
+    """The humaneval execution rule's results of a run, model -> path; none when evaluate.humaneval is off."""
+    if not RUNS[run]["evaluate"]["humaneval"]["enabled"]:
+        return {}
+    return {model: f"{run_eval_dir(run)}/humaneval/{model}/results.json" for model in MODELS}
+
+
+def drift_file(run):
+    """The routing_drift rule's drift.json of an MoE run; None for a dense run (it has no router)."""
+    return f"{run_eval_dir(run)}/drift.json" if is_moe_run(run) else None
+
+
+def eval_result_files():
+    """Every run's lm-eval, HumanEval and routing-drift results, as moeflow.eval_results.read_run_results
+    takes them (the paper rule's params; ``eval_result_paths`` lists the same files as its inputs)."""
+    return {run: {"lm_eval": lm_eval_files(run), "humaneval": humaneval_files(run), "drift": drift_file(run)} for run in RUNS}
+
+
+def eval_result_paths(wildcards=None):
+    """The files of ``eval_result_files`` as one list (the paper rule's inputs)."""
+    paths = []
+    for files in eval_result_files().values():
+        paths += [path for by_model in files["lm_eval"].values() for path in by_model.values()]
+        paths += [*files["humaneval"].values(), *([files["drift"]] if files["drift"] else [])]
+    return paths
+
+
+def paper_corpora():
+    """Each run's general and target slice (data.base_corpus, data.finetune_corpus) for the forgetting table."""
+    return {run: {"general": cfg["data"]["base_corpus"], "target": cfg["data"]["finetune_corpus"]} for run, cfg in RUNS.items()}
 
 
 def paper_data():

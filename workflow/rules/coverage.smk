@@ -4,6 +4,7 @@
 rule coverage_valset:
     input:
         model=lambda wc: base_model_dir(COVERAGES[wc.covkey]),
+        experts=lambda wc: experts_choice(COVERAGES[wc.covkey], "pretrain"),
         pool=lambda wc: [data_dir(COVERAGES[wc.covkey], c) for c in COVERAGES[wc.covkey]["coverage"]["pool_corpora"]],
         lib=lib("coverage_valset.py"),
     output:

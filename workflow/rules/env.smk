@@ -27,3 +27,31 @@ rule verify_env:
         ENV_FILE
     script:
         "../scripts/verify_env.py"
+
+
+# The experts implementation that model.experts_implementation: auto stands for, chosen by timing one MoE block
+# of the run's shape on its device and precision (moeflow.experts_choice). One job per distinct shape, device and
+# precision (common.smk's EXPERTS), so runs that share a model share it. The choice (no timings) is an input of
+# every rule that loads the model; the timings only of the paper, so their run-to-run noise reruns nothing.
+rule choose_experts:
+    input:
+        model_config=lambda wc: [f"{p}/config.json" for p in [EXPERTS[wc.expkey]["model"]["pretrained"]] if p],
+        lib=lib("choose_experts.py"),
+    output:
+        choice=f"{RESULTS}/experts/{{expkey}}/choice.json",
+        timings=f"{RESULTS}/experts/{{expkey}}/timings.json",
+    params:
+        settings=lambda wc: EXPERTS[wc.expkey],
+        fingerprint=environment_fingerprint(),  # new packages time again (the choice reruns training only if it changes)
+        runtime=runtime(),
+    wildcard_constraints:
+        expkey="e-[0-9a-f]+",
+    threads: config["threads"]
+    log:
+        log_path("choose_experts", "{expkey}"),
+    benchmark:
+        bench_path("choose_experts", "{expkey}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/choose_experts.py"

@@ -7,6 +7,7 @@ rule evaluate_run:
     input:
         base=lambda wc: base_model_dir(RUNS[wc.run]),
         finetuned=lambda wc: final_model_dir(wc.run),
+        experts=lambda wc: experts_choice(RUNS[wc.run]),
         valset=lambda wc: f"{coverage_dir(RUNS[wc.run])}/valset",
         eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]],
         lib=lib("evaluate.py"),
@@ -15,7 +16,7 @@ rule evaluate_run:
         speed=f"{RESULTS}/runs/{{run}}/eval/speed.json",
         summary=report(f"{RESULTS}/runs/{{run}}/eval/summary.md", caption="../report/evaluate.rst", category="Evaluation", subcategory="{run}"),
     params:
-        settings=lambda wc: RUNS[wc.run]["evaluate"],
+        settings=lambda wc: mfconfig.eval_batch_settings(RUNS[wc.run]),  # not lm-eval's or HumanEval's keys
         model=lambda wc: RUNS[wc.run]["model"],
         coverage=lambda wc: coverage_source(RUNS[wc.run])["coverage"],
         pool_corpora=lambda wc: coverage_source(RUNS[wc.run])["coverage"]["pool_corpora"],

@@ -6,6 +6,7 @@ rule pretrain_base:
     input:
         tokenizer=lambda wc: tokenizer_dir(mfconfig.tokenizer_settings(BASES[wc.basekey])),
         data=lambda wc: data_dir(BASES[wc.basekey], BASES[wc.basekey]["data"]["base_corpus"]),
+        experts=lambda wc: experts_choice(BASES[wc.basekey], "pretrain"),
         script="workflow/scripts/pretrain_base.py",
         lib=lib("pretrain_base.py"),
     output:

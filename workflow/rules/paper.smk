@@ -9,8 +9,10 @@ rule paper:
         train_logs=[train_logs_dir(run) for run in RUNS],
         train_benchmarks=[bench_path("train_model", run) for run in RUNS],
         adapters=expand(rules.train_model.output.adapter, run=list(RUNS)),  # method and trainable parameters (LoRA vs full)
+        evaluation=eval_result_paths,  # lm-eval, HumanEval and routing drift of every run (common.smk)
         coverage=f"{coverage_dir(RUNS[config['paper']['moe_run']])}/coverage.json",
         env=rules.verify_env.output.json,
+        experts=[experts_timings(RUNS[run]) for run in RUNS],  # the environment table's experts choice per run (rule choose_experts)
         data=list(paper_data().values()),
         lib=lib("paper.py"),
     output:
@@ -18,6 +20,8 @@ rule paper:
     params:
         runs=list(RUNS),
         data_labels=list(paper_data()),
+        eval_files=lambda wc: eval_result_files(),
+        corpora=paper_corpora(),
         outdir=lambda wc, output: os.path.dirname(output.provenance),
         settings=config["paper"],
         config=config,

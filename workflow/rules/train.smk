@@ -10,6 +10,7 @@ rule warmup:
     input:
         model=lambda wc: base_model_dir(RUNS[WARMUPS[wc.warmkey]]),
         data=lambda wc: data_dir(RUNS[WARMUPS[wc.warmkey]], RUNS[WARMUPS[wc.warmkey]]["data"]["finetune_corpus"]),
+        experts=lambda wc: experts_choice(RUNS[WARMUPS[wc.warmkey]]),
         script="workflow/scripts/warmup.py",
         lib=lib("warmup.py"),
     output:
@@ -39,6 +40,7 @@ rule train_model:
         model=lambda wc: base_model_dir(RUNS[wc.run]),
         warmup=lambda wc: warmup_dir(RUNS[wc.run]),
         data=lambda wc: data_dir(RUNS[wc.run], RUNS[wc.run]["data"]["finetune_corpus"]),
+        experts=lambda wc: experts_choice(RUNS[wc.run]),
         valset=lambda wc: f"{coverage_dir(RUNS[wc.run])}/valset",
         # The memory plan gates train_model only: plan_memory's settings include all of train:, so as a
         # warmup input it would rerun warmup on a second-part change (train.steps).

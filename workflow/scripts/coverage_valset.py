@@ -4,13 +4,13 @@ Writes the valset (data-stage format), coverage.json (with the random-subset com
 fails listing the unmet constraints unless coverage.allow_unmet is set."""
 
 from moeflow.hardware import compute_device, compute_dtype
-from moeflow.modeling import check_vocabulary, load_model
+from moeflow.modeling import check_vocabulary, load_model, resolve_experts
 from moeflow.stage import Stage
 from moeflow.valset import StageOutputs, build_valset
 
 stage = Stage.from_snakemake(snakemake)
 settings = snakemake.params.settings  # mfconfig.coverage_settings
-model_cfg = settings["model"]
+model_cfg = resolve_experts(settings["model"], snakemake.input.experts)
 device = compute_device(snakemake.params.device)
 
 model = load_model(snakemake.input.model, model_cfg, compute_dtype(stage.precision)).to(device)

@@ -8,7 +8,7 @@ from moeflow import evaluate as ev
 from moeflow.files import write_json, write_text
 from moeflow.hardware import compute_device, compute_dtype
 from moeflow.metrics import active_parameters
-from moeflow.modeling import check_vocabulary, load_model
+from moeflow.modeling import check_vocabulary, load_model, resolve_experts
 from moeflow.shards import open_split
 from moeflow.stage import Stage, kill_point
 from moeflow.valset import open_valset
@@ -22,9 +22,10 @@ sets += [
     ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in zip(params.eval_corpora, snakemake.input.eval_data)
 ]
 
+model_cfg = resolve_experts(params.model, snakemake.input.experts)
 stats, speed, coverage, parameters = {}, {}, {}, {}
 for label in ("base", "finetuned"):
-    model = load_model(snakemake.input[label], params.model, compute_dtype(stage.precision)).to(device)
+    model = load_model(snakemake.input[label], model_cfg, compute_dtype(stage.precision)).to(device)
     check_vocabulary(model, list(snakemake.input.eval_data), snakemake.input[label])
     stats[label] = ev.evaluate_model(model, sets, params.settings, stage.precision)
     coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision)

@@ -1,7 +1,9 @@
 """The paper artifacts: figures (PNG, PDF) and tables (CSV, Markdown, LaTeX) from the cached results of
-every run (training logs, evaluation metrics, coverage, environment), each carrying its provenance."""
+every run (training logs, evaluation metrics, lm-eval tasks, HumanEval, routing drift, coverage,
+environment), each carrying its provenance."""
 
 from moeflow import artifacts as A
+from moeflow.eval_results import read_run_results, stage_documents
 from moeflow.files import read_json
 from moeflow.lora import REPORT_FILE
 from moeflow.stage import Stage
@@ -17,6 +19,9 @@ records = {
         log=A.read_train_log(f"{logs}/metrics.jsonl"),
         benchmark=A.read_benchmark(bench),
         training=read_json(f"{adapter}/{REPORT_FILE}"),
+        results=read_run_results(
+            params.corpora[run]["general"], params.corpora[run]["target"], **params.eval_files[run]
+        ),
     )
     for run, metrics, speed, logs, bench, adapter in zip(
         params.runs, inp.metrics, inp.speed, inp.train_logs, inp.train_benchmarks, inp.adapters
@@ -28,6 +33,8 @@ stage_docs |= {f"tokenize/{label}": read_json(path) for label, path in manifests
 stage_docs |= {
     f"train_model/{run}": read_json(f"{logs}/summary.json") for run, logs in zip(params.runs, inp.train_logs)
 }
+for run, r in records.items():
+    stage_docs |= stage_documents(run, r.results)
 stage_docs["coverage"] = coverage = read_json(inp.coverage)
 stage_docs["verify_env"] = read_json(inp.env)
 
@@ -40,4 +47,5 @@ A.write_paper(
     env_report_path=inp.env,
     manifests=manifests,
     stage_docs=stage_docs,
+    experts={run: read_json(timings) for run, timings in zip(params.runs, inp.experts)},
 )

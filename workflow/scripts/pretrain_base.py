@@ -10,7 +10,7 @@ from pathlib import Path
 from moeflow import distributed as D
 from moeflow.config import PretrainStage
 from moeflow.files import atomic_dir, write_json
-from moeflow.modeling import build_model, load_tokenizer, write_model_folder
+from moeflow.modeling import build_model, load_tokenizer, resolve_experts, write_model_folder
 from moeflow.shards import open_split
 from moeflow.stage import Stage, job_from_argv
 from moeflow.train import train_stage
@@ -19,7 +19,7 @@ snakemake = job_from_argv(settings=PretrainStage)
 stage = Stage.from_snakemake(snakemake)
 ranks = D.init()
 settings = snakemake.settings
-model_cfg = settings.model
+model_cfg = resolve_experts(settings.model, snakemake.input.experts)
 
 tokenizer = load_tokenizer(snakemake.input.tokenizer)
 model = build_model(model_cfg, len(tokenizer), stage.seed).to(ranks.device)

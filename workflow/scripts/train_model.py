@@ -11,7 +11,7 @@ from moeflow import distributed as D
 from moeflow.config import TrainModelStage
 from moeflow.files import write_json
 from moeflow.lora import save_adapter_output
-from moeflow.modeling import load_tokenizer, save_final_model
+from moeflow.modeling import load_tokenizer, resolve_stage_experts, save_final_model
 from moeflow.shards import open_split
 from moeflow.stage import Stage, job_from_argv
 from moeflow.train import train_stage
@@ -19,6 +19,7 @@ from moeflow.valset import open_valset
 
 snakemake = job_from_argv(settings=TrainModelStage)
 stage = Stage.from_snakemake(snakemake)
+snakemake.settings = resolve_stage_experts(snakemake.settings, snakemake.input.experts)
 settings = snakemake.settings
 ranks, model = D.start_fine_tuning(snakemake, stage.precision)
 tokenizer = load_tokenizer(snakemake.input.model)

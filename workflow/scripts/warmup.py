@@ -11,12 +11,14 @@ from moeflow import distributed as D
 from moeflow.config import WarmupStage
 from moeflow.files import dumps_json, write_json
 from moeflow.guards import UnstableRouting, base_reference
+from moeflow.modeling import resolve_stage_experts
 from moeflow.shards import open_split
 from moeflow.stage import Stage, job_from_argv, log
 from moeflow.train import train_stage
 
 snakemake = job_from_argv(settings=WarmupStage)
 stage = Stage.from_snakemake(snakemake)
+snakemake.settings = resolve_stage_experts(snakemake.settings, snakemake.input.experts)
 settings = snakemake.settings  # train: the warmup part's (train.warmup_steps steps)
 ranks, model = D.start_fine_tuning(snakemake, stage.precision)
 rows = open_split(snakemake.input.data, "train")

@@ -1,0 +1,216 @@
+"""The experts implementation chosen by measurement (moeflow.experts_choice, rule choose_experts)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import yaml
+from conftest import SMOKE, copy_workflow, snakemake
+from tiny_models import tiny_dense_cfg, tiny_model_cfg
+
+from moeflow import compat
+from moeflow import experts_choice as X
+from moeflow.artifacts import experts_choice_line
+from moeflow.config import REPO_ROOT
+
+CPU = torch.device("cpu")
+MICRO_BATCH, SEQ_LEN = 2, 64
+
+
+def auto(cfg: dict) -> dict:
+    return cfg | {"experts_implementation": "auto"}
+
+
+@pytest.fixture(scope="module")
+def block() -> X.MoEBlock:
+    return X.moe_block(tiny_model_cfg(), MICRO_BATCH, SEQ_LEN, CPU)
+
+
+def planted(run: X.Run, plants: dict) -> X.Run:
+    """``run`` with extra implementations: each a function of eager's (output, gradients)."""
+
+    def call(name: str):
+        if name in plants:
+            return plants[name](*run(X.REFERENCE))
+        return run(name)
+
+    return call
+
+
+def test_the_candidates_are_what_the_stack_runs():
+    names = X.candidates(CPU)
+    assert names == (["eager", "grouped_mm", "batched_mm"] if compat.is_transformers_v5() else ["eager"])
+
+
+def test_the_block_is_the_runs_first_moe_layer_materialised_alone(block):
+    assert block.shape == {
+        "model_type": "qwen3_moe",
+        "layer": 0,
+        "hidden_size": 32,
+        "expert_width": 16,
+        "num_experts": 4,
+        "top_k": 2,
+        "micro_batch_size": MICRO_BATCH,
+        "seq_len": SEQ_LEN,
+        "tokens": MICRO_BATCH * SEQ_LEN,
+    }
+    assert all(p.device == CPU for p in block.module.parameters())
+    assert all(p.is_meta for p in block.model.get_input_embeddings().parameters())  # the rest is never allocated
+
+
+def test_a_real_timing_at_a_small_shape_picks_the_fastest_eligible():
+    report = X.measure(auto(tiny_model_cfg()), MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+    results = report["implementations"]
+    assert list(results) == X.candidates(CPU) and results["eager"]["max_relative_difference"] == 0
+    if not compat.is_transformers_v5():  # the pinned stack's only implementation: the per-expert loop
+        assert report["chosen"] == "eager" and "per-expert loop" in report["reason"]
+        return
+    assert results["grouped_mm"]["eligible"], results["grouped_mm"]  # agrees with eager in fp32 on the CPU
+    eligible = {n: r["median_s"] for n, r in results.items() if r["eligible"]}
+    fastest = min(eligible, key=eligible.__getitem__)
+    clearly_faster = eligible["eager"] >= X.MIN_SPEEDUP * eligible[fastest]
+    assert report["chosen"] == (fastest if clearly_faster else "eager"), report
+    assert f"{report['chosen']} " in report["reason"] and "ms" in report["reason"]
+
+
+def test_an_implementation_that_disagrees_with_eager_is_not_eligible_even_when_fastest(block):
+    run = X.block_runner(block, "fp32")
+    plants = {
+        "off_output": lambda out, grads: (out * 1.01, grads),
+        "off_gradient": lambda out, grads: (out, grads[:-1] + [grads[-1] + 0.01 * grads[-1].abs().max()]),
+    }
+    results = X.compare(planted(run, plants), ["eager", *plants], "fp32")
+    for name in plants:
+        assert not results[name]["eligible"] and "differs from eager" in results[name]["reason"], results[name]
+    assert X.choose(results)[0] == "eager"
+
+
+def test_a_slower_implementation_loses_and_a_clearly_faster_one_wins(block):
+    run = X.block_runner(block, "fp32")
+    eager_s = min(X.compare(run, ["eager"], "fp32")["eager"]["first_call_s"] for _ in range(3))
+
+    def slow(out, grads):  # slower than eager, and within the budget of its first call
+        time.sleep(max(0.01, 2 * eager_s))
+        return out, grads
+
+    results = X.compare(planted(run, {"slow": slow}), ["eager", "slow"], "fp32")
+    assert results["slow"]["eligible"] and results["slow"]["median_s"] > results["eager"]["median_s"], results
+    assert X.choose(results)[0] == "eager"
+    fast = {"eager": {"eligible": True, "median_s": 0.010}, "fast": {"eligible": True, "median_s": 0.005}}
+    assert X.choose(fast)[0] == "fast"
+    close = fast | {"fast": {"eligible": True, "median_s": 0.010 / (X.MIN_SPEEDUP - 0.05)}}
+    chosen, reason = X.choose(close)
+    assert chosen == "eager" and "eager kept" in reason  # within the margin: no flip between reruns
+
+
+def test_an_implementation_far_over_budget_on_its_first_call_is_dropped_unrepeated(block):
+    run = X.block_runner(block, "fp32")
+    calls = []
+
+    def crawl(out, grads):
+        calls.append(1)
+        time.sleep(2.0)
+        return out, grads
+
+    results = X.compare(planted(run, {"crawl": crawl}), ["eager", "crawl"], "fp32")
+    assert not results["crawl"]["eligible"] and "first call" in results["crawl"]["reason"]
+    assert len(calls) == 1 and "median_s" not in results["crawl"]
+
+
+def test_a_failing_implementation_is_not_eligible(block):
+    def broken(out, grads):
+        raise RuntimeError("no kernel for this dtype\nmore detail")
+
+    results = X.compare(planted(X.block_runner(block, "fp32"), {"broken": broken}), ["eager", "broken"], "fp32")
+    assert results["broken"] == {"eligible": False, "reason": "fails here: RuntimeError: no kernel for this dtype"}
+
+
+def test_the_choice_file_holds_the_choice_and_its_shape_and_no_timings():
+    report = X.measure(auto(tiny_model_cfg()), MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+    choice = X.choice_record(report)
+    assert set(choice) == {"implementation", "configured", "shape", "device", "precision"}
+    assert choice["implementation"] == report["chosen"] and choice["shape"]["tokens"] == MICRO_BATCH * SEQ_LEN
+
+    def floats(obj):
+        if isinstance(obj, dict):
+            return [f for v in obj.values() for f in floats(v)]
+        return [obj] if isinstance(obj, float) else []
+
+    assert not floats(choice) and "ms" not in str(choice)
+    retimed = report | {"implementations": {n: r | {"median_s": 1.0} for n, r in report["implementations"].items()}}
+    assert X.choice_record(retimed) == choice
+
+
+def test_a_model_without_moe_layers_has_nothing_to_choose():
+    report = X.measure(auto(tiny_dense_cfg()), MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+    assert report["chosen"] is None and report["shape"] is None and "no MoE layer" in report["reason"]
+    assert X.choice_record(report)["implementation"] is None
+    assert experts_choice_line(report).startswith("none (")
+
+
+def test_an_explicit_setting_is_kept_and_the_measurement_still_reported():
+    report = X.measure(tiny_model_cfg() | {"experts_implementation": "eager"}, MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+    assert report["chosen"] == "eager" and report["reason"].startswith("set by model.experts_implementation")
+    assert report["implementations"]["eager"]["eligible"]
+    if not compat.is_transformers_v5():
+        with pytest.raises(compat.UnsupportedOnStack, match="grouped_mm"):
+            X.measure(tiny_model_cfg() | {"experts_implementation": "grouped_mm"}, MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+
+
+def test_the_report_line_names_choice_reason_and_shape():
+    report = X.measure(auto(tiny_model_cfg()), MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+    line = experts_choice_line(report)
+    assert line.startswith(f"{report['chosen']}: ") and "4 experts, top-2, 128 tokens, cpu, fp32" in line
+
+
+# --------------------------------------------------------------------------- the pipeline's rules
+
+
+def dry_run_jobs(workdir, target: str) -> dict[str, list[list[str]]]:
+    """rule -> the input lists of its jobs in a dry run of the smoke config."""
+    out = snakemake(workdir, target, "--dry-run", "--cores", "2", *SMOKE).stdout
+    jobs: dict[str, list[list[str]]] = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", out):
+        head = re.match(r"(?:local)?rule (\w+):", block)
+        inputs = re.search(r"^\s+input: (.*)$", block, re.MULTILINE)
+        if head:
+            jobs.setdefault(head.group(1), []).append(inputs.group(1).split(", ") if inputs else [])
+    return jobs
+
+
+def rules_that_load_a_model() -> set[str]:
+    """The rules whose script builds or loads a model (from the rule files and their scripts)."""
+    rules = set()
+    for rule_file in (REPO_ROOT / "workflow" / "rules").glob("*.smk"):
+        for block in re.split(r"\n(?=rule \w+:)", rule_file.read_text()):
+            head, script = re.match(r"rule (\w+):", block), re.search(r"scripts/(\w+\.py)", block)
+            if head and script:
+                code = (REPO_ROOT / "workflow" / "scripts" / script.group(1)).read_text()
+                if re.search(r"\b(load_model|build_model|start_fine_tuning)\(", code):
+                    rules.add(head.group(1))
+    return rules
+
+
+def test_every_rule_that_loads_a_model_takes_the_choice_and_none_the_timings(tmp_path):
+    loaders = rules_that_load_a_model()
+    assert {"pretrain_base", "coverage_valset", "warmup", "train_model", "evaluate_run"} <= loaders
+    jobs = dry_run_jobs(copy_workflow(tmp_path / "moeflow"), "evaluate")
+    assert "choose_experts" in jobs and {"pretrain_base", "warmup", "train_model", "evaluate_run"} <= set(jobs)
+    for rule in loaders & set(jobs):
+        for inputs in jobs[rule]:
+            choices = [p for p in inputs if re.fullmatch(r"results/\w+/experts/e-[0-9a-f]+/choice\.json", p)]
+            assert len(choices) == 1, (rule, inputs)
+    assert not [rule for rule, runs in jobs.items() for inputs in runs if any("timings.json" in p for p in inputs)]
+
+
+@pytest.mark.parametrize("profile", ["slurm", "slurm-multinode"])
+def test_the_slurm_profiles_time_on_the_training_rules_gpu(profile):
+    resources = yaml.safe_load((REPO_ROOT / "profiles" / profile / "config.yaml").read_text())["set-resources"]
+    timing, training = resources["choose_experts"], resources["train_model"]
+    assert timing["gpu"] >= 1 and timing["mem_mb"] and timing["runtime"]
+    assert {k: timing[k] for k in ("slurm_partition", "gpu_model")} == {
+        k: training[k] for k in ("slurm_partition", "gpu_model")
+    }

@@ -1,0 +1,220 @@
+"""The lm-eval stage's library on a tiny model and tokenizer: the perplexity task agrees with moeflow's own
+evaluation of the packed test split, the body-choice items are deterministic and well formed, task entries
+resolve (or fail naming the key), and lm-eval's results become the result record's metrics."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model_cfg
+
+from moeflow import config, harness, harness_tasks, task_docs
+from moeflow.evaluate import EvalSet, evaluate_model
+from moeflow.modeling import build_model
+from moeflow.packing import pack_documents
+from moeflow.shards import open_split, write_split
+from moeflow.tokenizer import train_tokenizer
+
+SEQ_LEN = 96
+SETTINGS = {"batch_size": 4, "limit": None, "num_fewshot": None, "bootstrap_iters": 0, "choices": 3}
+WORDS = ["alpha", "beta", "gamma", "delta", "value", "items", "count", "name", "total", "index"]
+
+
+def module_text(rng: random.Random, n: int) -> str:
+    """A small Python module: functions with docstrings and bodies of a few statements."""
+    parts = []
+    for i in range(n):
+        a, b = rng.sample(WORDS, 2)
+        body = "".join(f"    {a} = {a} + {rng.randint(1, 9)}\n" for _ in range(rng.randint(1, 3)))
+        parts.append(f'def {a}_{b}_{i}({a}, {b}):\n    """Return the {b} of {a}."""\n{body}    return {a} * {b}\n')
+    return "\n\n".join(parts)
+
+
+def prose_text(rng: random.Random) -> str:
+    """Words and single spaces only: no run of whitespace a segment could end inside."""
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) + "."
+
+
+def write_corpus(folder: Path, texts: list[str], tokenizer) -> Path:
+    eos = tokenizer.eos_token_id
+    encoded = [tokenizer.backend_tokenizer.encode(t, add_special_tokens=False).ids + [eos] for t in texts]
+    write_split(folder / "test", pack_documents([(i, ids, None) for i, ids in enumerate(encoded)], SEQ_LEN, 8))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A trained byte-level BPE tokenizer and two packed test splits on disk (documents split across rows):
+    Python modules, and prose."""
+    rng = random.Random(0)
+    code = [module_text(rng, rng.randint(2, 5)) for _ in range(12)]
+    prose = [prose_text(rng) for _ in range(12)]
+    tokenizer = train_tokenizer(code + prose, vocab_size=300)
+    folders = {
+        "code": write_corpus(tmp_path_factory.mktemp("code"), code, tokenizer),
+        "prose": write_corpus(tmp_path_factory.mktemp("prose"), prose, tokenizer),
+    }
+    return tokenizer, folders, code
+
+
+@pytest.fixture(scope="module")
+def model(corpus):
+    tokenizer = corpus[0]
+    torch.manual_seed(0)
+    m = build_model(tiny_model_cfg("sdpa", max_position_embeddings=128), len(tokenizer), seed=1)
+    return m.eval()
+
+
+PERPLEXITY = harness_tasks.resolve("moeflow_perplexity", "evaluate.tasks[0]")
+BODY_CHOICE = harness_tasks.resolve("moeflow_body_choice", "evaluate.tasks[1]")
+
+
+def test_perplexity_task_agrees_with_moeflow_evaluation(corpus, model, tmp_path):
+    tokenizer, folders, _ = corpus
+    ours = {
+        c: evaluate_model(
+            model, [EvalSet(f"test/{c}", [c], open_split(f, "test"))], {"batch_size": 2, "max_sequences": None}
+        )
+        for c, f in folders.items()
+    }
+    documents = harness.corpus_documents(PERPLEXITY, folders, tokenizer, SETTINGS, SEQ_LEN, seed=0)
+    record = harness.corpus_task_record(model, tokenizer, PERPLEXITY, documents, SETTINGS, SEQ_LEN, 0, "fp32", tmp_path)
+    for c in folders:
+        stats = ours[c][f"test/{c}"]
+        docs = documents[c][0]
+        assert sum(d["labels"] for d in docs) == stats.label_tokens == record["cross_check"][c]["label_tokens"]
+        assert len(docs) > len(open_split(folders[c], "test"))  # documents were split across rows
+        check = record["cross_check"][c]
+        assert check["moeflow_perplexity"] == pytest.approx(stats.perplexity, rel=1e-6)
+        assert check["lm_eval_token_perplexity"] == pytest.approx(
+            record["metrics"][f"{c}/token_perplexity"]["value"], rel=1e-12
+        )
+        assert check["relative_difference"] < 1e-6  # the same tokens: the two agree to float rounding
+    # code has segments cut inside a run of spaces, whose text encodes back to other tokens: lm-eval is given
+    # the data stage's tokens for them (moeflow.harness.exact_tokens)
+    code_docs = documents["code"][0]
+    assert any(tokenizer.encode(d["text"], add_special_tokens=False) != d["input_ids"] for d in code_docs)
+    assert record["num_samples"] == sum(len(docs) for docs, _ in documents.values())
+
+
+def test_perplexity_limit_compares_the_same_segments(corpus, model, tmp_path):
+    tokenizer, folders, _ = corpus
+    settings = {**SETTINGS, "limit": 3}
+    documents = harness.corpus_documents(PERPLEXITY, {"prose": folders["prose"]}, tokenizer, settings, SEQ_LEN, 0)
+    record = harness.corpus_task_record(model, tokenizer, PERPLEXITY, documents, settings, SEQ_LEN, 0, "fp32", tmp_path)
+    assert record["num_samples"] == 3
+    check = record["cross_check"]["prose"]
+    assert check["label_tokens"] == sum(d["labels"] for d in documents["prose"][0][:3]) and check["segments"] == 3
+    assert check["relative_difference"] < 1e-6
+
+
+def test_prefix_hook_refuses_windows_it_cannot_reproduce(corpus, model):
+    ids = torch.tensor([[5, 6, 7]])
+    with harness.first_token_as_context(model, prefix_id=5), torch.no_grad():
+        logits = model(ids).logits
+        assert logits[0, 0].log_softmax(-1)[6] == 0.0  # the first token: certain
+        with pytest.raises(harness.HarnessError, match="max_length"):
+            model(torch.tensor([[9, 6, 7]]))
+    with torch.no_grad():
+        assert torch.equal(logits[:, 1:], model(ids[:, 1:]).logits)  # the rest: the model without the prefix
+
+
+def test_body_choice_items_are_deterministic_and_hold_the_real_body(corpus):
+    tokenizer, folders, texts = corpus
+    documents = task_docs.document_texts(open_split(folders["code"], "test"), tokenizer)
+    assert documents == texts  # the split decodes back to the documents
+    kwargs = {"choices": 3, "seed": 7, "max_tokens": SEQ_LEN}
+    items = task_docs.body_choice_docs(documents, tokenizer, **kwargs)
+    assert items and items == task_docs.body_choice_docs(documents, tokenizer, **kwargs)
+    assert items != task_docs.body_choice_docs(documents, tokenizer, **{**kwargs, "seed": 8})
+    bodies: dict[str, set[str]] = {}
+    for f in (f for text in documents for f in task_docs.functions(text)):
+        bodies.setdefault(f.prompt, set()).add(f.body)
+    for item in items:
+        assert len(item["choices"]) == 3 == len(set(item["choices"]))
+        assert item["choices"][item["gold"]] in bodies[item["prompt"]]
+        assert item["prompt"].startswith("def ") and item["prompt"].rstrip().endswith('"""')
+    assert {item["gold"] for item in items} == {0, 1, 2}
+
+
+def test_body_choice_task_runs_through_lm_eval(corpus, model, tmp_path):
+    tokenizer, folders, _ = corpus
+    assert BODY_CHOICE.files == [
+        harness_tasks.TASKS_DIR / "moeflow_body_choice.yaml",
+        harness_tasks.TASKS_DIR / "moeflow_tasks.py",
+    ]
+    settings = {**SETTINGS, "bootstrap_iters": 100}
+    documents = harness.corpus_documents(BODY_CHOICE, {"c": folders["code"]}, tokenizer, settings, SEQ_LEN, seed=0)
+    record = harness.corpus_task_record(
+        model, tokenizer, BODY_CHOICE, documents, settings, SEQ_LEN, 0, "fp32", tmp_path
+    )
+    acc = record["metrics"]["c/acc"]
+    assert 0.0 <= acc["value"] <= 1.0 and acc["stderr"] is not None
+    assert record["num_samples"] == len(documents["c"][0]) and "cross_check" not in record
+    # Prose has no functions: left out of the corpora, and a task that no corpus gives documents for fails.
+    both = harness.corpus_documents(BODY_CHOICE, folders, tokenizer, settings, SEQ_LEN, seed=0)
+    assert list(both) == ["code"]
+    with pytest.raises(task_docs.TaskDataError, match="moeflow_body_choice.*evaluate.lm_eval.max_length"):
+        harness.corpus_documents(BODY_CHOICE, {"prose": folders["prose"]}, tokenizer, settings, SEQ_LEN, seed=0)
+
+
+def test_task_entries_resolve_or_name_the_key(tmp_path, monkeypatch):
+    # lm-eval's registry takes seconds to index: a name it knows and one it does not stand in for it.
+    monkeypatch.setattr(harness_tasks, "registry_has", lambda name: name == "wikitext")
+    assert harness_tasks.resolve("wikitext", "evaluate.tasks[0]").registry
+    assert PERPLEXITY.docs == task_docs.SEGMENTS and BODY_CHOICE.docs == task_docs.BODY_CHOICE
+    assert harness_tasks.task_problems(["moeflow_perplexity", "moeflow_body_choice"], ["c"]) == []
+    (problem,) = harness_tasks.task_problems(["wikitext", "moeflow_body_choice"], [])
+    assert "evaluate.tasks[1]" in problem and "data.eval_corpora" in problem
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("task: [unclosed\n")
+    nameless = tmp_path / "nameless.yaml"
+    nameless.write_text("dataset_path: json\n")
+    for entry, message in [
+        ("no_such_task_anywhere", r"evaluate.tasks\[1\].*neither one of moeflow's tasks"),
+        (str(broken), r"evaluate.tasks\[1\].*not a readable task YAML"),
+        (str(nameless), r"evaluate.tasks\[1\].*defines no task"),
+        (str(tmp_path / "missing.yaml"), r"evaluate.tasks\[1\].*does not exist"),
+        ("moeflow_perplexity", r"evaluate.tasks\[1\].*same result file"),
+    ]:
+        (problem,) = harness_tasks.task_problems(["moeflow_perplexity", entry], ["c"])
+        assert re.search(message, problem), problem
+
+
+def test_missing_data_file_of_a_task_yaml_is_named(tmp_path):
+    task_yaml = tmp_path / "mine.yaml"
+    task_yaml.write_text(
+        f"task: mine\ndataset_path: json\ndataset_kwargs:\n  data_files: {{test: {tmp_path}/nope.jsonl}}\n"
+    )
+    task = harness_tasks.resolve(str(task_yaml), "evaluate.tasks[2]")
+    (problem,) = harness_tasks.missing_data_files(task, "evaluate.tasks[2]")
+    assert "evaluate.tasks[2]" in problem and "nope.jsonl" in problem
+    (tmp_path / "nope.jsonl").write_text("{}\n")
+    assert harness_tasks.missing_data_files(task, "evaluate.tasks[2]") == []
+
+
+def test_metrics_from_lm_eval_results():
+    output = {
+        "results": {
+            "t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1, "ppl,none": 3.0, "ppl_stderr,none": "N/A"}
+        },
+        "n-samples": {"t": {"original": 10, "effective": 4}},
+    }
+    assert harness.metrics(output, "c/") == {
+        "c/acc": {"value": 0.5, "stderr": 0.1},
+        "c/ppl": {"value": 3.0, "stderr": None},
+    }
+    assert harness.num_samples(output) == 4
+
+
+def test_config_check_refuses_an_unknown_task_naming_the_key(monkeypatch):
+    monkeypatch.setattr(harness_tasks, "registry_has", lambda name: False)
+    tasks = ["moeflow_perplexity", "moeflow_body_choice", "not_a_task"]
+    with pytest.raises(config.ConfigError, match=r"evaluate\.tasks\[2\].*'not_a_task'"):
+        config.load(config.DEFAULT_CONFIG, overrides={"evaluate": {"tasks": tasks}})
+    with pytest.raises(config.ConfigError, match=r"evaluate\.lm_eval\.max_length"):
+        config.load(config.DEFAULT_CONFIG, overrides={"evaluate": {"lm_eval": {"max_length": 64}}})

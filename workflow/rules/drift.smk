@@ -1,0 +1,28 @@
+# Routing drift of each MoE run: how fine-tuning moved the router, per MoE layer, between the base and the
+# fine-tuned model on the run's coverage validation set (moeflow.drift). Dense runs have no router: the paper
+# asks for drift.json of MoE runs only (common.smk's drift_files), so the rule is never scheduled for them.
+
+
+rule routing_drift:
+    input:
+        base=lambda wc: base_model_dir(RUNS[wc.run]),
+        finetuned=lambda wc: final_model_dir(wc.run),
+        experts=lambda wc: experts_choice(RUNS[wc.run]),
+        valset=lambda wc: f"{coverage_dir(RUNS[wc.run])}/valset",
+        lib=lib("routing_drift.py"),
+    output:
+        json=f"{RESULTS}/runs/{{run}}/eval/drift.json",
+    params:
+        settings=lambda wc: mfconfig.eval_batch_settings(RUNS[wc.run]),
+        model=lambda wc: RUNS[wc.run]["model"],
+        device=lambda wc: RUNS[wc.run]["hardware"]["device"],
+        runtime=lambda wc: runtime(wc.run),
+    threads: config["threads"]
+    log:
+        log_path("routing_drift", "{run}"),
+    benchmark:
+        bench_path("routing_drift", "{run}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/routing_drift.py"

@@ -1,0 +1,45 @@
+# lm-evaluation-harness tasks (config key evaluate.tasks) on the base and the fine-tuned model of each run: one
+# job per (run, model, task), so adding a task runs that task only. moeflow's own tasks (workflow/tasks/) read
+# each evaluation corpus's packed test split; a task of lm-eval's registry reads its data from the local cache.
+
+from moeflow.harness_tasks import by_label as tasks_by_label
+
+
+rule lm_eval_task:
+    input:
+        model=evaluated_model_dir,
+        experts=lambda wc: experts_choice(RUNS[wc.run]),
+        task_files=lambda wc: [str(p) for p in tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].files],
+        eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]]
+        if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
+        else [],
+        lib=lib("lm_eval_task.py"),
+    output:
+        json=report(
+            f"{RESULTS}/runs/{{run}}/eval/lm_eval/{{model}}/{{task}}.json",
+            caption="../report/lm_eval.rst",
+            category="Evaluation",
+            subcategory="{run}",
+        ),
+    wildcard_constraints:
+        model="base|finetuned",
+        task="[A-Za-z0-9][A-Za-z0-9_.-]*",
+    params:
+        task=lambda wc: tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].spec,
+        settings=lambda wc: RUNS[wc.run]["evaluate"]["lm_eval"],
+        eval_corpora=lambda wc: RUNS[wc.run]["data"]["eval_corpora"]
+        if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
+        else [],
+        seq_len=lambda wc: RUNS[wc.run]["data"]["seq_len"],
+        model=lambda wc: RUNS[wc.run]["model"],
+        device=lambda wc: RUNS[wc.run]["hardware"]["device"],
+        runtime=lambda wc: runtime(wc.run),
+    threads: config["threads"]
+    log:
+        log_path("lm_eval_task", "{run}", "{model}", "{task}"),
+    benchmark:
+        bench_path("lm_eval_task", "{run}", "{model}", "{task}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/lm_eval_task.py"

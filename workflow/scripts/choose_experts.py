@@ -1,0 +1,21 @@
+"""Stage choose_experts: time one MoE block under each experts implementation at the run's layer shape, on
+its device and in its precision (moeflow.experts_choice); write the choice, which the rules that load the
+model take as input, and the timings, which only the reports read."""
+
+from moeflow import experts_choice
+from moeflow.files import write_json
+from moeflow.hardware import compute_device
+from moeflow.stage import Stage
+
+stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
+settings = snakemake.params.settings  # noqa: F821 (moeflow.config.experts_settings)
+
+report = experts_choice.measure(
+    settings["model"],
+    settings["micro_batch_size"],
+    settings["seq_len"],
+    compute_device(settings["device"]),
+    settings["precision"],
+)
+write_json(snakemake.output.timings, report | {"provenance": stage.provenance()})  # noqa: F821
+write_json(snakemake.output.choice, experts_choice.choice_record(report))  # noqa: F821

@@ -1,0 +1,30 @@
+"""HumanEval completions of one model of a run (base or fine-tuned): per problem one greedy completion and
+``n_samples`` sampled ones, cut at the benchmark's stop sequences, into samples.jsonl (no code runs here)."""
+
+from functools import partial
+
+from moeflow import humaneval as he
+from moeflow.config import HumanEvalGeneration, settings
+from moeflow.generation import Decoding, generate
+from moeflow.hardware import compute_device, compute_dtype
+from moeflow.modeling import load_model, load_tokenizer, resolve_experts
+from moeflow.stage import Stage
+
+stage = Stage.from_snakemake(snakemake)
+params = snakemake.params
+cfg = settings(HumanEvalGeneration, params.settings)
+problems = he.load_problems(cfg.problems)  # before the model loads: a bad count fails first
+
+device = compute_device(params.device)
+model_cfg = resolve_experts(params.model, snakemake.input.experts)
+model = load_model(snakemake.input.model, model_cfg, compute_dtype(stage.precision)).to(device)
+tokenizer = load_tokenizer(snakemake.input.model, params.model["trust_remote_code"])
+complete = partial(generate, model, tokenizer, stops=he.STOP_SEQUENCES, batch_size=cfg.batch_size, seed=cfg.seed)
+
+greedy = complete([p.prompt for p in problems], Decoding(cfg.max_new_tokens), desc="humaneval greedy")
+sampled = complete(
+    he.sampled_prompts(problems, cfg.n_samples),
+    Decoding(cfg.max_new_tokens, cfg.temperature, cfg.top_p),
+    desc="humaneval sampled",
+)
+he.write_samples(snakemake.output.samples, he.sample_records(problems, greedy, sampled, cfg.n_samples))
