@@ -7,7 +7,7 @@ output_router_logits, left off; moeflow ``balance.mode: off``), fp32, the same t
 - ``recipe``: one document per example, truncated and padded to max_length 2048 (pad_to_multiple_of
   64), eager attention, gradient checkpointing (non-reentrant), the HF Trainer;
 - ``tuned``: the HF Trainer on moeflow's packed rows (sdpa, seq_len tokens per row, per-document
-  attention from moeflow.collate), no checkpointing;
+  attention from moeflow.collate, ``use_cache`` off as moeflow's loop has it), no checkpointing;
 - ``moeflow``: moeflow.train.Trainer on the same packed rows;
 - ``moeflow_bf16``: the same in bf16 autocast (the measurement behind the config's ``precision``);
 - ``moeflow_running``, ``moeflow_exact``, ``moeflow_micro_batch`` (``--balance-modes``): moeflow with
@@ -35,6 +35,14 @@ on at all (truncation drops the rest), and the slice of the corpus a benchmark r
     PYTHONPATH=src .venvs/<stack>/bin/python benchmarks/train.py \\
         --model results/pinned/base/b-... --data results/pinned/data/d-.../target [--balance-modes]
 
+``--shape qwen3-30b-a3b-router`` measures instead moeflow against the tuned Trainer at a real router and
+vocabulary (benchmarks/real_shape.py: 128 experts, top-8, 151,936 entries on a small decoder; micro-batch 2 x
+2,048 tokens, accumulation 4; synthetic packed rows; no --model/--data), each setup warming up with its own
+loss, then one round per ``--vocab-sweep`` size for peak RSS against the vocabulary; written under
+``shapes.<shape>.<stack>`` with the goals (peak RSS at most 0.5x the Trainer's, tokens/s at least 1.0x):
+
+    PYTHONPATH=src .venvs/<stack>/bin/python benchmarks/train.py --shape qwen3-30b-a3b-router --rounds 2 --steps 2
+
 ``--balance-modes-only`` runs moeflow (off) and its three balancing-loss modes alone and adds them to
 the stack's entry as ``balance_modes``.
 
@@ -58,7 +66,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(REPO / "src"))
+sys.path[:0] = [str(REPO / "src"), str(REPO)]  # moeflow, and benchmarks.* (the real shape)
 
 CORE_SETUPS = ("recipe", "tuned", "moeflow", "moeflow_bf16")
 BALANCE_SETUPS = ("moeflow_running", "moeflow_exact", "moeflow_micro_batch")
@@ -143,16 +151,62 @@ def step_intervals(marks: list[float]) -> list[float]:
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
-def warm_up(model, batch, autocast) -> None:
-    """One micro-batch forward and backward before the clock starts (first-call allocations and
-    kernel choices), the same in every setup; gradients are dropped."""
+def logits_mean(model, batch):
+    """A warm-up loss from the full logits of a collated batch (any setup can take it)."""
     from moeflow.collate import model_inputs
 
+    return model(**model_inputs(model, batch), use_cache=False).logits.float().mean()
+
+
+def chunked_loss(model, batch):
+    """moeflow's loss of a collated batch: the chunked cross-entropy, no full logits."""
+    from moeflow.collate import model_inputs
+    from moeflow.linear_loss import token_losses
+
+    return token_losses(model, model_inputs(model, batch), batch["labels"]).loss
+
+
+def hf_loss(model, batch):
+    """The HF Trainer's loss of its batch (inputs and labels): the model's own, from the full logits."""
+    return model(**batch, use_cache=False).loss
+
+
+def warm_up(model, batch, autocast, loss=logits_mean) -> None:
+    """One micro-batch forward and backward of ``loss`` before the clock starts (first-call allocations and
+    kernel choices); gradients are dropped. The compared setups each warm up with the loss they train on,
+    so that a warm-up never holds memory its setup's steps do not (the full logits, for moeflow)."""
     model.train()
     with autocast():
-        logits = model(**model_inputs(model, batch), use_cache=False).logits
-    logits.float().mean().backward()
+        value = loss(model, batch)
+    value.backward()
     model.zero_grad(set_to_none=True)
+
+
+def batch_shape(args) -> tuple[int, int]:
+    """Micro-batch size and accumulation steps of this run: the real shape's, or the embedded default's."""
+    if not args.shape:
+        return MICRO, ACCUM
+    from benchmarks.real_shape import SHAPES
+
+    shape = SHAPES[args.shape]
+    return shape.micro_batch_size, shape.grad_accum_steps
+
+
+def model_and_examples(setup: str, args, timed: int):
+    """The setup's model and training examples: the real shape's built from config (the same weights in every
+    setup) and enough of its synthetic rows for ``timed`` steps, or the base model folder and the corpus."""
+    from moeflow.modeling import build_model, load_model, load_tokenizer
+
+    if args.shape:
+        from benchmarks.real_shape import SHAPES, model_section, synthetic_rows
+
+        shape = SHAPES[args.shape]
+        rows = synthetic_rows(shape, args.vocab, timed * shape.micro_batch_size * shape.grad_accum_steps)
+        return build_model(model_section(shape, args.vocab), args.vocab), rows
+    model = load_model(args.model, {"attn_implementation": "eager" if setup == "recipe" else "sdpa"})
+    if setup == "recipe":
+        return model, recipe_examples(documents(args.data), load_tokenizer(args.model).pad_token_id or 0)
+    return model, packed_rows(args.data)
 
 
 def worker(setup: str, args) -> dict:
@@ -161,7 +215,6 @@ def worker(setup: str, args) -> dict:
     from moeflow import config as mfconfig
     from moeflow.collate import collate, model_inputs
     from moeflow.metrics import active_parameters
-    from moeflow.modeling import load_model, load_tokenizer
     from moeflow.stage import set_offline
     from moeflow.train import Trainer
 
@@ -169,10 +222,9 @@ def worker(setup: str, args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()[0]
-    attn = "eager" if setup == "recipe" else "sdpa"
-    model = load_model(args.model, {"attn_implementation": attn})
-    tokenizer = load_tokenizer(args.model)
     timed = args.recipe_steps if setup == "recipe" else args.steps
+    micro, accum = batch_shape(args)
+    model, examples = model_and_examples(setup, args, timed)
     ends: list[float] = []  # perf_counter at the start of the first step, then at each step's end
     cpu_ends: list[float] = []
 
@@ -187,7 +239,6 @@ def worker(setup: str, args) -> dict:
         lora_run = mfconfig.load(overrides={"train": {"method": "lora"}})
         model = prepare_model(model, mfconfig.settings(mfconfig.TrainSettings, mfconfig.train_settings(lora_run)))
     if setup.startswith("moeflow"):
-        examples = packed_rows(args.data)
         mode = balance_mode_of(setup)
         settings = mfconfig.settings(
             mfconfig.TrainSettings,
@@ -196,8 +247,8 @@ def worker(setup: str, args) -> dict:
                     "steps": timed,
                     "lr": LR,
                     "warmup_steps": 1,
-                    "micro_batch_size": MICRO,
-                    "grad_accum_steps": ACCUM,
+                    "micro_batch_size": micro,
+                    "grad_accum_steps": accum,
                     "weight_decay": 0.1,
                     "max_grad_norm": 1.0,
                     "balance": {"mode": mode, "coef": BALANCE_COEF},
@@ -205,7 +256,7 @@ def worker(setup: str, args) -> dict:
                 }
             ),
         )
-        warm_up(model, collate(examples[:MICRO]), autocast)
+        warm_up(model, collate(examples[:micro]), autocast, chunked_loss)
         trainer = Trainer(
             model,
             settings,
@@ -237,26 +288,27 @@ def worker(setup: str, args) -> dict:
                 mark()
 
         if setup == "recipe":
-            examples = recipe_examples(documents(args.data), tokenizer.pad_token_id or 0)
 
             def hf_batch(batch):
                 return {k: torch.tensor([b[k] for b in batch]) for k in ("input_ids", "attention_mask", "labels")}
         else:
-            examples = packed_rows(args.data)
 
             def hf_batch(batch):  # what the model takes, with the labels
                 rows = collate(batch)
                 return {**model_inputs(model, rows), "labels": rows["labels"]}
 
+        # The Trainer calls the model without use_cache: with the config's True, transformers 5 builds a cache and
+        # then drops the per-document attention it reads from the restarting positions (moeflow's loop sets it off).
+        model.config.use_cache = False
         checkpointing = setup == "recipe"
         if checkpointing:  # before the warm-up, so that its memory is the recipe's (the Trainer enables it again)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        warm_up(model, hf_batch(examples[:MICRO]), autocast)
+        warm_up(model, hf_batch(examples[:micro]), autocast, hf_loss)
         with tempfile.TemporaryDirectory() as tmp:
             hf_args = TrainingArguments(
                 output_dir=tmp,
-                per_device_train_batch_size=MICRO,
-                gradient_accumulation_steps=ACCUM,
+                per_device_train_batch_size=micro,
+                gradient_accumulation_steps=accum,
                 learning_rate=LR,
                 max_grad_norm=1.0,
                 weight_decay=0.1,
@@ -281,10 +333,11 @@ def worker(setup: str, args) -> dict:
             ).train()
 
     seconds = statistics.median(step_intervals(ends))
-    tokens_per_step = statistics.fmean(label_tokens(e) for e in examples) * MICRO * ACCUM
+    tokens_per_step = statistics.fmean(label_tokens(e) for e in examples) * micro * accum
     return {
         "setup": setup,
         "precision": precision_of(setup),
+        "vocab_size": model.config.vocab_size,
         "useful_tokens_per_step": tokens_per_step,
         "useful_tokens_per_s": tokens_per_step / seconds,
         "seconds_per_step": seconds,
@@ -331,12 +384,208 @@ def median_ratio(runs: dict, top: str, bottom: str, key: str = "useful_tokens_pe
     return statistics.median(t[key] / b[key] for t, b in zip(runs[top], runs[bottom]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--model", required=True, help="the base model folder (pretrain_base's output or a pretrained model)"
+def run_rounds(args, setups: tuple[str, ...], rounds: int, steps: int, vocab: int | None = None) -> dict[str, list]:
+    """Each setup ``rounds`` times, each run a fresh worker process, the order rotated every round."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "src"),
+        "OMP_NUM_THREADS": str(args.threads),
+        "OMP_WAIT_POLICY": args.omp_wait_policy,
+    }
+    inputs = (
+        ["--shape", args.shape, "--vocab", str(vocab)] if args.shape else ["--model", args.model, "--data", args.data]
     )
-    parser.add_argument("--data", required=True, help="the fine-tuning corpus folder (the tokenize stage's output)")
+    runs: dict[str, list] = {s: [] for s in setups}
+    for round_ in range(rounds):
+        shift = round_ % len(setups)
+        for setup in setups[shift:] + setups[:shift]:
+            command = [sys.executable, __file__, "--worker", setup, *inputs, "--steps", str(steps)]
+            command += ["--recipe-steps", str(args.recipe_steps), "--threads", str(args.threads)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{setup} failed:\n{done.stderr[-4000:]}")
+            result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+            runs[setup].append(result)
+            print(
+                f"round {round_ + 1} {setup}{f' vocab {vocab}' if vocab else ''}: "
+                f"{result['seconds_per_step']:.2f} s/step, {result['useful_tokens_per_s']:.0f} useful tok/s, "
+                f"{result['peak_rss_mib']:.0f} MiB, "
+                f"load {result['load_average_1min'][0]:.1f}-{result['load_average_1min'][1]:.1f}",
+                flush=True,
+            )
+    return runs
+
+
+SUMMARY_KEYS = ("useful_tokens_per_s", "seconds_per_step", "cpu_seconds_per_step", "peak_rss_mib", "flops_per_s")
+
+
+def summarise(runs: dict[str, list], peak: dict, cpu_peak: dict, threads: int) -> dict[str, dict]:
+    """Per setup: the medians over rounds of :data:`SUMMARY_KEYS`, and MFU against the matmul peak."""
+    summary = {}
+    for setup, results in runs.items():
+        summary[setup] = {key: statistics.median(r[key] for r in results) for key in SUMMARY_KEYS}
+        summary[setup]["useful_tokens_per_step"] = results[0]["useful_tokens_per_step"]
+        summary[setup]["mfu"] = summary[setup]["flops_per_s"] / peak[precision_of(setup)]
+        # Model FLOPs per CPU second of the step against the matmul's: utilisation of the CPU time the step got.
+        flops_per_cpu_second = (
+            6 * results[0]["active_parameters"] / statistics.median(r["cpu_seconds_per_useful_token"] for r in results)
+        )
+        summary[setup]["mfu_of_cpu_time"] = flops_per_cpu_second * threads / cpu_peak[precision_of(setup)]
+        summary[setup]["precision"] = precision_of(setup)
+        summary[setup]["balance_mode"] = balance_mode_of(setup)
+    return summary
+
+
+def measured_peaks(peaks: dict[str, list]) -> tuple[dict, dict, dict]:
+    """The best wall and CPU-time matmul FLOP/s per precision, and the record of every measurement."""
+    peak = {p: max(m["wall"] for m in v) for p, v in peaks.items()}
+    cpu_peak = {p: max(m["cpu"] for m in v) for p, v in peaks.items()}
+    return (
+        peak,
+        cpu_peak,
+        {"size": MATMUL_SIZE, **peak, "per_cpu_second_times_threads": cpu_peak, "measured_before_and_after": peaks},
+    )
+
+
+def machine(load_start, started: float) -> dict:
+    import torch
+
+    from moeflow import compat
+
+    return {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1min_start_end": [load_start[0], os.getloadavg()[0]],
+            "wall_seconds": time.perf_counter() - started,
+        },
+        "versions": {"torch": torch.__version__, "transformers": str(compat.version_of("transformers"))},
+    }
+
+
+def read_report(out: Path) -> dict:
+    return json.loads(out.read_text()) if out.is_file() else {}
+
+
+def least_squares_slope(xs: list[float], ys: list[float]) -> float:
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+
+
+SHAPE_SETUPS = ("tuned", "moeflow")
+SHAPE_GOALS = {"moeflow_over_tuned_peak_rss_at_most": 0.5, "moeflow_over_tuned_tokens_per_s_at_least": 1.0}
+
+
+def vocabulary_sweep(sweep: dict[int, dict], summary: dict, shape_vocab: int, steps: int) -> dict:
+    """Peak RSS (and tokens/s, from one round) against the vocabulary: the sweep's sizes and the shape's own
+    (its medians over the rounds)."""
+    by_vocab = {size: {s: r[s][0] for s in SHAPE_SETUPS} for size, r in sweep.items()}
+    by_vocab[shape_vocab] = {
+        s: {"peak_rss_mib": summary[s]["peak_rss_mib"], "useful_tokens_per_s": summary[s]["useful_tokens_per_s"]}
+        for s in SHAPE_SETUPS
+    }
+    sizes = sorted(by_vocab)
+    return {
+        "peak_rss_mib": {s: {str(v): by_vocab[v][s]["peak_rss_mib"] for v in sizes} for s in SHAPE_SETUPS},
+        "useful_tokens_per_s": {
+            s: {str(v): by_vocab[v][s]["useful_tokens_per_s"] for v in sizes} for s in SHAPE_SETUPS
+        },
+        # Growth of the peak with the vocabulary, fitted over the sizes: the Trainer's follows tokens x vocabulary (a
+        # micro-batch's logits, their log-softmax and gradients), moeflow's chunk x vocabulary + vocabulary x hidden.
+        "peak_rss_mib_per_1000_entries": {
+            s: 1000 * least_squares_slope(sizes, [by_vocab[v][s]["peak_rss_mib"] for v in sizes]) for s in SHAPE_SETUPS
+        },
+        "moeflow_over_tuned_peak_rss": {
+            str(v): by_vocab[v]["moeflow"]["peak_rss_mib"] / by_vocab[v]["tuned"]["peak_rss_mib"] for v in sizes
+        },
+        "timed_steps_per_run": steps,
+        "runs": {str(v): r for v, r in sweep.items()},
+    }
+
+
+def shape_benchmark(args) -> None:
+    """moeflow against the tuned Trainer at the real shape (``args.rounds`` rounds at its vocabulary), then one
+    round per ``--vocab-sweep`` size for peak RSS against the vocabulary; written to ``shapes.<shape>.<stack>``."""
+    from benchmarks.real_shape import SHAPES, model_section
+
+    shape = SHAPES[args.shape]
+    started, load_start = time.perf_counter(), os.getloadavg()
+    peaks = {"fp32": [matmul_peak(args.threads, "fp32")]}
+    runs = run_rounds(args, SHAPE_SETUPS, args.rounds, args.steps, shape.vocab_size)
+    sweep = {size: run_rounds(args, SHAPE_SETUPS, 1, args.sweep_steps, size) for size in args.vocab_sweep}
+    peaks["fp32"].append(matmul_peak(args.threads, "fp32"))
+    peak, cpu_peak, peak_record = measured_peaks(peaks)
+    summary = summarise(runs, peak, cpu_peak, args.threads)
+    ratios = {
+        "moeflow_over_tuned_tokens_per_s": median_ratio(runs, "moeflow", "tuned"),
+        "moeflow_over_tuned_tokens_per_cpu_second": median_ratio(
+            runs, "tuned", "moeflow", "cpu_seconds_per_useful_token"
+        ),
+        "moeflow_over_tuned_peak_rss": median_ratio(runs, "moeflow", "tuned", "peak_rss_mib"),
+    }
+    report = {
+        "setups": summary,
+        "ratios": ratios,
+        "goals": {
+            **SHAPE_GOALS,
+            "met": bool(
+                ratios["moeflow_over_tuned_peak_rss"] <= SHAPE_GOALS["moeflow_over_tuned_peak_rss_at_most"]
+                and ratios["moeflow_over_tuned_tokens_per_s"] >= SHAPE_GOALS["moeflow_over_tuned_tokens_per_s_at_least"]
+            ),
+        },
+        "vocabulary_sweep": vocabulary_sweep(sweep, summary, shape.vocab_size, args.sweep_steps) if sweep else None,
+        "matmul_peak_flops_per_s": peak_record,
+        "rounds": args.rounds,
+        "timed_steps_per_run": args.steps,
+        "shape": {
+            "model": model_section(shape, shape.vocab_size),
+            "seq_len": shape.seq_len,
+            "micro_batch_size": shape.micro_batch_size,
+            "grad_accum_steps": shape.grad_accum_steps,
+            "lr": LR,
+            "precision": "fp32",
+        },
+        "threads": args.threads,
+        "omp_wait_policy": args.omp_wait_policy,
+        **machine(load_start, started),
+        "runs": runs,
+    }
+    out = Path(args.out)
+    existing = read_report(out)
+    shapes = existing.get("shapes", {})
+    shapes[args.shape] = {**shapes.get(args.shape, {}), stack_name(): report}
+    from moeflow.files import write_json
+
+    write_json(out, {**existing, "shapes": shapes})
+    print(json.dumps({"setups": summary, "ratios": ratios, "goals": report["goals"]}, indent=1))
+
+
+def main() -> None:
+    from benchmarks.real_shape import SHAPES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="the base model folder (pretrain_base's output or a pretrained model)")
+    parser.add_argument("--data", help="the fine-tuning corpus folder (the tokenize stage's output)")
+    parser.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        help="instead of --model/--data: moeflow against the tuned Trainer at a real router and vocabulary "
+        "(benchmarks/real_shape.py), with a vocabulary sweep; written under shapes.<shape>.<stack>",
+    )
+    parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)  # a --shape worker's vocabulary size
+    parser.add_argument(
+        "--vocab-sweep",
+        type=int,
+        nargs="*",
+        default=[32768, 65536],
+        help="--shape: the smaller vocabulary sizes measured once each for peak RSS against the vocabulary",
+    )
+    parser.add_argument(
+        "--sweep-steps",
+        type=int,
+        default=2,
+        help="--shape: timed optimizer steps per sweep run (2: the second step's loss runs with AdamW's state "
+        "allocated, so the peak is a training step's)",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per packed-row run")
     parser.add_argument("--recipe-steps", type=int, default=1, help="timed optimizer steps per recipe run")
@@ -363,8 +612,16 @@ def main() -> None:
     parser.add_argument("--worker", choices=CORE_SETUPS + BALANCE_SETUPS + LORA_SETUPS)
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "train.json"))
     args = parser.parse_args()
+    if not args.shape and not (args.model and args.data):
+        parser.error("give --model and --data, or --shape")
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        return
+    os.environ["OMP_WAIT_POLICY"] = (
+        args.omp_wait_policy
+    )  # before torch loads OpenMP: the matmul peak runs like the workers
+    if args.shape:
+        shape_benchmark(args)
         return
 
     if args.lora_only:
@@ -374,76 +631,14 @@ def main() -> None:
     else:
         setups = CORE_SETUPS + (BALANCE_SETUPS if args.balance_modes else ())
     separate = args.lora_only or args.balance_modes_only
-    os.environ["OMP_WAIT_POLICY"] = (
-        args.omp_wait_policy
-    )  # before torch loads OpenMP: the matmul peak runs like the workers
     started = time.perf_counter()
     load_start = os.getloadavg()
     peaks = {p: [matmul_peak(args.threads, p)] for p in ("fp32", "bf16")}
-    runs: dict[str, list] = {s: [] for s in setups}
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO / "src"),
-        "OMP_NUM_THREADS": str(args.threads),
-        "OMP_WAIT_POLICY": args.omp_wait_policy,
-    }
-    for round_ in range(args.rounds):
-        shift = round_ % len(setups)
-        for setup in setups[shift:] + setups[:shift]:
-            command = [
-                sys.executable,
-                __file__,
-                "--worker",
-                setup,
-                "--model",
-                args.model,
-                "--data",
-                args.data,
-                "--steps",
-                str(args.steps),
-                "--recipe-steps",
-                str(args.recipe_steps),
-                "--threads",
-                str(args.threads),
-            ]
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"{setup} failed:\n{done.stderr[-4000:]}")
-            result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-            runs[setup].append(result)
-            print(
-                f"round {round_ + 1} {setup}: {result['seconds_per_step']:.2f} s/step, "
-                f"{result['useful_tokens_per_s']:.0f} useful tok/s, "
-                f"{result['peak_rss_mib']:.0f} MiB, "
-                f"load {result['load_average_1min'][0]:.1f}-{result['load_average_1min'][1]:.1f}",
-                flush=True,
-            )
+    runs = run_rounds(args, setups, args.rounds, args.steps)
     for p in peaks:
         peaks[p].append(matmul_peak(args.threads, p))
-    peak = {p: max(m["wall"] for m in v) for p, v in peaks.items()}
-    cpu_peak = {p: max(m["cpu"] for m in v) for p, v in peaks.items()}
-
-    summary = {}
-    for setup, results in runs.items():
-        summary[setup] = {
-            key: statistics.median(r[key] for r in results)
-            for key in (
-                "useful_tokens_per_s",
-                "seconds_per_step",
-                "cpu_seconds_per_step",
-                "peak_rss_mib",
-                "flops_per_s",
-            )
-        }
-        summary[setup]["useful_tokens_per_step"] = results[0]["useful_tokens_per_step"]
-        summary[setup]["mfu"] = summary[setup]["flops_per_s"] / peak[precision_of(setup)]
-        # Model FLOPs per CPU second of the step against the matmul's: utilisation of the CPU time the step got.
-        flops_per_cpu_second = (
-            6 * results[0]["active_parameters"] / statistics.median(r["cpu_seconds_per_useful_token"] for r in results)
-        )
-        summary[setup]["mfu_of_cpu_time"] = flops_per_cpu_second * args.threads / cpu_peak[precision_of(setup)]
-        summary[setup]["precision"] = precision_of(setup)
-        summary[setup]["balance_mode"] = balance_mode_of(setup)
+    peak, cpu_peak, peak_record = measured_peaks(peaks)
+    summary = summarise(runs, peak, cpu_peak, args.threads)
     pairs = (
         []
         if separate
@@ -455,21 +650,12 @@ def main() -> None:
     cpu_ratios = {
         f"{top}_over_{bottom}": median_ratio(runs, bottom, top, "cpu_seconds_per_useful_token") for top, bottom in pairs
     }
-    import torch
-
-    from moeflow import compat
-
     report = {
         "setups": summary,
         "ratios_useful_tokens_per_s": ratios,
         "ratios_useful_tokens_per_cpu_second": cpu_ratios,
         "corpus": corpus_fractions(args.data, args.steps, args.recipe_steps),
-        "matmul_peak_flops_per_s": {
-            "size": MATMUL_SIZE,
-            **peak,
-            "per_cpu_second_times_threads": cpu_peak,
-            "measured_before_and_after": peaks,
-        },
+        "matmul_peak_flops_per_s": peak_record,
         "rounds": args.rounds,
         "timed_steps_per_run": {"recipe": args.recipe_steps, "packed": args.steps},
         "shape": {
@@ -480,17 +666,12 @@ def main() -> None:
         },
         "threads": args.threads,
         "omp_wait_policy": args.omp_wait_policy,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "load_average_1min_start_end": [load_start[0], os.getloadavg()[0]],
-            "wall_seconds": time.perf_counter() - started,
-        },
-        "versions": {"torch": torch.__version__, "transformers": str(compat.version_of("transformers"))},
+        **machine(load_start, started),
         "inputs": {"model": args.model, "data": args.data},
         "runs": runs,
     }
     out = Path(args.out)
-    existing = json.loads(out.read_text()) if out.is_file() else {}
+    existing = read_report(out)
     stacks = existing.get("stacks", {}) if isinstance(existing.get("stacks"), dict) else {}
     previous = stacks.get(stack_name(), {})
     if separate:
@@ -507,7 +688,7 @@ def main() -> None:
     stacks[stack_name()] = report
     from moeflow.files import write_json
 
-    write_json(out, {"stacks": dict(sorted(stacks.items()))})
+    write_json(out, {**existing, "stacks": dict(sorted(stacks.items()))})
     print(json.dumps({"setups": summary, "ratios": ratios, "cpu_ratios": cpu_ratios, "matmul_peak": peak}, indent=1))
 
 

@@ -71,11 +71,14 @@ def _chunks(hidden, weight, bias, targets, chunk_tokens: int, scale: float, grad
             z.mul_(scale)
         valid = t != IGNORE_INDEX
         safe = torch.where(valid, t, 0).unsqueeze(1)
-        lse = torch.logsumexp(z, dim=-1)
-        token_loss[rows] = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0)
+        target = z.gather(1, safe).squeeze(1)
+        # log-sum-exp and softmax in place of the logits, one exp per entry and no chunk-sized temporary
+        top = z.amax(dim=-1, keepdim=True)
+        exp_sum = z.sub_(top).exp_().sum(dim=-1, keepdim=True)
+        token_loss[rows] = torch.where(valid, (top + exp_sum.log()).squeeze(1) - target, 0)
         if not any(grads):
             continue
-        g = z.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+        g = z.div_(exp_sum)  # the softmax
         g.scatter_add_(1, safe, -valid.to(acc).unsqueeze(1))
         g.mul_(valid.to(acc).unsqueeze(1) * scale)  # d(sum of losses)/d(logits before scaling)
         g = g.to(hidden.dtype)

@@ -67,7 +67,9 @@ def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
 
 # The README's rerun table, one row per case: a change, and exactly the stages it schedules (target paper).
 # plan_memory reads the model, tokenizer.vocab_size and the training settings, not the data.
-TRAINING = {"plan_memory", "warmup", "train_model", "evaluate_run", "paper"}
+# Every evaluation stage reads the fine-tuned model.
+EVALUATION = {"evaluate_run", "lm_eval_task", "humaneval_generate", "humaneval_execute", "routing_drift", "paper"}
+TRAINING = {"plan_memory", "warmup", "train_model"} | EVALUATION
 RERUN_TABLE = {
     "tokenizer setting": (
         {"tokenizer": {"min_frequency": 3}},
@@ -78,13 +80,20 @@ RERUN_TABLE = {
         {"data": {"sources": {"target": {"packages": ["email"]}}}},
         {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"},
     ),
-    "coverage setting": (
-        {"coverage": {"token_budget": 8192}},
-        {"coverage_valset", "train_model", "evaluate_run", "paper"},
-    ),
+    "coverage setting": ({"coverage": {"token_budget": 8192}}, {"coverage_valset", "train_model"} | EVALUATION),
     "peak learning rate": ({"train": {"lr": 1e-3}}, TRAINING),
-    "total steps": ({"train": {"steps": 10}}, {"plan_memory", "train_model", "evaluate_run", "paper"}),
-    "evaluation setting": ({"evaluate": {"max_sequences": 4}}, {"evaluate_run", "paper"}),
+    "total steps": ({"train": {"steps": 10}}, TRAINING - {"warmup"}),
+    # The experts implementation is timed at the micro-batch's token count.
+    "micro-batch size": ({"train": {"micro_batch_size": 3}}, TRAINING | {"choose_experts"}),
+    "evaluation setting": ({"evaluate": {"max_sequences": 4}}, {"evaluate_run", "routing_drift", "paper"}),
+    # Each lm-eval task of each model is its own job: dropping one reruns none of the others.
+    "lm-eval task list": ({"evaluate": {"tasks": ["moeflow_perplexity"]}}, {"paper"}),
+    "lm-eval setting": ({"evaluate": {"lm_eval": {"batch_size": 2}}}, {"lm_eval_task", "paper"}),
+    "HumanEval sandbox setting": ({"evaluate": {"humaneval": {"timeout_s": 3.0}}}, {"humaneval_execute", "paper"}),
+    "HumanEval sampling setting": (
+        {"evaluate": {"humaneval": {"temperature": 0.5}}},
+        {"humaneval_generate", "humaneval_execute", "paper"},
+    ),
     "figure style": ({"paper": {"dpi": 100}}, {"paper"}),
 }
 
@@ -98,13 +107,7 @@ def test_rerun_table(pipeline_copy, change):
 def test_editing_the_environment_file_reruns_the_stages_that_read_its_report(pipeline_copy):
     env_file = pipeline_copy / "envs" / f"{active_stack()}.yaml"
     env_file.write_text(env_file.read_text() + "\n# an edit\n")
-    assert scheduled_rules(pipeline_copy, target="paper") == {
-        "verify_env",
-        "plan_memory",
-        "train_model",
-        "evaluate_run",
-        "paper",
-    }
+    assert scheduled_rules(pipeline_copy, target="paper") == {"verify_env", "plan_memory", "train_model"} | EVALUATION
 
 
 def test_stacks_write_to_separate_result_trees(smoke_pipeline):

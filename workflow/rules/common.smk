@@ -119,8 +119,8 @@ EXPERTS = {mfconfig.experts_key(cfg, part): mfconfig.experts_settings(cfg, part)
 
 
 def experts_choice(cfg, part="train"):
-    """The experts choice (moeflow.experts_choice) every rule that loads ``cfg``'s model takes as input ``experts``:
-    timed at a micro-batch of ``part``: train for fine-tuning and evaluation, pretrain for the base model's stages."""
+    """The experts choice (moeflow.experts_choice), input ``experts`` of every job that loads ``cfg``'s model,
+    timed at a micro-batch of ``part`` (train for fine-tuning and evaluation, pretrain for the base model's stages)."""
     return f"{RESULTS}/experts/{mfconfig.experts_key(cfg, part)}/choice.json"
 
 

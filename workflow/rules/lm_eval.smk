@@ -9,7 +9,8 @@ rule lm_eval_task:
     input:
         model=evaluated_model_dir,
         experts=lambda wc: experts_choice(RUNS[wc.run]),
-        task_files=lambda wc: [str(p) for p in tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].files],
+        # relative to the working directory: an absolute path would change (and rerun the task) in a moved copy
+        task_files=lambda wc: [os.path.relpath(p) for p in tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].files],
         eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]]
         if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
         else [],
