@@ -26,6 +26,22 @@ def test_smoke_pipeline_produces_every_stage_output(smoke_pipeline):
         assert list((res / "benchmarks" / rule).rglob("*.tsv")), f"no benchmark for {rule}"
 
 
+def test_smoke_pipeline_evaluates_tasks_humaneval_and_drift_into_the_paper(smoke_pipeline):
+    res = results(smoke_pipeline)
+    for model in ("base", "finetuned"):
+        perplexity = json.loads((res / "runs/moe/eval/lm_eval" / model / "moeflow_perplexity.json").read_text())
+        for corpus, check in perplexity["cross_check"].items():  # lm-eval agrees with moeflow's evaluation
+            assert check["relative_difference"] < 1e-5, (model, corpus, check)
+        humaneval = json.loads((res / "runs/moe/eval/humaneval" / model / "results.json").read_text())
+        assert len(humaneval["problems"]) == 4 and set(humaneval["pass_at_k"]) == {"greedy", "sampled"}
+    drift = json.loads((res / "runs/moe/eval/drift.json").read_text())
+    assert len(drift["layers"]) == 2 and all(0 <= layer["js_divergence"] <= 1 for layer in drift["layers"])
+    assert not (res / "runs/dense/eval/drift.json").exists()  # a dense model has no router
+    forgetting = (res / "paper/tables/forgetting.md").read_text()
+    assert "| moe |" in forgetting and "| dense |" in forgetting and "HumanEval greedy pass@1 change" in forgetting
+    assert (res / "paper/figures/routing_drift.png").stat().st_size > 0
+
+
 def test_an_up_to_date_pipeline_schedules_nothing(smoke_pipeline):
     assert scheduled_rules(smoke_pipeline) == set()
     assert scheduled_rules(smoke_pipeline, target="paper") == set()
