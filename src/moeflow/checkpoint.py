@@ -1,73 +1,56 @@
-"""The Trainer's full checkpoints: one format for every layout, safetensors plus JSON, never pickle.
+"""The Trainer's full checkpoints: sharded through ``torch.distributed.checkpoint`` (DCP), never pickle.
 
-A checkpoint folder (written atomically by rank 0) holds ``model.safetensors`` (whole weights by
-parameter name), ``optimizer.safetensors`` (AdamW's state as ``<parameter name>/<state key>``),
+A checkpoint folder holds ``shard-<rank>.safetensors`` (each rank's chunks of the weights, every
+parameter and persistent buffer, and of AdamW's tensors: ``model/<name>``, ``optimizer/<name>/<key>``),
+``dcp_metadata.json`` (DCP's map of which file holds which chunk: ``moeflow.checkpoint_storage``),
 ``rng.safetensors`` (every rank's RNG states as ``rank<r>.<generator>``), ``trainer_state.json`` (step,
 data position, guard state, the metrics history without timings, the optimizer's scalars and groups),
-``timings.json`` (the measured part of the history) and any extra JSON files the caller adds. Resumable
-checkpoints are ``step-<8 digits>`` folders inside a folder keyed by :func:`checkpoint_key`.
+``timings.json`` (the measured part of the history) and any extra JSON files the caller adds.
+
+Every rank writes only its own shards (the ranks of an unsharded model split the writes) into
+``.<name>.partial`` beside the final folder; once all have written, rank 0 adds the JSON files and renames
+the folder into place, so a kill leaves the previous checkpoint whole. Loading reads into the shards of
+this run's model, whatever layout and world size saved it (DCP reshards). Resumable checkpoints are
+``step-<8 digits>`` folders inside a folder keyed by :func:`checkpoint_key`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import distributed as D
+from .checkpoint_storage import METADATA_FILE, ShardReader, ShardWriter
 from .config import stable_hash
-from .files import atomic_dir, read_json, write_json
-from .stage import code_version
+from .files import disk_full_error, fsync_dir, read_json, write_json
+from .safetensors_files import SafetensorsWriter, read_header, read_tensor
+from .stage import code_version, kill_point
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")
-CHECKPOINT_FILES = ("trainer_state.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors")
+PARTIAL_DIR = re.compile(r"^\.step-(\d{8})\.partial$")
+STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng.safetensors"
+CHECKPOINT_FILES = (STATE_FILE, METADATA_FILE, RNG_FILE)
+OLD_FORMAT_FILES = ("model.safetensors", "optimizer.safetensors")
 # Measured, not computed: kept out of trainer_state.json so that a checkpoint's state is deterministic.
 TIMING_KEYS = ("seconds", "tokens_per_s", "flops_per_s", "mfu", "memory_mib")
 
-# Optimizer state in safetensors: "<parameter name>/<state key>" (names hold dots, never a slash).
-OPTIM_KEY_SEPARATOR = "/"
+# DCP keys: "model/<parameter name>", "optimizer/<parameter name>/<state key>" (names hold dots, never a slash).
+MODEL_PREFIX, OPTIMIZER_PREFIX, KEY_SEPARATOR = "model/", "optimizer/", "/"
 
 
-def _flatten_optimizer(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``moeflow.distributed.full_state_dict``'s optimizer state (keyed by parameter name) as safetensors
-    tensors plus JSON (scalars and parameter groups)."""
-    tensors, scalars = {}, {}
-    for name, per_param in state["state"].items():
-        for key, value in per_param.items():
-            flat = f"{name}{OPTIM_KEY_SEPARATOR}{key}"
-            if isinstance(value, torch.Tensor):
-                tensors[flat] = value.detach().cpu().contiguous()
-            else:
-                scalars[flat] = value
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
-    return tensors, {"param_groups": groups, "scalars": scalars}
-
-
-def _unflatten_optimizer(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for flat, value in list(tensors.items()) + list(meta["scalars"].items()):
-        name, _, key = flat.rpartition(OPTIM_KEY_SEPARATOR)
-        state.setdefault(name, {})[key] = value
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def _without_shared_memory(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings): copy the second and later ones."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().cpu().contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if storage in seen and tensor.numel() else tensor
-        seen.add(storage)
-    return out
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this run, naming the folder and what to do."""
 
 
 def fingerprint_paths(paths: Sequence[str | os.PathLike]) -> list[Any]:
@@ -95,7 +78,8 @@ def checkpoint_key(settings: Mapping[str, Any], inputs: Sequence[str | os.PathLi
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint (its trainer_state.json written) in ``folder``, or None."""
+    """The newest complete checkpoint (its trainer_state.json written) in ``folder``, or None; partial
+    folders (a save that was killed) never count."""
     if not folder.is_dir():
         return None
     steps = sorted(p for p in folder.iterdir() if CHECKPOINT_DIR.match(p.name) and (p / "trainer_state.json").is_file())
@@ -107,10 +91,16 @@ def step_folder(folder: Path, step: int) -> Path:
     return folder / f"step-{step:08d}"
 
 
+def partial_folder(path: Path) -> Path:
+    """Where every rank writes the checkpoint ``path`` before rank 0 renames it into place."""
+    return path.with_name(f".{path.name}.partial")
+
+
 def remove_other_checkpoints(folder: Path, keep: Path) -> None:
-    """Delete the resumable checkpoints in ``folder`` other than ``keep`` (rank 0, after saving ``keep``)."""
+    """Delete the resumable checkpoints in ``folder`` other than ``keep``, and partial ones left by a killed
+    save (rank 0, after saving ``keep``)."""
     for old in sorted(folder.iterdir()):
-        if CHECKPOINT_DIR.match(old.name) and old.name != keep.name:
+        if (CHECKPOINT_DIR.match(old.name) and old.name != keep.name) or PARTIAL_DIR.match(old.name):
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -127,6 +117,77 @@ def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     return states
 
 
+def _dcp_state(
+    model_state: Mapping[str, Any], optim_state: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``moeflow.distributed.sharded_state_dict``'s states as one flat DCP state dict of tensors, plus the
+    optimizer's JSON part (scalars and parameter groups): DCP would pickle anything else."""
+    tensors = {f"{MODEL_PREFIX}{name}": value for name, value in model_state.items()}
+    scalars = {}
+    for name, per_param in optim_state["state"].items():
+        for key, value in per_param.items():
+            flat = f"{name}{KEY_SEPARATOR}{key}"
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIMIZER_PREFIX}{flat}"] = value
+            else:
+                scalars[flat] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_state["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _with_json_part(optim_state: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer state whose tensors DCP filled, with the scalars and groups of trainer_state.json."""
+    state = {name: dict(per_param) for name, per_param in optim_state["state"].items()}
+    for flat, value in meta["scalars"].items():
+        name, _, key = flat.rpartition(KEY_SEPARATOR)
+        state.setdefault(name, {})[key] = value
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+@contextlib.contextmanager
+def _dcp_errors(path: Path) -> Iterator[None]:
+    """DCP gathers every rank's exception into one CheckpointException: raise the first rank's own (a full
+    disk as moeflow.files.DiskFull naming ``path``), so that the message says what went wrong."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is (unavailable|disabled).*")
+            yield
+    except CheckpointException as exc:
+        first = exc.failures[min(exc.failures)][0]
+        raise (disk_full_error(first, path) or first) from None
+    except OSError as exc:
+        full = disk_full_error(exc, path)
+        if full is None:
+            raise
+        raise full from exc
+
+
+def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    with SafetensorsWriter(path, [(name, t.dtype, t.shape) for name, t in tensors.items()]) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    entries, _ = read_header(path)
+    return {name: read_tensor(path, entry) for name, entry in entries.items()}
+
+
+def _replace(partial: Path, path: Path) -> None:
+    """Rename the complete ``partial`` folder to ``path`` (replacing an older one of that name)."""
+    fsync_dir(partial)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, path)
+    fsync_dir(path.parent)
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
@@ -136,46 +197,133 @@ def save_checkpoint(
     extra_json: Mapping[str, Any] | None = None,
 ) -> None:
     """A full checkpoint at ``path``: ``state`` (JSON: the trainer's step, data position, guard state
-    and history without timings) plus the optimizer's metadata in trainer_state.json, the timings of
-    ``history`` in timings.json, weights, optimizer state and every rank's RNG states (safetensors), and
-    ``extra_json`` ({file name: object}). A collective: every rank calls it, rank 0 writes, and it returns
-    once the checkpoint is complete."""
-    weights, optim_state = D.full_state_dict(model, optimizer, rank0_only=True)
-    device = next(model.parameters()).device
-    rng = D.gather_objects(rng_states(device))
-    if D.rank() == 0:
-        tensors, meta = _flatten_optimizer(optim_state)
-        with atomic_dir(path) as folder:
-            save_file(_without_shared_memory(weights), str(folder / "model.safetensors"))
-            save_file(tensors, str(folder / "optimizer.safetensors"))
-            save_file(
-                {f"rank{r}.{k}": v for r, states in enumerate(rng) for k, v in states.items()},
-                str(folder / "rng.safetensors"),
-            )
-            write_json(folder / "trainer_state.json", {**state, "optimizer": meta})
-            write_json(folder / "timings.json", [{k: r[k] for k in TIMING_KEYS if k in r} for r in history])
-            for name, obj in (extra_json or {}).items():
-                write_json(folder / name, obj)
-    D.barrier()
-
-
-def load_checkpoint(
-    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """Load weights and optimizer state from a full checkpoint into ``model`` and ``optimizer`` (every rank
-    keeps its own shards), set this rank's RNG states (rank 0's for a checkpoint saved by fewer ranks),
-    and return the trainer's state, its history with the timings put back."""
+    and history without timings) plus the optimizer's scalars and groups in trainer_state.json, the
+    timings of ``history`` in timings.json, every rank's shards of the weights and optimizer state (DCP),
+    every rank's RNG states, and ``extra_json`` ({file name: object}). A collective: every rank calls it
+    and writes its shards; it returns once rank 0 renamed the complete folder into place."""
     path = Path(path)
+    partial, rank = partial_folder(path), D.rank()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+        partial.mkdir(parents=True)
+    D.barrier()
+    model_state, optim_state = D.sharded_state_dict(model, optimizer)
+    tensors, optimizer_meta = _dcp_state(model_state, optim_state)
+    rng = D.gather_objects(rng_states(next(model.parameters()).device))
+    failure = None
+    try:
+        with _dcp_errors(path):
+            # returns on every rank once all have written and rank 0 wrote dcp_metadata.json
+            dcp.save(tensors, storage_writer=ShardWriter(partial, rank))
+            if rank == 0:
+                _write_tensors(
+                    partial / RNG_FILE, {f"rank{r}.{k}": v for r, states in enumerate(rng) for k, v in states.items()}
+                )
+                write_json(partial / STATE_FILE, {**state, "optimizer": optimizer_meta})
+                write_json(partial / "timings.json", [{k: r[k] for k in TIMING_KEYS if k in r} for r in history])
+                for name, obj in (extra_json or {}).items():
+                    write_json(partial / name, obj)
+                kill_point("checkpoint.save")
+                _replace(partial, path)
+    except Exception as exc:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        failure = exc
+    # rank 0's JSON writes and rename can fail after the collective write: every rank learns of it
+    failed = [r for r, f in enumerate(D.gather_objects(failure is not None)) if f]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError(f"checkpoint {path}: rank {failed[0]} failed to finish it (see its log)")
+
+
+def _check_files(path: Path) -> None:
+    """Refuse a folder that is not a complete checkpoint of this format, saying what to do."""
+    if not (path / METADATA_FILE).is_file() and any((path / name).is_file() for name in OLD_FORMAT_FILES):
+        raise CheckpointError(
+            f"checkpoint {path} is in moeflow's old format (whole model.safetensors and optimizer.safetensors), "
+            "which this version no longer reads: delete the folder and rerun the stage that wrote it"
+        )
     missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if not missing:
+        files = sorted({chunk["file"] for chunk in read_json(path / METADATA_FILE)["chunks"]})
+        missing = [name for name in files if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(
             f"checkpoint {path} lacks {', '.join(missing)}: moeflow reads checkpoints as safetensors plus JSON only "
             "(pickle files are never loaded: unpickling can run code). Delete the folder to start the stage afresh"
         )
-    state = read_json(path / "trainer_state.json")
-    optim_state = _unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), state["optimizer"])
-    D.load_full_state_dict(model, load_file(str(path / "model.safetensors")), optimizer, optim_state)
-    rng = load_file(str(path / "rng.safetensors"))
+
+
+def _check_layout(path: Path, tensors: Mapping[str, torch.Tensor], saved: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose tensors (names, whole shapes) are not this run's model and optimizer."""
+    missing = sorted(set(tensors) - set(saved))
+    extra = sorted(set(saved) - set(tensors))
+    wrong = [
+        f"{key} is {list(saved[key]['size'])} there, {list(t.shape)} here"
+        for key, t in tensors.items()
+        if key in saved and list(saved[key]["size"]) != list(t.shape)
+    ]
+    problems = (
+        ([f"it lacks {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")] if missing else [])
+        + (
+            [f"it has {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else "") + " that this model lacks"]
+            if extra
+            else []
+        )
+        + wrong[:5]
+    )
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this run's model and optimizer: {'; '.join(problems)}. It was saved "
+            "by another model or settings: delete the folder to start the stage afresh"
+        )
+
+
+def _optimizer_parameter(key: str) -> str | None:
+    """The parameter an ``optimizer/<name>/<state key>`` DCP key belongs to; None for a model key."""
+    if not key.startswith(OPTIMIZER_PREFIX):
+        return None
+    return key.removeprefix(OPTIMIZER_PREFIX).rpartition(KEY_SEPARATOR)[0]
+
+
+def _never_stepped(optim_state: Mapping[str, Any], saved: Mapping[str, Any]) -> set[str]:
+    """The parameters the checkpoint has no optimizer state for: those that had never had a gradient when it
+    was saved (an expert no token reached). The fresh optimizer made a state for them, which must go (it
+    would count a step they never took)."""
+    keys = {
+        name: [f"{OPTIMIZER_PREFIX}{name}{KEY_SEPARATOR}{k}" for k in s] for name, s in optim_state["state"].items()
+    }
+    return {name for name, flat in keys.items() if flat and not any(k in saved for k in flat)}
+
+
+def _drop_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str]) -> None:
+    for name, param in D.unwrap(model).named_parameters():
+        if D.clean_name(name) in names:
+            optimizer.state.pop(param, None)
+
+
+def load_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Load weights and optimizer state from a full checkpoint into ``model`` and ``optimizer`` (a
+    collective: every rank reads only the chunks of its own shards, whatever layout and world size saved
+    them), set this rank's RNG states (rank 0's for a checkpoint saved by fewer ranks), and return the
+    trainer's state, its history with the timings put back. Call it before the first step."""
+    path = Path(path)
+    _check_files(path)
+    state = read_json(path / STATE_FILE)
+    model_state, optim_state = D.sharded_state_dict(model, optimizer)
+    saved = read_json(path / METADATA_FILE)["tensors"]
+    never_stepped = _never_stepped(optim_state, saved)
+    tensors, _ = _dcp_state(model_state, optim_state)
+    tensors = {k: v for k, v in tensors.items() if _optimizer_parameter(k) not in never_stepped}
+    _check_layout(path, tensors, saved)
+    with _dcp_errors(path):
+        dcp.load(tensors, storage_reader=ShardReader(path))  # fills model_state's and optim_state's tensors
+    D.load_sharded_state_dict(model, optimizer, model_state, _with_json_part(optim_state, state["optimizer"]))
+    _drop_optimizer_state(model, optimizer, never_stepped)
+    rng = _read_tensors(path / RNG_FILE)
     rank, device = D.rank(), next(model.parameters()).device
     mine = f"rank{rank}" if f"rank{rank}.torch" in rng else "rank0"
     torch.set_rng_state(rng[f"{mine}.torch"])

@@ -719,6 +719,7 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "model": cfg["model"],
         "vocab_size": cfg["tokenizer"].get("vocab_size"),
         "hardware": cfg["hardware"],
+        "parallel": cfg["parallel"],
         "train": train_settings(cfg),
         "seq_len": cfg["data"]["seq_len"],
         "precision": cfg["precision"],
@@ -796,6 +797,12 @@ def train_model_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "parallel": cfg["parallel"],
         "hardware_device": cfg["hardware"]["device"],
     }
+
+
+def export_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """How train_model writes the final model folder (:class:`ExportSettings`): a rule param of its own,
+    outside the training settings and the checkpoints' key."""
+    return dict(cfg["export"])
 
 
 # --------------------------------------------------------------------------- typed settings
@@ -935,6 +942,14 @@ class ParallelSettings:
     def world_size(self) -> int:
         """The ranks the config asks for: ``nproc_per_node x nnodes``."""
         return self.nproc_per_node * self.nnodes
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """``export``: the final model folder (moeflow.export)."""
+
+    SCHEMA: ClassVar[str] = "#/properties/export"
+    max_shard_size: str
 
 
 @dataclass(frozen=True)

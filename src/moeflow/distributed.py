@@ -20,14 +20,18 @@ a process group and the config's ``parallel`` section into a sharded model:
   so the gradient of a step is the *sum* of the ranks' gradients. FSDP (ours and transformers') averages
   over the data-parallel ranks; :func:`reduce_gradients` multiplies by their number (exact for powers of
   two) and, for an unsharded model, all-reduces the sum (the Trainer's one gradient reduction).
-* :func:`clip_grad_norm`, :func:`full_state_dict` / :func:`load_full_state_dict` (weights and AdamW
-  state as whole tensors, for the safetensors checkpoints, so a checkpoint does not depend on the
-  layout), :func:`whole_model` (the final model for ``save_pretrained`` on rank 0) and
-  :func:`full_gradients` (tests, debugging) work for all three layouts.
+* :func:`clip_grad_norm`, :func:`sharded_state_dict` / :func:`load_sharded_state_dict` (each rank's
+  shards of the weights and AdamW state, for the DCP checkpoints of ``moeflow.checkpoint``, which
+  reshard to any layout and world size), :func:`full_state_dict` (the whole state, for tests and
+  comparisons) and :func:`full_gradients` (tests, debugging) work for all three layouts; the final
+  model is ``moeflow.export``'s (every rank together, one whole tensor at a time).
 * The stage scripts: ``ranks = init(device)``, ``check_ranks(settings.parallel, ranks)``
-  (torchrun started what the config asks for), :func:`load_for_training` (:func:`load_model`,
-  LoRA, :func:`shard_model`), the Trainer, :func:`teardown`. Known limits: transformers 5's expert
-  parallelism unties tied embeddings (refused); LoRA runs on several ranks with ``strategy: none`` only.
+  (torchrun started what the config asks for), :func:`load_for_training` (``fsdp`` on several ranks:
+  parameters on the meta device, sharded, each rank reading its rows from the safetensors files,
+  ``moeflow.sharded_load``; otherwise :func:`load_model`; LoRA, :func:`shard_model`), the Trainer,
+  :func:`teardown`. Known limits: transformers 5's expert parallelism unties tied embeddings (refused),
+  and its ``from_pretrained`` peaks at about 1.5x the model per rank at 2 ranks (measured: 615 MB over
+  the runtime for a 394 MB qwen3_moe; fsdp: 427 MB); LoRA runs on several ranks with ``strategy: none`` only.
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ from .hardware import compute_device
 from .lora import prepare_model
 from .modeling import _impl_kwargs, check_model_folder, check_vocabulary, model_section, with_chunked_loss
 from .modeling import load_model as load_whole_model
+from .sharded_load import (
+    build_on_meta,
+    fill_from_folder,
+    has_meta_parameters,
+    materialize,
+    materialize_parameters,
+    tied_names,
+)
 
 log = logging.getLogger("moeflow.distributed")
 
@@ -247,15 +259,23 @@ def load_model(
     return with_chunked_loss(model, model_cfg)
 
 
-def start_fine_tuning(job: Any, precision: str) -> tuple[Ranks, torch.nn.Module]:
+def start_fine_tuning(job: Any, precision: str, weights: bool = True) -> tuple[Ranks, torch.nn.Module]:
     """What the warmup and train_model stages do first: start this rank's process group, check the ranks
     against the run's layout, and load the base model (``job.input.model``) for it, checked against the
-    fine-tuning data's vocabulary (``job.input.data``). ``job``: ``stage.job_from_argv``'s, with settings."""
+    fine-tuning data's vocabulary (``job.input.data``). ``job``: ``stage.job_from_argv``'s, with settings.
+    ``weights``: as :func:`load_for_training` takes it (False: a checkpoint will replace every weight)."""
     settings = job.settings
     ranks = init(settings.hardware_device)
     parallel = check_ranks(settings.parallel, ranks)
     model = load_for_training(
-        job.input.model, settings.model, settings.train, parallel, ranks, job.input.data, precision=precision
+        job.input.model,
+        settings.model,
+        settings.train,
+        parallel,
+        ranks,
+        job.input.data,
+        precision=precision,
+        weights=weights,
     )
     return ranks, model
 
@@ -269,12 +289,20 @@ def load_for_training(
     data: str | os.PathLike | None = None,
     *,
     precision: str,
+    weights: bool = True,
 ) -> torch.nn.Module:
-    """A saved model folder, ready for the Trainer: loaded for the layout (:func:`load_model`), checked
-    against the vocabulary ``data`` (a tokenized split folder) was tokenized with
-    (``moeflow.modeling.check_vocabulary``), with LoRA adapters for ``train.method: lora``
-    (``moeflow.lora.prepare_model``), then sharded (:func:`shard_model`, in ``precision``: before the
-    optimizer is built). LoRA runs on several ranks with ``parallel.strategy: none`` only."""
+    """A saved model folder, ready for the Trainer: loaded for the layout, checked against the vocabulary
+    ``data`` (a tokenized split folder) was tokenized with (``moeflow.modeling.check_vocabulary``), with
+    LoRA adapters for ``train.method: lora`` (``moeflow.lora.prepare_model``), then sharded
+    (:func:`shard_model`, in ``precision``: before the optimizer is built). LoRA runs on several ranks
+    with ``parallel.strategy: none`` only.
+
+    ``fsdp`` on several ranks: built with parameters on the meta device, sharded, and each rank's shards
+    read from the folder's safetensors files (``moeflow.sharded_load``): no rank holds the whole model.
+    ``none``, one rank, ``ep``: :func:`load_model`. ``weights=False`` (the caller loads a checkpoint
+    that replaces every parameter and persistent buffer): a full fine-tuning model gets uninitialised
+    parameters, no weight is read (``ep`` and LoRA still load the folder: transformers shards ``ep`` at
+    load, and peft wraps a loaded base model; the checkpoint then overwrites every parameter anyway)."""
     if train.method == "lora" and parallel.strategy != "none" and ranks.world_size > 1:
         raise DistributedError(
             f"config keys 'train.method': lora and 'parallel.strategy': {parallel.strategy} do not combine: "
@@ -284,10 +312,17 @@ def load_for_training(
             "holds the frozen base model and the adapters; "
             "the adapters' gradients are summed over ranks), or train.method: full"
         )
-    model = load_model(path, model_cfg, parallel, precision)
+    on_meta = parallel.strategy != "ep" and (
+        (parallel.strategy == "fsdp" and ranks.world_size > 1) or (not weights and train.method == "full")
+    )
+    model = build_on_meta(path, model_cfg) if on_meta else load_model(path, model_cfg, parallel, precision)
     if data is not None:
         check_vocabulary(model, [data], path)
-    return shard_model(prepare_model(model, train), parallel, ranks, precision)
+    names_of = tied_names(model)
+    model = shard_model(prepare_model(model, train), parallel, ranks, precision)
+    if on_meta and weights:
+        fill_from_folder(model, path, names_of)
+    return model
 
 
 # --------------------------------------------------------------------------- FSDP
@@ -319,7 +354,9 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
     unit is all-gathered in bf16 and computes in bf16, gradients are reduce-scattered in fp32 (half the
     traffic of fp32 gathers; the Trainer's autocast keeps the losses fp32)."""
     if parallel.strategy != "fsdp" or ranks.world_size == 1:
-        return model.to(ranks.device) if parallel.strategy != "ep" else model
+        if parallel.strategy == "ep":
+            return model
+        return materialize(model, ranks.device) if has_meta_parameters(model) else model.to(ranks.device)
     layers = _layer_classes(model)
     if fsdp2_available():
         from torch.distributed.device_mesh import init_device_mesh
@@ -334,7 +371,7 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
             if isinstance(module, layers):
                 fully_shard(module, mesh=mesh, **policy)
         fully_shard(model, mesh=mesh, **policy)
-        return model
+        return materialize(model, ranks.device) if has_meta_parameters(model) else model
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -346,6 +383,8 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
         use_orig_params=True,  # parameter names (and so AdamW's groups) stay those of the model
         device_id=ranks.device,  # torch 2.3 assumes CUDA unless told (gloo on CPU needs device_id=cpu)
         sync_module_states=False,  # every rank built or loaded the same weights
+        # A model on the meta device (moeflow.sharded_load): each unit gets empty shards as it is wrapped
+        param_init_fn=materialize_parameters(ranks.device) if has_meta_parameters(model) else None,
         # Buffers stay fp32 (FSDP2 casts none either): rotary inv_freq in bf16 would shift the angles of
         # late positions by radians.
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -527,27 +566,28 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with FullyShardedDataParallel.summon_full_params(model, with_grads=True, writeback=False):
-            return {_clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            return {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     out = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            out[_clean(name)] = (
+            out[clean_name(name)] = (
                 p.grad.full_tensor().detach().clone() if _is_dtensor(p.grad) else p.grad.detach().clone()
             )
     return out
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
+    """A parameter's name without the FSDP1 and activation-checkpointing wrappers' prefixes."""
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _state_dict_options(**kwargs):
+def _state_dict_options(full_state_dict: bool = True, **kwargs):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, **kwargs)
+    return StateDictOptions(full_state_dict=full_state_dict, **kwargs)
 
 
 def full_state_dict(
@@ -566,7 +606,7 @@ def full_state_dict(
     with _cpu_safe_fsdp1():
         model_state = get_model_state_dict(model, options=options)
         optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
-    return {_clean(k): v for k, v in model_state.items()}, optim_state
+    return {clean_name(k): v for k, v in model_state.items()}, optim_state
 
 
 @contextlib.contextmanager
@@ -584,28 +624,44 @@ def _cpu_safe_fsdp1() -> Iterator[None]:
         torch.cuda.synchronize = synchronize
 
 
-def load_full_state_dict(
-    model: torch.nn.Module, state: Mapping[str, torch.Tensor], optimizer=None, optim_state=None
+def sharded_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's shards of the model and optimizer state, keyed by parameter name as the unwrapped model
+    names them: ShardedTensor (FSDP1), DTensor (FSDP2, transformers 5's expert parallelism) or whole
+    tensors (``none``: every rank the same), as ``torch.distributed.checkpoint`` saves and loads them. The
+    optimizer's: ``{"state": {name: {...}}, "param_groups": [...]}``. A collective; a fresh optimizer's
+    state is initialised first (by a step on zero gradients: on torch 2.3 AdamW's weight decay changes the
+    weights, so load the weights after the optimizer, as :func:`load_sharded_state_dict` does)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    options = _state_dict_options(full_state_dict=False)
+    with _cpu_safe_fsdp1():
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+        model_state = get_model_state_dict(model, options=options)
+    return model_state, optim_state
+
+
+def load_sharded_state_dict(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: Mapping[str, Any],
+    optim_state: Mapping[str, Any],
 ) -> None:
-    """The inverse of :func:`full_state_dict`: every rank passes the whole state, each keeps its shards.
-    Call it on a model without gradients (before the first step), as PyTorch requires."""
+    """The inverse of :func:`sharded_state_dict` (every rank passes its shards, in this run's layout). Call
+    it on a model without gradients (before the first step), as PyTorch requires."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    options = _state_dict_options(full_state_dict=False)
     with _cpu_safe_fsdp1():
-        # The optimizer first: on torch 2.3 it initialises a fresh optimizer's state with a real step on
-        # zero gradients, which AdamW's weight decay turns into a change of the weights; loading the
-        # weights afterwards overwrites it.
-        if optimizer is not None and optim_state is not None:
-            if is_fsdp1(model):
-                _load_fsdp1_optimizer(model, optimizer, optim_state)
-            else:
-                set_optimizer_state_dict(
-                    model,
-                    optimizer,
-                    optim_state_dict=_with_tied_names(model, optim_state),
-                    options=_state_dict_options(),
-                )
-        set_model_state_dict(model, dict(state), options=_state_dict_options())
+        # The optimizer first: loading it may step a fresh optimizer (see sharded_state_dict).
+        if is_fsdp1(model):
+            _load_fsdp1_optimizer(model, optimizer, optim_state)
+        else:
+            set_optimizer_state_dict(
+                model, optimizer, optim_state_dict=_with_tied_names(model, optim_state), options=options
+            )
+        set_model_state_dict(model, dict(model_state), options=options)
 
 
 def _load_fsdp1_optimizer(
@@ -614,14 +670,14 @@ def _load_fsdp1_optimizer(
     """FSDP1's own loader: torch 2.3's generic one asks for a tied parameter's state under each of its
     names, which FSDP1's loader (keyed by the first name only) then refuses."""
     from torch.distributed.fsdp import (
-        FullOptimStateDictConfig,
-        FullStateDictConfig,
         FullyShardedDataParallel,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
         StateDictType,
     )
 
     with FullyShardedDataParallel.state_dict_type(
-        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+        model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
     ):
         optimizer.load_state_dict(
             FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, dict(optim_state))
@@ -633,7 +689,7 @@ def _with_tied_names(model: torch.nn.Module, optim_state: Mapping[str, Any]) -> 
     one name and, on torch 2.3, looks it up under each when loading."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(_clean(name))
+        names.setdefault(id(param), []).append(clean_name(name))
     state = dict(optim_state["state"])
     for tied in (group for group in names.values() if len(group) > 1):
         found = next((state[n] for n in tied if n in state), None)
@@ -641,24 +697,3 @@ def _with_tied_names(model: torch.nn.Module, optim_state: Mapping[str, Any]) -> 
             for n in tied:
                 state.setdefault(n, found)
     return {**optim_state, "state": state}
-
-
-def whole_model(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The model as one unsharded transformers model, for ``save_pretrained`` on rank 0. A collective for a
-    sharded model (every rank calls it): rank 0 gets a copy of the model's class holding the whole weights,
-    the other ranks None. An unsharded model is returned as it is (unwrapped), on every rank."""
-    if not is_sharded(model):
-        return unwrap(model)
-    weights, _ = full_state_dict(model, rank0_only=True)
-    if rank() != 0:
-        return None
-    import copy
-
-    inner = unwrap(model)
-    config = copy.deepcopy(inner.config)
-    if getattr(config, "distributed_config", None) is not None:
-        config.distributed_config = None  # the saved model loads whole; the layout is the run's, not the model's
-    dtype = next(iter(weights.values())).dtype
-    whole = type(inner)._from_config(config, torch_dtype=dtype)
-    whole.load_state_dict(weights)
-    return whole

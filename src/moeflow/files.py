@@ -28,7 +28,7 @@ class DiskFull(OSError):
 _NO_SPACE = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}
 
 
-def _disk_full(exc: BaseException, path: Path) -> DiskFull | None:
+def disk_full_error(exc: BaseException, path: Path) -> DiskFull | None:
     """``exc`` as a DiskFull that names ``path`` (the final output), or None if it is not about space."""
     if not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
         return None
@@ -79,7 +79,7 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -117,11 +117,11 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
             os.fsync(fh.fileno())
         _default_mode(Path(tmp), is_dir=False)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        full = _disk_full(exc, path)
+        full = disk_full_error(exc, path)
         if full is not None:
             raise full from exc
         raise
@@ -157,7 +157,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         _default_mode(tmp, is_dir=True)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -166,10 +166,10 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        full = _disk_full(exc, path)
+        full = disk_full_error(exc, path)
         if full is not None:
             raise full from exc
         raise

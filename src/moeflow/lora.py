@@ -32,9 +32,9 @@ whenever checkpointing is on, so either variant trains the adapters.
 
 Checkpoints hold only what training changes: ``save_pretrained`` of the peft model (adapter_config.json,
 adapter_model.safetensors), the router's weights when it is trainable (router.safetensors) and the
-LoRA settings (moeflow_lora.json). :func:`merge_and_save` folds the adapters into the base weights and
-writes a folder that ``AutoModelForCausalLM.from_pretrained`` loads. train_model also declares the adapter
-as an output (``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which
+LoRA settings (moeflow_lora.json). :func:`merge_adapters` folds the adapters into the base weights, for
+``moeflow.export`` to write a folder that ``AutoModelForCausalLM.from_pretrained`` loads. train_model also
+declares the adapter as an output (``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which
 ``PeftModel.from_pretrained`` loads on the base model, plus the trainable-parameter report; a full run
 writes only the report (``method: full``).
 
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -342,7 +343,7 @@ def save_adapter_output(model: Any, folder: str | os.PathLike) -> dict[str, Any]
     """train_model's ``adapter`` output, written atomically: for a LoRA model the adapter (:func:`save_adapter`:
     loadable with ``PeftModel.from_pretrained`` on the base model), for every model
     ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full`` or ``lora``),
-    so the output exists for a full run too. Call it before :func:`merge_and_save`, which consumes the
+    so the output exists for a full run too. Call it before :func:`merge_adapters`, which consumes the
     peft wrapper. Returns the report."""
     report = trainable_parameter_report(model)
     with atomic_dir(folder) as tmp:
@@ -352,17 +353,10 @@ def save_adapter_output(model: Any, folder: str | os.PathLike) -> dict[str, Any]
     return report
 
 
-def merge_and_save(model: Any, tokenizer: Any, folder: str | os.PathLike) -> Any:
-    """Fold the adapters into the base weights and write a model folder (safetensors, config, and the
-    tokenizer if given) that ``AutoModelForCausalLM.from_pretrained`` loads; atomic. This consumes the
-    peft wrapper: the merged transformers model is returned."""
-    merged = model.merge_and_unload(safe_merge=True)
-    merged.config.use_cache = True  # a saved model generates with a cache; training turned it off
-    with atomic_dir(folder) as tmp:
-        merged.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-    return merged
+def merge_adapters(model: Any) -> Any:
+    """Fold the adapters into the base weights: the merged transformers model (``moeflow.export`` writes
+    it as a folder that ``AutoModelForCausalLM.from_pretrained`` loads). This consumes the peft wrapper."""
+    return model.merge_and_unload(safe_merge=True)
 
 
 # --------------------------------------------------------------------------- reports
@@ -375,7 +369,8 @@ def trainable_parameter_report(model: Any) -> dict[str, Any]:
     by_category: dict[str, dict[str, int]] = {}
     trainable = total = adapter = 0
     for name, param in model.named_parameters():
-        n = param.numel()
+        # the whole parameter's size also for an FSDP1 flat shard (moeflow.distributed.original_shape)
+        n = math.prod(getattr(param, "_moeflow_shape", None) or param.shape)
         entry = by_category.setdefault(P.counted_category(name) or "other", {"trainable": 0, "total": 0})
         entry["total"] += n
         total += n
@@ -431,7 +426,7 @@ __all__ = [
     "save_adapter",
     "load_adapter",
     "save_adapter_output",
-    "merge_and_save",
+    "merge_adapters",
     "trainable_parameter_report",
     "router_is_trainable",
     "is_lora_model",

@@ -1,4 +1,5 @@
-"""Build a model from config or load a pretrained folder, the same way in every stage, and save one."""
+"""Build a model from config or load a pretrained folder, the same way in every stage (``moeflow.export``
+writes the final one)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from typing import Any
 
 from . import compat
 from .config import MODEL_SCHEMA, with_defaults
-from .files import atomic_dir, read_json
+from .files import read_json
 from .linear_loss import install as install_linear_loss
-from .lora import is_lora_model, merge_and_save
 
 
 class ModelError(ValueError):
@@ -218,20 +218,3 @@ def check_vocabulary(
                 f"has {rows} embedding rows. Use the model's own tokenizer (model.pretrained brings it) or a model "
                 "whose vocabulary covers the tokenizer"
             )
-
-
-def save_final_model(model: Any, tokenizer: Any, folder: str | os.PathLike) -> None:
-    """A folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load (LoRA adapters merged in); atomic."""
-    if is_lora_model(model):
-        model.config.use_cache = True
-        merge_and_save(model, tokenizer, folder)
-        return
-    with atomic_dir(folder) as out:
-        write_model_folder(model, tokenizer, out)
-
-
-def write_model_folder(model: Any, tokenizer: Any, folder: str | os.PathLike) -> None:
-    """save_pretrained (safetensors) of the model and its tokenizer into an existing folder."""
-    model.config.use_cache = True  # a saved model generates with a cache; training turned it off
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)

@@ -1,4 +1,5 @@
-"""The memory planner: count parameters from a model config (no weights) and estimate per-device memory.
+"""The memory planner: count parameters from a model config (no weights) and estimate memory per rank in
+every phase of a training job (load, step, checkpoint, resume, export).
 
 Parameters
     :func:`model_shape` reads a ``model.config`` mapping (``model_type`` plus the family's keys) into a
@@ -10,16 +11,18 @@ Parameters
     experts, plus ``top_k / num_experts`` of them; embeddings and the LM head count as active (the usual
     convention: Step-3.5-Flash's "11B active" includes them).
 
-Memory per device (bytes), for a job of ``micro_batch_size`` sequences of ``seq_len`` tokens; the terms
-are summed, a conservative peak (the loss's buffers and the gathered layers of the backward pass
-are not all live at the same instant):
+Memory per device in a training step (bytes, :func:`memory_per_device`, the ``step`` phase), for a job of
+``micro_batch_size`` sequences of ``seq_len`` tokens; the terms are summed, a conservative peak (the loss's
+buffers and the gathered layers of the backward pass are not all live at the same instant):
     * weights: parameters x 2 (bf16) or 4 (fp32);
     * gradients: trainable parameters x the same width;
     * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16;
       either way 16 bytes per trainable parameter, the same total as moeflow.train's bf16 autocast
       (fp32 weights 4 + fp32 gradients 4 + moments 8) and as FSDP mixed precision (fp32 sharded master
       weights 4 + fp32 sharded gradients 4 + moments 8);
-    * with ``num_devices > 1`` these three are sharded over the devices (FSDP full sharding, bf16 as FSDP
+    * with ``parallel.strategy`` fsdp or ep (``Job.shard_ranks > 1``: ``parallel.fsdp_size``, all ranks by
+      default; a config without ranks but several ``hardware.num_devices`` is planned as FSDP over them)
+      these three are sharded over the ranks (FSDP full sharding, bf16 as FSDP
       mixed precision: bf16 parameters gathered and computed with, fp32 masters, fp32 gradient reduction),
       and each device also holds, in the gathered width (2 for bf16, 4 for fp32):
         - unsharded_layer: the largest decoder layer (one FSDP unit) while it runs, its weights and its
@@ -51,21 +54,42 @@ are not all live at the same instant):
       keeps from the forward to the backward pass, in fp32: the hidden states' gradient ``T x H x 4``, the
       output weight's gradient ``vocab x H x 4`` when the output layer trains (not with LoRA), and the
       per-token losses ``T x 4``;
-    * runtime: a fixed overhead (the CUDA context with NCCL's and cuBLAS's buffers, or the interpreter and
-      libraries on CPU).
+    * runtime: a fixed overhead (the CUDA context with NCCL's and cuBLAS's buffers; on CPU the measured
+      resident set of a training rank's interpreter, torch, transformers and gloo: ``CPU_RANK_RUNTIME_BYTES``).
+    ``parallel.strategy: none`` on several ranks (``Job.replicated``): every rank holds all of it, unsharded.
+
+The phases (:func:`phase_memory`, per rank; the resident state is the parameters in fp32, ``PARAM_BYTES``,
+frozen ones included, and AdamW's two fp32 moments of the trained ones, both over ``Job.shard_ranks``):
+    * load: the rank's share of the weights, allocated empty and filled with the rows it owns from the
+      folder's safetensors (moeflow.sharded_load; ``none`` and one rank load the whole model), plus on the
+      pinned stack (FSDP1) the largest unit materialised whole while it is wrapped, plus on CUDA one
+      tensor's owned rows read into a host buffer;
+    * step: :func:`memory_per_device`;
+    * checkpoint: the resident state (the gradients are freed after each step; each rank writes its own
+      shards, moeflow.checkpoint), plus on CUDA one tensor's shard staged on the host;
+    * resume: the resident state (the model, then AdamW's shards read into) and the zero gradients of the
+      step torch.distributed.checkpoint initialises a fresh optimizer's state with, plus on CUDA one
+      tensor's read buffer;
+    * export: the resident state and one whole parameter gathered on every rank (the largest:
+      ``ParamCount.largest_tensor``, the embedding, or a layer's fused experts on transformers 5), staged on
+      the host on CUDA; rank 0 streams each tensor to its file (no buffer of ``export.max_shard_size``).
+    Each side (device, host) of a phase has its terms and a ``total``. On CUDA the host side also holds the
+    host runtime per rank (``CUDA_HOST_RUNTIME_BYTES``: interpreter, torch, CUDA's host libraries); with
+    ``hardware.device: cpu`` there is one memory: every term is on the device side, the runtime once,
+    nothing is staged, and :func:`rank_bytes` (device + host) is what the rank's peak RSS should be.
 
 The device's memory is ``hardware.memory_gib_per_device``, on CUDA as torch sees a card of that nominal
 size (``VISIBLE_GIB``: 79.11 GiB of an 80 GB H100), or what verify_env measured (torch's total).
 
-Host memory, load phase (``plan()["host"]``): moeflow.modeling.load_model loads the whole model in fp32
-on every rank before FSDP moves it to the GPUs (under expert parallelism transformers 5 loads each
-rank's share), so a node holds ``ranks_per_node x (4 x parameters + runtime per rank)``. It is compared
-with the training job's ``mem_mb`` when the caller knows it, else with this machine's RAM. The plan's
-settings name no parallel layout: ``ranks_per_node`` is all ``hardware.num_devices`` (one node).
+Host memory per node (``plan()["host"]``): ``parallel.nproc_per_node`` ranks x a rank's host side in each
+phase (on CPU, x its whole figure), the worst phase against the training job's ``mem_mb`` when the caller
+knows it, else this machine's RAM (binding only when the ranks run here, on CPU).
 
-The job *fits* when the total is at most ``1 - HEADROOM`` of the device memory, is *tight* up to the
-full memory (a warning), and *does not fit* above it: :func:`enforce` then raises with the numbers and
-what would make it fit (the smallest device count, checkpointing, shorter sequences, micro-batch 1).
+A phase *fits* when its device total is at most ``1 - HEADROOM`` of the device memory, is *tight* up to
+the full memory (a warning), and *does not fit* above it. ``plan()["phases"]`` has every phase, the
+verdict is the worst phase's (``plan()["worst_phase"]``, the largest device total): :func:`enforce` raises
+naming the phases that do not fit with their terms, and what would make the job fit (the smallest device
+count at which every phase fits, checkpointing, shorter sequences, micro-batch 1).
 
 ``train.method: lora`` (settings ``train.lora``, see moeflow.lora): the base weights are frozen (weights
 only, no gradients or optimizer states); the adapters get all three (16 bytes per parameter, as above),
@@ -91,6 +115,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import compat
 from .config import MODEL_SCHEMA, LoraSettings, with_defaults
 from .config import settings as config_settings
 from .env import device_memory_bytes
@@ -103,16 +128,23 @@ HEADROOM = 0.10
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
 ADAM_MOMENT_BYTES = 8  # two fp32 moments
 MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the weights are bf16
-RUNTIME_OVERHEAD_BYTES = {"cuda": 1 * GIB, "cpu": GIB // 2}  # the CUDA context (with NCCL's and cuBLAS's buffers)
+# What a rank holds before its model: the CUDA context (with NCCL's and cuBLAS's buffers) on CUDA; on CPU the
+# resident set of a training rank's process, by transformers major version (the stack), measured as
+# /proc/self/status VmRSS after importing torch, transformers, moeflow.train/distributed/checkpoint/modeling
+# and the qwen3_moe modelling module and initialising a gloo group (docs/memory-plan.md): 597 MiB on the
+# pinned stack (torch 2.3.1+cu121, transformers 4.57.1), 403 MiB on the current one (torch 2.13 CPU, 5.24).
+CPU_RANK_RUNTIME_BYTES = {4: 600 * 2**20, 5: 405 * 2**20}
+CUDA_RUNTIME_BYTES = 1 * GIB
 FP32_BYTES = 4  # FSDP's gradient reduce-scatter (reduce_dtype fp32), and the residual stream with fp32 weights
 LOSS_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, which become their gradient in place (moeflow.linear_loss)
 # What torch.cuda reports as a card's total memory, by the nominal size configs and profiles name
 # (hardware.memory_gib_per_device): "GPU 0 has a total capacity of 79.11 GiB" on an H100 80GB.
 VISIBLE_GIB = {80: 79.11, 24: 23.68}  # H100 / A100 80GB; RTX 4090
-# Host memory of the load phase: moeflow.modeling.load_model loads the whole model in fp32 on every rank
-# before moeflow.distributed.shard_model moves it to its GPU, so a node holds ranks x the fp32 model.
-LOAD_BYTES = 4
-HOST_RUNTIME_BYTES = {"cuda": 3 * GIB, "cpu": 1 * GIB}  # per rank: interpreter, torch, CUDA's host libraries
+# The parameters moeflow holds are fp32 in every layout (loaded in fp32; bf16 is autocast on one device and
+# FSDP mixed precision's gathers): the width of the resident state in the load, checkpoint, resume and export phases.
+PARAM_BYTES = 4
+CUDA_HOST_RUNTIME_BYTES = 3 * GIB  # per rank on a GPU node: interpreter, torch, CUDA's host libraries
+PHASES = ("load", "step", "checkpoint", "resume", "export")
 
 
 class PlanError(ValueError):
@@ -363,6 +395,7 @@ class ParamCount:
     largest_layer_without_routed: int  # the same without its routed experts (the unit under expert parallelism)
     num_experts: int
     top_k: int
+    largest_tensor: int  # elements of the largest single parameter (what the export gathers whole at once)
 
     @property
     def total(self) -> int:
@@ -386,6 +419,7 @@ class ParamCount:
             "by_category": dict(self.by_category),
             "largest_layer": self.largest_layer,
             "largest_layer_without_routed_experts": self.largest_layer_without_routed,
+            "largest_tensor": self.largest_tensor,
         }
 
 
@@ -440,8 +474,28 @@ def formula_count(s: Shape) -> ParamCount:
     moe_layer = [common + sum(moe.values())] * bool(n_moe)
     without_routed = [common + moe["shared_experts"] + moe["router"]] * bool(n_moe)
     return ParamCount(
-        "formula", by_category, max(moe_layer + dense_layer), max(without_routed + dense_layer), s.num_experts, s.top_k
+        "formula",
+        by_category,
+        max(moe_layer + dense_layer),
+        max(without_routed + dense_layer),
+        s.num_experts,
+        s.top_k,
+        largest_tensor(s),
     )
+
+
+def largest_tensor(s: Shape) -> int:
+    """Elements of the model's largest parameter: the embedding (or LM head), an attention or FFN matrix, a
+    router, or an expert matrix: a whole layer's fused ``gate_up`` where the stack fuses the experts."""
+    h = s.hidden_size
+    candidates = [s.vocab_size * h, *(i * o for i, o in attention_matrices(s))]
+    if s.dense_layers:
+        candidates.append(h * s.dense_ffn)
+    if s.moe_layers:
+        fused = experts_fused(s.model_type) or s.model_type == "granitemoe"  # granitemoe fuses on both stacks
+        candidates += [h * s.shared_ffn, h * s.num_experts]
+        candidates.append(s.num_experts * 2 * s.expert_ffn * h if fused else h * s.expert_ffn)
+    return max(candidates)
 
 
 def count_module(model: Any, shape: Shape) -> ParamCount:
@@ -461,7 +515,8 @@ def count_module(model: Any, shape: Shape) -> ParamCount:
                 routed_per_layer[layer] = routed_per_layer.get(layer, 0) + param.numel()
     largest = max(per_layer.values(), default=0)
     without_routed = max((n - routed_per_layer.get(i, 0) for i, n in per_layer.items()), default=0)
-    return ParamCount("meta", by_category, largest, without_routed, shape.num_experts, shape.top_k)
+    biggest = max((p.numel() for p in model.parameters()), default=0)
+    return ParamCount("meta", by_category, largest, without_routed, shape.num_experts, shape.top_k, biggest)
 
 
 class ConfigView(Mapping[str, Any]):
@@ -540,9 +595,7 @@ def count_parameters(
 def experts_fused(model_type: str) -> bool:
     """Whether the installed transformers keeps a layer's routed experts as fused 3D parameters (gate and
     up projections in one ``gate_up_proj``): every family on transformers 5, GPT-OSS on both stacks."""
-    from .compat import is_transformers_v5
-
-    return model_type == "gpt_oss" or is_transformers_v5()
+    return model_type == "gpt_oss" or compat.is_transformers_v5()
 
 
 def attention_matrices(s: Shape) -> list[tuple[int, int]]:
@@ -660,7 +713,22 @@ def lora_activation_elements(s: Shape, lora: LoraSettings, moe: bool) -> int:
 
 @dataclass(frozen=True)
 class Job:
-    """The training settings memory depends on."""
+    """The training settings memory depends on, per rank.
+
+    :meth:`from_settings` reads them from ``moeflow.config.plan_settings``. A job outside a config (a
+    benchmark's worker) is constructed with every field, e.g. ``fsdp`` over 2 gloo ranks of one node in fp32::
+
+        shape, params, _ = plan.count_parameters(model_cfg, vocab_size)  # model_cfg: the run's model section
+        job = plan.Job(precision="fp32", method="full", micro_batch_size=1, seq_len=256,
+                       gradient_checkpointing=False, attn_implementation="sdpa", device="cpu", num_devices=2,
+                       expert_parallel=False, lora=config.settings(config.LoraSettings, {}),
+                       loss_chunk_tokens=1024, ranks_per_node=2, replicated=False, fsdp_size=None)
+        phases = plan.phase_memory(shape, params, job)  # phases["load"]["device"]["total"], ...
+
+    ``num_devices`` is the world size; ``replicated=True`` is ``parallel.strategy: none`` (every rank holds the
+    whole model), ``expert_parallel=True`` is ``strategy: ep``, neither is ``fsdp``; ``model.loss_chunk_tokens``
+    and ``model.attn_implementation`` as the model section has them (the schema's defaults: 1024, sdpa).
+    """
 
     precision: str
     method: str
@@ -673,14 +741,19 @@ class Job:
     expert_parallel: bool  # experts split over the devices (transformers 5's DistributedConfig)
     lora: LoraSettings  # train.lora: used when method is lora (and for the LoRA suggestion)
     loss_chunk_tokens: int  # model.loss_chunk_tokens: the cross-entropy's tokens per chunk
-    ranks_per_node: int  # the ranks that load the model on one host (the host plan)
+    ranks_per_node: int  # the ranks of one host (host memory per node = ranks_per_node x per rank)
+    replicated: bool = False  # parallel.strategy: none on several ranks: every rank holds the whole model
+    fsdp_size: int | None = None  # parallel.fsdp_size: the ranks that shard the states (None: all of them)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> Job:
-        """The job of ``moeflow.config.plan_settings``."""
-        train, hardware = settings["train"], settings["hardware"]
+        """The job of ``moeflow.config.plan_settings``: its ``parallel`` section's layout. A config that names
+        no ranks (``parallel`` of one process) but several ``hardware.num_devices`` is a plan on paper: FSDP
+        over that many devices of one node."""
+        train, hardware, parallel = settings["train"], settings["hardware"], settings["parallel"]
         if train["optimizer"] != "adamw":
             raise PlanError(f"config key 'train.optimizer': the planner knows adamw, got {train['optimizer']!r}")
+        on_paper = parallel["nproc_per_node"] * parallel["nnodes"] == 1
         return cls(
             precision=settings["precision"],
             method=train["method"],
@@ -690,18 +763,34 @@ class Job:
             attn_implementation=settings["model"]["attn_implementation"],
             device=hardware["device"],
             num_devices=int(hardware["num_devices"]),
-            expert_parallel=False,
+            expert_parallel=parallel["strategy"] == "ep",
             # a full run's settings carry no train.lora: the LoRA suggestion uses the defaults
             lora=config_settings(LoraSettings, train["lora"] or {}),
             loss_chunk_tokens=int(settings["model"]["loss_chunk_tokens"]),
-            # the settings name no parallel layout: one node of all the devices (moeflow.scaleout sets its own)
-            ranks_per_node=int(hardware["num_devices"]),
+            ranks_per_node=int(hardware["num_devices"] if on_paper else parallel["nproc_per_node"]),
+            replicated=parallel["strategy"] == "none" and not on_paper,
+            fsdp_size=parallel["fsdp_size"],
         )
+
+    @property
+    def strategy(self) -> str:
+        """The layout as ``parallel.strategy`` names it."""
+        if self.expert_parallel:
+            return "ep"
+        return "none" if self.replicated or self.num_devices == 1 else "fsdp"
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks the weights, gradients and AdamW states are split over (1: every rank holds them whole)."""
+        return 1 if self.strategy == "none" else (self.fsdp_size or self.num_devices)
 
     @property
     def sharded(self) -> bool:
         """FSDP over the devices: one decoder layer (and the root unit) gathered at a time."""
-        return self.num_devices > 1
+        return self.shard_ranks > 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"strategy": self.strategy, "shard_ranks": self.shard_ranks}
 
     @property
     def mixed_precision(self) -> bool:
@@ -782,7 +871,7 @@ def root_unit_parameters(s: Shape, params: ParamCount) -> int:
 def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     """Bytes per device by component (module docstring); ``total`` is their sum."""
     width = WEIGHT_BYTES[job.precision]
-    shards = job.num_devices
+    shards = job.shard_ranks
     # FSDP gathers one layer at a time (and holds its full gradient until the reduce-scatter); under
     # expert parallelism each device keeps its own experts whole, so only the rest of a layer is gathered.
     unit = params.largest_layer_without_routed if job.expert_parallel else params.largest_layer
@@ -806,23 +895,115 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         "residual_stream": residual_stream_bytes(s, job),
         "activations": activation_bytes(s, job),
         "loss": loss_bytes(s, job),
-        "runtime": RUNTIME_OVERHEAD_BYTES[job.device],
+        "runtime": runtime_bytes(job.device),
     }
     out["total"] = sum(out.values())
     return out
 
 
-def host_memory(params: ParamCount, job: Job) -> dict[str, int]:
-    """Host bytes per node in the load phase: every rank's fp32 model (under expert parallelism only its
-    share: transformers 5 loads each rank's slices) and each rank's runtime; ``total`` is their sum."""
-    model = params.total * LOAD_BYTES
-    per_rank = math.ceil(model / job.num_devices) if job.expert_parallel else model
-    out = {
-        "model": job.ranks_per_node * per_rank,
-        "runtime": job.ranks_per_node * HOST_RUNTIME_BYTES[job.device],
+def runtime_bytes(device: str) -> int:
+    """A rank's fixed overhead: the CUDA context, or on CPU the measured resident set of a training rank's
+    imports and gloo group on this stack (``CPU_RANK_RUNTIME_BYTES``)."""
+    return CUDA_RUNTIME_BYTES if device == "cuda" else CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
+
+
+def trained_parameters(s: Shape, params: ParamCount, job: Job) -> tuple[int, int]:
+    """(parameters added to the model, parameters trained): LoRA's adapters and what they train, else (0, all)."""
+    if job.method != "lora":
+        return 0, params.total
+    adapters = lora_count(s, job.lora)
+    return adapters.added, adapters.trainable
+
+
+def resident_state(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
+    """What a rank keeps between steps: its share of the parameters (fp32, frozen ones included) and of
+    AdamW's two moments of the trained ones. The gradients are freed after each step."""
+    added, trained = trained_parameters(s, params, job)
+    return {
+        "weights": math.ceil((params.total + added) * PARAM_BYTES / job.shard_ranks),
+        "optimizer": math.ceil(trained * ADAM_MOMENT_BYTES / job.shard_ranks),
     }
-    out["total"] = sum(out.values())
+
+
+def uses_fsdp1() -> bool:
+    """torch before 2.6 (the pinned stack): moeflow.distributed wraps with FSDP1 (FSDP2's ``fully_shard`` there)."""
+    return compat.version_of("torch").release[:2] < (2, 6)
+
+
+def wrapping_unit_bytes(s: Shape, params: ParamCount, job: Job) -> int:
+    """FSDP1 materialises each unit whole (fp32) while it wraps it, before keeping this rank's shard: the
+    largest unit (a decoder layer, or the root unit). FSDP2 and transformers 5's expert parallelism
+    allocate the shards only."""
+    if not job.sharded or job.expert_parallel or not uses_fsdp1():
+        return 0
+    return max(params.largest_layer, root_unit_parameters(s, params)) * PARAM_BYTES
+
+
+def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, dict[str, int]]]:
+    """Bytes per rank in each phase (``PHASES``): ``{phase: {"device": {term: bytes, "total": n}, "host":
+    {term: bytes, "total": n}}}``, for the job's layout (``Job.strategy``; the module docstring says what each
+    phase holds).
+
+    * load: the rank's share of the weights (read from the safetensors rows it owns), FSDP1's unit while it
+      wraps (pinned stack), one tensor's owned rows read into a host buffer on CUDA;
+    * step: :func:`memory_per_device`;
+    * checkpoint: the resident state (:func:`resident_state`) and, on CUDA, one tensor's shard staged on the host;
+    * resume: the resident state (the loaded weights, the optimizer's shards read into), the zero gradients of
+      the step that initialises a fresh optimizer's state (``get_optimizer_state_dict``), one tensor's read buffer;
+    * export: the resident state and one whole parameter gathered (all ranks take part), staged on the host on CUDA;
+      rank 0 streams each tensor to its shard file (no buffer of ``export.max_shard_size``).
+
+    On CUDA the host side holds the staging buffers and the host runtime (``CUDA_HOST_RUNTIME_BYTES``).
+    With ``hardware.device: cpu`` there is one memory: everything is on the device side (the runtime once,
+    the measured resident set of a rank), the host side is empty, and a rank's figure is
+    :func:`rank_bytes` (device + host: what its peak RSS should be)."""
+    state = resident_state(s, params, job)
+    # a fresh optimizer's state is initialised by a step on zero gradients (torch.distributed.checkpoint's
+    # get_optimizer_state_dict) before the checkpoint's moments are read into it
+    _, trained = trained_parameters(s, params, job)
+    zero_gradients = math.ceil(trained * PARAM_BYTES / job.shard_ranks)
+    whole = params.largest_tensor * PARAM_BYTES
+    owned = math.ceil(whole / job.shard_ranks)
+    runtime = {"runtime": runtime_bytes(job.device)}
+    step = {k: v for k, v in memory_per_device(s, params, job).items() if k != "total"}
+    # phase: (device terms, host copies of device memory: only on CUDA)
+    terms = {
+        "load": (
+            {"weights": state["weights"], "wrapping_unit": wrapping_unit_bytes(s, params, job)},
+            {"read_buffer": owned},
+        ),
+        "step": (step, {}),
+        "checkpoint": (state, {"staging_copy": owned}),
+        "resume": (state | {"initial_gradients": zero_gradients}, {"read_buffer": owned}),
+        "export": (state | {"gathered_tensor": whole}, {"staging_copy": whole}),
+    }
+    on_cuda = job.device == "cuda"
+    out = {}
+    for phase, (device, copies) in terms.items():
+        device = device if phase == "step" else device | runtime
+        host = copies | {"runtime": CUDA_HOST_RUNTIME_BYTES} if on_cuda else {}
+        out[phase] = {"device": _with_total(device), "host": _with_total(host)}
     return out
+
+
+def _with_total(terms: Mapping[str, int]) -> dict[str, int]:
+    return dict(terms) | {"total": sum(terms.values())}
+
+
+def rank_bytes(phase: Mapping[str, Mapping[str, int]]) -> int:
+    """One rank's memory in a phase of :func:`phase_memory`: device + host (on CPU, its resident set)."""
+    return phase["device"]["total"] + phase["host"]["total"]
+
+
+def host_per_node_bytes(phase: Mapping[str, Mapping[str, int]], job: Job) -> int:
+    """A node's host memory in a phase: ``ranks_per_node`` x a rank's host side (on CPU, its whole figure)."""
+    per_rank = rank_bytes(phase) if job.device == "cpu" else phase["host"]["total"]
+    return job.ranks_per_node * per_rank
+
+
+def worst_device_total(s: Shape, params: ParamCount, job: Job) -> int:
+    """The largest per-rank device total over the phases: what must fit on one device."""
+    return max(phase["device"]["total"] for phase in phase_memory(s, params, job).values())
 
 
 def verdict(total: int, memory: int) -> str:
@@ -854,10 +1035,18 @@ def device_memory(settings: Mapping[str, Any], env_report: Mapping[str, Any]) ->
     return measured, source
 
 
+def fits(s: Shape, params: ParamCount, job: Job, memory: int) -> bool:
+    """Whether every phase of the job fits on its devices with headroom."""
+    return verdict(worst_device_total(s, params, job), memory) == "fits"
+
+
 def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int = 1_000_000) -> int | None:
-    """The smallest device count at which the job fits with headroom, or None if no count does."""
-    if verdict(memory_per_device(s, params, dataclasses.replace(job, num_devices=1))["total"], memory) == "fits":
+    """The smallest device count at which every phase of the job fits with headroom, or None if no count
+    does. More devices help by sharding: a ``strategy: none`` job is counted as FSDP over them."""
+    job = dataclasses.replace(job, replicated=False, fsdp_size=None)
+    if fits(s, params, dataclasses.replace(job, num_devices=1), memory):
         return 1
+    # the step's sharded states give the first count to try (no phase fits before the step does)
     at_two = memory_per_device(s, params, dataclasses.replace(job, num_devices=2))
     sharded = 2 * (at_two["weights"] + at_two["gradients"] + at_two["optimizer"])
     replicated = at_two["total"] - sharded / 2
@@ -865,8 +1054,8 @@ def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int 
     if room <= 0:
         return None
     n = max(2, math.ceil(sharded / room))
-    while n <= limit:  # ceil() of the shards can add a byte or two: step up until it really fits
-        if verdict(memory_per_device(s, params, dataclasses.replace(job, num_devices=n))["total"], memory) == "fits":
+    while n <= limit:  # ceil() of the shards (or another phase) can need more: step up until it really fits
+        if fits(s, params, dataclasses.replace(job, num_devices=n), memory):
             return n
         n += 1
     return None
@@ -877,7 +1066,7 @@ def max_seq_len(s: Shape, params: ParamCount, job: Job, memory: int) -> int | No
     lo, hi = 0, job.seq_len
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if verdict(memory_per_device(s, params, dataclasses.replace(job, seq_len=mid))["total"], memory) == "fits":
+        if fits(s, params, dataclasses.replace(job, seq_len=mid), memory):
             lo = mid
         else:
             hi = mid - 1
@@ -892,6 +1081,8 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
     """What would make the job fit: each change with the devices it needs and the per-device total there."""
     lean = {"gradient_checkpointing": True, "micro_batch_size": 1}
     candidates = [("shard over more devices (FSDP, one layer gathered at a time)", job)]
+    if job.replicated:
+        candidates.append(("parallel.strategy: fsdp", dataclasses.replace(job, replicated=False)))
     if s.moe_layers and not job.expert_parallel:
         ep = dataclasses.replace(job, expert_parallel=True)
         candidates += [
@@ -934,65 +1125,104 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
             continue
         seen.add(variant)
         devices = min_devices(s, params, variant, memory)
-        at = dataclasses.replace(variant, num_devices=devices or variant.num_devices)
-        sharded = memory_per_device(s, params, dataclasses.replace(variant, num_devices=max(2, variant.num_devices)))
+        at = dataclasses.replace(variant, num_devices=devices or variant.num_devices, replicated=False)
+        spread = dataclasses.replace(variant, num_devices=max(2, variant.num_devices), replicated=False)
+        sharded = memory_per_device(s, params, spread)
         states = sharded["weights"] + sharded["gradients"] + sharded["optimizer"]
         options.append(
             {
                 "change": change,
                 "unshardable_gib": _gib(sharded["total"] - states),
-                "fits_as_is": verdict(memory_per_device(s, params, variant)["total"], memory) == "fits",
+                "fits_as_is": fits(s, params, variant, memory),
                 "min_devices": devices,
-                "per_device_gib_at_min_devices": _gib(memory_per_device(s, params, at)["total"]) if devices else None,
+                "per_device_gib_at_min_devices": _gib(worst_device_total(s, params, at)) if devices else None,
             }
         )
     return [o for o in options if o["fits_as_is"] or o["min_devices"] or o["change"] == candidates[0][0]]
 
 
-def host_plan(params: ParamCount, job: Job, env_report: Mapping[str, Any], mem_mb: int | None) -> dict[str, Any]:
-    """The load phase on one host against the training job's ``mem_mb`` (SLURM megabytes: MiB) when
-    known, else against this machine's RAM (verify_env report)."""
+MEM_MB_SOURCE = "the training job's mem_mb"
+
+
+def host_limit(env_report: Mapping[str, Any], mem_mb: int | None) -> tuple[int, str]:
+    """A node's host memory: the training job's ``mem_mb`` (SLURM megabytes: MiB) when known, else this
+    machine's RAM (verify_env report)."""
     if mem_mb:
-        limit, source = int(mem_mb) * 2**20, "the training job's mem_mb"
-    else:
-        limit, source = device_memory_bytes(env_report, "cpu")
-    per_node = host_memory(params, job)
+        return int(mem_mb) * 2**20, MEM_MB_SOURCE
+    return device_memory_bytes(env_report, "cpu")
+
+
+def phase_plans(
+    phases: Mapping[str, Mapping[str, Mapping[str, int]]], job: Job, memory: int, host_limit_bytes: int
+) -> dict[str, dict[str, Any]]:
+    """Each phase of :func:`phase_memory` with its sizes in GiB, its node's host memory and both verdicts."""
+    out = {}
+    for name, phase in phases.items():
+        per_node = host_per_node_bytes(phase, job)
+        out[name] = {
+            "device_bytes": dict(phase["device"]),
+            "host_bytes": dict(phase["host"]),
+            "device_gib": {k: _gib(v) for k, v in phase["device"].items()},
+            "host_gib": {k: _gib(v) for k, v in phase["host"].items()},
+            "rank_bytes": rank_bytes(phase),
+            "host_per_node_bytes": per_node,
+            "verdict": verdict(phase["device"]["total"], memory),
+            "host_verdict": verdict(per_node, host_limit_bytes),
+        }
+    return out
+
+
+def worst_phase(phases: Mapping[str, Mapping[str, Any]], key: str) -> str:
+    """The phase with the most of ``key`` (``device_bytes``' total, or ``host_per_node_bytes``); the earliest
+    on a tie."""
+    size = lambda name: phases[name][key]["total"] if key == "device_bytes" else phases[name][key]  # noqa: E731
+    return max(phases, key=size)
+
+
+def host_plan(phases: Mapping[str, Mapping[str, Any]], job: Job, limit: int, source: str) -> dict[str, Any]:
+    """A node's host memory in its worst phase against ``limit``."""
+    worst = worst_phase(phases, "host_per_node_bytes")
     return {
-        "phase": "load",
+        "phase": worst,
         "ranks_per_node": job.ranks_per_node,
-        "load_dtype": "fp32",
-        "per_node_bytes": per_node,
-        "per_node_gib": {k: _gib(v) for k, v in per_node.items()},
+        "per_node_bytes": {name: phase["host_per_node_bytes"] for name, phase in phases.items()},
+        "per_node_gib": {name: _gib(phase["host_per_node_bytes"]) for name, phase in phases.items()},
         "limit_bytes": limit,
         "limit_source": source,
-        "verdict": verdict(per_node["total"], limit),
+        "verdict": phases[worst]["host_verdict"],
     }
 
 
 def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any], mem_mb: int | None = None) -> dict[str, Any]:
-    """The full plan for one run: parameters, memory per device, the verdict and what would make it fit,
-    and the host memory of loading the model (against ``mem_mb``, the training job's, when given)."""
+    """The full plan for one run: parameters, memory per rank in every phase, the worst phase and its
+    verdict, what would make it fit, and a node's host memory (against ``mem_mb``, the training job's,
+    when given). ``per_device_bytes`` is the step's."""
     shape, params, formula = count_parameters(settings["model"], settings["vocab_size"])
     job = Job.from_settings(settings)
     memory, source = device_memory(settings, env_report)
-    per_device = memory_per_device(shape, params, job)
-    result = verdict(per_device["total"], memory)
+    limit, limit_source = host_limit(env_report, mem_mb)
+    phases = phase_plans(phase_memory(shape, params, job), job, memory, limit)
+    worst = worst_phase(phases, "device_bytes")
+    result = phases[worst]["verdict"]
+    per_device = phases["step"]["device_bytes"]
     out = {
         "model_type": shape.model_type,
         "shape": dataclasses.asdict(shape)
         | {"moe_layers": list(shape.moe_layers), "dense_layers": list(shape.dense_layers)},
         "parameters": params.as_dict()
         | {"formula_total": formula.total, "formula_matches": formula.total == params.total},
-        "job": dataclasses.asdict(job),
+        "job": job.as_dict(),
         "device_memory_bytes": memory,
         "device_memory_source": source,
         "per_device_bytes": per_device,
         "per_device_gib": {k: _gib(v) for k, v in per_device.items()},
+        "phases": phases,
+        "worst_phase": worst,
         "usable_fraction": 1 - HEADROOM,
         "verdict": result,
         "min_devices": min_devices(shape, params, job, memory),
         "suggestions": suggestions(shape, params, job, memory) if result != "fits" else [],
-        "host": host_plan(params, job, env_report, mem_mb),
+        "host": host_plan(phases, job, limit, limit_source),
     }
     if job.method == "lora":
         out["lora"] = {**job.lora.as_dict(), **lora_count(shape, job.lora).as_dict()}
@@ -1020,12 +1250,15 @@ def summary(p: Mapping[str, Any]) -> str:
     job, mem, gib, params = p["job"], p["per_device_bytes"], p["per_device_gib"], p["parameters"]
     memory = p["device_memory_bytes"] / GIB
     usable = p["usable_fraction"] * memory
+    sharing = f" (states over {job['shard_ranks']} ranks)" if job["shard_ranks"] > 1 else ""
+    worst = p["worst_phase"]
     lines = [
         f"{job['method']} fine-tune of {p['model_type']} with {_count(params['total'])} parameters "
         f"({_count(params['active_per_token'])} active per token), {job['precision']}, micro-batch "
         f"{job['micro_batch_size']} x {job['seq_len']} tokens, gradient checkpointing "
         f"{'on' if job['gradient_checkpointing'] else 'off'}, on {job['num_devices']} x {job['device']} of "
-        f"{memory:.1f} GiB ({p['device_memory_source']}):",
+        f"{memory:.1f} GiB ({p['device_memory_source']}), parallel.strategy {job['strategy']}"
+        f"{sharing}:",
         *(
             [
                 f"  LoRA rank {p['lora']['rank']} on {', '.join(p['lora']['targets'])}, router {p['lora']['router']}: "
@@ -1040,9 +1273,12 @@ def summary(p: Mapping[str, Any]) -> str:
         f"layer {_size(mem['prefetched_layer'])} + layer gradient reduce {_size(mem['layer_gradient_reduce'])} + "
         f"root unit {_size(mem['root_unit'])} + residual stream {_size(mem['residual_stream'])} + activations "
         f"{_size(mem['activations'])} + loss {_size(mem['loss'])} + runtime {_size(mem['runtime'])}",
-        f"  verdict: {p['verdict'].replace('_', ' ')} (usable {usable:.1f} of {memory:.1f} GiB, "
-        f"{round(100 * (1 - p['usable_fraction']))}% headroom)",
-        host_summary(p["host"]),
+        phases_summary(p["phases"]),
+        f"  worst phase {worst}: "
+        + ("the step's terms above" if worst == "step" else _terms(p["phases"][worst]["device_bytes"])),
+        f"  verdict of the {p['worst_phase']} phase: {p['verdict'].replace('_', ' ')} (usable {usable:.1f} of "
+        f"{memory:.1f} GiB, {round(100 * (1 - p['usable_fraction']))}% headroom)",
+        host_summary(p["host"], p["phases"]),
     ]
     if p["suggestions"]:
         states = gib["weights"] + gib["gradients"] + gib["optimizer"]
@@ -1069,29 +1305,65 @@ def summary(p: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def host_summary(host: Mapping[str, Any]) -> str:
-    per_node = host["per_node_bytes"]
+def _terms(terms: Mapping[str, int]) -> str:
+    """``total = term + term ...`` of a phase's side, the zero terms left out."""
+    parts = [f"{k.replace('_', ' ')} {_size(v)}" for k, v in terms.items() if k != "total" and v]
+    return f"{_size(terms['total'])} = " + " + ".join(parts) if parts else "0"
+
+
+def phases_summary(phases: Mapping[str, Mapping[str, Any]]) -> str:
+    """One line: each phase's device total per rank and, where there is one, its host side per rank."""
+    cells = []
+    for name, phase in phases.items():
+        host = phase["host_bytes"]["total"]
+        cells.append(f"{name} {_size(phase['device_bytes']['total'])}" + (f" (host {_size(host)})" if host else ""))
+    return "  per rank and phase: " + ", ".join(cells)
+
+
+def host_summary(host: Mapping[str, Any], phases: Mapping[str, Mapping[str, Any]]) -> str:
+    worst = phases[host["phase"]]
+    side = worst["host_bytes"] if worst["host_bytes"]["total"] else worst["device_bytes"]
     return (
-        f"  host, loading: {_size(per_node['total'])} per node = {host['ranks_per_node']} rank(s) x (the "
-        f"{host['load_dtype']} model + runtime): model {_size(per_node['model'])} + runtime "
-        f"{_size(per_node['runtime'])}; "
+        f"  host per node, worst phase {host['phase']}: {_size(host['per_node_bytes'][host['phase']])} = "
+        f"{host['ranks_per_node']} rank(s) x ({_terms(side)}); "
         f"{host['verdict'].replace('_', ' ')} in {_size(host['limit_bytes'])} ({host['limit_source']})"
     )
 
 
 def enforce(p: Mapping[str, Any]) -> None:
-    """Fail when the job does not fit (with the numbers and the options), or its model does not load within
-    the training job's ``mem_mb``; warn when either is tight (or the load exceeds this machine's RAM)."""
+    """Fail when the job's worst phase does not fit on its devices, or a node's ranks do not fit in its
+    host memory (the training job's ``mem_mb``; this machine's RAM when the ranks run here, on CPU), with
+    the phase, its terms and the options; warn when either is tight (or the host side exceeds this
+    machine's RAM, which is not where GPU ranks run)."""
+    worst = p["worst_phase"]
     if p["verdict"] == "does_not_fit":
-        raise PlanError("the training job does not fit in memory:\n" + summary(p))
+        refused = {name: phase for name, phase in p["phases"].items() if phase["verdict"] == "does_not_fit"}
+        raise PlanError(
+            f"the training job does not fit in memory in its {', '.join(refused)} phase(s) (worst: {worst}):\n"
+            + "\n".join(f"  {name} per device: {_terms(phase['device_bytes'])}" for name, phase in refused.items())
+            + "\n"
+            + summary(p)
+        )
     host = p["host"]
-    if host["verdict"] == "does_not_fit" and host["limit_source"] == "the training job's mem_mb":
-        raise PlanError("the training job's ranks cannot load the model within its mem_mb:\n" + summary(p))
+    binding = host["limit_source"] == MEM_MB_SOURCE or p["job"]["device"] == "cpu"
+    if host["verdict"] == "does_not_fit" and binding:
+        raise PlanError(
+            f"the training job's {host['ranks_per_node']} rank(s) per node do not fit in the host memory of "
+            f"{_size(host['limit_bytes'])} ({host['limit_source']}) in its {host['phase']} phase:\n" + summary(p)
+        )
     if p["verdict"] == "tight":
-        log.warning("the training job fits with less than %d%% headroom:\n%s", round(HEADROOM * 100), summary(p))
+        log.warning(
+            "the training job fits with less than %d%% headroom in its %s phase:\n%s",
+            round(HEADROOM * 100),
+            worst,
+            summary(p),
+        )
     elif host["verdict"] != "fits":
         log.warning(
-            "loading the model on the host leaves less than %d%% headroom:\n%s", round(HEADROOM * 100), summary(p)
+            "the host memory of a node leaves less than %d%% headroom in the %s phase:\n%s",
+            round(HEADROOM * 100),
+            host["phase"],
+            summary(p),
         )
 
 
@@ -1102,6 +1374,22 @@ def render_markdown(p: Mapping[str, Any]) -> str:
     host = p["host"]
     host_rows = [f"| {k} | {_size(v)} | {v:,} |" for k, v in host["per_node_bytes"].items()]
     host_rows.append(f"| limit ({host['limit_source']}) | {_size(host['limit_bytes'])} | {host['limit_bytes']:,} |")
+    phases = p["phases"]
+    terms = list(dict.fromkeys(k for phase in phases.values() for k in (*phase["device_bytes"], *phase["host_bytes"])))
+    terms = sorted((k for k in terms if k != "total"), key=lambda k: k == "runtime")  # the runtime last
+
+    def cell(phase: Mapping[str, Any], side: str, term: str) -> str:
+        return _size(phase[side][term]) if phase[side].get(term) else ""
+
+    def row(label: str, cells: Any) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    phase_rows = [
+        row(f"{side.split('_')[0]}: {k.replace('_', ' ')}", (cell(ph, side, k) for ph in phases.values()))
+        for side in ("device_bytes", "host_bytes")
+        for k in terms
+        if any(ph[side].get(k) for ph in phases.values())
+    ]
     formula = "agrees" if params["formula_matches"] else f"differs: {params['formula_total']:,}"
     return (
         "\n".join(
@@ -1121,13 +1409,22 @@ def render_markdown(p: Mapping[str, Any]) -> str:
                 f"| active per token | {params['active_per_token']:,} |",
                 f"| active per token without embeddings | {params['active_per_token_without_embeddings']:,} |",
                 "",
-                "## Memory per device",
+                f"## Memory per rank and phase (worst: {p['worst_phase']})",
+                "",
+                row("term", phases),
+                "|---|" + "---|" * len(phases),
+                *phase_rows,
+                row("**device total**", (_size(ph["device_bytes"]["total"]) for ph in phases.values())),
+                row("**host total**", (_size(ph["host_bytes"]["total"]) for ph in phases.values())),
+                row("verdict", (ph["verdict"].replace("_", " ") for ph in phases.values())),
+                "",
+                "## Memory per device, step",
                 "",
                 "| component | size | bytes |",
                 "|---|---|---|",
                 *mem_rows,
                 "",
-                f"## Host memory per node, loading ({host['ranks_per_node']} rank(s))",
+                f"## Host memory per node by phase ({host['ranks_per_node']} rank(s); worst: {host['phase']})",
                 "",
                 "| component | size | bytes |",
                 "|---|---|---|",

@@ -27,9 +27,12 @@ from typing import Any
 
 import yaml
 
+from . import config as mfconfig
+from . import plan as planner
 from .config import REPO_ROOT
 
 PROFILES = REPO_ROOT / "profiles"
+MODELS = REPO_ROOT / "config" / "models"
 TRAINING_RULE = "train_model"
 # Memory (GiB, as the planner counts it) and dense bf16 peak (FLOP/s, without sparsity) per GPU model,
 # by the names SLURM clusters commonly give them in --gpus=<model>:<n>.
@@ -174,6 +177,34 @@ def cost(
     }
 
 
+def placement(request: Request) -> dict[str, Any]:
+    """The config overlay of what ``request`` gets: its ``hardware`` and its ranks (not the layout)."""
+    return {
+        "hardware": {"device": "cuda", "num_devices": request.gpus, "memory_gib_per_device": request.gpu_memory_gib},
+        "parallel": {"nproc_per_node": request.gpus_per_node, "nnodes": request.nodes},
+    }
+
+
+def phases_on(settings: Mapping[str, Any], request: Request) -> dict[str, Any]:
+    """Every phase per GPU (GiB) and per node's host (GiB, against the request's ``mem_mb``) of the
+    planner's ``settings``, with the worst phase and the verdict (the worst of the device and the host)."""
+    shape, params, _ = planner.count_parameters(settings["model"], settings["vocab_size"])
+    job = planner.Job.from_settings(settings)
+    memory = int(request.gpu_memory_gib * planner.GIB)
+    phases = planner.phase_plans(planner.phase_memory(shape, params, job), job, memory, request.mem_mb * 2**20)
+    worst = planner.worst_phase(phases, "device_bytes")
+    host = planner.worst_phase(phases, "host_per_node_bytes")
+    order = ("fits", "tight", "does_not_fit")
+    return {
+        "job": job,
+        "device_gib": {name: phase["device_gib"]["total"] for name, phase in phases.items()},
+        "host_per_node_gib": {name: planner._gib(phase["host_per_node_bytes"]) for name, phase in phases.items()},
+        "worst_phase": worst,
+        "worst_host_phase": host,
+        "verdict": max(phases[worst]["verdict"], phases[host]["host_verdict"], key=order.index),
+    }
+
+
 def scaleout_plan(
     cfg: Mapping[str, Any],
     request: Request,
@@ -182,35 +213,24 @@ def scaleout_plan(
 ) -> dict[str, Any]:
     """Memory per GPU for the config's layout on what ``request`` gets, the verdict, and the cost.
 
-    The config's ``hardware`` and ``parallel`` sections are replaced by the request (so a config can be
+    The config's ``hardware`` and ``parallel`` ranks are replaced by the request (so a config can be
     checked against any profile); ``fewer`` is the same plan one node (or, on one node, half the GPUs)
-    smaller, for the refusal."""
-    from . import config as mfconfig
-    from . import plan as planner
-
-    placed = mfconfig.deep_merge(
-        cfg,
-        {
-            "hardware": {
-                "device": "cuda",
-                "num_devices": request.gpus,
-                "memory_gib_per_device": request.gpu_memory_gib,
-            },
-            "parallel": {"nproc_per_node": request.gpus_per_node, "nnodes": request.nodes},
-        },
-    )
+    smaller, for the refusal. ``per_gpu_gib`` are the step's terms; the verdict is the worst phase's."""
+    placed = mfconfig.deep_merge(cfg, placement(request))
     settings = mfconfig.plan_settings(placed)
     shape, params, _ = planner.count_parameters(settings["model"], settings["vocab_size"])
     lay = layout(placed)
-    job = dataclasses.replace(planner.Job.from_settings(settings), expert_parallel=lay["strategy"] == "ep")
+    job = planner.Job.from_settings(settings)
     memory = int(request.gpu_memory_gib * planner.GIB)
 
     def at(gpus: int) -> dict[str, Any]:
-        per_device = planner.memory_per_device(shape, params, dataclasses.replace(job, num_devices=gpus))
+        sized = dataclasses.replace(job, num_devices=gpus)
+        per_device = planner.memory_per_device(shape, params, sized)
         return {
             "gpus": gpus,
             "per_gpu_gib": {k: planner._gib(v) for k, v in per_device.items()},
-            "verdict": planner.verdict(per_device["total"], memory),
+            "worst_phase_gib": planner._gib(planner.worst_device_total(shape, params, sized)),
+            "verdict": planner.verdict(planner.worst_device_total(shape, params, sized), memory),
         }
 
     fewer_gpus = request.gpus - request.gpus_per_node if request.nodes > 1 else request.gpus // 2
@@ -220,7 +240,7 @@ def scaleout_plan(
         "model_type": shape.model_type,
         "parameters": {"total": params.total, "active_per_token": params.active},
         "layout": lay,
-        "job": dataclasses.asdict(job) | {"num_devices": request.gpus},
+        "job": job.as_dict() | {"num_devices": request.gpus},
         "on_request": at(request.gpus),
         "on_fewer": at(max(1, fewer_gpus)),
         "min_gpus": planner.min_devices(shape, params, job, memory),
@@ -244,6 +264,63 @@ def markdown_row(name: str, p: Mapping[str, Any]) -> str:
         f"| **{g['total']:.1f}** of {p['request']['gpu_memory_gib']} "
         f"| {p['min_gpus']} | {c['gpu_hours']:.0f} GPU-h ({c['wall_hours']:.1f} h) | `profiles/{p['profile']}` |"
     )
+
+
+# The README's table of every phase at real scale (phase_table): each shipped large model on 1 to 8 nodes of the
+# slurm profile's node (8 x H100 80GB, its mem_mb), in the layout it needs for a full fine-tune (Qwen3-30B-A3B's
+# FSDP; Step-3.5-Flash's experts split within a node, the rest FSDP), and LoRA in the one layout moeflow runs it in
+# on several ranks (strategy none: every rank holds the frozen base and the adapters).
+PHASE_TABLE_PROFILE = "slurm"
+PHASE_TABLE_NODES = (1, 2, 4, 8)
+PHASE_TABLE_MODELS = {
+    "Qwen3-30B-A3B": ("qwen3-30b-a3b", {"strategy": "fsdp", "ep_size": 1, "fsdp_size": None}),
+    "Step-3.5-Flash": ("step3p5-flash", {"strategy": "ep", "ep_size": 8, "fsdp_size": None}),
+}
+LORA_LAYOUT = {"strategy": "none", "ep_size": 1, "fsdp_size": None}
+VERDICT_WORDS = {"fits": "fits", "tight": "tight", "does_not_fit": "**no**"}
+
+
+def phase_rows(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHASE_TABLE_NODES) -> list[dict[str, Any]]:
+    """The plan of every phase for each model, fine-tune method and node count of the README's table."""
+    base = profile_request(profile)
+    rows = []
+    for name, (model, parallel) in PHASE_TABLE_MODELS.items():
+        for method in ("full", "lora"):
+            for n in nodes:
+                request = dataclasses.replace(base, gpus=base.gpus_per_node * n, nodes=n)
+                layout = {"train": {"method": method}, "parallel": parallel if method == "full" else LORA_LAYOUT}
+                overrides = mfconfig.deep_merge(placement(request), layout)
+                cfg = mfconfig.run_config(mfconfig.load(MODELS / f"{model}.yaml", overrides=overrides), "moe")
+                planned = phases_on(mfconfig.plan_settings(cfg), request)
+                rows.append({"model": name, "method": method, "request": request, **planned})
+    return rows
+
+
+def phase_table(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHASE_TABLE_NODES) -> str:
+    """The README's table: per GPU and phase (GiB), a node's host memory in its worst phase, and whether it
+    fits (the worst of the device and the host; "tight": within the card but not the planner's headroom)."""
+    rows = phase_rows(profile, nodes)
+    head = "| model | fine-tune | layout | GPUs | " + " | ".join(planner.PHASES) + " | host per node | fits |"
+    lines = [head, "|---|---|---|---|" + "---:|" * len(planner.PHASES) + "---|---|"]
+    for row in rows:
+        job, request = row["job"], row["request"]
+        layout_name = {
+            "none": "none (whole per GPU)",
+            "fsdp": "fsdp",
+            "ep": f"ep {PHASE_TABLE_MODELS[row['model']][1]['ep_size']} + fsdp",
+        }[job.strategy]
+        host = row["worst_host_phase"]
+        cells = [
+            row["model"],
+            "LoRA" if row["method"] == "lora" else "full",
+            layout_name,
+            f"{request.gpus} ({request.nodes} x {request.gpus_per_node})",
+            *(f"{row['device_gib'][phase]:.1f}" for phase in planner.PHASES),
+            f"{row['host_per_node_gib'][host]:.1f} ({host})",
+            VERDICT_WORDS[row["verdict"]] + ("" if row["verdict"] == "fits" else f" ({row['worst_phase']})"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def torchrun_command(python: str, gpus: int = 0, nodes: int = 1, cpu_ranks: int = 1, port: int = 29500) -> str:

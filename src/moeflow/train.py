@@ -11,7 +11,8 @@ learning rate (linear warmup, cosine to ``min_lr``), AdamW step, loss-free bias 
 Resumable checkpoints live in a folder keyed by the stage's settings, inputs and code, outside the
 stage's declared outputs (``--rerun-incomplete`` deletes those); a run resumes from the newest complete
 one and the folder is removed once the stage succeeds. Weights, optimizer state and RNG states are
-safetensors; the step, data position, guard states and the metrics history are JSON. A run split at
+safetensors (each rank writes its shards through torch.distributed.checkpoint); the step, data position,
+guard states and the metrics history are JSON. A run split at
 any step (or killed and resumed) gives bit-identical losses on CPU with the same stack, threads and
 precision.
 """
@@ -138,8 +139,8 @@ class Trainer:
     ``model``: as ``moeflow.distributed`` laid it out (whole, FSDP-wrapped, or sharded by transformers).
     With several ranks, each takes its share of the step's rows (``micro_batch_size x grad_accum_steps``
     per rank), the losses are normalised by the step's global counts, and the ranks' gradients are summed;
-    checkpoints hold the whole state in one format for every layout, and every rank takes part in saving
-    and loading them (rank 0 writes)."""
+    every rank saves and loads its own shards of the checkpoints (``moeflow.checkpoint``), which load into
+    any layout and world size."""
 
     def __init__(
         self,
@@ -197,12 +198,13 @@ class Trainer:
 
     def save(self, path: str | os.PathLike, extra_json: Mapping[str, Any] | None = None) -> None:
         """A full checkpoint at ``path`` (``moeflow.checkpoint.save_checkpoint``), plus ``extra_json``
-        ({file name: object}). A collective: every rank calls it, and returns once it is complete."""
+        ({file name: object}). A collective: every rank calls it and writes its shards; it returns once the
+        checkpoint is complete under its final name."""
         C.save_checkpoint(path, self.model, self.optimizer, self.state(), self.history, extra_json)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Continue from a full checkpoint (a resumable one, or the warmup stage's output). Every rank
-        reads it and keeps its own shards; call it before the first step."""
+        """Continue from a full checkpoint (a resumable one, or the warmup stage's output), saved by any
+        world size and layout. Every rank reads only its own shards; call it before the first step."""
         state = C.load_checkpoint(path, self.model, self.optimizer)
         self.step = int(state["step"])
         self.order.load_state_dict(state["data"])

@@ -229,28 +229,28 @@ def test_disk_full_while_writing_a_shard_keeps_the_previous_output(coverage_inpu
 def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     from tiny_training import losses, make_trainer, settings
 
-    from moeflow import checkpoint
+    from moeflow import checkpoint_storage
     from moeflow.checkpoint import latest_checkpoint
 
     whole = make_trainer()
     whole.run()
     checkpoints = tmp_path / "checkpoints"
     trainer = make_trainer(checkpoint_dir=checkpoints, train_settings=settings(checkpoint_every=2))
-    real_save_file = checkpoint.save_file
+    real_writer = checkpoint_storage.SafetensorsWriter
 
-    def save_file_until_full(tensors, filename, *args, **kwargs):
-        if "step-00000004" in str(filename):  # a partial file, then no space left
-            Path(filename).write_bytes(b"\0" * 100)
-            raise _no_space(filename)
-        return real_save_file(tensors, filename, *args, **kwargs)
+    class WriterUntilFull(real_writer):
+        def write(self, name, tensor):
+            if "step-00000004" in str(self.path):  # a partial file, then no space left
+                raise _no_space(self.path)
+            super().write(name, tensor)
 
-    monkeypatch.setattr(checkpoint, "save_file", save_file_until_full)
+    monkeypatch.setattr(checkpoint_storage, "SafetensorsWriter", WriterUntilFull)
     with pytest.raises(DiskFull) as err:
         trainer.run()
     step4 = checkpoints / "step-00000004"
     assert re.fullmatch(
         rf"\[Errno 28\] disk full while writing {re.escape(str(step4))} "
-        rf"\(at {re.escape(str(checkpoints))}/\.step-00000004\.[^/]+\.tmp/model\.safetensors\): "
+        rf"\(at {re.escape(str(checkpoints))}/\.step-00000004\.partial/shard-0\.safetensors\): "
         r"nothing was written under that name\. "
         rf"Free space on that filesystem \(df -h {re.escape(str(checkpoints))}\) and rerun",
         str(err.value),
@@ -258,7 +258,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, m
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002"]
     assert latest_checkpoint(checkpoints) == checkpoints / "step-00000002"
 
-    monkeypatch.setattr(checkpoint, "save_file", real_save_file)  # space freed: resume, lose nothing
+    monkeypatch.setattr(checkpoint_storage, "SafetensorsWriter", real_writer)  # space freed: resume, lose nothing
     resumed = make_trainer(checkpoint_dir=checkpoints, train_settings=settings(checkpoint_every=2))
     assert resumed.resume() and resumed.step == 2
     resumed.run()

@@ -199,12 +199,13 @@ def test_a_training_checkpoint_with_a_pickle_instead_of_safetensors_is_refused(t
     trainer.run(until=1)
     trainer.save(tmp_path / "step-00000001")
     checkpoint = tmp_path / "step-00000001"
-    (checkpoint / "model.safetensors").unlink()
-    pickle_payload(checkpoint / "model.bin")
+    (checkpoint / "shard-0.safetensors").unlink()
+    pickle_payload(checkpoint / "shard-0.bin")
+    pickle_payload(checkpoint / "metadata.pt").rename(checkpoint / ".metadata")  # DCP's FileSystemReader unpickles it
     with pytest.raises(FileNotFoundError) as err:
         make_trainer().load(checkpoint)
     assert str(err.value) == (
-        f"checkpoint {checkpoint} lacks model.safetensors: moeflow reads checkpoints as safetensors plus JSON only "
+        f"checkpoint {checkpoint} lacks shard-0.safetensors: moeflow reads checkpoints as safetensors plus JSON only "
         "(pickle files are never loaded: unpickling can run code). Delete the folder to start the stage afresh"
     )
     assert not (checkpoint / MARKER).exists()

@@ -134,7 +134,12 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
             "experts": stage_inputs / "experts.json",
         },
         outputs,
-        {"settings": train_settings, "runtime": runtime, "checkpoints": str(tmp_path / "ckpt")},
+        {
+            "settings": train_settings,
+            "export": {"max_shard_size": "5GB"},
+            "runtime": runtime,
+            "checkpoints": str(tmp_path / "ckpt"),
+        },
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())

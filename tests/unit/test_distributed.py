@@ -185,8 +185,9 @@ def test_expert_parallel_on_the_pinned_stack_is_a_clear_error():
         )
 
 
-def test_full_state_round_trips_in_one_process(saved_model, reference_model):
-    """The checkpoint format of one process is the sharded layouts' format (names, whole tensors)."""
+def test_state_round_trips_in_one_process(saved_model, reference_model):
+    """One process's whole state is the sharded layouts' (names, whole tensors), and its sharded state
+    (what checkpoints hold) loads into a fresh model and optimizer exactly."""
     from moeflow.modeling import load_model
 
     model = load_model(saved_model, MODEL)
@@ -199,7 +200,7 @@ def test_full_state_round_trips_in_one_process(saved_model, reference_model):
     assert sorted(optim_state["state"]) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
     fresh = load_model(saved_model, MODEL)
     fresh_optimizer = optimizer_for(fresh)
-    distributed.load_full_state_dict(fresh, weights, fresh_optimizer, optim_state)
+    distributed.load_sharded_state_dict(fresh, fresh_optimizer, *distributed.sharded_state_dict(model, optimizer))
     again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
     assert all(torch.equal(again[k], weights[k]) for k in weights)
     assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
@@ -280,7 +281,7 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         optimizer = optimizer_for(model)
         optimizer.step()
         weights, optim_state = distributed.full_state_dict(model, optimizer)
-        # the whole state loads into a freshly sharded model and optimizer and reads back the same
+        # this rank's shards load into a freshly sharded model and optimizer, which read back the same whole state
         fresh = (
             distributed.load_model(saved_model, MODEL, parallel, "fp32")
             if parallel.strategy == "ep"
@@ -288,14 +289,16 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         )
         fresh = distributed.shard_model(fresh, parallel, ranks, "fp32")
         fresh_optimizer = optimizer_for(fresh)
-        distributed.load_full_state_dict(fresh, weights, fresh_optimizer, optim_state)
+        distributed.load_sharded_state_dict(fresh, fresh_optimizer, *distributed.sharded_state_dict(model, optimizer))
         again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
         assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
         assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
         if ranks.is_main:
             save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out) / "grads.safetensors"))
             save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(out) / "weights.safetensors"))
-            shapes = {distributed._clean(n): list(distributed.original_shape(p)) for n, p in model.named_parameters()}
+            shapes = {
+                distributed.clean_name(n): list(distributed.original_shape(p)) for n, p in model.named_parameters()
+            }
             report = {
                 "label_tokens": step.num_label_tokens,
                 "sharded": distributed.is_sharded(model),

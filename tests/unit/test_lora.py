@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moeflow import compat, config, lora, routing
+from moeflow.export import save_final_model
 from moeflow.modeling import build_model, load_model
 
 VOCAB = 100
@@ -298,7 +299,7 @@ def test_merged_model_matches_the_adapters_and_loads_with_from_pretrained(tmp_pa
     model = lora.apply_lora(tiny(name), lora_of({"rank": 4, "router": router}), gradient_checkpointing=True)
     perturb_adapters(model)
     unmerged = logits(model, inputs())
-    merged = lora.merge_and_save(model, None, tmp_path / "merged")
+    merged = save_final_model(model, None, tmp_path / "merged", max_shard_size="5GB")
     torch.testing.assert_close(logits(merged, inputs()), unmerged, rtol=0, atol=1e-5)
     assert not (
         tmp_path / "merged" / "adapter_config.json"

@@ -103,6 +103,7 @@ def test_formula_matches_the_meta_device_count(name):
         exact.largest_layer_without_routed,
     )
     assert formula.active == exact.active < exact.total
+    assert formula.largest_tensor == exact.largest_tensor  # the export's one whole gathered tensor
     assert exact.by_category["routed_experts"] > 0 and exact.by_category["router"] > 0
 
 
@@ -303,6 +304,114 @@ def test_a_tight_job_warns_and_goes_on(env_report, caplog):
     with caplog.at_level("WARNING", logger="moeflow.plan"):
         plan.enforce(result)
     assert "less than 10% headroom" in caplog.text
+
+
+# --------------------------------------------------------------------------- phases and layouts
+
+
+def parallel_settings(parallel: dict, hardware: dict | None = None, **overrides) -> dict:
+    devices = parallel["nproc_per_node"] * parallel.get("nnodes", 1)
+    return settings_of(
+        overrides={"parallel": parallel, "hardware": {"num_devices": devices, **(hardware or {})}, **overrides}
+    )
+
+
+def test_the_parallel_section_names_the_layout():
+    ep = plan.Job.from_settings(
+        parallel_settings(
+            {"nproc_per_node": 4, "nnodes": 2, "strategy": "ep", "ep_size": 4},
+            {"device": "cuda", "memory_gib_per_device": 80},
+        )
+    )
+    assert (
+        ep.expert_parallel and ep.strategy == "ep" and (ep.num_devices, ep.ranks_per_node, ep.shard_ranks) == (8, 4, 8)
+    )
+    none = plan.Job.from_settings(parallel_settings({"nproc_per_node": 2, "strategy": "none"}))
+    assert none.replicated and none.strategy == "none" and none.shard_ranks == 1 and not none.sharded
+    fsdp = plan.Job.from_settings(parallel_settings({"nproc_per_node": 4, "strategy": "fsdp", "fsdp_size": 2}))
+    assert fsdp.strategy == "fsdp" and fsdp.shard_ranks == 2 and fsdp.ranks_per_node == 4
+    # no ranks in the parallel section, several devices: a plan on paper, FSDP over one node's devices
+    paper = plan.Job.from_settings(settings_of(overrides={"hardware": {"num_devices": 4}}))
+    assert paper.strategy == "fsdp" and paper.shard_ranks == 4 and paper.ranks_per_node == 4
+    assert plan.Job.from_settings(settings_of()).strategy == "none"
+
+
+def cpu_job(ranks: int, strategy: str = "fsdp", **changes) -> plan.Job:
+    return default_job(num_devices=ranks, replicated=strategy == "none", **{"ranks_per_node": ranks, **changes})
+
+
+def test_fsdp_at_two_ranks_halves_the_sharded_terms_of_every_phase():
+    shape, count = tiny_shape_and_count()
+    one, two = (plan.phase_memory(shape, count, cpu_job(n)) for n in (1, 2))
+    weights, moments = 4 * count.total, 8 * count.total  # fp32 parameters, AdamW's two fp32 moments
+    for phase in ("load", "checkpoint", "resume", "export"):
+        assert one[phase]["device"]["weights"] == weights and two[phase]["device"]["weights"] == weights / 2, phase
+    for phase in ("checkpoint", "resume", "export"):
+        assert one[phase]["device"]["optimizer"] == moments and two[phase]["device"]["optimizer"] == moments / 2
+    assert "optimizer" not in one["load"]["device"] and "gradients" not in one["checkpoint"]["device"]
+    assert (
+        one["resume"]["device"]["initial_gradients"] == weights
+        and two["resume"]["device"]["initial_gradients"] == weights / 2
+    )
+    for term in ("weights", "gradients", "optimizer"):
+        assert two["step"]["device"][term] == one["step"]["device"][term] / 2, term
+    # on CPU one memory: the runtime once, nothing on the host side, a rank's figure is the device side
+    runtime = plan.CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
+    assert two["checkpoint"]["device"] == {
+        "weights": weights / 2,
+        "optimizer": moments / 2,
+        "runtime": runtime,
+        "total": weights / 2 + moments / 2 + runtime,
+    }
+    for phase in plan.PHASES:
+        assert two[phase]["host"] == {"total": 0} and plan.rank_bytes(two[phase]) == two[phase]["device"]["total"]
+        assert two[phase]["device"]["runtime"] == runtime
+
+
+def test_export_holds_one_whole_largest_tensor_and_none_holds_the_whole_model():
+    shape, count = tiny_shape_and_count()
+    # the tiny qwen3_moe's largest parameter: its 300 x 64 embedding (its experts are 8 x 64 x 32 per matrix)
+    fused_experts = 8 * 2 * 32 * 64 if plan.experts_fused("qwen3_moe") else 0
+    assert count.largest_tensor == max(300 * 64, fused_experts)
+    for ranks in (1, 4):
+        export = plan.phase_memory(shape, count, cpu_job(ranks))["export"]["device"]
+        assert export["gathered_tensor"] == 4 * count.largest_tensor  # whole, on every rank count
+    none = plan.phase_memory(shape, count, cpu_job(4, "none"))
+    for phase in ("load", "checkpoint", "resume", "export"):
+        assert none[phase]["device"]["weights"] == 4 * count.total, phase
+    assert none["checkpoint"]["device"]["optimizer"] == 8 * count.total
+    assert none["step"]["device"] == plan.memory_per_device(shape, count, cpu_job(1)) | {
+        "total": none["step"]["device"]["total"]
+    }
+    assert none["step"]["device"]["unsharded_layer"] == 0
+
+
+def test_host_memory_per_node_is_the_ranks_of_a_node_times_a_rank():
+    shape, count = tiny_shape_and_count()
+    job = cpu_job(4, ranks_per_node=2)
+    phases = plan.phase_memory(shape, count, job)
+    for phase in phases.values():
+        assert plan.host_per_node_bytes(phase, job) == 2 * plan.rank_bytes(phase)  # CPU: the whole figure
+    cuda = dataclasses.replace(job, device="cuda")
+    phases = plan.phase_memory(shape, count, cuda)
+    owned = -(-4 * count.largest_tensor // 4)
+    assert phases["load"]["host"] == {"read_buffer": owned, "runtime": 3 * plan.GIB, "total": owned + 3 * plan.GIB}
+    assert phases["export"]["host"]["staging_copy"] == 4 * count.largest_tensor
+    assert phases["step"]["host"] == {"runtime": 3 * plan.GIB, "total": 3 * plan.GIB}
+    assert plan.host_per_node_bytes(phases["checkpoint"], cuda) == 2 * phases["checkpoint"]["host"]["total"]
+    assert phases["checkpoint"]["device"]["runtime"] == plan.GIB  # the CUDA context
+
+
+def test_plan_reports_every_phase_and_the_worst(env_report):
+    result = plan.plan(parallel_settings({"nproc_per_node": 2, "strategy": "fsdp"}), env_report)
+    assert list(result["phases"]) == list(plan.PHASES) and result["worst_phase"] == "step"
+    assert result["per_device_bytes"] == result["phases"]["step"]["device_bytes"]
+    assert result["job"]["strategy"] == "fsdp" and result["host"]["ranks_per_node"] == 2
+    text, markdown = plan.summary(result), plan.render_markdown(result)
+    assert "per rank and phase: load" in text and "worst phase step" in text
+    assert (
+        "## Memory per rank and phase (worst: step)" in markdown and "| term | load | step | checkpoint |" in markdown
+    )
 
 
 # --------------------------------------------------------------------------- LoRA

@@ -1,4 +1,4 @@
-"""What a GPU really holds, per term, and the host's load phase: the planner against arithmetic done by hand.
+"""What a GPU really holds, per term and per phase, and a node's host: the planner against arithmetic done by hand.
 
 The shapes are those of config/models/qwen3-30b-a3b.yaml and config/models/step3p5-flash.yaml, written
 out here. Qwen3-30B-A3B is planned as its file gives it: FSDP over 8 x 80 GB, bf16 (FSDP mixed precision:
@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 from conftest import active_stack
 
-from moeflow import config, env, plan, scaleout
+from moeflow import compat, config, env, plan, scaleout
 from moeflow.config import REPO_ROOT
 
 GIB = 2**30
@@ -33,6 +33,8 @@ QWEN_LAYER = (
 )  # fmt: skip
 QWEN_ROOT = 2 * 151_936 * 2048 + 2048  # embedding, LM head, final norm
 QWEN_TOKENS = 1 * 4096
+# The largest parameter: the embedding (and LM head), or on transformers 5 a layer's fused experts' gate_up
+QWEN_LARGEST = max(151_936 * 2048, 128 * 2 * 768 * 2048 if plan.experts_fused("qwen3_moe") else 0)
 
 
 def settings_of(*overlays, overrides=None) -> dict:
@@ -149,7 +151,82 @@ def test_new_terms_are_in_the_plan_files(env_report):
     gib = result["per_device_gib"]
     assert f"root unit {gib['root_unit']:.2f} GiB" in text and f"loss {gib['loss']:.2f} GiB" in text
     assert "| prefetched layer |" in markdown and "| layer gradient reduce |" in markdown
-    assert "## Host memory per node, loading (8 rank(s))" in markdown and "host, loading:" in text
+    assert "## Memory per rank and phase (worst: step)" in markdown and "| device: gathered tensor |" in markdown
+    assert "## Host memory per node by phase (8 rank(s); worst: export)" in markdown
+    assert "host per node, worst phase export:" in text and "worst phase step:" in text
+
+
+def test_qwen3_30b_a3b_phases_by_hand(qwen):
+    """Every phase per rank of FSDP over 8 GPUs: the resident state is fp32 parameters (4 bytes) and AdamW's two
+    fp32 moments (8 bytes), over the 8 ranks; the host holds one tensor's buffer and the runtime."""
+    shape, count, job = qwen
+    assert job.strategy == "fsdp" and job.shard_ranks == 8 and job.ranks_per_node == 8
+    phases = plan.phase_memory(shape, count, job)
+    weights, moments = QWEN_TOTAL * 4 // 8, QWEN_TOTAL * 8 // 8
+    owned, whole = -(-QWEN_LARGEST * 4 // 8), QWEN_LARGEST * 4
+    wrapping = max(QWEN_LAYER, QWEN_ROOT) * 4 if plan.uses_fsdp1() else 0  # FSDP1 materialises a unit to wrap it
+    host = 3 * GIB  # interpreter, torch, CUDA's host libraries
+    expected = {
+        "load": (
+            {"weights": weights, "wrapping_unit": wrapping, "runtime": GIB},
+            {"read_buffer": owned, "runtime": host},
+        ),
+        "checkpoint": (
+            {"weights": weights, "optimizer": moments, "runtime": GIB},
+            {"staging_copy": owned, "runtime": host},
+        ),
+        # a fresh AdamW's state is initialised by a step on zero gradients (bf16 shards: fp32, 4 bytes) first
+        "resume": (
+            {"weights": weights, "optimizer": moments, "initial_gradients": QWEN_TOTAL * 4 // 8, "runtime": GIB},
+            {"read_buffer": owned, "runtime": host},
+        ),
+        "export": (
+            {"weights": weights, "optimizer": moments, "gathered_tensor": whole, "runtime": GIB},
+            {"staging_copy": whole, "runtime": host},
+        ),
+    }
+    for phase, (device, host_side) in expected.items():
+        assert phases[phase]["device"] == device | {"total": sum(device.values())}, phase
+        assert phases[phase]["host"] == host_side | {"total": sum(host_side.values())}, phase
+    step = plan.memory_per_device(shape, count, job)
+    assert phases["step"]["device"] == step and phases["step"]["host"] == {"runtime": host, "total": host}
+    # 14.22 GiB of fp32 weights and 28.43 GiB of moments per GPU between steps; the step's 69.3 GiB is the worst
+    assert phases["checkpoint"]["device"]["total"] / GIB == pytest.approx(43.65, abs=0.01)
+    assert max(plan.PHASES, key=lambda name: phases[name]["device"]["total"]) == "step"
+    # strategy none on the same 8 GPUs: every rank whole in every phase
+    whole_model = plan.phase_memory(shape, count, dataclasses.replace(job, replicated=True))
+    for phase in ("load", "checkpoint", "resume", "export"):
+        assert whole_model[phase]["device"]["weights"] == QWEN_TOTAL * 4, phase
+    assert whole_model["export"]["device"]["optimizer"] == QWEN_TOTAL * 8
+    assert whole_model["load"]["device"]["wrapping_unit"] == 0 and whole_model["load"]["host"]["read_buffer"] == whole
+
+
+def test_a_job_whose_checkpoint_does_not_fit_is_refused_naming_it(qwen, env_report):
+    """LoRA with strategy none (what moeflow runs on several ranks): the step plans the frozen base in bf16
+    (2 bytes), but between steps every rank keeps it as loaded, fp32: 4 x 30.5B = 113.7 GiB, plus the
+    adapters' weights and moments. On a 120 GiB card the step fits and the checkpoint does not."""
+    settings = settings_of(
+        QWEN3_30B,
+        overrides={
+            "train": {"method": "lora"},
+            "parallel": {"strategy": "none"},
+            "hardware": {"memory_gib_per_device": 120},
+        },
+    )
+    result = plan.plan(settings, env_report)
+    phases = result["phases"]
+    assert phases["step"]["verdict"] == "fits" and phases["load"]["verdict"] == "tight"
+    adapters = result["lora"]
+    checkpoint = QWEN_TOTAL * 4 + adapters["adapter"] * 4 + adapters["trainable"] * 8 + GIB
+    assert phases["checkpoint"]["device_bytes"]["total"] == checkpoint and checkpoint > 120 * GIB
+    # the worst: the resume, whose zero-gradient step initialising AdamW adds 4 bytes per trained parameter
+    assert result["verdict"] == "does_not_fit" and result["worst_phase"] == "resume"
+    with pytest.raises(plan.PlanError) as err:
+        plan.enforce(result)
+    message = str(err.value)
+    assert "does not fit in memory in its checkpoint, resume, export phase(s) (worst: resume)" in message
+    weights = phases["checkpoint"]["device_gib"]["weights"]
+    assert f"checkpoint per device: {checkpoint / GIB:.2f} GiB = weights {weights:.2f} GiB + optimizer" in message
 
 
 # --------------------------------------------------------------------------- Step-3.5-Flash
@@ -212,46 +289,64 @@ def test_step3p5_flash_on_the_multinode_profile_by_hand(step, env_report):
     assert plan.verdict(mem["total"], visible) == "tight"  # 73.00 GiB (77.14 with the full logits)
     five_nodes = plan.memory_per_device(shape, count, dataclasses.replace(ep, num_devices=40))
     assert plan.verdict(five_nodes["total"], visible) == "does_not_fit"
-    # the load phase: under expert parallelism each rank loads only its share (fp32)
-    host = plan.host_memory(count, ep)
-    assert host == {
-        "model": 8 * -(-STEP_TOTAL * 4 // 48),
-        "runtime": 8 * 3 * GIB,
-        "total": 8 * -(-STEP_TOTAL * 4 // 48) + 8 * 3 * GIB,
+    # the load phase: each rank allocates only its share (fp32); its host reads one tensor's owned rows at a time
+    phases = plan.phase_memory(shape, count, ep)
+    largest = 128_896 * 4096  # the embedding (transformers 5 fuses the experts: 288 x 2560 x 4096 is larger)
+    largest = max(largest, 288 * 2 * 1280 * 4096 if plan.experts_fused("step3p5") else 0)
+    assert phases["load"]["device"] == {
+        "weights": -(-STEP_TOTAL * 4 // 48),
+        "wrapping_unit": 0,  # transformers 5 shards at load
+        "runtime": GIB,
+        "total": -(-STEP_TOTAL * 4 // 48) + GIB,
     }
+    assert phases["export"]["device"]["gathered_tensor"] == 4 * largest
+    per_node = plan.host_per_node_bytes(phases["export"], ep)
+    assert per_node == 8 * (4 * largest + 3 * GIB)
     mem_mb = scaleout.profile_request("slurm-multinode").mem_mb
-    assert plan.verdict(host["total"], mem_mb * 2**20) == "fits"
+    assert plan.verdict(per_node, mem_mb * 2**20) == "fits"
 
 
-# --------------------------------------------------------------------------- the host's load phase
+# --------------------------------------------------------------------------- a node's host memory
 
 
-def test_qwen3_30b_a3b_loads_on_its_node_only_just(qwen, env_report, caplog):
-    """Every rank loads the whole fp32 model before sharding: 8 x 4 x 30.5B bytes + 8 runtimes."""
+def test_qwen3_30b_a3b_ranks_load_their_shards_within_the_nodes_memory(qwen, env_report, caplog):
+    """Each rank reads only its shard: the node's host holds 8 x (one tensor's buffer + 3 GiB of runtime), not
+    8 x the fp32 model (933.9 GiB, tight in the profile's 937.5 GiB, before sharded loading)."""
     _, count, job = qwen
-    host = plan.host_memory(count, job)
-    assert host["model"] == 8 * QWEN_TOTAL * 4 and host["runtime"] == 8 * 3 * GIB
-    assert host["total"] / GIB == pytest.approx(933.9, abs=0.1)
     mem_mb = scaleout.profile_request("slurm").mem_mb
     assert mem_mb == 960_000  # 937.5 GiB
     result = plan.plan(settings_of(QWEN3_30B), env_report, mem_mb=mem_mb)
-    assert result["host"]["verdict"] == "tight" and result["host"]["limit_bytes"] == mem_mb * 2**20
-    assert result["host"]["limit_source"] == "the training job's mem_mb"
+    host = result["host"]
+    # the worst: the export stages one whole gathered tensor on the host of every rank
+    assert host["phase"] == "export" and host["per_node_bytes"]["export"] == 8 * (QWEN_LARGEST * 4 + 3 * GIB)
+    assert host["per_node_bytes"]["load"] == 8 * (-(-QWEN_LARGEST * 4 // 8) + 3 * GIB)
+    assert host["verdict"] == "fits" and host["limit_bytes"] == mem_mb * 2**20
+    assert host["limit_source"] == "the training job's mem_mb"
     with caplog.at_level("WARNING", logger="moeflow.plan"):
-        plan.enforce(result)  # device and host both tight: warnings, no refusal
-    assert "less than 10% headroom" in caplog.text
-    short = plan.plan(settings_of(QWEN3_30B), env_report, mem_mb=900_000)  # 878.9 GiB < 933.9 GiB
+        plan.enforce(result)
+    assert not caplog.text
+    short = plan.plan(settings_of(QWEN3_30B), env_report, mem_mb=30_000)  # 29.3 GiB < 8 x 4.16 GiB
     assert short["host"]["verdict"] == "does_not_fit"
-    with pytest.raises(plan.PlanError, match="cannot load the model within its mem_mb"):
+    with pytest.raises(
+        plan.PlanError, match="8 rank\\(s\\) per node do not fit in the host memory of 29.30 GiB .*export"
+    ):
         plan.enforce(short)
-    # without mem_mb the load is compared with this machine's RAM, and only warned about
+    # without mem_mb the host is compared with this machine's RAM, and only warned about (GPU ranks run elsewhere)
     here = plan.plan(settings_of(QWEN3_30B), env_report)
     assert here["host"]["limit_bytes"] == env_report["system"]["ram_usable_bytes"]
     plan.enforce(here)
 
 
-def test_the_embedded_default_loads_within_this_machine(env_report):
+def test_the_embedded_default_fits_within_this_machine(env_report):
     result = plan.plan(settings_of(), env_report)
+    runtime = plan.CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
     count = result["parameters"]["total"]
-    assert result["host"]["per_node_bytes"] == {"model": 4 * count, "runtime": GIB, "total": 4 * count + GIB}
+    load = result["phases"]["load"]
+    assert load["device_bytes"] == {
+        "weights": 4 * count,
+        "wrapping_unit": 0,
+        "runtime": runtime,
+        "total": 4 * count + runtime,
+    }
+    assert result["host"]["per_node_bytes"] == {name: phase["rank_bytes"] for name, phase in result["phases"].items()}
     assert result["host"]["verdict"] == "fits" and result["verdict"] == "fits"

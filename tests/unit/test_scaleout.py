@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow import config, scaleout
+from moeflow import compat, config, scaleout
 from moeflow.config import REPO_ROOT
 
 MODELS = REPO_ROOT / "config" / "models"
@@ -214,3 +214,45 @@ def test_readme_row_shows_the_plans_numbers():
     row = scaleout.markdown_row("Qwen3-30B-A3B", p)
     assert f"**{p['on_request']['per_gpu_gib']['total']:.1f}** of 80" in row and "8 x H100 (1 node)" in row
     assert f"{p['cost']['gpu_hours']:.0f} GPU-h" in row and "`profiles/slurm`" in row
+
+
+# --------------------------------------------------------------------------- the README's table of phases
+
+
+@pytest.mark.skipif(
+    not compat.is_transformers_v5(), reason="the README's table is the current stack's (FSDP2, fused experts)"
+)
+def test_readme_phase_table_is_the_planners_output(monkeypatch):
+    from moeflow import plan
+
+    # the closed form (the meta count of Qwen3-30B-A3B's experts takes ~40 s; tests/unit/test_plan.py checks
+    # that both agree, the largest tensor included)
+    monkeypatch.setattr(plan, "meta_count", lambda config, shape: None)
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("<!-- phase-table:start -->\n")[1].split("<!-- phase-table:end -->")[0]
+    assert table == scaleout.phase_table()
+
+
+def test_phase_table_rows_use_each_models_layout(monkeypatch):
+    from moeflow import plan
+
+    monkeypatch.setattr(plan, "meta_count", lambda config, shape: None)
+    rows = scaleout.phase_rows(nodes=(1, 8))
+    layouts = {(r["model"], r["method"]): r["job"].strategy for r in rows}
+    assert layouts == {
+        ("Qwen3-30B-A3B", "full"): "fsdp",
+        ("Qwen3-30B-A3B", "lora"): "none",
+        ("Step-3.5-Flash", "full"): "ep",
+        ("Step-3.5-Flash", "lora"): "none",
+    }
+    by = {(r["model"], r["method"], r["request"].nodes): r for r in rows}
+    qwen_one, qwen_eight = by[("Qwen3-30B-A3B", "full", 1)], by[("Qwen3-30B-A3B", "full", 8)]
+    assert qwen_one["job"].ranks_per_node == qwen_eight["job"].ranks_per_node == 8
+    assert qwen_eight["device_gib"]["checkpoint"] < qwen_one["device_gib"]["checkpoint"] / 6  # states over 64 GPUs
+    assert (
+        by[("Step-3.5-Flash", "full", 8)]["verdict"] == "fits"
+        and by[("Step-3.5-Flash", "full", 1)]["verdict"] == "does_not_fit"
+    )
+    # strategy none: every GPU holds the whole model, on one node or eight
+    lora_one, lora_eight = by[("Qwen3-30B-A3B", "lora", 1)], by[("Qwen3-30B-A3B", "lora", 8)]
+    assert lora_one["device_gib"] == lora_eight["device_gib"] and lora_one["device_gib"]["load"] > 80

@@ -57,6 +57,9 @@ rule train_model:
         job=torchrun_job(
             "train_model",
             settings=lambda wc: mfconfig.train_model_settings(RUNS[wc.run]),
+            # its own param: a change reruns train_model (Snakemake's params rule), but is no part of the
+            # checkpoints' key
+            export=lambda wc: mfconfig.export_settings(RUNS[wc.run]),
             runtime=lambda wc: runtime(wc.run),
             checkpoints=CHECKPOINTS,
         ),

@@ -1,4 +1,5 @@
-"""Stage plan_memory: will this run's training fit in memory? Counted from the model config alone."""
+"""Stage plan_memory: will every phase of this run's training (load, step, checkpoint, resume, export) fit in
+memory? Counted from the model config alone."""
 
 from moeflow import plan as planner
 from moeflow.files import read_json, write_json, write_text
@@ -9,7 +10,7 @@ stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
 env_report = read_json(snakemake.input.env)  # noqa: F821 (the measured device memory)
 plan = planner.plan(snakemake.params.settings, env_report)  # noqa: F821
 log.info("memory plan:\n%s", planner.summary(plan))
-planner.enforce(plan)  # does not fit: fails here with the numbers and what would make it fit
+planner.enforce(plan)  # a phase does not fit: fails here naming it, with the numbers and what would make it fit
 
 # No code hash: refactoring the planner must not change these bytes (and rerun training) unless the plan changes.
 plan["provenance"] = {k: v for k, v in stage.provenance().items() if k != "moeflow_code"}

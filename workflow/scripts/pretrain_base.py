@@ -1,5 +1,6 @@
 """Stage pretrain_base (embedded default only): train the small MoE from config on the base corpus's
-train split, and save it with save_pretrained plus its tokenizer, like any user's pretrained model.
+train split, and save it as save_pretrained would (moeflow.export, with the schema's export.max_shard_size:
+the embedded default is far smaller) plus its tokenizer, like any user's pretrained model.
 Started through torchrun by its rule (see workflow/rules/model.smk): one rank per GPU of the rule's
 resources, one CPU rank otherwise; every rank holds the whole model (parallel.strategy: none) and rank 0
 writes the output."""
@@ -8,9 +9,11 @@ import contextlib
 from pathlib import Path
 
 from moeflow import distributed as D
-from moeflow.config import PretrainStage
+from moeflow.config import ExportSettings, PretrainStage
+from moeflow.config import settings as typed_settings
+from moeflow.export import write_model_folder
 from moeflow.files import atomic_dir, write_json
-from moeflow.modeling import build_model, load_tokenizer, resolve_experts, write_model_folder
+from moeflow.modeling import build_model, load_tokenizer, resolve_experts
 from moeflow.shards import open_split
 from moeflow.stage import Stage, job_from_argv
 from moeflow.train import train_stage
@@ -40,7 +43,7 @@ with atomic_dir(snakemake.output.model) if ranks.is_main else contextlib.nullcon
         key_inputs=[snakemake.input.tokenizer, snakemake.input.data],
     )
     if trainer.rank == 0:
-        write_model_folder(model, tokenizer, out)
+        write_model_folder(model, tokenizer, out, typed_settings(ExportSettings, {}).max_shard_size)
         last = trainer.train_records()[-1]
         write_json(
             Path(out) / "training" / "summary.json",

@@ -1,6 +1,7 @@
 """Stage train_model: continue from the warmup checkpoint with cosine decay to train.steps, evaluating
-on the coverage validation set; save the final model (save_pretrained + tokenizer: loadable with
-AutoModelForCausalLM/AutoTokenizer.from_pretrained; LoRA adapters merged in), the adapter (a LoRA run's
+on the coverage validation set; save the final model (HF-sharded safetensors + tokenizer, streamed one tensor
+at a time by moeflow.export: loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained; LoRA adapters
+merged in), the adapter (a LoRA run's
 peft adapter, or a full run's method marker; moeflow.lora.save_adapter_output) and the run's TensorBoard
 logs and metrics.jsonl (warmup steps included). Started through torchrun by its rule: every rank runs
 this script, the layout is the config's ``parallel`` section (moeflow.distributed), rank 0 writes."""
@@ -8,10 +9,12 @@ this script, the layout is the config's ``parallel`` section (moeflow.distribute
 from pathlib import Path
 
 from moeflow import distributed as D
-from moeflow.config import TrainModelStage
+from moeflow.config import ExportSettings, TrainModelStage
+from moeflow.config import settings as typed_settings
+from moeflow.export import save_final_model
 from moeflow.files import write_json
 from moeflow.lora import save_adapter_output
-from moeflow.modeling import load_tokenizer, resolve_stage_experts, save_final_model
+from moeflow.modeling import load_tokenizer, resolve_stage_experts
 from moeflow.shards import open_split
 from moeflow.stage import Stage, job_from_argv
 from moeflow.train import train_stage
@@ -21,7 +24,9 @@ snakemake = job_from_argv(settings=TrainModelStage)
 stage = Stage.from_snakemake(snakemake)
 snakemake.settings = resolve_stage_experts(snakemake.settings, snakemake.input.experts)
 settings = snakemake.settings
-ranks, model = D.start_fine_tuning(snakemake, stage.precision)
+export = typed_settings(ExportSettings, snakemake.params.export)
+# the warmup checkpoint (start_from) replaces every weight: the base model's are not read (moeflow.distributed)
+ranks, model = D.start_fine_tuning(snakemake, stage.precision, weights=False)
 tokenizer = load_tokenizer(snakemake.input.model)
 trainer = train_stage(
     stage,
@@ -36,7 +41,6 @@ trainer = train_stage(
     start_from=snakemake.input.warmup,
     eval_rows=open_valset(snakemake.input.valset),
 )
-model = D.whole_model(trainer.model)  # a collective when sharded: the whole weights on rank 0, for saving
 if trainer.rank == 0:
     last = trainer.train_records()[-1]
     evals = [r for r in trainer.history if r["kind"] == "eval"]
@@ -51,7 +55,8 @@ if trainer.rank == 0:
             "provenance": stage.provenance(),
         },
     )
-    save_adapter_output(model, snakemake.output.adapter)  # before the merge, which consumes a LoRA wrapper
-    save_final_model(model, tokenizer, snakemake.output.model)
+    # before the merge, which consumes LoRA's wrapper
+    save_adapter_output(D.unwrap(trainer.model), snakemake.output.adapter)
+save_final_model(trainer.model, tokenizer, snakemake.output.model, export.max_shard_size)  # every rank
 trainer.remove_checkpoints()
 D.teardown()

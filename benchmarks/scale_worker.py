@@ -1,0 +1,300 @@
+"""One rank of benchmarks/scale.py (and tests/pipeline/test_phase_memory.py): the phases that move the whole
+training state, each measured on this rank.
+
+    python benchmarks/scale_worker.py build MODEL_DIR
+        the benchmark model (:data:`MODEL_CONFIG`, fp32, seed 0) saved HF-sharded into MODEL_DIR, once
+
+    python -m torch.distributed.run --standalone --nproc_per_node N benchmarks/scale_worker.py run \\
+        MODEL_DIR OUT_DIR --strategy fsdp|ep [--export-shard-size 200MB]
+        the phases in order on gloo ranks, one thread each; rank 0 writes OUT_DIR/phases.json
+
+The phases: ``load`` (``distributed.load_for_training`` of MODEL_DIR); ``step`` (a Trainer's second
+``train_step``, the steady state the planner plans: AdamW's moments, which the unmeasured first step creates,
+are alive through the backward pass); ``checkpoint`` (``Trainer.save``); ``resume`` (the first model and
+Trainer freed, then a fresh ``load_for_training``, Trainer and ``Trainer.load``; without reading the base
+weights where ``load_for_training`` takes ``weights=False``, as train_model does when a checkpoint replaces
+them); ``export`` (the final model: ``moeflow.export.save_final_model``, a collective, where the package has
+it; else the old design, ``distributed.whole_model`` then ``modeling.save_final_model`` on rank 0).
+
+Per phase and rank: the peak RSS of the phase (the kernel's high-water mark reset through
+``/proc/self/clear_refs`` before the phase, ``VmHWM`` read after it), the RSS at its start, its seconds
+(barrier to barrier: the slowest rank's) and the bytes this rank wrote (``write_bytes`` of ``/proc/self/io``).
+RSS measures what is live only if freed tensors go back to the kernel: the driver sets
+``MALLOC_MMAP_THRESHOLD_`` (see benchmarks/scale.py), recorded here.
+
+The worker uses only APIs that both the baseline commit and the new design have, so that the driver can
+measure both with the same file: it imports ``moeflow`` from PYTHONPATH (the driver puts the design's
+``src`` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+# Attention 16 x 64 (4 KV heads), 16 experts of width 384, top-2, every layer MoE, untied output layer (expert
+# parallelism refuses tied ones): 239M parameters, 67M of them the embedding and the output layer.
+MODEL_CONFIG = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 384,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 512,
+}
+VOCAB = 32_000
+SEQ_LEN, MICRO_BATCH = 64, 2  # 2 x 64 tokens a rank: the state, not the activations, sets the memory
+LOSS_CHUNK_TOKENS = 1024
+MODEL_SECTION = {
+    "config": MODEL_CONFIG,
+    "experts_implementation": "eager",  # what experts_implementation: auto picks on this CPU (benchmarks/real_shape.py)
+    "attn_implementation": "sdpa",
+    "loss_chunk_tokens": LOSS_CHUNK_TOKENS,
+}
+TRAIN = {
+    "steps": 2,
+    "lr": 1e-4,
+    "min_lr": 1e-5,
+    "warmup_steps": 0,
+    "micro_batch_size": MICRO_BATCH,
+    "grad_accum_steps": 1,
+    "gradient_checkpointing": False,
+}
+PHASES = ("load", "step", "checkpoint", "resume", "export")
+SAVE_SHARD_SIZE = "200MB"  # the saved model folder: HF-sharded, as a user's large model comes
+MIB = 2**20
+
+
+def model_section() -> dict:
+    return {**MODEL_SECTION, "config": {**MODEL_CONFIG, "vocab_size": VOCAB}}
+
+
+def train_settings():
+    from moeflow import config as mfconfig
+
+    return mfconfig.settings(mfconfig.TrainSettings, mfconfig.training(TRAIN))
+
+
+def parallel_settings(strategy: str, world: int):
+    from moeflow import config as mfconfig
+
+    section = {"strategy": strategy, "nproc_per_node": world} | ({"ep_size": world} if strategy == "ep" else {})
+    return mfconfig.settings(mfconfig.ParallelSettings, section)
+
+
+def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
+    """Packed rows in the data stage's format: two documents a row (positions restart, -100 at each start)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for r in range(n):
+        cut = SEQ_LEN // 2
+        ids = torch.randint(3, VOCAB, (SEQ_LEN,), generator=g).tolist()
+        labels = list(ids)
+        labels[0] = labels[cut] = -100
+        rows.append(
+            {
+                "input_ids": ids,
+                "labels": labels,
+                "position_ids": list(range(cut)) + list(range(SEQ_LEN - cut)),
+                "doc_ids": [2 * r] * cut + [2 * r + 1] * (SEQ_LEN - cut),
+            }
+        )
+    return rows
+
+
+class NoTokenizer:
+    """The export's tokenizer: the benchmark has none (nothing is downloaded) and measures the weights."""
+
+    def save_pretrained(self, folder) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _write_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    raise KeyError("write_bytes")
+
+
+def measure(barrier: Callable[[], None], phase: Callable[[], object]) -> tuple[object, dict]:
+    """Run ``phase`` between two barriers; its peak RSS, start RSS, seconds and bytes written on this rank."""
+    gc.collect()
+    barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    start_rss, written = _status_kib("VmRSS") * 1024, _write_bytes()
+    started = time.perf_counter()
+    result = phase()
+    barrier()
+    return result, {
+        "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+        "start_rss_bytes": start_rss,
+        "seconds": time.perf_counter() - started,
+        "write_bytes": _write_bytes() - written,
+    }
+
+
+# --------------------------------------------------------------------------- the phases
+
+
+def _load(model_dir: Path, parallel, ranks, weights: bool):
+    from moeflow import distributed as D
+
+    kwargs = {} if weights else {"weights": False}
+    return D.load_for_training(
+        model_dir, model_section(), train_settings(), parallel, ranks, precision="fp32", **kwargs
+    )
+
+
+def _reads_weights_optional() -> bool:
+    """Whether ``load_for_training`` can skip the base weights (the new design, for a checkpoint to fill)."""
+    from moeflow import distributed as D
+
+    return "weights" in inspect.signature(D.load_for_training).parameters
+
+
+def _trainer(model, world: int):
+    from moeflow.collate import collate
+    from moeflow.train import Trainer
+
+    return Trainer(model, train_settings(), synthetic_rows(MICRO_BATCH * world), collate_fn=collate, seed=0)
+
+
+def _first_step(model, world: int):
+    trainer = _trainer(model, world)
+    trainer.train_step()
+    return trainer
+
+
+def _resume(model_dir: Path, parallel, ranks, checkpoint: Path, weights: bool):
+    """A fresh model and Trainer continuing from ``checkpoint``."""
+    trainer = _trainer(_load(model_dir, parallel, ranks, weights), ranks.world_size)
+    trainer.load(checkpoint)
+    return trainer
+
+
+def new_design() -> bool:
+    """Whether the package streams the export from every rank (``moeflow.export``) rather than gathering the
+    whole model into rank 0 (``distributed.whole_model``, the baseline)."""
+    return importlib.util.find_spec("moeflow.export") is not None
+
+
+def _export(model, folder: Path, max_shard_size: str, rank: int) -> str:
+    """The final model, as the design's train_model.py writes it; which design it was."""
+    from moeflow import distributed as D
+
+    if new_design():
+        from moeflow.export import save_final_model
+
+        save_final_model(model, NoTokenizer(), folder, max_shard_size)
+        return "moeflow.export.save_final_model"
+    from moeflow.modeling import save_final_model as save_whole
+
+    whole = D.whole_model(model)  # a collective: the whole weights on rank 0
+    if rank == 0:
+        save_whole(whole, NoTokenizer(), folder)
+    del whole
+    return "distributed.whole_model + modeling.save_final_model"
+
+
+def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
+    torch.set_num_threads(1)
+    from moeflow import distributed as D
+
+    ranks = D.init("cpu")
+    parallel = D.check_ranks(parallel_settings(strategy, ranks.world_size), ranks)
+    world = ranks.world_size
+    numbers: dict[str, dict] = {}
+    model, numbers["load"] = measure(D.barrier, partial(_load, model_dir, parallel, ranks, weights=True))
+    trainer = _first_step(model, world)
+    _, numbers["step"] = measure(D.barrier, trainer.train_step)
+    checkpoint = out / "checkpoint" / "step-00000002"
+    _, numbers["checkpoint"] = measure(D.barrier, partial(trainer.save, checkpoint))
+    del trainer, model
+    skip_weights = _reads_weights_optional()
+    trainer, numbers["resume"] = measure(
+        D.barrier, partial(_resume, model_dir, parallel, ranks, checkpoint, weights=not skip_weights)
+    )
+    export_design, numbers["export"] = measure(
+        D.barrier, partial(_export, trainer.model, out / "model", max_shard_size, ranks.rank)
+    )
+    per_rank = D.gather_objects(numbers)
+    if ranks.is_main:
+        report = {
+            "world": world,
+            "strategy": strategy,
+            "design": "new" if new_design() else "old",
+            "export": export_design,
+            "resume_reads_base_weights": not skip_weights,
+            "threads_per_rank": torch.get_num_threads(),
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+            "export_max_shard_size": max_shard_size,
+            "parameters": json.loads((model_dir / "parameters.json").read_text())["parameters"],
+            "ranks": per_rank,
+        }
+        (out / "phases.json").write_text(json.dumps(report, indent=1))
+    D.teardown()
+
+
+def build(model_dir: Path) -> None:
+    """The benchmark model, saved once (HF-sharded) for every run on this stack."""
+    from moeflow.modeling import build_model
+
+    model = build_model(model_section(), VOCAB, seed=0)
+    # At the config's initializer_range (0.02) the attention's average over positions outweighs the embedding and
+    # the routers send most tokens to a few experts: an expert no token reaches has no gradient and, on
+    # transformers 4.57, no AdamW state. Unit-variance embeddings route every step's tokens to every expert.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    count = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(model_dir, safe_serialization=True, max_shard_size=SAVE_SHARD_SIZE)
+    (model_dir / "parameters.json").write_text(json.dumps({"parameters": count}))
+    print(f"benchmark model: {count / 1e6:.1f}M parameters in {model_dir}")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("model_dir", type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("model_dir", type=Path)
+    r.add_argument("out", type=Path)
+    r.add_argument("--strategy", choices=("fsdp", "ep"), default="fsdp")
+    r.add_argument("--export-shard-size", default="200MB")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        build(args.model_dir)
+    else:
+        run(args.model_dir, args.out, args.strategy, args.export_shard_size)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,210 @@
+"""Checkpoints in one process: the folder's files (safetensors plus JSON, no pickle), an exact round trip,
+atomic saves (a kill between the writes and the rename leaves the previous checkpoint whole), partial folders
+ignored and removed, and the refusals (a missing file, the old format, another model's checkpoint).
+Resharding over ranks and layouts: tests/pipeline/test_resharding.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tiny_models, tiny_training
+
+from tiny_models import tiny_model_cfg  # noqa: E402
+from tiny_training import VOCAB, losses, make_trainer, packed_rows, settings  # noqa: E402
+
+from moeflow import config as mfconfig  # noqa: E402
+from moeflow import distributed as D  # noqa: E402
+from moeflow.checkpoint import CheckpointError, latest_checkpoint, partial_folder, step_folder  # noqa: E402
+from moeflow.checkpoint_storage import ShardWriter  # noqa: E402
+from moeflow.collate import collate  # noqa: E402
+from moeflow.modeling import build_model  # noqa: E402
+from moeflow.safetensors_files import read_header  # noqa: E402
+from moeflow.stage import KILL_ENV  # noqa: E402
+from moeflow.train import Trainer  # noqa: E402
+
+
+def whole_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Weights and every optimizer tensor (both AdamW moments and the step) by name."""
+    weights, optim = D.full_state_dict(trainer.model, trainer.optimizer)
+    flat = {f"model/{k}": v for k, v in weights.items()}
+    flat.update({f"optimizer/{n}/{k}": v for n, s in optim["state"].items() for k, v in s.items()})
+    return flat
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_a_checkpoint_is_safetensors_and_json_only_and_loads_back_exactly(tmp_path):
+    trainer = make_trainer()
+    trainer.run(until=2)
+    trainer.save(tmp_path / "step-00000002", extra_json={"report.json": {"ok": True}})
+    folder = tmp_path / "step-00000002"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "dcp_metadata.json",
+        "report.json",
+        "rng.safetensors",
+        "shard-0.safetensors",
+        "timings.json",
+        "trainer_state.json",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]  # no partial folder left
+    entries, _ = read_header(folder / "shard-0.safetensors")
+    assert {n.split("/")[0] for n in entries} == {"model", "optimizer"}
+    # every parameter (frozen ones too) and both AdamW moments of every trained parameter
+    names = {n for n, _ in trainer.model.named_parameters()}
+    assert {n.removeprefix("model/") for n in entries if n.startswith("model/")} >= names
+    assert sum(n.endswith("/exp_avg_sq") for n in entries) == sum(p.requires_grad for p in trainer.model.parameters())
+
+    # other initial weights: everything must come from the checkpoint
+    resumed = Trainer(
+        build_model(tiny_model_cfg(), VOCAB, seed=1), settings(), packed_rows(), collate_fn=collate, seed=0
+    )
+    resumed.load(folder)
+    assert resumed.step == 2
+    assert_same_state(whole_state(resumed), whole_state(trainer))
+    trainer.run()
+    resumed.run()
+    assert losses(resumed) == losses(trainer)
+
+
+def test_dcp_values_that_are_not_tensors_are_refused_never_pickled(tmp_path):
+    with pytest.raises(
+        CheckpointException, match="NotATensor: checkpoint values that are not tensors would be pickled: step"
+    ):
+        dcp.save({"step": 3, "w": torch.zeros(2)}, storage_writer=ShardWriter(tmp_path / "c", rank=0))
+    assert not (tmp_path / "c" / "dcp_metadata.json").exists()
+
+
+def _kill_then_resume(folder: Path, until: int, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop(KILL_ENV, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), env.get("PYTHONPATH", "")])
+    if kill_at:
+        env[KILL_ENV] = kill_at
+    return subprocess.run(
+        [sys.executable, __file__, str(folder), str(until)], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    """Killed between the shard writes and the rename of step 4's checkpoint: step 2's is the newest, the
+    partial folder is ignored, and the resumed run gives the uninterrupted run's losses (then removes it)."""
+    checkpoints = tmp_path / "checkpoints"
+    first = _kill_then_resume(tmp_path, 3)  # saves step 2
+    assert first.returncode == 0, first.stderr
+    killed = _kill_then_resume(tmp_path, 6, kill_at="checkpoint.save")  # resumes at 2, killed saving step 4
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    partial = partial_folder(step_folder(checkpoints, 4))
+    assert (partial / "shard-0.safetensors").is_file() and (partial / "dcp_metadata.json").is_file()
+    assert sorted(p.name for p in checkpoints.iterdir()) == [partial.name, "step-00000002"]
+    assert latest_checkpoint(checkpoints) == step_folder(checkpoints, 2)
+
+    resumed = _kill_then_resume(tmp_path, 6)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 2" in resumed.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004"]  # the partial one removed
+    straight = make_trainer()
+    straight.run()
+    assert json.loads((tmp_path / "losses.json").read_text()) == [list(r) for r in losses(straight)]
+
+
+def test_a_checkpoint_missing_a_shard_file_is_refused(tmp_path):
+    trainer = make_trainer()
+    trainer.run(until=1)
+    trainer.save(tmp_path / "c")
+    (tmp_path / "c" / "shard-0.safetensors").unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        make_trainer().load(tmp_path / "c")
+    assert str(err.value) == (
+        f"checkpoint {tmp_path / 'c'} lacks shard-0.safetensors: moeflow reads checkpoints as safetensors plus "
+        "JSON only (pickle files are never loaded: unpickling can run code). Delete the folder to start the "
+        "stage afresh"
+    )
+
+
+def test_an_old_format_checkpoint_is_refused_naming_what_to_do(tmp_path):
+    old = tmp_path / "step-00000002"
+    old.mkdir()
+    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json"):
+        (old / name).write_bytes(b"{}")
+    with pytest.raises(CheckpointError) as err:
+        make_trainer().load(old)
+    assert str(err.value) == (
+        f"checkpoint {old} is in moeflow's old format (whole model.safetensors and optimizer.safetensors), "
+        "which this version no longer reads: delete the folder and rerun the stage that wrote it"
+    )
+
+
+def test_another_models_checkpoint_is_refused_naming_the_tensors(tmp_path):
+    trainer = make_trainer()
+    trainer.run(until=1)
+    trainer.save(tmp_path / "c")
+    wider = build_model(tiny_model_cfg(moe_intermediate_size=8), VOCAB, seed=0)
+    other = Trainer(wider, settings(), packed_rows(), collate_fn=collate, seed=0)
+    with pytest.raises(
+        CheckpointError, match=r"does not match this run's model and optimizer: .*experts.* is \["
+    ) as err:
+        other.load(tmp_path / "c")
+    assert str(err.value).startswith(f"checkpoint {tmp_path / 'c'} ")
+    assert str(err.value).endswith(
+        "It was saved by another model or settings: delete the folder to start the stage afresh"
+    )
+    deeper = build_model(tiny_model_cfg(num_hidden_layers=3), VOCAB, seed=0)
+    other = Trainer(deeper, settings(), packed_rows(), collate_fn=collate, seed=0)
+    with pytest.raises(CheckpointError, match=r"it lacks model/model\.layers\.2\."):
+        other.load(tmp_path / "c")
+
+
+def _main(folder: str, until: str) -> None:
+    """Train in this process until ``until`` with a checkpoint every 2 steps (the kill test)."""
+    torch.set_num_threads(1)
+    folder = Path(folder)
+    trainer = make_trainer(checkpoint_dir=folder / "checkpoints", train_settings=settings(checkpoint_every=2))
+    trainer.resume()
+    trainer.run(until=int(until))
+    (folder / "losses.json").write_text(json.dumps(losses(trainer)))
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    _main(*sys.argv[1:3])
+
+
+def _with_an_unused_parameter(model: torch.nn.Module) -> torch.nn.Module:
+    """A trainable parameter no forward pass uses: like an expert no token reached (transformers 4.57 runs
+    only the experts that got tokens), it never has a gradient, so AdamW never creates its state."""
+    model.register_parameter("never_routed", torch.nn.Parameter(torch.ones(3)))
+    return model
+
+
+def test_a_parameter_without_optimizer_state_resumes_as_the_uninterrupted_run(tmp_path):
+    def trainer(seed: int) -> Trainer:
+        model = _with_an_unused_parameter(build_model(tiny_model_cfg(), VOCAB, seed=seed))
+        return Trainer(model, settings(), packed_rows(), collate_fn=collate, seed=0)
+
+    straight = trainer(0)
+    straight.run(until=2)
+    assert straight.model.never_routed not in straight.optimizer.state
+    straight.save(tmp_path / "step-00000002")
+    resumed = trainer(1)
+    resumed.load(tmp_path / "step-00000002")
+    # a fresh optimizer's state is made for every parameter before loading: the unused one must not keep it
+    assert resumed.model.never_routed not in resumed.optimizer.state
+    assert_same_state(whole_state(resumed), whole_state(straight))
+    straight.run()
+    resumed.run()
+    assert losses(resumed) == losses(straight)

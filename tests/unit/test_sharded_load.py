@@ -1,0 +1,156 @@
+"""moeflow.sharded_load in one process: a model built on the meta device and filled from its folder's files
+equals ``from_pretrained``'s, a rank's rows come from the file tensors that hold them (transformers 5's
+fused experts from their per-expert file tensors), and a folder that does not fit is a clear error.
+The same on two ranks (FSDP shards): tests/pipeline/test_sharded_state.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model_cfg
+
+from moeflow import compat, sharded_load
+from moeflow import distributed as D
+from moeflow.config import ParallelSettings, TrainSettings, training
+from moeflow.config import settings as typed_settings
+from moeflow.modeling import build_model, check_model_folder, load_model
+from moeflow.safetensors_files import SafetensorsError, read_header, weight_files
+
+VOCAB = 96
+ONE_RANK = D.Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def saved(tmp_path, tied=True, **save):
+    folder = tmp_path / f"model-{tied}-{len(save)}"
+    build_model(tiny_model_cfg(tie_word_embeddings=tied), VOCAB, seed=3).save_pretrained(folder, **save)
+    return folder
+
+
+def filled(folder):
+    model = sharded_load.build_on_meta(folder, tiny_model_cfg())
+    names_of = sharded_load.tied_names(model)
+    model = sharded_load.materialize(model, torch.device("cpu"))
+    sharded_load.fill_from_folder(model, folder, names_of)
+    return model
+
+
+def assert_same_state(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    got_state, want_state = got.state_dict(), want.state_dict()
+    assert sorted(got_state) == sorted(want_state)
+    for name, value in want_state.items():
+        assert torch.equal(got_state[name], value), name
+    assert {n: b for n, b in got.named_buffers()}.keys() == {n: b for n, b in want.named_buffers()}.keys()
+    for (name, b), (_, w) in zip(got.named_buffers(), want.named_buffers()):
+        assert torch.equal(b, w), name
+
+
+def test_built_on_meta_holds_no_parameter_memory_but_real_buffers(tmp_path):
+    folder = saved(tmp_path)
+    model = sharded_load.build_on_meta(folder, tiny_model_cfg())
+    assert all(p.is_meta for p in model.parameters())
+    whole = load_model(folder, tiny_model_cfg())
+    buffers = dict(whole.named_buffers())
+    assert buffers and all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())  # rotary inv_freq
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.training and model.generation_config.to_dict() == whole.generation_config.to_dict()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("files", ["one", "hf-sharded"])
+def test_filled_from_the_files_equals_from_pretrained(tmp_path, tied, files):
+    folder = saved(tmp_path, tied, **({"max_shard_size": "20KB"} if files == "hf-sharded" else {}))
+    assert (folder / "model.safetensors.index.json").is_file() == (files == "hf-sharded")
+    assert check_model_folder(folder) == folder
+    model = filled(folder)
+    assert_same_state(model, load_model(folder, tiny_model_cfg()))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_a_rank_reads_only_the_file_tensors_of_its_rows(tmp_path, monkeypatch):
+    """The rows a shard owns, filled through ``_fill_piece`` as for an FSDP shard: each parameter's rows 1..2
+    equal the whole tensor's, and only the file tensors overlapping those rows are read (transformers 5:
+    experts 1 and 2 of a fused expert weight, from their per-expert file tensors)."""
+    folder = saved(tmp_path, tied=False)
+    whole = load_model(folder, tiny_model_cfg())
+    files = weight_files(folder)
+    headers = {f: read_header(f)[0] for f in set(files.values())}
+    reads = []
+    read_tensor = sharded_load.read_tensor
+
+    def recording(file, entry, rows=None, out=None):
+        reads.append((entry.name, rows))
+        return read_tensor(file, entry, rows, out)
+
+    monkeypatch.setattr(sharded_load, "read_tensor", recording)
+    fused = 0
+    for name, param in whole.named_parameters():
+        if param.dim() < 2 or param.shape[0] < 3:
+            continue
+        stored = name if name in files else None
+        sources = {stored: None} if stored else sharded_load.file_sources(whole, name, tuple(param.shape))
+        local = torch.full((2, *param.shape[1:]), float("nan"))
+        reads.clear()
+        sharded_load._fill_piece(folder, files, headers, name, tuple(param.shape), sources, local, 1)
+        assert torch.equal(local, param.detach()[1:3]), name
+        if stored is None:  # a fused weight: the file tensors of experts 1 and 2 only
+            fused += 1
+            assert reads and all(".experts.1." in r or ".experts.2." in r for r, _ in reads), reads
+        else:  # the rows themselves, nothing more
+            assert reads == [(name, range(1, 3))], reads
+    assert fused == (4 if compat.is_transformers_v5() else 0)  # gate_up_proj and down_proj of 2 layers
+
+
+def _write_without(folder, out, drop=None, reshape=None):
+    """A copy of a one-file model folder without tensor ``drop`` or with ``reshape`` given another shape."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    if drop:
+        del state[drop]
+    if reshape:
+        state[reshape] = state[reshape][:-1].contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_folder_that_does_not_fit_is_an_error_naming_the_file_and_tensor(tmp_path):
+    folder = saved(tmp_path, tied=False)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with pytest.raises(SafetensorsError, match=rf"{name}.*none of its"):
+        filled(_write_without(folder, tmp_path / "missing", drop=name))
+    with pytest.raises(SafetensorsError, match=rf"model.safetensors: tensor '{name}' has shape \[31, 32\].*\[32, 32\]"):
+        filled(_write_without(folder, tmp_path / "shape", reshape=name))
+    sharded = saved(tmp_path, tied=False, max_shard_size="20KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = "model-00099-of-00099.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(SafetensorsError, match="model-00099-of-00099.safetensors"):
+        filled(sharded)
+
+
+def _train(method: str) -> TrainSettings:
+    section = {"steps": 1, "lr": 1e-3, "method": method} | ({"lora": {"rank": 2}} if method == "lora" else {})
+    return typed_settings(TrainSettings, training(section))
+
+
+def test_without_weights_a_full_model_reads_none_and_lora_loads_the_base(tmp_path, monkeypatch):
+    folder = saved(tmp_path)
+    layout = typed_settings(ParallelSettings, {})
+    whole = load_model(folder, tiny_model_cfg())
+    monkeypatch.setattr(sharded_load, "fill_from_folder", lambda *a: pytest.fail("read the weights"))
+    model = D.load_for_training(
+        folder, tiny_model_cfg(), _train("full"), layout, ONE_RANK, precision="fp32", weights=False
+    )
+    assert not any(p.is_meta for p in model.parameters())
+    assert sorted(model.state_dict()) == sorted(whole.state_dict())
+    assert torch.equal(model.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq)
+    lora_model = D.load_for_training(
+        folder, tiny_model_cfg(), _train("lora"), layout, ONE_RANK, precision="fp32", weights=False
+    )
+    merged = lora_model.merge_and_unload().state_dict()  # fresh adapters (B = 0) merge to the base weights
+    assert sorted(merged) == sorted(whole.state_dict())
+    assert all(torch.equal(merged[k], v) for k, v in whole.state_dict().items())
