@@ -33,6 +33,7 @@ from . import distributed as D
 from .checkpoint_storage import METADATA_FILE, ShardReader, ShardWriter
 from .config import stable_hash
 from .files import disk_full_error, fsync_dir, read_json, write_json
+from .parameters import clean_name
 from .safetensors_files import SafetensorsWriter, read_header, read_tensor
 from .stage import code_version, kill_point
 
@@ -299,7 +300,7 @@ def _never_stepped(optim_state: Mapping[str, Any], saved: Mapping[str, Any]) -> 
 
 def _drop_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: set[str]) -> None:
     for name, param in D.unwrap(model).named_parameters():
-        if D.clean_name(name) in names:
+        if clean_name(name) in names:
             optimizer.state.pop(param, None)
 
 

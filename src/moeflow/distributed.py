@@ -51,6 +51,7 @@ from .hardware import compute_device
 from .lora import prepare_model
 from .modeling import _impl_kwargs, check_model_folder, check_vocabulary, model_section, with_chunked_loss
 from .modeling import load_model as load_whole_model
+from .parameters import clean_name
 from .sharded_load import (
     build_on_meta,
     fill_from_folder,
@@ -574,11 +575,6 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 p.grad.full_tensor().detach().clone() if _is_dtensor(p.grad) else p.grad.detach().clone()
             )
     return out
-
-
-def clean_name(name: str) -> str:
-    """A parameter's name without the FSDP1 and activation-checkpointing wrappers' prefixes."""
-    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from .distributed import barrier, clean_name, is_fsdp1, original_shape, rank, unwrap
+from .distributed import barrier, is_fsdp1, original_shape, rank, unwrap
 from .files import atomic_dir
 from .lora import is_lora_model, merge_adapters
+from .parameters import clean_name
 from .safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsWriter, tensor_nbytes
 from .saved_names import saved_format
 

@@ -95,3 +95,9 @@ def layer_index(name: str) -> int | None:
     """The decoder layer a parameter belongs to (None outside the layers)."""
     match = _LAYER.search(name)
     return int(match.group(1)) if match else None
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name as the model names it, without the FSDP1 and activation-checkpointing wrappers'
+    prefixes."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")

@@ -7,9 +7,9 @@ reads every tensor of a file; a rank that owns a slice of a tensor needs neither
 
 * :class:`SafetensorsWriter` writes the header from a layout given in advance (names, dtypes, shapes),
   then each tensor's bytes as it arrives (from the device one tensor at a time);
-* :func:`read_header` / :func:`read_tensor` read the header, then a tensor or a range of its dim-0 rows
-  with ``os.pread`` straight into the destination's memory (no mmap: the pages a rank touches would
-  count against it while the file stays open);
+* :func:`read_header` / :func:`read_tensor` / :func:`read_elements` read the header, then a tensor, a range
+  of its dim-0 rows or of its flattened elements with ``os.pread`` straight into the destination's memory
+  (no mmap: the pages a rank touches would count against it while the file stays open);
 * :func:`weight_files` maps every tensor of a model folder (one ``model.safetensors``, or an HF index
   ``model.safetensors.index.json`` with its files) to the file holding it.
 
@@ -131,10 +131,30 @@ def read_tensor(
             f"{path}: tensor {entry.name!r} rows {rows.start}:{rows.stop} are {entry.dtype} {list(shape)}, "
             f"but the destination is {out.dtype} {list(out.shape)}"
         )
+    return _read_bytes_into(path, entry, entry.start + rows.start * entry.row_bytes, shape, out)
+
+
+def read_elements(path: str | os.PathLike, entry: TensorEntry, start: int, stop: int, out: torch.Tensor) -> None:
+    """Elements ``start:stop`` of ``entry``'s flattened tensor into the 1-D ``out`` (FSDP1's flat shards
+    hold such ranges of the parameters, which need not start on a row)."""
+    numel = math.prod(entry.shape)
+    if not 0 <= start <= stop <= numel or out.dtype != entry.dtype or tuple(out.shape) != (stop - start,):
+        raise SafetensorsError(
+            f"{path}: elements {start}:{stop} of tensor {entry.name!r} ({entry.dtype}, {numel} elements) "
+            f"into a destination of {out.dtype} {list(out.shape)}"
+        )
+    itemsize = torch.empty((), dtype=entry.dtype).element_size()
+    _read_bytes_into(path, entry, entry.start + start * itemsize, (stop - start,), out)
+
+
+def _read_bytes_into(
+    path: str | os.PathLike, entry: TensorEntry, offset: int, shape: tuple[int, ...], out: torch.Tensor | None
+) -> torch.Tensor:
+    """The bytes at ``offset`` of a tensor of ``shape`` (``entry``'s dtype), straight into ``out`` when it is a
+    contiguous CPU tensor, else through one buffer."""
     target = out if out is not None and out.device.type == "cpu" and out.is_contiguous() else None
     buffer = target if target is not None else torch.empty(shape, dtype=entry.dtype)
     view = _byte_view(buffer)
-    offset = entry.start + rows.start * entry.row_bytes
     fd = os.open(path, os.O_RDONLY)
     try:
         done = 0

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from .modeling import _impl_kwargs, check_model_folder, model_section, with_chunked_loss
-from .safetensors_files import SafetensorsError, read_header, read_tensor, weight_files
+from .parameters import clean_name
+from .safetensors_files import SafetensorsError, read_elements, read_header, read_tensor, weight_files
 from .saved_names import saved_format
 
 META = torch.device("meta")
@@ -159,6 +160,9 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
     folder = Path(path)
     files = weight_files(folder)
     headers = {file: read_header(file)[0] for file in sorted(set(files.values()))}
+    if hasattr(model, "_fsdp_wrapped_module"):
+        _fill_fsdp1(model, folder, files, headers, names_of)
+        return
     state = get_model_state_dict(model)
     inner = model.module if hasattr(model, "_fsdp_wrapped_module") else model
     with torch.no_grad():
@@ -175,6 +179,56 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
                 if local.numel():
                     _fill_piece(folder, files, headers, name, shape, sources, local, offset[0] if offset else 0)
     set_model_state_dict(model, state)
+
+
+def _stored_entry(folder: Path, files, headers, name: str, names_of: Mapping[str, list[str]], shape):
+    """The file and entry holding the model's tensor ``name`` (under any of its tied names), checked."""
+    stored = next((n for n in names_of.get(name, [name]) if n in files), None)
+    if stored is None:
+        raise SafetensorsError(f"{folder}: the model's tensor {name!r} is in none of its weight files")
+    file = files[stored]
+    entry = headers[file].get(stored)
+    if entry is None:
+        raise SafetensorsError(f"{file}: the index maps tensor {stored!r} to this file, which does not hold it")
+    if entry.shape != tuple(shape):
+        raise SafetensorsError(
+            f"{file}: tensor {stored!r} has shape {list(entry.shape)}, the model's {name!r} needs {list(shape)}"
+        )
+    return file, entry
+
+
+def _fill_fsdp1(model: torch.nn.Module, folder: Path, files, headers, names_of: Mapping[str, list[str]]) -> None:
+    """FSDP1 (torch 2.3): each unit's flat shard holds, per original parameter, a range of its flattened
+    elements (``_shard_param_infos``); read exactly those ranges from the files into the shard, and the
+    unsharded buffers whole. Nothing is gathered: FSDP1's sharded state dict would unshard every unit and
+    copy each rank's rows out of it (a second copy of the rank's weights)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with torch.no_grad():
+        for prefix, unit in model.named_modules():
+            if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+                continue
+            flat = unit._handle.flat_param
+            base = clean_name(prefix)
+            for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
+                if not info.in_shard or not info.numel_in_shard:
+                    continue
+                name = clean_name(f"{base}.{fqn}" if base else fqn)
+                file, entry = _stored_entry(folder, files, headers, name, names_of, tuple(shape))
+                out = flat.data[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                if entry.dtype == out.dtype:
+                    read_elements(file, entry, info.intra_param_start_idx, info.intra_param_end_idx + 1, out)
+                else:
+                    whole = read_tensor(file, entry).reshape(-1)
+                    out.copy_(whole[info.intra_param_start_idx : info.intra_param_end_idx + 1])
+        inner = model.module
+        for name, buffer in inner.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            module = inner.get_submodule(owner) if owner else inner
+            if leaf in module._non_persistent_buffers_set:
+                continue
+            file, entry = _stored_entry(folder, files, headers, clean_name(name), names_of, tuple(buffer.shape))
+            _read_rows(file, entry, range(entry.shape[0]) if entry.shape else range(1), buffer)
 
 
 def _fill_piece(folder, files, headers, name, shape, sources, local: torch.Tensor, first_row: int) -> None:

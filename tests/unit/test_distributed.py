@@ -23,6 +23,7 @@ from tiny_models import tiny_model_cfg
 from moeflow import compat, distributed
 from moeflow import config as mfconfig
 from moeflow.config import REPO_ROOT
+from moeflow.parameters import clean_name
 from moeflow.scaleout import torchrun_command
 
 MODEL = tiny_model_cfg(tie_word_embeddings=False)
@@ -296,9 +297,7 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         if ranks.is_main:
             save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out) / "grads.safetensors"))
             save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(out) / "weights.safetensors"))
-            shapes = {
-                distributed.clean_name(n): list(distributed.original_shape(p)) for n, p in model.named_parameters()
-            }
+            shapes = {clean_name(n): list(distributed.original_shape(p)) for n, p in model.named_parameters()}
             report = {
                 "label_tokens": step.num_label_tokens,
                 "sharded": distributed.is_sharded(model),
