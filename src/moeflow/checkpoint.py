@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import distributed as D
 from .checkpoint_storage import METADATA_FILE, ShardReader, ShardWriter
 from .config import stable_hash
-from .files import disk_full_error, fsync_dir, read_json, write_json
+from .files import disk_full_error, read_json, replace_dir, write_json
 from .parameters import clean_name
 from .safetensors_files import SafetensorsWriter, read_header, read_tensor
 from .stage import code_version, kill_point
@@ -175,20 +175,6 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {name: read_tensor(path, entry) for name, entry in entries.items()}
 
 
-def _replace(partial: Path, path: Path) -> None:
-    """Rename the complete ``partial`` folder to ``path`` (replacing an older one of that name)."""
-    fsync_dir(partial)
-    if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(partial, path)
-    fsync_dir(path.parent)
-
-
 def save_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
@@ -225,7 +211,7 @@ def save_checkpoint(
                 for name, obj in (extra_json or {}).items():
                     write_json(partial / name, obj)
                 kill_point("checkpoint.save")
-                _replace(partial, path)
+                replace_dir(partial, path)
     except Exception as exc:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)

@@ -142,6 +142,20 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.load(fh)
 
 
+def replace_dir(complete: Path, path: Path) -> None:
+    """Put the finished folder ``complete`` at ``path`` (replacing an older one there), synced to disk."""
+    fsync_dir(complete)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(complete, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(complete, path)
+    fsync_dir(path.parent)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``path``; on success it replaces ``path`` in one rename.
@@ -157,16 +171,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         _default_mode(tmp, is_dir=True)
-        fsync_dir(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        fsync_dir(path.parent)
+        replace_dir(tmp, path)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         full = disk_full_error(exc, path)

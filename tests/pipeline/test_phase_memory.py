@@ -1,6 +1,6 @@
 """Measured peak RSS per phase and rank against the memory planner, on the benchmark model (issue #16).
 
-benchmarks/scale_worker.py runs the phases that move the whole training state (load, one step, checkpoint,
+benchmarks/scale_worker.py runs the phases that move the whole training state (load, a step, checkpoint,
 resume, export) under torchrun at 1, 2 and 4 gloo ranks with ``parallel.strategy: fsdp`` on its 238M-parameter
 qwen3_moe (fp32, AdamW, 2 x 64 tokens a rank), measuring each phase's peak RSS on every rank (the kernel's
 high-water mark, reset before the phase). For every phase and rank the measurement is within 30% of
