@@ -620,6 +620,20 @@ def _cpu_safe_fsdp1() -> Iterator[None]:
         torch.cuda.synchronize = synchronize
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered parameters. FSDP2 keeps the root unit gathered after a forward pass
+    (the backward pass needs it at once): after a forward without backward (evaluation) the model's
+    registered parameters are the gathered ones, which the optimizer does not know, and a state dict of them
+    would be whole tensors. A no-op for other layouts."""
+    if not fsdp2_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def sharded_state_dict(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -632,6 +646,7 @@ def sharded_state_dict(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     options = _state_dict_options(full_state_dict=False)
+    reshard(model)
     with _cpu_safe_fsdp1():
         optim_state = get_optimizer_state_dict(model, optimizer, options=options)
         model_state = get_model_state_dict(model, options=options)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .distributed import barrier, is_fsdp1, original_shape, rank, unwrap
+from .distributed import barrier, is_fsdp1, original_shape, rank, reshard, unwrap
 from .files import atomic_dir
 from .lora import is_lora_model, merge_adapters
 from .parameters import clean_name
@@ -239,6 +239,7 @@ def save_final_model(model: Any, tokenizer: Any, folder: str | os.PathLike, max_
     (a LoRA model's merged base model: merging consumes the peft wrapper)."""
     if is_lora_model(model):
         model = merge_adapters(model)
+    reshard(model)  # the parameters as their shards, also after a last evaluation's forward
     with atomic_dir(folder) if rank() == 0 else contextlib.nullcontext() as out:
         write_model_folder(model, tokenizer, out, max_shard_size)
     barrier()  # the folder is in place before any rank goes on

@@ -308,6 +308,7 @@ class Trainer:
         s = self.settings
         shard = batches(self.eval_rows, s.micro_batch_size, attn, s.eval_max_sequences, self.rank, self.world)
         stats = evaluate_batches(self.model, shard, self.adapter, self.precision)
+        D.reshard(self.model)  # FSDP2 keeps the root unit gathered after a forward without backward
         self.model.train()
         return sum_stats(D.gather_objects(stats))
 

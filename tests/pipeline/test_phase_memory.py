@@ -27,13 +27,12 @@ from benchmarks.scale import PHASES, WORKER, run_worker  # noqa: E402
 from moeflow import config, plan  # noqa: E402
 from moeflow.distributed import fsdp2_available  # noqa: E402
 
-# The pinned stack's FSDP1 (torch 2.3.1) does not meet the plan: measured / planned 1.7x (sharded load), 1.8x
-# (checkpoint save), 1.9x (resume) and 1.35x (export) at 2 and 4 ranks (docs/benchmarks.md#memory-per-phase-and-rank):
-# its sharded state dict materialises a unit's flat parameter and copies a rank's local state once more.
-# FSDP2 (current stack) is the layout the plan describes; this test holds it to the plan.
+# The pinned stack's FSDP1 (torch 2.3.1) does not meet the plan in its checkpoint and resume phases (1.8-1.9x at 2
+# and 4 ranks, docs/benchmarks.md#memory-per-phase-and-rank): its sharded state dict copies a rank's weights and
+# moments out of the flat shards. FSDP2 (current stack) is the layout the plan describes; this test holds it to it.
 pytestmark = pytest.mark.skipif(
     not fsdp2_available(),
-    reason="FSDP1 (torch 2.3.1) exceeds the per-phase plan by 1.35-1.9x at 2-4 ranks: known, not yet fixed",
+    reason="FSDP1 (torch 2.3.1): checkpoint and resume exceed the per-phase plan at 2-4 ranks (known, not fixed)",
 )
 
 WORLDS = (1, 2, 4)
