@@ -3,12 +3,18 @@ fault and security tests share."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from tiny_models import tiny_model_cfg
 
 from moeflow import config as mfconfig
 from moeflow.collate import collate
 from moeflow.modeling import build_model
+from moeflow.stage import KILL_ENV
 from moeflow.train import Trainer
 
 VOCAB = 97
@@ -58,3 +64,18 @@ def make_trainer(tmp=None, seed=0, **kwargs):
 
 def losses(trainer):
     return [(r["step"], r["loss"], r["ce"], r["grad_norm"]) for r in trainer.train_records()]
+
+
+def run_training_script(
+    script: str | os.PathLike, folder: Path, steps: int, kill_at: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run a test file as a training script (``script folder steps``) in a fresh interpreter, SIGKILLed at the
+    kill point ``kill_at`` if given (moeflow.stage.kill_point)."""
+    env = dict(os.environ)
+    env.pop(KILL_ENV, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), env.get("PYTHONPATH", "")])
+    if kill_at:
+        env[KILL_ENV] = kill_at
+    return subprocess.run(
+        [sys.executable, str(script), str(folder), str(steps)], env=env, capture_output=True, text=True, timeout=300
+    )

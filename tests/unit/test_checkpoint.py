@@ -6,9 +6,7 @@ Resharding over ranks and layouts: tests/pipeline/test_resharding.py."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,16 +18,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tiny_models, tiny_training
 
 from tiny_models import tiny_model_cfg  # noqa: E402
-from tiny_training import VOCAB, losses, make_trainer, packed_rows, settings  # noqa: E402
+from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training_script, settings  # noqa: E402
 
-from moeflow import config as mfconfig  # noqa: E402
 from moeflow import distributed as D  # noqa: E402
 from moeflow.checkpoint import CheckpointError, latest_checkpoint, partial_folder, step_folder  # noqa: E402
 from moeflow.checkpoint_storage import ShardWriter  # noqa: E402
 from moeflow.collate import collate  # noqa: E402
 from moeflow.modeling import build_model  # noqa: E402
 from moeflow.safetensors_files import read_header  # noqa: E402
-from moeflow.stage import KILL_ENV  # noqa: E402
 from moeflow.train import Trainer  # noqa: E402
 
 
@@ -87,31 +83,20 @@ def test_dcp_values_that_are_not_tensors_are_refused_never_pickled(tmp_path):
     assert not (tmp_path / "c" / "dcp_metadata.json").exists()
 
 
-def _kill_then_resume(folder: Path, until: int, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop(KILL_ENV, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), env.get("PYTHONPATH", "")])
-    if kill_at:
-        env[KILL_ENV] = kill_at
-    return subprocess.run(
-        [sys.executable, __file__, str(folder), str(until)], env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path):
     """Killed between the shard writes and the rename of step 4's checkpoint: step 2's is the newest, the
     partial folder is ignored, and the resumed run gives the uninterrupted run's losses (then removes it)."""
     checkpoints = tmp_path / "checkpoints"
-    first = _kill_then_resume(tmp_path, 3)  # saves step 2
+    first = run_training_script(__file__, tmp_path, 3)  # saves step 2
     assert first.returncode == 0, first.stderr
-    killed = _kill_then_resume(tmp_path, 6, kill_at="checkpoint.save")  # resumes at 2, killed saving step 4
+    killed = run_training_script(__file__, tmp_path, 6, kill_at="checkpoint.save")  # resumes at 2, killed saving step 4
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     partial = partial_folder(step_folder(checkpoints, 4))
     assert (partial / "shard-0.safetensors").is_file() and (partial / "dcp_metadata.json").is_file()
     assert sorted(p.name for p in checkpoints.iterdir()) == [partial.name, "step-00000002"]
     assert latest_checkpoint(checkpoints) == step_folder(checkpoints, 2)
 
-    resumed = _kill_then_resume(tmp_path, 6)
+    resumed = run_training_script(__file__, tmp_path, 6)
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 2" in resumed.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004"]  # the partial one removed

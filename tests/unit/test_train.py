@@ -8,9 +8,7 @@ kill/resume test uses that with ``MOEFLOW_KILL_AT`` to die with SIGKILL at a cho
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,14 +18,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tiny_models, tiny_training
 
 from tiny_models import tiny_dense_cfg, tiny_model_cfg  # noqa: E402
-from tiny_training import VOCAB, losses, make_trainer, packed_rows, settings  # noqa: E402
+from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training_script, settings  # noqa: E402
 
 from moeflow import config as mfconfig
 from moeflow.checkpoint import latest_checkpoint
 from moeflow.collate import collate
 from moeflow.modeling import build_model
 from moeflow.optim import lr_factor, param_groups
-from moeflow.stage import KILL_ENV, job_from_argv
+from moeflow.stage import job_from_argv
 from moeflow.train import Trainer
 
 # --------------------------------------------------------------------------- settings
@@ -125,25 +123,14 @@ def test_warmup_then_train_equals_one_uninterrupted_run(tmp_path):
     assert len(losses(whole)) == 6
 
 
-def _train_in_subprocess(folder: Path, steps: int, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop(KILL_ENV, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), env.get("PYTHONPATH", "")])
-    if kill_at:
-        env[KILL_ENV] = kill_at
-    return subprocess.run(
-        [sys.executable, __file__, str(folder), str(steps)], env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_kill_minus_nine_then_resume_gives_the_same_final_loss(tmp_path):
-    killed = _train_in_subprocess(tmp_path / "resumed", 6, kill_at="train.step5")
+    killed = run_training_script(__file__, tmp_path / "resumed", 6, kill_at="train.step5")
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert latest_checkpoint(tmp_path / "resumed" / "checkpoints").name == "step-00000004"
-    resumed = _train_in_subprocess(tmp_path / "resumed", 6)
+    resumed = run_training_script(__file__, tmp_path / "resumed", 6)
     assert resumed.returncode == 0, resumed.stderr
     assert "continuing from" in resumed.stderr and "at step 4" in resumed.stderr
-    straight = _train_in_subprocess(tmp_path / "straight", 6)
+    straight = run_training_script(__file__, tmp_path / "straight", 6)
     assert straight.returncode == 0, straight.stderr
     result = [json.loads(line) for line in (tmp_path / "resumed" / "logs" / "metrics.jsonl").read_text().splitlines()]
     reference = [
