@@ -41,6 +41,7 @@ sys.path[:0] = [str(REPO / "src"), str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
+from benchmarks.synthetic_rows import two_document_rows  # noqa: E402
 from benchmarks.train import LR, step_intervals, warm_up  # noqa: E402
 from moeflow import compat  # noqa: E402
 from moeflow import config as mfconfig  # noqa: E402
@@ -95,26 +96,6 @@ def slice_model_cfg(layers: int, dry: bool) -> dict:
     """The model section of the Qwen3-30B-A3B config with ``layers`` decoder layers (tiny sizes if dry)."""
     slice_config = {"num_hidden_layers": layers, **(TINY_SLICE if dry else {})}
     return mfconfig.load(SLICE_CONFIG, overrides={"model": {"config": slice_config}})["model"]
-
-
-def synthetic_rows(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
-    """Packed rows in the data stage's format, two documents each (positions restart, -100 at starts)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for r in range(n):
-        cut = int(torch.randint(seq_len // 4, 3 * seq_len // 4, (1,), generator=g))
-        ids = torch.randint(3, vocab, (seq_len,), generator=g).tolist()
-        labels = list(ids)
-        labels[0] = labels[cut] = -100
-        rows.append(
-            {
-                "input_ids": ids,
-                "labels": labels,
-                "position_ids": list(range(cut)) + list(range(seq_len - cut)),
-                "doc_ids": [2 * r] * cut + [2 * r + 1] * (seq_len - cut),
-            }
-        )
-    return rows
 
 
 def peak_flops_per_s(device: torch.device) -> tuple[float | None, str]:
@@ -283,7 +264,7 @@ def main() -> None:
     print(f"experts implementation: {experts['chosen']} ({experts['reason']})", flush=True)
     model_cfg = {**model_cfg, "experts_implementation": experts["chosen"]}
     vocab = int(model_cfg["config"]["vocab_size"])
-    rows = synthetic_rows(shape.micro_batch_size * (shape.steps + 1), shape.seq_len, vocab)
+    rows = two_document_rows(shape.micro_batch_size * (shape.steps + 1), shape.seq_len, vocab)
     peak, peak_source = peak_flops_per_s(device)
     setups = {}
     for setup in SETUPS:

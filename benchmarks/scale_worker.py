@@ -43,6 +43,10 @@ from pathlib import Path
 
 import torch
 
+# benchmarks.synthetic_rows: torch only, so it leaves the moeflow on PYTHONPATH (this tree's or the baseline's) alone
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.synthetic_rows import two_document_rows  # noqa: E402
+
 # Attention 16 x 64 (4 KV heads), 16 experts of width 384, top-2, every layer MoE, untied output layer (expert
 # parallelism refuses tied ones): 239M parameters, 67M of them the embedding and the output layer.
 MODEL_CONFIG = {
@@ -98,26 +102,6 @@ def parallel_settings(strategy: str, world: int):
 
     section = {"strategy": strategy, "nproc_per_node": world} | ({"ep_size": world} if strategy == "ep" else {})
     return mfconfig.settings(mfconfig.ParallelSettings, section)
-
-
-def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
-    """Packed rows in the data stage's format: two documents a row (positions restart, -100 at each start)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for r in range(n):
-        cut = SEQ_LEN // 2
-        ids = torch.randint(3, VOCAB, (SEQ_LEN,), generator=g).tolist()
-        labels = list(ids)
-        labels[0] = labels[cut] = -100
-        rows.append(
-            {
-                "input_ids": ids,
-                "labels": labels,
-                "position_ids": list(range(cut)) + list(range(SEQ_LEN - cut)),
-                "doc_ids": [2 * r] * cut + [2 * r + 1] * (SEQ_LEN - cut),
-            }
-        )
-    return rows
 
 
 class NoTokenizer:
@@ -184,7 +168,13 @@ def _trainer(model, world: int):
     from moeflow.collate import collate
     from moeflow.train import Trainer
 
-    return Trainer(model, train_settings(), synthetic_rows(MICRO_BATCH * world), collate_fn=collate, seed=0)
+    return Trainer(
+        model,
+        train_settings(),
+        two_document_rows(MICRO_BATCH * world, SEQ_LEN, VOCAB, cut=SEQ_LEN // 2),
+        collate_fn=collate,
+        seed=0,
+    )
 
 
 def _first_step(model, world: int):
