@@ -298,10 +298,12 @@ def load_for_training(
     (:func:`shard_model`, in ``precision``: before the optimizer is built). LoRA runs on several ranks
     with ``parallel.strategy: none`` only.
 
-    ``fsdp`` on several ranks: built with parameters on the meta device, sharded, and each rank's shards
-    read from the folder's safetensors files (``moeflow.sharded_load``): no rank holds the whole model.
-    ``none``, one rank, ``ep``: :func:`load_model`. ``weights=False`` (the caller loads a checkpoint
-    that replaces every parameter and persistent buffer): a full fine-tuning model gets uninitialised
+    ``fsdp`` (full fine-tuning, any number of ranks): built with parameters on the meta device, sharded,
+    and each rank's shards read from the folder's safetensors files (``moeflow.sharded_load``): no rank
+    holds what it does not own, and one rank holds the weights once (transformers 5's ``from_pretrained``
+    keeps the files mapped beside the tensors it copies: ~1.3x the weights resident at one rank).
+    ``none``, ``ep``, LoRA: :func:`load_model`. ``weights=False`` (the caller loads a checkpoint that
+    replaces every parameter and persistent buffer): a full fine-tuning model gets uninitialised
     parameters, no weight is read (``ep`` and LoRA still load the folder: transformers shards ``ep`` at
     load, and peft wraps a loaded base model; the checkpoint then overwrites every parameter anyway)."""
     if train.method == "lora" and parallel.strategy != "none" and ranks.world_size > 1:
@@ -313,9 +315,8 @@ def load_for_training(
             "holds the frozen base model and the adapters; "
             "the adapters' gradients are summed over ranks), or train.method: full"
         )
-    on_meta = parallel.strategy != "ep" and (
-        (parallel.strategy == "fsdp" and ranks.world_size > 1) or (not weights and train.method == "full")
-    )
+    full = train.method == "full"
+    on_meta = full and (parallel.strategy == "fsdp" or (parallel.strategy == "none" and not weights))
     model = build_on_meta(path, model_cfg) if on_meta else load_model(path, model_cfg, parallel, precision)
     if data is not None:
         check_vocabulary(model, [data], path)

@@ -154,3 +154,22 @@ def test_without_weights_a_full_model_reads_none_and_lora_loads_the_base(tmp_pat
     merged = lora_model.merge_and_unload().state_dict()  # fresh adapters (B = 0) merge to the base weights
     assert sorted(merged) == sorted(whole.state_dict())
     assert all(torch.equal(merged[k], v) for k, v in whole.state_dict().items())
+
+
+def test_fsdp_at_one_rank_fills_from_the_files_and_none_loads_with_from_pretrained(tmp_path, monkeypatch):
+    """``parallel.strategy: fsdp`` reads the weights itself at any number of ranks (one copy of the weights:
+    transformers 5's ``from_pretrained`` keeps the files mapped beside the tensors it copies); ``none``
+    keeps ``from_pretrained``. Both give the same model."""
+    folder = saved(tmp_path, tied=False)
+    whole = load_model(folder, tiny_model_cfg())
+    calls = []
+    real_load = D.load_whole_model
+    monkeypatch.setattr(D, "load_whole_model", lambda *a, **k: calls.append(a) or real_load(*a, **k))
+    fsdp = typed_settings(ParallelSettings, {"strategy": "fsdp"})
+    model = D.load_for_training(folder, tiny_model_cfg(), _train("full"), fsdp, ONE_RANK, precision="fp32")
+    assert not calls
+    assert_same_state(model, whole)
+    none = typed_settings(ParallelSettings, {"strategy": "none"})
+    model = D.load_for_training(folder, tiny_model_cfg(), _train("full"), none, ONE_RANK, precision="fp32")
+    assert len(calls) == 1
+    assert_same_state(model, whole)
