@@ -4,10 +4,13 @@ A checkpoint folder holds ``shard-<rank>.safetensors`` (each rank's chunks of th
 parameter and persistent buffer, and of AdamW's tensors: ``model/<name>``, ``optimizer/<name>/<key>``),
 ``dcp_metadata.json`` (DCP's map of which file holds which chunk: ``moeflow.checkpoint_storage``),
 ``rng.safetensors`` (every rank's RNG states as ``rank<r>.<generator>``), ``trainer_state.json`` (step,
-data position, guard state, the metrics history without timings, the optimizer's scalars and groups),
-``timings.json`` (the measured part of the history) and any extra JSON files the caller adds.
+data position, guard state, the metrics history without timings, the optimizer's scalars and groups,
+every DCP key's whole shape), ``timings.json`` (the measured part of the history) and any extra JSON
+files the caller adds.
 
-Every rank writes only its own shards (the ranks of an unsharded model split the writes) into
+Every rank writes only its own pieces (``distributed.state_pieces``: each tensor flattened, a rank's share
+one contiguous range of its elements, as its layout holds it; the ranks of an unsharded model split the
+writes; a tied parameter once, under its first name) into
 ``.<name>.partial`` beside the final folder; once all have written, rank 0 adds the JSON files and renames
 the folder into place, so a kill leaves the previous checkpoint whole. Loading reads into the shards of
 this run's model, whatever layout and world size saved it (DCP reshards). Resumable checkpoints are
@@ -30,7 +33,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import distributed as D
-from .checkpoint_storage import METADATA_FILE, ShardReader, ShardWriter
+from .checkpoint_storage import (
+    METADATA_FILE,
+    Piece,
+    PieceLoadPlanner,
+    PieceSavePlanner,
+    ShardReader,
+    ShardWriter,
+    piece_tensors,
+)
 from .config import stable_hash
 from .files import disk_full_error, read_json, replace_dir, write_json
 from .parameters import clean_name
@@ -118,32 +129,39 @@ def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     return states
 
 
-def _dcp_state(
-    model_state: Mapping[str, Any], optim_state: Mapping[str, Any]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``moeflow.distributed.sharded_state_dict``'s states as one flat DCP state dict of tensors, plus the
-    optimizer's JSON part (scalars and parameter groups): DCP would pickle anything else."""
-    tensors = {f"{MODEL_PREFIX}{name}": value for name, value in model_state.items()}
-    scalars = {}
-    for name, per_param in optim_state["state"].items():
-        for key, value in per_param.items():
-            flat = f"{name}{KEY_SEPARATOR}{key}"
-            if isinstance(value, torch.Tensor):
-                tensors[f"{OPTIMIZER_PREFIX}{flat}"] = value
-            else:
-                scalars[flat] = value
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_state["param_groups"]]
-    return tensors, {"param_groups": groups, "scalars": scalars}
+def _dcp_pieces(pieces: D.StatePieces) -> dict[str, Piece]:
+    """``moeflow.distributed.state_pieces`` as one flat map of DCP keys to pieces."""
+    flat = {f"{MODEL_PREFIX}{name}": piece for name, piece in pieces.model.items()}
+    for name, per_param in pieces.optimizer.items():
+        for key, piece in per_param.items():
+            flat[f"{OPTIMIZER_PREFIX}{name}{KEY_SEPARATOR}{key}"] = piece
+    return flat
 
 
-def _with_json_part(optim_state: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The optimizer state whose tensors DCP filled, with the scalars and groups of trainer_state.json."""
-    state = {name: dict(per_param) for name, per_param in optim_state["state"].items()}
+def _json_part(pieces: D.StatePieces) -> dict[str, Any]:
+    """What trainer_state.json holds of the optimizer (DCP would pickle it): its scalars and groups."""
+    scalars = {
+        f"{name}{KEY_SEPARATOR}{key}": value for name, values in pieces.scalars.items() for key, value in values.items()
+    }
+    return {"param_groups": pieces.param_groups, "scalars": scalars}
+
+
+def _set_json_part(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: Mapping[str, Any]
+) -> None:
+    """The optimizer's groups' settings (learning rate, betas, ...) and per-parameter scalars, as saved."""
+    groups = meta["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {path} has {len(groups)} optimizer parameter groups, this run {len(optimizer.param_groups)}: "
+            "it was saved with other settings; delete the folder to start the stage afresh"
+        )
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
+    params = {clean_name(n): p for n, p in D.unwrap(model).named_parameters()}
     for flat, value in meta["scalars"].items():
         name, _, key = flat.rpartition(KEY_SEPARATOR)
-        state.setdefault(name, {})[key] = value
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
-    return {"state": state, "param_groups": groups}
+        optimizer.state[params[name]][key] = value
 
 
 @contextlib.contextmanager
@@ -194,19 +212,20 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
         partial.mkdir(parents=True)
     D.barrier()
-    model_state, optim_state = D.sharded_state_dict(model, optimizer)
-    tensors, optimizer_meta = _dcp_state(model_state, optim_state)
+    pieces = D.state_pieces(model, optimizer)
+    flat = _dcp_pieces(pieces)
+    shapes = _all_shapes(flat)
     rng = D.gather_objects(rng_states(next(model.parameters()).device))
     failure = None
     try:
         with _dcp_errors(path):
             # returns on every rank once all have written and rank 0 wrote dcp_metadata.json
-            dcp.save(tensors, storage_writer=ShardWriter(partial, rank))
+            dcp.save(piece_tensors(flat), storage_writer=ShardWriter(partial, rank), planner=PieceSavePlanner(flat))
             if rank == 0:
                 _write_tensors(
                     partial / RNG_FILE, {f"rank{r}.{k}": v for r, states in enumerate(rng) for k, v in states.items()}
                 )
-                write_json(partial / STATE_FILE, {**state, "optimizer": optimizer_meta})
+                write_json(partial / STATE_FILE, {**state, "optimizer": _json_part(pieces), "shapes": shapes})
                 write_json(partial / "timings.json", [{k: r[k] for k in TIMING_KEYS if k in r} for r in history])
                 for name, obj in (extra_json or {}).items():
                     write_json(partial / name, obj)
@@ -242,14 +261,23 @@ def _check_files(path: Path) -> None:
         )
 
 
-def _check_layout(path: Path, tensors: Mapping[str, torch.Tensor], saved: Mapping[str, Any]) -> None:
+def _all_shapes(flat: Mapping[str, Piece]) -> dict[str, list[int]]:
+    """Every rank's tensors' whole shapes, by DCP key (a collective): an FSDP1 rank that holds none of a
+    parameter may have no optimizer state for it."""
+    shapes: dict[str, list[int]] = {}
+    for mine in D.gather_objects({key: list(piece.shape) for key, piece in flat.items()}):
+        shapes.update(mine)
+    return dict(sorted(shapes.items()))
+
+
+def _check_layout(path: Path, shapes: Mapping[str, list[int]], saved: Mapping[str, list[int]]) -> None:
     """Refuse a checkpoint whose tensors (names, whole shapes) are not this run's model and optimizer."""
-    missing = sorted(set(tensors) - set(saved))
-    extra = sorted(set(saved) - set(tensors))
+    missing = sorted(set(shapes) - set(saved))
+    extra = sorted(set(saved) - set(shapes))
     wrong = [
-        f"{key} is {list(saved[key]['size'])} there, {list(t.shape)} here"
-        for key, t in tensors.items()
-        if key in saved and list(saved[key]["size"]) != list(t.shape)
+        f"{key} is {saved[key]} there, {shape} here"
+        for key, shape in shapes.items()
+        if key in saved and saved[key] != shape
     ]
     problems = (
         ([f"it lacks {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")] if missing else [])
@@ -274,12 +302,13 @@ def _optimizer_parameter(key: str) -> str | None:
     return key.removeprefix(OPTIMIZER_PREFIX).rpartition(KEY_SEPARATOR)[0]
 
 
-def _never_stepped(optim_state: Mapping[str, Any], saved: Mapping[str, Any]) -> set[str]:
+def _never_stepped(optimizer_pieces: Mapping[str, Mapping[str, Piece]], saved: Mapping[str, Any]) -> set[str]:
     """The parameters the checkpoint has no optimizer state for: those that had never had a gradient when it
     was saved (an expert no token reached). The fresh optimizer made a state for them, which must go (it
     would count a step they never took)."""
     keys = {
-        name: [f"{OPTIMIZER_PREFIX}{name}{KEY_SEPARATOR}{k}" for k in s] for name, s in optim_state["state"].items()
+        name: [f"{OPTIMIZER_PREFIX}{name}{KEY_SEPARATOR}{k}" for k in per_param]
+        for name, per_param in optimizer_pieces.items()
     }
     return {name for name, flat in keys.items() if flat and not any(k in saved for k in flat)}
 
@@ -300,15 +329,15 @@ def load_checkpoint(
     path = Path(path)
     _check_files(path)
     state = read_json(path / STATE_FILE)
-    model_state, optim_state = D.sharded_state_dict(model, optimizer)
-    saved = read_json(path / METADATA_FILE)["tensors"]
-    never_stepped = _never_stepped(optim_state, saved)
-    tensors, _ = _dcp_state(model_state, optim_state)
-    tensors = {k: v for k, v in tensors.items() if _optimizer_parameter(k) not in never_stepped}
-    _check_layout(path, tensors, saved)
+    pieces = D.state_pieces(model, optimizer, init_optimizer=True)
+    flat = _dcp_pieces(pieces)
+    saved = state["shapes"]
+    never_stepped = _never_stepped(pieces.optimizer, saved)
+    flat = {k: v for k, v in flat.items() if _optimizer_parameter(k) not in never_stepped}
+    _check_layout(path, _all_shapes(flat), saved)
     with _dcp_errors(path):
-        dcp.load(tensors, storage_reader=ShardReader(path))  # fills model_state's and optim_state's tensors
-    D.load_sharded_state_dict(model, optimizer, model_state, _with_json_part(optim_state, state["optimizer"]))
+        dcp.load(piece_tensors(flat), storage_reader=ShardReader(path), planner=PieceLoadPlanner(flat))
+    _set_json_part(path, model, optimizer, state["optimizer"])
     _drop_optimizer_state(model, optimizer, never_stepped)
     rng = _read_tensors(path / RNG_FILE)
     rank, device = D.rank(), next(model.parameters()).device

@@ -8,18 +8,29 @@ planner reshards a checkpoint of N ranks into M), and of a chunk only the dim-0 
 FileSystemWriter/Reader pickle the metadata and non-tensor values; here non-tensor values are refused
 (they belong in the checkpoint's JSON files). Works with the StorageWriter/StorageReader interfaces of
 torch 2.3 and of the current torch.
+
+Every tensor is stored flattened: a rank's share of it is a :class:`Piece`, a contiguous range of its
+row-major elements, which is what each layout holds without a copy (an FSDP1 flat shard's range of each
+parameter, FSDP2's and expert parallelism's dim-0 rows, a whole tensor). :class:`PieceSavePlanner` and
+:class:`PieceLoadPlanner` are DCP's default planners over pieces: a piece several ranks hold (a whole
+tensor of an unsharded model) is written once, the writes balanced over the ranks, and a load reads each
+rank's range from whichever saved pieces overlap it, so a checkpoint of any layout and world size loads
+into any other.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -33,8 +44,11 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
+    TensorWriteData,
+    WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -68,6 +82,84 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """This rank's elements ``[offset, offset + local.numel())`` of a tensor of ``shape``, flattened in
+    row-major order. ``local``: a 1-D view of the rank's own storage (a load writes into it)."""
+
+    local: torch.Tensor
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()]))
+
+
+def _nonempty(pieces: Mapping[str, Piece]) -> dict[str, Piece]:
+    return {key: piece for key, piece in pieces.items() if piece.local.numel()}
+
+
+def piece_tensors(pieces: Mapping[str, Piece]) -> dict[str, torch.Tensor]:
+    """The state dict ``dcp.save`` and ``dcp.load`` take with the piece planners: each piece's local view."""
+    return {key: piece.local for key, piece in _nonempty(pieces).items()}
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner over :class:`Piece` values (``dcp.save(piece_tensors(pieces), ...)``):
+    each rank's pieces are 1-D chunks of the flattened tensors; a piece several ranks hold is written by
+    one of them (DCP's deduplication, balanced over the ranks), and the global plan is checked to cover
+    every tensor exactly once."""
+
+    def __init__(self, pieces: Mapping[str, Piece]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = _nonempty(pieces)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, piece in self.pieces.items():
+            chunk = piece.chunk()
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, chunk.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk,
+                        properties=TensorProperties.create_from_tensor(piece.local),
+                        size=torch.Size([piece.numel]),
+                    ),
+                )
+            )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[index.fqn].local
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner over :class:`Piece` values (``dcp.load(piece_tensors(pieces), ...)``):
+    each rank reads its range of every flattened tensor from the saved chunks that overlap it, straight
+    into the piece's storage."""
+
+    def __init__(self, pieces: Mapping[str, Piece]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = _nonempty(pieces)
+
+    def create_local_plan(self) -> LoadPlan:
+        saved = self.metadata.state_dict_metadata
+        items = []
+        for key, piece in self.pieces.items():
+            items += create_read_items_for_chunk_list(key, saved[key], [piece.chunk()])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[index.fqn].local
 
 
 class ShardWriter(StorageWriter):

@@ -20,13 +20,13 @@ a process group and the config's ``parallel`` section into a sharded model:
   so the gradient of a step is the *sum* of the ranks' gradients. FSDP (ours and transformers') averages
   over the data-parallel ranks; :func:`reduce_gradients` multiplies by their number (exact for powers of
   two) and, for an unsharded model, all-reduces the sum (the Trainer's one gradient reduction).
-* :func:`clip_grad_norm`, :func:`sharded_state_dict` / :func:`load_sharded_state_dict` (each rank's
-  shards of the weights and AdamW state, for the DCP checkpoints of ``moeflow.checkpoint``, which
-  reshard to any layout and world size), :func:`full_state_dict` (the whole state, for tests and
-  comparisons) and :func:`full_gradients` (tests, debugging) work for all three layouts; the final
-  model is ``moeflow.export``'s (every rank together, one whole tensor at a time).
+* :func:`clip_grad_norm`, :func:`state_pieces` (each rank's own pieces of the weights and AdamW state,
+  for the DCP checkpoints of ``moeflow.checkpoint``, which reshard to any layout and world size),
+  :func:`full_state_dict` (the whole state, for tests and comparisons) and :func:`full_gradients`
+  (tests, debugging) work for all three layouts; the final model is ``moeflow.export``'s (every rank
+  together, one whole tensor at a time).
 * The stage scripts: ``ranks = init(device)``, ``check_ranks(settings.parallel, ranks)``
-  (torchrun started what the config asks for), :func:`load_for_training` (``fsdp`` on several ranks:
+  (torchrun started what the config asks for), :func:`load_for_training` (``fsdp``:
   parameters on the meta device, sharded, each rank reading its rows from the safetensors files,
   ``moeflow.sharded_load``; otherwise :func:`load_model`; LoRA, :func:`shard_model`), the Trainer,
   :func:`teardown`. Known limits: transformers 5's expert parallelism unties tied embeddings (refused),
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from . import compat
+from .checkpoint_storage import Piece
 from .config import ParallelSettings, TrainSettings
 from .hardware import compute_device
 from .lora import prepare_model
@@ -53,6 +55,7 @@ from .modeling import _impl_kwargs, check_model_folder, check_vocabulary, model_
 from .modeling import load_model as load_whole_model
 from .parameters import clean_name
 from .sharded_load import (
+    _local_pieces,
     build_on_meta,
     fill_from_folder,
     has_meta_parameters,
@@ -511,6 +514,20 @@ def _sum_bucket(bucket: torch.Tensor, filled: int, pieces: list[tuple[torch.Tens
         flat[start : start + length].copy_(bucket[offset : offset + length])
 
 
+def release_gradients(model: torch.nn.Module) -> None:
+    """Free FSDP1's flat gradients once ``zero_grad(set_to_none=True)`` has dropped the parameters' own:
+    FSDP1 (torch 2.3) otherwise keeps each unit's gradient shard until the next forward, one more copy of
+    the rank's weights through every checkpoint, evaluation and export between steps. Other layouts: the
+    parameters' gradients are the gradients, already freed."""
+    if not is_fsdp1(model):
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for unit in model.modules():
+        if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None:
+            unit._handle._reset_flat_param_grad_info_if_needed()
+
+
 def _data_parallel_size(model: torch.nn.Module, world: int) -> int:
     """Ranks that see different data: all of them, but for transformers' tensor/pipeline parallel sizes."""
     config = getattr(unwrap(model), "config", None)
@@ -635,77 +652,111 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def sharded_state_dict(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """This rank's shards of the model and optimizer state, keyed by parameter name as the unwrapped model
-    names them: ShardedTensor (FSDP1), DTensor (FSDP2, transformers 5's expert parallelism) or whole
-    tensors (``none``: every rank the same), as ``torch.distributed.checkpoint`` saves and loads them. The
-    optimizer's: ``{"state": {name: {...}}, "param_groups": [...]}``. A collective; a fresh optimizer's
-    state is initialised first (by a step on zero gradients: on torch 2.3 AdamW's weight decay changes the
-    weights, so load the weights after the optimizer, as :func:`load_sharded_state_dict` does)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+@dataclass
+class StatePieces:
+    """This rank's pieces of the training state (``moeflow.checkpoint_storage.Piece``: a contiguous range of
+    each tensor's flattened elements, a view of the rank's own storage), keyed by the unwrapped model's
+    names (a tied parameter by its first name): ``model`` every parameter and persistent buffer,
+    ``optimizer`` ``{name: {state key: piece}}`` for the optimizer's tensors; ``scalars`` its state values
+    that are not tensors (``{name: {key: value}}``) and ``param_groups`` its groups (parameter names for
+    the parameters)."""
 
-    options = _state_dict_options(full_state_dict=False)
+    model: dict[str, Piece]
+    optimizer: dict[str, dict[str, Piece]]
+    scalars: dict[str, dict[str, Any]]
+    param_groups: list[dict[str, Any]]
+
+
+def state_pieces(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, init_optimizer: bool = False
+) -> StatePieces:
+    """This rank's pieces of the model's and optimizer's state, in every layout, with no copy and no
+    collective: FSDP1's flat shard holds a range of each parameter's elements (``_shard_param_infos``),
+    FSDP2's and expert parallelism's DTensors hold dim-0 rows, an unsharded model every tensor whole (each
+    rank the same: a checkpoint writes it once). ``init_optimizer``: give a fresh optimizer its state
+    first (torch.distributed.checkpoint's step on zero gradients; on torch 2.3 AdamW's weight decay then
+    moves the weights, which a checkpoint's load overwrites). Without an optimizer: the model's only."""
     reshard(model)
-    with _cpu_safe_fsdp1():
-        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
-        model_state = get_model_state_dict(model, options=options)
-    return model_state, optim_state
+    if init_optimizer:
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(optimizer)
+    inner = unwrap(model)
+    names = {id(param): clean_name(name) for name, param in inner.named_parameters()}
+    of_param = _fsdp1_pieces(model) if is_fsdp1(model) else {}
+    params = {id(param): of_param.get(id(param)) or _tensor_piece(param) for param in inner.parameters()}
+    pieces = StatePieces({names[i]: piece for i, piece in params.items()}, {}, {}, [])
+    for name, buffer in _persistent_buffers(inner):
+        pieces.model[name] = _tensor_piece(buffer)
+    if optimizer is None:
+        return pieces
+    if is_fsdp1(model):
+        # An FSDP1 rank holds no elements of some parameters: their gradient there is None, and so is their
+        # optimizer state in an uninterrupted run. A state the zero-gradient step made for them would keep
+        # the step count it was loaded with while the owning ranks count on, and could be the one saved.
+        for param in [p for p in optimizer.state if not params[id(p)].local.numel()]:
+            del optimizer.state[param]
+    for param, per_param in optimizer.state.items():
+        name, like = names[id(param)], params[id(param)]
+        for key, value in per_param.items():
+            if not isinstance(value, torch.Tensor):
+                pieces.scalars.setdefault(name, {})[key] = value
+                continue
+            if value.dim() and not _is_dtensor(value) and value.numel() == like.local.numel() and is_fsdp1(model):
+                piece = Piece(value.detach().view(-1), like.offset, like.shape)  # shaped as the rank's flat range
+            else:
+                piece = _tensor_piece(value)
+            pieces.optimizer.setdefault(name, {})[key] = piece
+    for group in optimizer.param_groups:
+        saved = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+        pieces.param_groups.append({**saved, "params": [names[id(p)] for p in group["params"]]})
+    return pieces
 
 
-def load_sharded_state_dict(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    model_state: Mapping[str, Any],
-    optim_state: Mapping[str, Any],
-) -> None:
-    """The inverse of :func:`sharded_state_dict` (every rank passes its shards, in this run's layout). Call
-    it on a model without gradients (before the first step), as PyTorch requires."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    options = _state_dict_options(full_state_dict=False)
-    with _cpu_safe_fsdp1():
-        # The optimizer first: loading it may step a fresh optimizer (see sharded_state_dict).
-        if is_fsdp1(model):
-            _load_fsdp1_optimizer(model, optimizer, optim_state)
-        else:
-            set_optimizer_state_dict(
-                model, optimizer, optim_state_dict=_with_tied_names(model, optim_state), options=options
-            )
-        set_model_state_dict(model, dict(model_state), options=options)
-
-
-def _load_fsdp1_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_state: Mapping[str, Any]
-) -> None:
-    """FSDP1's own loader: torch 2.3's generic one asks for a tied parameter's state under each of its
-    names, which FSDP1's loader (keyed by the first name only) then refuses."""
-    from torch.distributed.fsdp import (
-        FullyShardedDataParallel,
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
-        StateDictType,
-    )
-
-    with FullyShardedDataParallel.state_dict_type(
-        model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
-    ):
-        optimizer.load_state_dict(
-            FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, dict(optim_state))
+def _tensor_piece(value: torch.Tensor) -> Piece:
+    """A DTensor's local rows, or a whole tensor, as a piece (a 0-d tensor: one element)."""
+    shape = tuple(value.shape)
+    if not _is_dtensor(value):
+        return Piece(value.detach().view(-1), 0, shape)
+    local, offsets = _local_pieces(value)[0]
+    if any(offsets[1:]) or tuple(local.shape[1:]) != shape[1:]:
+        raise DistributedError(
+            f"a DTensor sharded other than along dim 0 ({value.placements}, shape {list(shape)}): checkpoints "
+            "store each rank's contiguous elements; this layout's pieces are not contiguous"
         )
+    row = math.prod(shape[1:])
+    return Piece(local.detach().view(-1), offsets[0] * row if offsets else 0, shape)
 
 
-def _with_tied_names(model: torch.nn.Module, optim_state: Mapping[str, Any]) -> dict[str, Any]:
-    """The optimizer state under every name of a tied parameter (tied embeddings): PyTorch saves it under
-    one name and, on torch 2.3, looks it up under each when loading."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(clean_name(name))
-    state = dict(optim_state["state"])
-    for tied in (group for group in names.values() if len(group) > 1):
-        found = next((state[n] for n in tied if n in state), None)
-        if found is not None:
-            for n in tied:
-                state.setdefault(n, found)
-    return {**optim_state, "state": state}
+def _fsdp1_pieces(model: torch.nn.Module) -> dict[int, Piece]:
+    """Each original parameter's range of elements in this rank's FSDP1 flat shards, by ``id(param)``. The
+    local shard, not the parameter's view: FSDP1 leaves the root unit gathered after a forward pass (before
+    FSDP1's lazy initialisation, at the first forward, the flat parameter is the local shard)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    pieces = {}
+    for unit in model.modules():
+        if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+            continue
+        flat = unit._handle.flat_param
+        local_shard = getattr(flat, "_local_shard", flat.data)
+        for param, shape, info in zip(flat._params, flat._shapes, flat._shard_param_infos):
+            if info.in_shard and info.numel_in_shard:
+                start = info.offset_in_shard
+                local = local_shard[start : start + info.numel_in_shard]
+                pieces[id(param)] = Piece(local, info.intra_param_start_idx, tuple(shape))
+            else:
+                pieces[id(param)] = Piece(local_shard[:0], 0, tuple(shape))
+    return pieces
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict holds (not rotary embeddings' ``inv_freq``, which are not persistent)."""
+    out, seen = [], set()
+    for prefix, sub in module.named_modules():
+        for leaf, buffer in sub._buffers.items():
+            if buffer is None or leaf in sub._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            out.append((clean_name(f"{prefix}.{leaf}" if prefix else leaf), buffer))
+    return out

@@ -2,8 +2,8 @@
 whole tensor at a time, so that no process ever holds the whole model.
 
 :func:`save_final_model` is a collective for a sharded model (every rank calls it): each tensor is made
-whole in turn (FSDP2 and transformers' expert parallelism: ``DTensor.full_tensor``; FSDP1: one unit's
-parameters at a time, ``summon_full_params(unit, recurse=False)``), and rank 0 streams it into the open
+whole in turn (FSDP2 and transformers' expert parallelism: ``DTensor.full_tensor``; FSDP1: the ranks'
+ranges of its elements summed into one buffer on rank 0), and rank 0 streams it into the open
 shard file (``moeflow.safetensors_files.SafetensorsWriter``: the layout is known in advance from the
 tensors' whole shapes and dtypes). A file is closed when the next tensor would take it past
 ``export.max_shard_size`` (a tensor larger than that gets a file of its own, as ``save_pretrained`` does);
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from .distributed import barrier, is_fsdp1, original_shape, rank, reshard, unwrap
+from .checkpoint_storage import Piece
+from .distributed import barrier, is_fsdp1, original_shape, rank, reshard, state_pieces, unwrap
 from .files import atomic_dir
 from .lora import is_lora_model, merge_adapters
 from .parameters import clean_name
@@ -78,15 +79,16 @@ def model_tensors(model: torch.nn.Module) -> list[ModelTensor]:
 
 def whole_tensors(model: torch.nn.Module, tensors: Sequence[ModelTensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Each of ``tensors`` whole, one at a time, in order: on every rank (DTensors: ``full_tensor``), or,
-    for FSDP1, on rank 0 (None on the others) from the ranks' rows of its sharded state dict (torch 2.3's
-    ``summon_full_params`` of one inner unit leaves its parameters sharded). A collective for a sharded
-    model: every rank iterates to the end."""
+    for FSDP1, on rank 0 (None on the others) from the ranks' ranges of its elements in their flat shards
+    (``distributed.state_pieces``; torch 2.3's ``summon_full_params`` of one inner unit leaves its
+    parameters sharded, and its sharded state dict copies every rank's rows at once). A collective for a
+    sharded model: every rank iterates to the end."""
     if is_fsdp1(model):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        state = get_model_state_dict(model)  # ShardedTensors: this rank's rows of each parameter
+        pieces = state_pieces(model).model
+        params = {clean_name(n) for n, _ in unwrap(model).named_parameters()}
         for t in tensors:
-            yield t.name, _gathered(state.pop(t.name), t)
+            piece = pieces[t.name]
+            yield t.name, (_whole_on_rank0(piece, t) if t.name in params else piece.local.view(t.shape))
         return
     lookup = {clean_name(n): t for n, t in model.named_parameters()}
     lookup |= {clean_name(n): b for n, b in model.named_buffers()}
@@ -99,15 +101,17 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return (full_tensor() if full_tensor is not None else tensor).detach()
 
 
-def _gathered(value: Any, tensor: ModelTensor) -> torch.Tensor | None:
-    """An FSDP1 state-dict entry whole on rank 0: a ShardedTensor gathered there, a buffer as it is."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+def _whole_on_rank0(piece: Piece, tensor: ModelTensor) -> torch.Tensor | None:
+    """An FSDP1 parameter whole on rank 0: each rank puts its range of elements into a zero buffer of the
+    whole and the buffers are summed on rank 0 as integers of the same width (every element comes from one
+    rank and the others add zero bits: the exact values, a negative zero's sign too)."""
+    import torch.distributed as dist
 
-    if not isinstance(value, ShardedTensor):
-        return value.detach()
-    out = torch.empty(tensor.shape, dtype=tensor.dtype) if rank() == 0 else None
-    value.gather(dst=0, out=out)
-    return out
+    whole = torch.zeros(piece.numel, dtype=tensor.dtype, device=piece.local.device)
+    whole[piece.offset : piece.offset + piece.local.numel()] = piece.local
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(whole.element_size())
+    dist.reduce(whole.view(bits) if bits else whole, dst=0, op=dist.ReduceOp.SUM)
+    return whole.view(tensor.shape) if rank() == 0 else None
 
 
 def shard_layouts(

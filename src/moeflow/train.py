@@ -272,6 +272,7 @@ class Trainer:
         G.check_finite({"loss": loss, "grad_norm": grad_norm}, self.step + 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        D.release_gradients(self.model)
         counts = torch.tensor(summary.get("counts", []), dtype=torch.float64)
         update_correction_bias(self.biases, counts, s.balance.bias_update_rate)
         self.step += 1

@@ -159,8 +159,8 @@ def _export(job: dict, out: Path, ranks: D.Ranks) -> None:
             p.mul_(1.5).add_(0.25)
     trained, _ = D.full_state_dict(model)
     events: list[tuple[str, str]] = []
-    gather, write = (export._gathered, export._whole), export.ShardedWriter.write
-    export._gathered = lambda v, t: (events.append(("gather", t.name)), gather[0](v, t))[1]
+    gather, write = (export._whole_on_rank0, export._whole), export.ShardedWriter.write
+    export._whole_on_rank0 = lambda p, t: (events.append(("gather", t.name)), gather[0](p, t))[1]
     export._whole = lambda t: (events.append(("gather", f"#{len(events)}")), gather[1](t))[1]
     export.ShardedWriter.write = lambda self, n, t: (events.append(("write", n)), write(self, n, t))[1]
     export.save_final_model(model, None, out / "export", max_shard_size=SHARD_BYTES)

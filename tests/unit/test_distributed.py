@@ -186,9 +186,17 @@ def test_expert_parallel_on_the_pinned_stack_is_a_clear_error():
         )
 
 
-def test_state_round_trips_in_one_process(saved_model, reference_model):
-    """One process's whole state is the sharded layouts' (names, whole tensors), and its sharded state
-    (what checkpoints hold) loads into a fresh model and optimizer exactly."""
+def checkpoint_round_trip(folder: Path, saved, fresh) -> None:
+    """``saved``'s (model, optimizer) state through a checkpoint into ``fresh``'s (every rank calls it)."""
+    from moeflow.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(folder, *saved, {"history": []}, [])
+    load_checkpoint(folder, *fresh)
+
+
+def test_state_round_trips_in_one_process(saved_model, reference_model, tmp_path):
+    """One process's whole state is the sharded layouts' (names, whole tensors), and its checkpoint loads
+    into a fresh model and optimizer exactly."""
     from moeflow.modeling import load_model
 
     model = load_model(saved_model, MODEL)
@@ -201,7 +209,7 @@ def test_state_round_trips_in_one_process(saved_model, reference_model):
     assert sorted(optim_state["state"]) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
     fresh = load_model(saved_model, MODEL)
     fresh_optimizer = optimizer_for(fresh)
-    distributed.load_sharded_state_dict(fresh, fresh_optimizer, *distributed.sharded_state_dict(model, optimizer))
+    checkpoint_round_trip(tmp_path / "checkpoint", (model, optimizer), (fresh, fresh_optimizer))
     again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
     assert all(torch.equal(again[k], weights[k]) for k in weights)
     assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
@@ -282,7 +290,7 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         optimizer = optimizer_for(model)
         optimizer.step()
         weights, optim_state = distributed.full_state_dict(model, optimizer)
-        # this rank's shards load into a freshly sharded model and optimizer, which read back the same whole state
+        # this rank's checkpoint shards load into a freshly sharded model and optimizer: the same whole state
         fresh = (
             distributed.load_model(saved_model, MODEL, parallel, "fp32")
             if parallel.strategy == "ep"
@@ -290,7 +298,7 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         )
         fresh = distributed.shard_model(fresh, parallel, ranks, "fp32")
         fresh_optimizer = optimizer_for(fresh)
-        distributed.load_sharded_state_dict(fresh, fresh_optimizer, *distributed.sharded_state_dict(model, optimizer))
+        checkpoint_round_trip(Path(out) / "checkpoint", (model, optimizer), (fresh, fresh_optimizer))
         again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
         assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
         assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
