@@ -61,6 +61,7 @@ from .sharded_load import (
     has_meta_parameters,
     materialize,
     materialize_parameters,
+    persistent_buffers,
     tied_names,
 )
 
@@ -681,16 +682,16 @@ def state_pieces(
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         _init_optim_state(optimizer)
-    inner = unwrap(model)
+    inner, fsdp1 = unwrap(model), is_fsdp1(model)
     names = {id(param): clean_name(name) for name, param in inner.named_parameters()}
-    of_param = _fsdp1_pieces(model) if is_fsdp1(model) else {}
+    of_param = _fsdp1_pieces(model) if fsdp1 else {}
     params = {id(param): of_param.get(id(param)) or _tensor_piece(param) for param in inner.parameters()}
     pieces = StatePieces({names[i]: piece for i, piece in params.items()}, {}, {}, [])
-    for name, buffer in _persistent_buffers(inner):
+    for name, buffer in persistent_buffers(inner):
         pieces.model[name] = _tensor_piece(buffer)
     if optimizer is None:
         return pieces
-    if is_fsdp1(model):
+    if fsdp1:
         # An FSDP1 rank holds no elements of some parameters: their gradient there is None, and so is their
         # optimizer state in an uninterrupted run. A state the zero-gradient step made for them would keep
         # the step count it was loaded with while the owning ranks count on, and could be the one saved.
@@ -702,7 +703,7 @@ def state_pieces(
             if not isinstance(value, torch.Tensor):
                 pieces.scalars.setdefault(name, {})[key] = value
                 continue
-            if value.dim() and not _is_dtensor(value) and value.numel() == like.local.numel() and is_fsdp1(model):
+            if fsdp1 and value.dim() and value.numel() == like.local.numel():
                 piece = Piece(value.detach().view(-1), like.offset, like.shape)  # shaped as the rank's flat range
             else:
                 piece = _tensor_piece(value)
@@ -748,15 +749,3 @@ def _fsdp1_pieces(model: torch.nn.Module) -> dict[int, Piece]:
             else:
                 pieces[id(param)] = Piece(local_shard[:0], 0, tuple(shape))
     return pieces
-
-
-def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers a state dict holds (not rotary embeddings' ``inv_freq``, which are not persistent)."""
-    out, seen = [], set()
-    for prefix, sub in module.named_modules():
-        for leaf, buffer in sub._buffers.items():
-            if buffer is None or leaf in sub._non_persistent_buffers_set or id(buffer) in seen:
-                continue
-            seen.add(id(buffer))
-            out.append((clean_name(f"{prefix}.{leaf}" if prefix else leaf), buffer))
-    return out

@@ -36,6 +36,7 @@ from .lora import is_lora_model, merge_adapters
 from .parameters import clean_name
 from .safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsWriter, tensor_nbytes
 from .saved_names import saved_format
+from .sharded_load import persistent_buffers
 
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -69,12 +70,7 @@ def model_tensors(model: torch.nn.Module) -> list[ModelTensor]:
     """Every parameter (tied ones once, under the first name, as save_pretrained keeps them) and persistent
     buffer of the model, in module order."""
     out = [ModelTensor(clean_name(name), p.dtype, original_shape(p)) for name, p in model.named_parameters()]
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                full = f"{module_name}.{name}" if module_name else name
-                out.append(ModelTensor(clean_name(full), buffer.dtype, tuple(buffer.shape)))
-    return out
+    return out + [ModelTensor(name, b.dtype, tuple(b.shape)) for name, b in persistent_buffers(model)]
 
 
 def whole_tensors(model: torch.nn.Module, tensors: Sequence[ModelTensor]) -> Iterator[tuple[str, torch.Tensor | None]]:

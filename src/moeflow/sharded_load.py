@@ -221,13 +221,8 @@ def _fill_fsdp1(model: torch.nn.Module, folder: Path, files, headers, names_of: 
                 else:
                     whole = read_tensor(file, entry).reshape(-1)
                     out.copy_(whole[info.intra_param_start_idx : info.intra_param_end_idx + 1])
-        inner = model.module
-        for name, buffer in inner.named_buffers():
-            owner, _, leaf = name.rpartition(".")
-            module = inner.get_submodule(owner) if owner else inner
-            if leaf in module._non_persistent_buffers_set:
-                continue
-            file, entry = _stored_entry(folder, files, headers, clean_name(name), names_of, tuple(buffer.shape))
+        for name, buffer in persistent_buffers(model.module):
+            file, entry = _stored_entry(folder, files, headers, name, names_of, tuple(buffer.shape))
             _read_rows(file, entry, range(entry.shape[0]) if entry.shape else range(1), buffer)
 
 
@@ -281,6 +276,17 @@ def _read_rows(file: Path, entry, rows: range, local: torch.Tensor) -> None:
         read_tensor(file, entry, rows, out=local)
     else:
         local.copy_(read_tensor(file, entry, rows))
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict holds, by clean name, in module order (not rotary embeddings' ``inv_freq``,
+    which is not persistent)."""
+    out = []
+    for prefix, module in model.named_modules():
+        for leaf, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and leaf not in module._non_persistent_buffers_set:
+                out.append((clean_name(f"{prefix}.{leaf}" if prefix else leaf), buffer))
+    return out
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
