@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 
 .PHONY: env train test lint format clean gpu-check
 
-$(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/pins.py
+$(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/runtime/pins.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(PYTHON) tools/pip_pins.py envs/$(STACK).yaml > $(VENV)/requirements.txt

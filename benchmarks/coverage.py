@@ -33,8 +33,8 @@ os.environ.setdefault("MKL_NUM_THREADS", "2")
 
 import numpy as np  # noqa: E402
 
-from moeflow.coverage import Constraints, random_comparison, select_documents  # noqa: E402
-from moeflow.packed_bits import WORD, pack_word_bits  # noqa: E402
+from moeflow.coverage.bitsets import WORD, pack_word_bits  # noqa: E402
+from moeflow.coverage.cover import Constraints, random_comparison, select_documents  # noqa: E402
 
 DEFAULT_SIZES = "1000x48x128,10000x48x128,30000x48x128,100000x48x128"
 TOP_K, PAIRS_PER_LAYER, MIN_DOCS, TOPICS = 8, 4, 5, 16

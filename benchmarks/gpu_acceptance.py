@@ -11,7 +11,7 @@ Per trainer, written to results/bench/gpu_acceptance.json: tokens/s (from the me
 (6 x active parameters x tokens/s against the GPU's dense bf16 peak from :data:`BF16_PEAK_FLOPS_PER_S`),
 peak allocated memory, host synchronisations per step (``torch.cuda.set_sync_debug_mode("warn")``'s
 warnings, counted), and the attention and experts implementations the model ran. The experts implementation is
-chosen as ``model.experts_implementation: auto`` is in the pipeline (moeflow.experts_choice, at the slice's
+chosen as ``model.experts_implementation: auto`` is in the pipeline (moeflow.model.experts_choice, at the slice's
 MoE layer shape, micro-batch and bf16 on the device); the report keeps its timings under ``experts_choice``.
 
 ``--dry``: tiny sizes on the CPU for a few steps, so CI keeps the script working without a GPU; host
@@ -43,14 +43,17 @@ import torch  # noqa: E402
 
 from benchmarks.synthetic_rows import two_document_rows  # noqa: E402
 from benchmarks.train import LR, step_intervals, warm_up  # noqa: E402
-from moeflow import compat  # noqa: E402
-from moeflow import config as mfconfig  # noqa: E402
-from moeflow.collate import collate, model_inputs  # noqa: E402
-from moeflow.experts_choice import measure as time_experts  # noqa: E402
-from moeflow.files import write_json  # noqa: E402
-from moeflow.metrics import active_parameters  # noqa: E402
-from moeflow.modeling import build_model  # noqa: E402
-from moeflow.train import Trainer  # noqa: E402
+from moeflow.data.collate import collate, model_inputs  # noqa: E402
+from moeflow.model.experts_choice import measure as time_experts  # noqa: E402
+from moeflow.model.factory import build_model  # noqa: E402
+from moeflow.runtime import compat  # noqa: E402
+from moeflow.runtime.files import write_json  # noqa: E402
+from moeflow.settings import typed  # noqa: E402
+from moeflow.train.metrics import active_parameters  # noqa: E402
+from moeflow.train.settings import TrainSettings  # noqa: E402
+from moeflow.train.trainer import Trainer  # noqa: E402
+from moeflow.workflow.keys import training  # noqa: E402
+from moeflow.workflow.load import load  # noqa: E402
 
 # Dense bf16 tensor-core peak per GPU (vendor data sheets, without sparsity), by a word of its name.
 BF16_PEAK_FLOPS_PER_S = {
@@ -95,7 +98,7 @@ DRY = Shape(layers=2, seq_len=64, micro_batch_size=2, steps=3)
 def slice_model_cfg(layers: int, dry: bool) -> dict:
     """The model section of the Qwen3-30B-A3B config with ``layers`` decoder layers (tiny sizes if dry)."""
     slice_config = {"num_hidden_layers": layers, **(TINY_SLICE if dry else {})}
-    return mfconfig.load(SLICE_CONFIG, overrides={"model": {"config": slice_config}})["model"]
+    return load(SLICE_CONFIG, overrides={"model": {"config": slice_config}})["model"]
 
 
 def peak_flops_per_s(device: torch.device) -> tuple[float | None, str]:
@@ -131,9 +134,9 @@ def host_syncs(model: torch.nn.Module) -> Iterator[list]:
 
 
 def run_moeflow(model, rows, shape: Shape, mark: Callable[[], None]) -> None:
-    settings = mfconfig.settings(
-        mfconfig.TrainSettings,
-        mfconfig.training(
+    settings = typed(
+        TrainSettings,
+        training(
             {
                 "steps": shape.steps,
                 "lr": LR,

@@ -5,7 +5,7 @@ At such a vocabulary the output layer and the loss, not the decoder, set a step'
 time, which the embedded default's 4,096 entries hide. The rows are synthetic (no tokenizer or corpus is
 downloaded) but shaped like a corpus's: token ids drawn from a Zipf law over the whole vocabulary
 (exponent 1.1, ranks shuffled over the ids), log-normal document lengths (median 300 tokens, so ~3
-documents a row and some spanning rows), each ending in an end-of-text id, packed by moeflow.packing as
+documents a row and some spanning rows), each ending in an end-of-text id, packed by moeflow.data.packing as
 the data stage packs (positions restart per document, the first token of each segment unlabelled).
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow import config as mfconfig
-from moeflow.packing import pack_documents
+from moeflow.data.packing import pack_documents
+from moeflow.workflow.load import load, read_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ class RealShape:
 
     @property
     def vocab_size(self) -> int:
-        return int(mfconfig.read_yaml(self.config_file)["model"]["config"]["vocab_size"])
+        return int(read_yaml(self.config_file)["model"]["config"]["vocab_size"])
 
 
 SHAPES = {
@@ -65,7 +65,7 @@ def model_section(shape: RealShape, vocab_size: int) -> dict:
     """The ``model`` section of ``shape`` at ``vocab_size`` entries, fp32 loss chunks as configured. The experts
     run eager on both stacks: what ``experts_implementation: auto`` measures as fastest on this CPU."""
     overrides = {"config": {**shape.decoder, "vocab_size": int(vocab_size)}, "experts_implementation": "eager"}
-    return mfconfig.load(shape.config_file, overrides={"model": overrides})["model"]
+    return load(shape.config_file, overrides={"model": overrides})["model"]
 
 
 def synthetic_rows(shape: RealShape, vocab_size: int, rows: int, seed: int = 0) -> list[dict]:

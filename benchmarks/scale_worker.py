@@ -91,17 +91,53 @@ def model_section() -> dict:
     return {**MODEL_SECTION, "config": {**MODEL_CONFIG, "vocab_size": VOCAB}}
 
 
-def train_settings():
-    from moeflow import config as mfconfig
+def packages() -> bool:
+    """Whether moeflow is laid out in packages (this tree) or in the baseline commit's flat modules."""
+    return importlib.util.find_spec("moeflow.runtime") is not None
 
-    return mfconfig.settings(mfconfig.TrainSettings, mfconfig.training(TRAIN))
+
+def distributed():
+    """The process group and training load: ``moeflow.parallel``/``moeflow.model.loading``, or the baseline's
+    ``moeflow.distributed``."""
+    if not packages():
+        from moeflow import distributed as D
+
+        return D
+    from moeflow.model import loading
+    from moeflow.parallel import process_group
+
+    return argparse.Namespace(
+        init=process_group.init,
+        check_ranks=process_group.check_ranks,
+        barrier=process_group.barrier,
+        gather_objects=process_group.gather_objects,
+        teardown=process_group.teardown,
+        load_for_training=loading.load_for_training,
+    )
+
+
+def train_settings():
+    if not packages():
+        from moeflow import config as mfconfig
+
+        return mfconfig.settings(mfconfig.TrainSettings, mfconfig.training(TRAIN))
+    from moeflow.settings import typed
+    from moeflow.train.settings import TrainSettings
+    from moeflow.workflow.keys import training
+
+    return typed(TrainSettings, training(TRAIN))
 
 
 def parallel_settings(strategy: str, world: int):
-    from moeflow import config as mfconfig
-
     section = {"strategy": strategy, "nproc_per_node": world} | ({"ep_size": world} if strategy == "ep" else {})
-    return mfconfig.settings(mfconfig.ParallelSettings, section)
+    if not packages():
+        from moeflow import config as mfconfig
+
+        return mfconfig.settings(mfconfig.ParallelSettings, section)
+    from moeflow.parallel.settings import ParallelSettings
+    from moeflow.settings import typed
+
+    return typed(ParallelSettings, section)
 
 
 class NoTokenizer:
@@ -149,8 +185,7 @@ def measure(barrier: Callable[[], None], phase: Callable[[], object]) -> tuple[o
 
 
 def _load(model_dir: Path, parallel, ranks, weights: bool):
-    from moeflow import distributed as D
-
+    D = distributed()
     kwargs = {} if weights else {"weights": False}
     return D.load_for_training(
         model_dir, model_section(), train_settings(), parallel, ranks, precision="fp32", **kwargs
@@ -159,14 +194,17 @@ def _load(model_dir: Path, parallel, ranks, weights: bool):
 
 def _reads_weights_optional() -> bool:
     """Whether ``load_for_training`` can skip the base weights (the new design, for a checkpoint to fill)."""
-    from moeflow import distributed as D
-
-    return "weights" in inspect.signature(D.load_for_training).parameters
+    return "weights" in inspect.signature(distributed().load_for_training).parameters
 
 
 def _trainer(model, world: int):
-    from moeflow.collate import collate
-    from moeflow.train import Trainer
+    if packages():
+        from moeflow.data.collate import collate
+        from moeflow.train.trainer import Trainer
+    else:
+        from moeflow.collate import collate
+
+        from moeflow.train import Trainer
 
     return Trainer(
         model,
@@ -193,19 +231,24 @@ def _resume(model_dir: Path, parallel, ranks, checkpoint: Path, weights: bool):
 def new_design() -> bool:
     """Whether the package streams the export from every rank (``moeflow.export``) rather than gathering the
     whole model into rank 0 (``distributed.whole_model``, the baseline)."""
-    return importlib.util.find_spec("moeflow.export") is not None
+    return packages() or importlib.util.find_spec("moeflow.export") is not None
 
 
 def _export(model, folder: Path, max_shard_size: str, rank: int) -> str:
     """The final model, as the design's train_model.py writes it; which design it was."""
-    from moeflow import distributed as D
+    if packages():
+        from moeflow.checkpoint.export import save_final_model
 
+        save_final_model(model, NoTokenizer(), folder, max_shard_size)
+        return "moeflow.checkpoint.export.save_final_model"
     if new_design():
         from moeflow.export import save_final_model
 
         save_final_model(model, NoTokenizer(), folder, max_shard_size)
         return "moeflow.export.save_final_model"
     from moeflow.modeling import save_final_model as save_whole
+
+    from moeflow import distributed as D
 
     whole = D.whole_model(model)  # a collective: the whole weights on rank 0
     if rank == 0:
@@ -216,7 +259,7 @@ def _export(model, folder: Path, max_shard_size: str, rank: int) -> str:
 
 def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
     torch.set_num_threads(1)
-    from moeflow import distributed as D
+    D = distributed()
 
     ranks = D.init("cpu")
     parallel = D.check_ranks(parallel_settings(strategy, ranks.world_size), ranks)
@@ -255,7 +298,10 @@ def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
 
 def build(model_dir: Path) -> None:
     """The benchmark model, saved once (HF-sharded) for every run on this stack."""
-    from moeflow.modeling import build_model
+    if packages():
+        from moeflow.model.factory import build_model
+    else:
+        from moeflow.modeling import build_model
 
     model = build_model(model_section(), VOCAB, seed=0)
     # At the config's initializer_range (0.02) the attention's average over positions outweighs the embedding and

@@ -1,6 +1,6 @@
 """Tokenization throughput on the default corpus, three ways, same tokenizer, same cores, one process:
 
-1. ``moeflow_stage``: this pipeline's tokenize stage (``moeflow.tokenize_stage.tokenize_corpus``) from the
+1. ``moeflow_stage``: this pipeline's tokenize stage (``moeflow.data.tokenize.tokenize_corpus``) from the
    source files to packed Arrow shards and manifest (reading, hashing, splitting, packing, writing);
 2. ``datasets_map``: the usual recipe, ``Dataset.map(tokenize, batched=True, num_proc=N)`` then a
    second ``map`` that concatenates and chunks into seq_len blocks (transformers' run_clm ``group_texts``),
@@ -24,13 +24,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from moeflow import compat  # noqa: E402
-from moeflow import config as mfconfig  # noqa: E402
-from moeflow.corpus import SourceReader, split_documents  # noqa: E402
-from moeflow.files import write_json  # noqa: E402
-from moeflow.stage import set_offline  # noqa: E402
-from moeflow.tokenize_stage import tokenize_corpus  # noqa: E402
-from moeflow.tokenizer import load_fast_tokenizer, set_tokenizer_threads, train_tokenizer_stage  # noqa: E402
+from moeflow.data.corpus import SourceReader, split_documents  # noqa: E402
+from moeflow.data.tokenize import tokenize_corpus  # noqa: E402
+from moeflow.data.tokenizer import load_fast_tokenizer, set_tokenizer_threads, train_tokenizer_stage  # noqa: E402
+from moeflow.runtime import compat  # noqa: E402
+from moeflow.runtime.files import write_json  # noqa: E402
+from moeflow.runtime.stage import set_offline  # noqa: E402
+from moeflow.workflow.keys import data_settings  # noqa: E402
+from moeflow.workflow.load import load, run_config  # noqa: E402
+from moeflow.workflow.merge import run_names  # noqa: E402
 
 
 def best_of(repeats, fn):
@@ -105,9 +107,9 @@ def main() -> None:
     import datasets
 
     datasets.disable_progress_bars()
-    cfg = mfconfig.load(*args.config)
-    run_cfg = mfconfig.run_config(cfg, mfconfig.run_names(cfg)[0])
-    settings = mfconfig.data_settings(run_cfg)
+    cfg = load(*args.config)
+    run_cfg = run_config(cfg, run_names(cfg)[0])
+    settings = data_settings(run_cfg)
     corpora = sorted(settings["data"]["sources"])
     seq_len = settings["data"]["seq_len"]
 

@@ -7,8 +7,8 @@ output_router_logits, left off; moeflow ``balance.mode: off``), fp32, the same t
 - ``recipe``: one document per example, truncated and padded to max_length 2048 (pad_to_multiple_of
   64), eager attention, gradient checkpointing (non-reentrant), the HF Trainer;
 - ``tuned``: the HF Trainer on moeflow's packed rows (sdpa, seq_len tokens per row, per-document
-  attention from moeflow.collate, ``use_cache`` off as moeflow's loop has it), no checkpointing;
-- ``moeflow``: moeflow.train.Trainer on the same packed rows;
+  attention from moeflow.data.collate, ``use_cache`` off as moeflow's loop has it), no checkpointing;
+- ``moeflow``: moeflow.train.trainer.Trainer on the same packed rows;
 - ``moeflow_bf16``: the same in bf16 autocast (the measurement behind the config's ``precision``);
 - ``moeflow_running``, ``moeflow_exact``, ``moeflow_micro_batch`` (``--balance-modes``): moeflow with
   its global-batch balancing loss on (coef 0.01), reported separately (the Trainers have no such mode);
@@ -64,6 +64,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from moeflow.settings import typed
+from moeflow.train.settings import TrainSettings
+from moeflow.workflow.keys import train_settings, training
+from moeflow.workflow.load import load
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path[:0] = [str(REPO / "src"), str(REPO)]  # moeflow, and benchmarks.* (the real shape)
@@ -84,19 +89,19 @@ def balance_mode_of(setup: str) -> str:
 
 
 def stack_name() -> str:
-    from moeflow import compat
+    from moeflow.runtime import compat
 
     return "current" if compat.is_transformers_v5() else "pinned"
 
 
 def documents(data_dir) -> list[list[int]]:
-    from moeflow.shards import open_split, read_documents
+    from moeflow.data.shards import open_split, read_documents
 
     return [ids for _, ids in read_documents(open_split(data_dir, "train"))]
 
 
 def packed_rows(data_dir) -> list[dict]:
-    from moeflow.shards import open_split
+    from moeflow.data.shards import open_split
 
     split = open_split(data_dir, "train")
     return [split[i] for i in range(len(split))]
@@ -153,15 +158,15 @@ def step_intervals(marks: list[float]) -> list[float]:
 
 def logits_mean(model, batch):
     """A warm-up loss from the full logits of a collated batch (any setup can take it)."""
-    from moeflow.collate import model_inputs
+    from moeflow.data.collate import model_inputs
 
     return model(**model_inputs(model, batch), use_cache=False).logits.float().mean()
 
 
 def chunked_loss(model, batch):
     """moeflow's loss of a collated batch: the chunked cross-entropy, no full logits."""
-    from moeflow.collate import model_inputs
-    from moeflow.linear_loss import token_losses
+    from moeflow.data.collate import model_inputs
+    from moeflow.model.chunked_loss import token_losses
 
     return token_losses(model, model_inputs(model, batch), batch["labels"]).loss
 
@@ -195,7 +200,8 @@ def batch_shape(args) -> tuple[int, int]:
 def model_and_examples(setup: str, args, timed: int):
     """The setup's model and training examples: the real shape's built from config (the same weights in every
     setup) and enough of its synthetic rows for ``timed`` steps, or the base model folder and the corpus."""
-    from moeflow.modeling import build_model, load_model, load_tokenizer
+    from moeflow.model.factory import build_model, load_model
+    from moeflow.model.folder import load_tokenizer
 
     if args.shape:
         from benchmarks.real_shape import SHAPES, model_section, synthetic_rows
@@ -212,11 +218,10 @@ def model_and_examples(setup: str, args, timed: int):
 def worker(setup: str, args) -> dict:
     import torch
 
-    from moeflow import config as mfconfig
-    from moeflow.collate import collate, model_inputs
-    from moeflow.metrics import active_parameters
-    from moeflow.stage import set_offline
-    from moeflow.train import Trainer
+    from moeflow.data.collate import collate, model_inputs
+    from moeflow.runtime.stage import set_offline
+    from moeflow.train.metrics import active_parameters
+    from moeflow.train.trainer import Trainer
 
     set_offline()
     torch.set_num_threads(args.threads)
@@ -234,15 +239,15 @@ def worker(setup: str, args) -> dict:
 
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision_of(setup) == "bf16")  # noqa: E731
     if setup in LORA_SETUPS:
-        from moeflow.lora import prepare_model
+        from moeflow.model.lora import prepare_model
 
-        lora_run = mfconfig.load(overrides={"train": {"method": "lora"}})
-        model = prepare_model(model, mfconfig.settings(mfconfig.TrainSettings, mfconfig.train_settings(lora_run)))
+        lora_run = load(overrides={"train": {"method": "lora"}})
+        model = prepare_model(model, typed(TrainSettings, train_settings(lora_run)))
     if setup.startswith("moeflow"):
         mode = balance_mode_of(setup)
-        settings = mfconfig.settings(
-            mfconfig.TrainSettings,
-            mfconfig.training(
+        settings = typed(
+            TrainSettings,
+            training(
                 {
                     "steps": timed,
                     "lr": LR,
@@ -450,7 +455,7 @@ def measured_peaks(peaks: dict[str, list]) -> tuple[dict, dict, dict]:
 def machine(load_start, started: float) -> dict:
     import torch
 
-    from moeflow import compat
+    from moeflow.runtime import compat
 
     return {
         "machine": {
@@ -553,7 +558,7 @@ def shape_benchmark(args) -> None:
     existing = read_report(out)
     shapes = existing.get("shapes", {})
     shapes[args.shape] = {**shapes.get(args.shape, {}), stack_name(): report}
-    from moeflow.files import write_json
+    from moeflow.runtime.files import write_json
 
     write_json(out, {**existing, "shapes": shapes})
     print(json.dumps({"setups": summary, "ratios": ratios, "goals": report["goals"]}, indent=1))
@@ -686,7 +691,7 @@ def main() -> None:
             if key in previous:
                 report[key] = previous[key]
     stacks[stack_name()] = report
-    from moeflow.files import write_json
+    from moeflow.runtime.files import write_json
 
     write_json(out, {**existing, "stacks": dict(sorted(stacks.items()))})
     print(json.dumps({"setups": summary, "ratios": ratios, "cpu_ratios": cpu_ratios, "matmul_peak": peak}, indent=1))

@@ -29,13 +29,15 @@ sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
 
-from moeflow import compat  # noqa: E402
-from moeflow import config as mfconfig  # noqa: E402
-from moeflow.collate import collate  # noqa: E402
-from moeflow.experts_choice import measure as time_experts  # noqa: E402
-from moeflow.modeling import build_model, load_model  # noqa: E402
-from moeflow.routing import adapter_or_none  # noqa: E402
-from moeflow.train import accumulate_gradients  # noqa: E402
+from moeflow.data.collate import collate  # noqa: E402
+from moeflow.model.experts_choice import measure as time_experts  # noqa: E402
+from moeflow.model.factory import build_model, load_model  # noqa: E402
+from moeflow.model.routing import adapter_or_none  # noqa: E402
+from moeflow.runtime import compat  # noqa: E402
+from moeflow.settings import typed  # noqa: E402
+from moeflow.train.settings import BalanceSettings  # noqa: E402
+from moeflow.train.trainer import accumulate_gradients  # noqa: E402
+from moeflow.workflow.load import load, run_config  # noqa: E402
 
 
 def random_rows(n, seq_len, vocab, seed=0):
@@ -69,7 +71,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "training_maths.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = mfconfig.run_config(mfconfig.load(), "moe")
+    cfg = run_config(load(), "moe")
     train, seq_len = cfg["train"], cfg["data"]["seq_len"]
     experts = time_experts(cfg["model"], train["micro_batch_size"], seq_len, torch.device("cpu"), "fp32")["chosen"]
     model_cfg = cfg["model"] | {"experts_implementation": experts}  # as rule choose_experts resolves auto
@@ -88,7 +90,7 @@ def main() -> None:
             )
             started = time.perf_counter()
             model.zero_grad(set_to_none=True)
-            accumulate_gradients(model, batches, mfconfig.settings(mfconfig.BalanceSettings, {}), adapter, autocast)
+            accumulate_gradients(model, batches, typed(BalanceSettings, {}), adapter, autocast)
             times[precision].append(time.perf_counter() - started)
     medians = {p: statistics.median(t) for p, t in times.items()}
     tokens = len(rows) * seq_len
@@ -103,7 +105,7 @@ def main() -> None:
 
     # 2. balance modes at 8 accumulation steps
     if args.model:
-        from moeflow.shards import open_split
+        from moeflow.data.shards import open_split
 
         model = load_model(args.model, model_cfg)
         adapter = adapter_or_none(model)
@@ -116,7 +118,7 @@ def main() -> None:
         mode: gradient(
             model,
             batches,
-            mfconfig.settings(mfconfig.BalanceSettings, {"mode": mode, "coef": train["balance"]["coef"]}),
+            typed(BalanceSettings, {"mode": mode, "coef": train["balance"]["coef"]}),
             adapter,
         )
         for mode in ("exact", "running", "micro_batch", "off")

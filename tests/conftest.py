@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import yaml
 
-from moeflow.config import REPO_ROOT
-from moeflow.stage import set_offline
-from moeflow.valset import StageOutputs, build_valset
+from moeflow.coverage.build import StageOutputs, build_valset
+from moeflow.runtime.stage import set_offline
+from moeflow.settings import REPO_ROOT
 
 set_offline()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -147,9 +147,9 @@ def coverage_inputs(tmp_path_factory):
     """A tokenized corpus (train/heldout/test) and a tiny qwen3_moe saved with its tokenizer."""
     from tiny_models import tiny_model_cfg
 
-    from moeflow.modeling import build_model
-    from moeflow.tokenize_stage import tokenize_corpus
-    from moeflow.tokenizer import load_fast_tokenizer, train_tokenizer_stage
+    from moeflow.data.tokenize import tokenize_corpus
+    from moeflow.data.tokenizer import load_fast_tokenizer, train_tokenizer_stage
+    from moeflow.model.factory import build_model
 
     root = tmp_path_factory.mktemp("coverage_stage")
     rng = np.random.default_rng(0)
@@ -182,7 +182,7 @@ def coverage_inputs(tmp_path_factory):
 
 
 def run_coverage_stage(root: Path, model_cfg, out: Path, **overrides):
-    from moeflow.modeling import load_model
+    from moeflow.model.factory import load_model
 
     settings = {
         "pool_corpora": ["code"],

@@ -21,14 +21,16 @@ from tiny_models import (
     spread_routers,
 )
 
-from moeflow import compat
-from moeflow import config as mfconfig
-from moeflow import parameters as P
-from moeflow.collate import collate, model_inputs
-from moeflow.linear_loss import next_token_targets
-from moeflow.modeling import build_model, load_model
-from moeflow.routing import SIGMOID, UnsupportedModel, adapter_for, capture
-from moeflow.train import Trainer, accumulate_gradients
+from moeflow.data.collate import collate, model_inputs
+from moeflow.model import parameters as P
+from moeflow.model.chunked_loss import next_token_targets
+from moeflow.model.factory import build_model, load_model
+from moeflow.model.routing import SIGMOID, UnsupportedModel, adapter_for, capture
+from moeflow.runtime import compat
+from moeflow.settings import typed
+from moeflow.train.settings import BalanceSettings, TrainSettings
+from moeflow.train.trainer import Trainer, accumulate_gradients
+from moeflow.workflow.keys import training
 
 COEF = 0.05
 DOCUMENTS = [[12, 20], [5, 27], [9, 7, 4]]  # document lengths per packed row; the last row is shorter: padding
@@ -251,7 +253,7 @@ def check_accumulation(model_type: str) -> None:
     rows = packed_rows()[:2] * 2
     reference = full_batch_grads(model, collate(rows))
     model.zero_grad(set_to_none=True)
-    exact = mfconfig.settings(mfconfig.BalanceSettings, {"mode": "exact", "coef": COEF})
+    exact = typed(BalanceSettings, {"mode": "exact", "coef": COEF})
     accumulate_gradients(model, [collate(rows[:2]), collate(rows[2:])], exact, adapter_for(model))
     accumulated = grads(model)
     gap = float((accumulated - reference).norm() / reference.norm())
@@ -293,9 +295,9 @@ def check_train_and_reload(model_type: str) -> None:
     model = build_model(model_cfg, VOCAB, seed=0).to(dtype)
     spread_routers(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    settings = mfconfig.settings(
-        mfconfig.TrainSettings,
-        mfconfig.training(
+    settings = typed(
+        TrainSettings,
+        training(
             {
                 "steps": 2,
                 "lr": 1e-3,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from moeflow import compat
-from moeflow.modeling import build_model
-from moeflow.routing import adapter_for
+from moeflow.model.factory import build_model
+from moeflow.model.routing import adapter_for
+from moeflow.runtime import compat
 
 VOCAB = 128
 SEQ = 32
@@ -112,7 +112,7 @@ TRANSFORMERS_5_ONLY = ("step3p5",)
 
 
 def model_config(model_type: str, attn: str = "eager") -> dict:
-    """The ``model`` config section (``moeflow.modeling.build_model``) of a family's tiny model."""
+    """The ``model`` config section (``moeflow.model.factory.build_model``) of a family's tiny model."""
     cfg = {"attn_implementation": attn, "config": {"model_type": model_type, **COMMON, **FAMILY_CONFIGS[model_type]}}
     if compat.is_transformers_v5():
         cfg["experts_implementation"] = "eager"  # grouped_mm rejects float64 on the CPU

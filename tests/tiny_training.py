@@ -11,11 +11,13 @@ from pathlib import Path
 import torch
 from tiny_models import tiny_model_cfg
 
-from moeflow import config as mfconfig
-from moeflow.collate import collate
-from moeflow.modeling import build_model
-from moeflow.stage import KILL_ENV
-from moeflow.train import Trainer
+from moeflow.data.collate import collate
+from moeflow.model.factory import build_model
+from moeflow.runtime.stage import KILL_ENV
+from moeflow.settings import REPO_ROOT, typed
+from moeflow.train.settings import TrainSettings
+from moeflow.train.trainer import Trainer
+from moeflow.workflow.keys import training
 
 VOCAB = 97
 SEQ = 32
@@ -53,7 +55,7 @@ def settings(**overrides):
         "routing_guard": {"window_steps": 2, "max_load_ratio": 3.9, "min_load_entropy": 0.1, "max_dead_experts": 4},
         "memory_guard": {"skip_steps": 100},
     }
-    return mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({**base, **overrides}))
+    return typed(TrainSettings, training({**base, **overrides}))
 
 
 def make_trainer(tmp=None, seed=0, **kwargs):
@@ -70,10 +72,10 @@ def run_training_script(
     script: str | os.PathLike, folder: Path, steps: int, kill_at: str | None = None
 ) -> subprocess.CompletedProcess:
     """Run a test file as a training script (``script folder steps``) in a fresh interpreter, SIGKILLed at the
-    kill point ``kill_at`` if given (moeflow.stage.kill_point)."""
+    kill point ``kill_at`` if given (moeflow.runtime.stage.kill_point)."""
     env = dict(os.environ)
     env.pop(KILL_ENV, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "src"), env.get("PYTHONPATH", "")])
     if kill_at:
         env[KILL_ENV] = kill_at
     return subprocess.run(

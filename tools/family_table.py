@@ -21,7 +21,7 @@ import family_checks as C  # noqa: E402
 import torch  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
 
-from moeflow.stage import set_offline  # noqa: E402
+from moeflow.runtime.stage import set_offline  # noqa: E402
 
 TABLE = ROOT / "docs" / "families.md"
 README = ROOT / "README.md"
@@ -40,9 +40,9 @@ of both signs, GPT-OSS's expert and router biases, tied and untied embeddings; f
 - packing: each packed document's outputs equal the document run alone (1e-6 in float64, 1e-4 in float32).
 - routing: the captured routing (logits, chosen experts, gate weights, probabilities) equals a hand reference.
 - exact accumulation: micro-batches accumulated with `exact` balancing give the full batch's gradient.
-- parameter categories: `moeflow.parameters` finds the routers, routed experts, expert biases, shared
+- parameter categories: `moeflow.model.parameters` finds the routers, routed experts, expert biases, shared
   experts and norms of the model.
-- train + reload: two training steps, then `save_pretrained` and `moeflow.modeling.load_model` give the
+- train + reload: two training steps, then `save_pretrained` and `moeflow.model.factory.load_model` give the
   same outputs.
 
 "refused" means the code stops that combination with the error quoted.

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from moeflow.pins import cuda_requirements, pip_requirements  # noqa: E402
+from moeflow.runtime.pins import cuda_requirements, pip_requirements  # noqa: E402
 
 if __name__ == "__main__":
     args = sys.argv[1:]

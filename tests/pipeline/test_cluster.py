@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import copy_workflow, snakemake
 
-from moeflow.config import REPO_ROOT
+from moeflow.settings import REPO_ROOT
 
 pytest.importorskip("snakemake_executor_plugin_slurm")
 

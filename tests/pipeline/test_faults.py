@@ -2,7 +2,7 @@
 
 - ``kill -9`` during coverage, warmup and evaluation (tokenization: tests/test_tokenize.py, training:
   tests/test_train.py): each test stops one stage of a copy of the finished smoke pipeline at a chosen
-  ``moeflow.stage.kill_point``, reruns that stage with ``--rerun-incomplete``, and checks the outputs equal
+  ``moeflow.runtime.stage.kill_point``, reruns that stage with ``--rerun-incomplete``, and checks the outputs equal
   the uninterrupted ones (bytes; the same losses and weights for warmup, which resumes from its checkpoint).
   Coverage and evaluation are killed together with Snakemake (``MOEFLOW_KILL_SCOPE=group``), between two
   of their outputs: the rerun must refuse the half-finished job until told ``--rerun-incomplete``. These
@@ -25,9 +25,11 @@ from pathlib import Path
 import pytest
 from conftest import NOT_REPRODUCED, active_stack, snakemake  # noqa: E402
 
-from moeflow import config as mfconfig  # noqa: E402
-from moeflow.files import DiskFull  # noqa: E402
-from moeflow.stage import KILL_ENV, KILL_SCOPE_ENV  # noqa: E402
+from moeflow.runtime.files import DiskFull  # noqa: E402
+from moeflow.runtime.stage import KILL_ENV, KILL_SCOPE_ENV  # noqa: E402
+from moeflow.settings import REPO_ROOT
+from moeflow.workflow.keys import warmup_key
+from moeflow.workflow.load import load, run_config
 
 SMOKE_ARGS = ("--cores", "2", "--configfile", "config/smoke.yaml")
 
@@ -125,9 +127,9 @@ def test_warmup_killed_after_a_checkpoint_resumes_to_the_same_weights_and_losses
     """A warmup of 4 steps with a checkpoint every 2: killed at step 3, the rerun continues from step 2."""
     overlay = pipeline_copy / "config" / "change.yaml"
     overlay.write_text("train: {warmup_steps: 4, checkpoint_every: 2}\n")
-    cfg = mfconfig.run_config(mfconfig.load(pipeline_copy / "config" / "smoke.yaml", overlay), "moe")
+    cfg = run_config(load(pipeline_copy / "config" / "smoke.yaml", overlay), "moe")
     results = pipeline_copy / "results" / active_stack()
-    folder = results / "warmup" / mfconfig.warmup_key(cfg)
+    folder = results / "warmup" / warmup_key(cfg)
     args = (
         str(folder.relative_to(pipeline_copy)),
         "--cores",
@@ -160,19 +162,19 @@ def test_warmup_killed_after_a_checkpoint_resumes_to_the_same_weights_and_losses
 def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_run(coverage_inputs, tmp_path):  # noqa: F811
     """Killed before its rename, a stage leaves only a hidden temporary (never the output's name); the
     rerun removes it, so a crash does not leave gigabytes behind."""
-    from moeflow.tokenize_stage import tokenize_corpus
+    from moeflow.data.tokenize import tokenize_corpus
 
     root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     out = tmp_path / "data" / "code"
     code = (
-        "from moeflow.tokenize_stage import tokenize_corpus; "
+        "from moeflow.data.tokenize import tokenize_corpus; "
         f"tokenize_corpus('code', {settings!r}, {str(root / 'tokenizer')!r}, {str(out)!r})"
     )
     env = {
         **os.environ,
         KILL_ENV: "tokenize.before_rename",
-        "PYTHONPATH": os.pathsep.join([str(mfconfig.REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
     killed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -191,8 +193,8 @@ def _no_space(path) -> OSError:
 
 
 def test_disk_full_while_writing_a_shard_keeps_the_previous_output(coverage_inputs, tmp_path, monkeypatch):  # noqa: F811
-    from moeflow.shards import SHARD_PATTERN, ShardWriter
-    from moeflow.tokenize_stage import tokenize_corpus
+    from moeflow.data.shards import SHARD_PATTERN, ShardWriter
+    from moeflow.data.tokenize import tokenize_corpus
 
     root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
@@ -229,8 +231,8 @@ def test_disk_full_while_writing_a_shard_keeps_the_previous_output(coverage_inpu
 def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     from tiny_training import losses, make_trainer, settings
 
-    from moeflow import checkpoint_storage
-    from moeflow.checkpoint import latest_checkpoint
+    from moeflow.checkpoint import storage as checkpoint_storage
+    from moeflow.checkpoint.state import latest_checkpoint
 
     whole = make_trainer()
     whole.run()

@@ -9,7 +9,7 @@ import subprocess
 
 from conftest import active_stack
 
-from moeflow.config import REPO_ROOT
+from moeflow.settings import REPO_ROOT
 
 NUMBERS = (
     "tokens_per_s",

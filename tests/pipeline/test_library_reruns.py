@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import SMOKE, active_stack, scheduled_rules, snakemake
 
-from moeflow.imports import PACKAGE_DIR, transitive_imports
+from moeflow.workflow.imports import PACKAGE_DIR, transitive_imports
 
 pytestmark = pytest.mark.pipeline
 MODULES = sorted(p.stem for p in PACKAGE_DIR.glob("*.py"))

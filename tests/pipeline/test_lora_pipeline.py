@@ -60,8 +60,8 @@ def test_a_lora_run_trains_merges_evaluates_and_reruns_only_its_training_on_a_lo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from moeflow.artifacts import read_csv_table
-    from moeflow.lora import REPORT_FILE
+    from moeflow.model.lora import REPORT_FILE
+    from moeflow.paper.tables import read_csv_table
 
     overlay = lora_overlay(pipeline_copy)
     only_the_lora_run(scheduled_jobs(pipeline_copy, overlay))

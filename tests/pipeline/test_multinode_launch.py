@@ -1,4 +1,4 @@
-"""The multi-node launcher on one machine: ``moeflow.scaleout.torchrun_command(python, nodes=2, cpu_ranks=1)``
+"""The multi-node launcher on one machine: ``moeflow.parallel.launch.torchrun_command(python, nodes=2, cpu_ranks=1)``
 run through bash as a SLURM job step would run it, with stand-in ``srun`` (one copy of its command line per
 node, each with its SLURM_NODEID / SLURM_PROCID) and ``scontrol`` (the job's first host: 127.0.0.1). Two
 torchrun agents meet at a c10d rendezvous on 127.0.0.1 and start one gloo rank each: 2 nodes x 1 rank.
@@ -27,13 +27,15 @@ from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, packed_rows  # noqa: E402
 from tiny_training import settings as train_settings  # noqa: E402
 
-from moeflow import distributed as D
-from moeflow.collate import collate
-from moeflow.config import REPO_ROOT, ParallelSettings
-from moeflow.config import settings as typed_settings
-from moeflow.scaleout import torchrun_command
-from moeflow.stage import KILL_ENV
-from moeflow.train import Trainer
+from moeflow.data.collate import collate
+from moeflow.model.loading import load_for_training
+from moeflow.parallel.launch import torchrun_command
+from moeflow.parallel.layouts import is_sharded
+from moeflow.parallel.process_group import check_ranks, gather_objects, init, teardown
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime.stage import KILL_ENV
+from moeflow.settings import REPO_ROOT, typed
+from moeflow.train.trainer import Trainer
 
 RANKS = 2
 STEPS, SAVED_AT = 4, 2
@@ -90,7 +92,7 @@ def launch(command: str, mode: str, model_dir: Path, out: Path, extra_env: dict 
 
 
 def test_two_nodes_of_one_rank_resume_a_one_node_two_rank_checkpoint(tmp_path):
-    from moeflow.modeling import build_model
+    from moeflow.model.factory import build_model
 
     model_dir = tmp_path / "model"
     build_model(tiny_model_cfg(), VOCAB, seed=5).save_pretrained(model_dir)
@@ -128,12 +130,12 @@ def _main(mode: str, model_dir: str, out: str) -> None:
     """``straight``: train STEPS steps on 1 node x 2 ranks, saving a checkpoint after step SAVED_AT;
     ``resume``: on 2 nodes x 1 rank, load that checkpoint and train to STEPS. Rank 0 writes OUT/<mode>.json."""
     torch.set_num_threads(1)
-    ranks = D.init("cpu")
+    ranks = init("cpu")
     nodes = 1 if mode == "straight" else 2
-    parallel = typed_settings(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": RANKS // nodes, "nnodes": nodes})
-    layout = D.check_ranks(parallel, ranks)
+    parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": RANKS // nodes, "nnodes": nodes})
+    layout = check_ranks(parallel, ranks)
     settings = train_settings(steps=STEPS)
-    model = D.load_for_training(model_dir, tiny_model_cfg(), settings, layout, ranks, precision="fp32")
+    model = load_for_training(model_dir, tiny_model_cfg(), settings, layout, ranks, precision="fp32")
     trainer = Trainer(model, settings, packed_rows(), collate_fn=collate, seed=0)
     checkpoint = Path(out) / "checkpoint"
     if mode == "straight":
@@ -145,13 +147,13 @@ def _main(mode: str, model_dir: str, out: str) -> None:
     trainer.run()
     report = {
         "continued_from": continued_from,
-        "sharded": D.is_sharded(trainer.model),
+        "sharded": is_sharded(trainer.model),
         "losses": [(r["step"], r["loss"], r["grad_norm"]) for r in trainer.train_records()],
-        "ranks": D.gather_objects({k: os.environ.get(k) for k in RANK_ENV}),
+        "ranks": gather_objects({k: os.environ.get(k) for k in RANK_ENV}),
     }
     if ranks.is_main:
         (Path(out) / f"{mode}.json").write_text(json.dumps(report))
-    D.teardown()
+    teardown()
 
 
 if __name__ == "__main__":

@@ -27,16 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a torchru
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, packed_rows, settings  # noqa: E402
 
-from moeflow import compat  # noqa: E402
-from moeflow import distributed as D  # noqa: E402
-from moeflow.checkpoint import latest_checkpoint, partial_folder, step_folder  # noqa: E402
-from moeflow.collate import collate  # noqa: E402
-from moeflow.config import REPO_ROOT, ParallelSettings  # noqa: E402
-from moeflow.config import settings as typed_settings  # noqa: E402
-from moeflow.safetensors_files import read_header  # noqa: E402
-from moeflow.scaleout import torchrun_command  # noqa: E402
-from moeflow.stage import KILL_ENV  # noqa: E402
-from moeflow.train import Trainer  # noqa: E402
+from moeflow.checkpoint.safetensors_files import read_header  # noqa: E402
+from moeflow.checkpoint.state import latest_checkpoint, partial_folder, step_folder  # noqa: E402
+from moeflow.data.collate import collate  # noqa: E402
+from moeflow.model.loading import load_for_training
+from moeflow.parallel.launch import torchrun_command  # noqa: E402
+from moeflow.parallel.layouts import full_state_dict
+from moeflow.parallel.process_group import Ranks, init, teardown
+from moeflow.parallel.settings import ParallelSettings  # noqa: E402
+from moeflow.runtime import compat  # noqa: E402
+from moeflow.runtime.stage import KILL_ENV  # noqa: E402
+from moeflow.settings import (
+    REPO_ROOT,  # noqa: E402
+    typed,
+)
+from moeflow.train.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
 
@@ -55,21 +60,21 @@ def train_settings(world: int, **extra):
     )
 
 
-def make_trainer(model_dir: Path, layout: str, ranks: D.Ranks, checkpoint_dir: str | None = None, **extra) -> Trainer:
-    parallel = typed_settings(
+def make_trainer(model_dir: Path, layout: str, ranks: Ranks, checkpoint_dir: str | None = None, **extra) -> Trainer:
+    parallel = typed(
         ParallelSettings,
         {"strategy": layout, "nproc_per_node": ranks.world_size}
         | ({"ep_size": ranks.world_size} if layout == "ep" else {}),
     )
     s = train_settings(ranks.world_size, **extra)
     model_cfg = {**tiny_model_cfg(), "loss_chunk_tokens": CHUNK_TOKENS}
-    model = D.load_for_training(model_dir, model_cfg, s, parallel, ranks, precision="fp32")
+    model = load_for_training(model_dir, model_cfg, s, parallel, ranks, precision="fp32")
     return Trainer(model, s, packed_rows(), collate_fn=collate, seed=0, checkpoint_dir=checkpoint_dir)
 
 
 def whole_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Weights and every optimizer tensor (both AdamW moments, the step) by name, on every rank."""
-    weights, optim = D.full_state_dict(trainer.model, trainer.optimizer)
+    weights, optim = full_state_dict(trainer.model, trainer.optimizer)
     flat = {f"model/{k}": v for k, v in weights.items()}
     flat.update({f"optimizer/{n}/{k}": v for n, s in optim["state"].items() for k, v in s.items()})
     return {k: v.detach().clone().contiguous() for k, v in flat.items()}
@@ -100,7 +105,7 @@ def run_ok(world: int, out: Path, models: dict[str, Path], ops: list[dict]) -> N
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    from moeflow.modeling import build_model
+    from moeflow.model.factory import build_model
 
     root = tmp_path_factory.mktemp("reshard-models")
     folders = {}
@@ -204,7 +209,7 @@ def test_two_ranks_killed_during_a_save_resume_from_the_previous_checkpoint(mode
 # --------------------------------------------------------------------------- the ranks (run by torchrun)
 
 
-def _save(trainer: Trainer, folder: Path, ranks: D.Ranks) -> None:
+def _save(trainer: Trainer, folder: Path, ranks: Ranks) -> None:
     from safetensors.torch import save_file
 
     state = whole_state(trainer)
@@ -213,7 +218,7 @@ def _save(trainer: Trainer, folder: Path, ranks: D.Ranks) -> None:
         save_file(state, str(folder / "state.safetensors"))
 
 
-def _report(trainer: Trainer, folder: Path, ranks: D.Ranks) -> None:
+def _report(trainer: Trainer, folder: Path, ranks: Ranks) -> None:
     record = trainer.train_records()[-1]
     if ranks.is_main:
         (folder / "report.json").write_text(json.dumps({"step": record["step"], "loss": record["loss"]}))
@@ -222,7 +227,7 @@ def _report(trainer: Trainer, folder: Path, ranks: D.Ranks) -> None:
 def _main(out: str, models_json: str, ops_json: str) -> None:
     torch.set_num_threads(1)
     out, models = Path(out), {k: Path(v) for k, v in json.loads(models_json).items()}
-    ranks = D.init("cpu")
+    ranks = init("cpu")
     for op in json.loads(ops_json):
         folder = out / op["name"]
         if op["op"] == "train":  # checkpoint every step, losses of every step
@@ -244,7 +249,7 @@ def _main(out: str, models_json: str, ops_json: str) -> None:
         _save(trainer, folder, ranks)
         trainer.run(until=2)
         _report(trainer, folder, ranks)
-    D.teardown()
+    teardown()
 
 
 if __name__ == "__main__":

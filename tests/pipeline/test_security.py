@@ -24,12 +24,15 @@ from conftest import (  # noqa: E402
 )
 from tiny_models import tiny_model_cfg  # noqa: E402
 
-from moeflow import config as mfconfig  # noqa: E402
-from moeflow import env  # noqa: E402
-from moeflow.modeling import ModelError, build_model, load_model, load_tokenizer  # noqa: E402
-from moeflow.stage import OFFLINE_ENV, Stage  # noqa: E402
+from moeflow.model.factory import build_model, load_model  # noqa: E402
+from moeflow.model.folder import ModelError, load_tokenizer  # noqa: E402
+from moeflow.runtime import env  # noqa: E402
+from moeflow.runtime.stage import OFFLINE_ENV, Stage  # noqa: E402
+from moeflow.settings import REPO_ROOT, ConfigError
+from moeflow.workflow.load import load, run_config
+from moeflow.workflow.merge import run_names
 
-SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
+SMOKE = REPO_ROOT / "config" / "smoke.yaml"
 MARKER = "PAYLOAD_RAN"
 
 
@@ -61,24 +64,24 @@ def saved_model(tmp_path_factory) -> Path:
 
 
 def test_trust_remote_code_is_off_unless_turned_on_for_a_named_model(tmp_path):
-    for cfg in (mfconfig.load(), mfconfig.load(SMOKE)):
-        assert all(not mfconfig.run_config(cfg, run)["model"]["trust_remote_code"] for run in mfconfig.run_names(cfg))
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(SMOKE, overrides={"model": {"trust_remote_code": True}})
+    for cfg in (load(), load(SMOKE)):
+        assert all(not run_config(cfg, run)["model"]["trust_remote_code"] for run in run_names(cfg))
+    with pytest.raises(ConfigError) as err:
+        load(SMOKE, overrides={"model": {"trust_remote_code": True}})
     assert str(err.value) == (
         "invalid configuration: config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may "
         "only be turned on for a named model folder whose code you trust"
     )
-    trusted = mfconfig.load(
+    trusted = load(
         SMOKE, overrides={"runs": {"remote": {"model": {"pretrained": str(tmp_path), "trust_remote_code": True}}}}
     )
-    assert mfconfig.run_config(trusted, "remote")["model"]["trust_remote_code"]
+    assert run_config(trusted, "remote")["model"]["trust_remote_code"]
 
 
 def test_the_verification_report_says_when_trust_remote_code_is_on():
     report = env.collect(
         active_stack(),
-        mfconfig.REPO_ROOT / "envs" / f"{active_stack()}.yaml",
+        REPO_ROOT / "envs" / f"{active_stack()}.yaml",
         trust_remote_code={"moe": False, "remote": True},
     )
     assert report["trust_remote_code"] == {"moe": False, "remote": True}
@@ -158,7 +161,7 @@ def test_every_torch_load_in_the_pipeline_uses_weights_only(tmp_path):
         "import torch\ntorch.load(p)\ntorch.load(p, weights_only=True)\ntorch.load(p, weights_only=False)\n"
     )
     assert _torch_load_calls(probe) == [("probe.py", 2, False), ("probe.py", 3, True), ("probe.py", 4, False)]
-    files = [*(mfconfig.REPO_ROOT / "src").rglob("*.py"), *(mfconfig.REPO_ROOT / "workflow").rglob("*.py")]
+    files = [*(REPO_ROOT / "src").rglob("*.py"), *(REPO_ROOT / "workflow").rglob("*.py")]
     assert len(files) > 20
     assert [call for path in files for call in _torch_load_calls(path) if not call[2]] == []
 
@@ -213,7 +216,7 @@ def test_a_training_checkpoint_with_a_pickle_instead_of_safetensors_is_refused(t
 
 @pytest.mark.pipeline
 def test_the_pipeline_writes_weights_as_safetensors_only(smoke_pipeline):
-    from moeflow.modeling import PICKLE_WEIGHTS
+    from moeflow.model.folder import PICKLE_WEIGHTS
 
     results = smoke_pipeline / "results" / active_stack()
     pickles = [p for pattern in PICKLE_WEIGHTS for p in results.rglob(pattern)]
@@ -256,7 +259,7 @@ def no_network(monkeypatch):
 
 
 def test_loading_models_and_tokenizers_never_reaches_the_network(saved_model, tmp_path, no_network):
-    from moeflow.tokenizer import train_tokenizer
+    from moeflow.data.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
     tokenizer.save_pretrained(saved_model)
@@ -366,16 +369,14 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 def test_a_corpus_name_cannot_lead_outside_the_results_folder():
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(
-            SMOKE, overrides={"data": {"sources": {"../../outside": {"type": "stdlib", "packages": ["json"]}}}}
-        )
+    with pytest.raises(ConfigError) as err:
+        load(SMOKE, overrides={"data": {"sources": {"../../outside": {"type": "stdlib", "packages": ["json"]}}}})
     assert str(err.value) == (
         "invalid configuration: config key 'data.sources.../../outside': corpus names may use letters, digits, '_', "
         "'.', '-' only (the name is a folder under results/)"
     )
-    with pytest.raises(mfconfig.ConfigError, match="config key 'runs.../x': run names may use letters, digits"):
-        mfconfig.load(SMOKE, overrides={"runs": {"../x": {}}})
+    with pytest.raises(ConfigError, match="config key 'runs.../x': run names may use letters, digits"):
+        load(SMOKE, overrides={"runs": {"../x": {}}})
 
 
 def test_every_output_and_log_of_the_workflow_lies_under_the_results_folder(tmp_path):

@@ -4,7 +4,7 @@
   shards it and reads each rank's rows from the folder's files; the gathered weights equal a whole
   ``from_pretrained`` load exactly, for tied and untied embeddings, from one ``model.safetensors`` and
   from an HF-sharded folder (index + several files).
-* ``moeflow.export.save_final_model`` on the sharded model (fsdp; ep on transformers 5) writes an
+* ``moeflow.checkpoint.export.save_final_model`` on the sharded model (fsdp; ep on transformers 5) writes an
   HF-sharded folder that ``from_pretrained`` loads with the ranks' (changed) weights, within
   ``max_shard_size``, and rank 0's writer is fed one gathered tensor at a time.
 """
@@ -25,12 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a torchru
 
 from tiny_models import tiny_model_cfg  # noqa: E402
 
-from moeflow import compat, export
-from moeflow import distributed as D
-from moeflow.config import REPO_ROOT, ParallelSettings, TrainSettings, training
-from moeflow.config import settings as typed_settings
-from moeflow.scaleout import torchrun_command
-from moeflow.stage import KILL_ENV
+from moeflow.checkpoint import export
+from moeflow.model.loading import load_for_training
+from moeflow.parallel.launch import torchrun_command
+from moeflow.parallel.layouts import full_state_dict, is_sharded
+from moeflow.parallel.process_group import Ranks, init, teardown
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime import compat
+from moeflow.runtime.stage import KILL_ENV
+from moeflow.settings import REPO_ROOT, typed
+from moeflow.train.settings import TrainSettings
+from moeflow.workflow.keys import training
 
 RANKS = 2
 VOCAB = 96
@@ -42,7 +47,7 @@ LAYOUTS = ["fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory) -> dict[str, Path]:
     """Tiny qwen3_moe folders: tied and untied embeddings, one file; untied in several files (HF index)."""
-    from moeflow.modeling import build_model
+    from moeflow.model.factory import build_model
 
     root = tmp_path_factory.mktemp("sharded-state")
     folders = {}
@@ -70,7 +75,7 @@ def run_ranks(*args: str) -> None:
 
 
 def whole_load(folder: Path) -> dict[str, torch.Tensor]:
-    from moeflow.modeling import load_model
+    from moeflow.model.factory import load_model
 
     return load_model(folder, tiny_model_cfg()).state_dict()
 
@@ -131,33 +136,33 @@ def test_sharded_export_streams_a_folder_from_pretrained_loads_with_the_trained_
 
 
 def _train_settings() -> TrainSettings:
-    return typed_settings(TrainSettings, training({"steps": 1, "lr": 1e-3}))
+    return typed(TrainSettings, training({"steps": 1, "lr": 1e-3}))
 
 
-def _load(folders: dict[str, str], out: Path, ranks: D.Ranks) -> None:
-    layout = typed_settings(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": RANKS})
+def _load(folders: dict[str, str], out: Path, ranks: Ranks) -> None:
+    layout = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": RANKS})
     for kind, folder in folders.items():
-        model = D.load_for_training(folder, tiny_model_cfg(), _train_settings(), layout, ranks, precision="fp32")
-        assert D.is_sharded(model)
-        weights, _ = D.full_state_dict(model)
+        model = load_for_training(folder, tiny_model_cfg(), _train_settings(), layout, ranks, precision="fp32")
+        assert is_sharded(model)
+        weights, _ = full_state_dict(model)
         if ranks.is_main:
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"{kind}.safetensors"))
 
 
-def _export(job: dict, out: Path, ranks: D.Ranks) -> None:
+def _export(job: dict, out: Path, ranks: Ranks) -> None:
     from safetensors.torch import save_file
 
     section = {"strategy": job["layout"], "nproc_per_node": RANKS} | (
         {"ep_size": RANKS} if job["layout"] == "ep" else {}
     )
-    layout = typed_settings(ParallelSettings, section)
-    model = D.load_for_training(job["model"], tiny_model_cfg(), _train_settings(), layout, ranks, precision="fp32")
+    layout = typed(ParallelSettings, section)
+    model = load_for_training(job["model"], tiny_model_cfg(), _train_settings(), layout, ranks, precision="fp32")
     with torch.no_grad():  # "trained": every weight changed, the same way on every rank
         for p in model.parameters():
             p.mul_(1.5).add_(0.25)
-    trained, _ = D.full_state_dict(model)
+    trained, _ = full_state_dict(model)
     events: list[tuple[str, str]] = []
     gather, write = (export._whole_on_rank0, export._whole), export.ShardedWriter.write
     export._whole_on_rank0 = lambda p, t: (events.append(("gather", t.name)), gather[0](p, t))[1]
@@ -171,9 +176,9 @@ def _export(job: dict, out: Path, ranks: D.Ranks) -> None:
 
 def _main(command: str, job_json: str, out: str) -> None:
     torch.set_num_threads(1)
-    ranks = D.init("cpu")
+    ranks = init("cpu")
     {"load": _load, "export": _export}[command](json.loads(job_json), Path(out), ranks)
-    D.teardown()
+    teardown()
 
 
 if __name__ == "__main__":

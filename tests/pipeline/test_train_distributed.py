@@ -33,14 +33,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a torchru
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, packed_rows  # noqa: E402
 
-from moeflow import compat
-from moeflow import distributed as D
-from moeflow.collate import collate
-from moeflow.config import REPO_ROOT, ParallelSettings, TrainSettings, training
-from moeflow.config import settings as typed_settings
-from moeflow.scaleout import torchrun_command
-from moeflow.stage import KILL_ENV, job_from_argv
-from moeflow.train import Trainer
+from moeflow.data.collate import collate
+from moeflow.model.loading import load_for_training, load_model
+from moeflow.parallel.gradients import full_gradients
+from moeflow.parallel.launch import torchrun_command
+from moeflow.parallel.layouts import full_state_dict, is_sharded
+from moeflow.parallel.process_group import DistributedError, Ranks, check_ranks, gather_objects, init, teardown
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime import compat
+from moeflow.runtime.job import job_from_argv
+from moeflow.runtime.stage import KILL_ENV
+from moeflow.settings import REPO_ROOT, typed
+from moeflow.train.settings import TrainSettings
+from moeflow.train.trainer import Trainer
+from moeflow.workflow.keys import training
 
 RANKS = 2
 MICRO_BATCH = 2
@@ -56,7 +62,7 @@ MODEL_OF_LAYOUT = {"none": "tied", "fsdp": "tied", "ep": "untied"}  # tied: embe
 
 
 def settings(mode: str, accum: int, **extra) -> TrainSettings:
-    return typed_settings(
+    return typed(
         TrainSettings,
         training(
             {
@@ -82,7 +88,7 @@ def settings(mode: str, accum: int, **extra) -> TrainSettings:
 
 def parallel(**section) -> ParallelSettings:
     """The ``parallel`` layout: the keys given, the schema's defaults for the rest."""
-    return typed_settings(ParallelSettings, section)
+    return typed(ParallelSettings, section)
 
 
 def parallel_section(layout: str) -> dict:
@@ -95,19 +101,17 @@ RANK_CHUNK_TOKENS = 24
 REFERENCE_CHUNK_TOKENS = 4096
 
 
-def make_trainer(
-    model_dir, layout: ParallelSettings, ranks: D.Ranks, train_settings: TrainSettings, **kwargs
-) -> Trainer:
+def make_trainer(model_dir, layout: ParallelSettings, ranks: Ranks, train_settings: TrainSettings, **kwargs) -> Trainer:
     """What the stage scripts do: load for the layout, shard, then the Trainer."""
     chunk = REFERENCE_CHUNK_TOKENS if ranks.world_size == 1 else RANK_CHUNK_TOKENS
     model_cfg = {**tiny_model_cfg(), "loss_chunk_tokens": chunk}
-    model = D.load_for_training(model_dir, model_cfg, train_settings, layout, ranks, precision="fp32")
+    model = load_for_training(model_dir, model_cfg, train_settings, layout, ranks, precision="fp32")
     return Trainer(model, train_settings, packed_rows(), collate_fn=collate, seed=0, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory) -> dict[str, Path]:
-    from moeflow.modeling import build_model
+    from moeflow.model.factory import build_model
 
     root = tmp_path_factory.mktemp("train-dist")
     folders = {}
@@ -122,7 +126,7 @@ def saved_models(tmp_path_factory) -> dict[str, Path]:
 def one_process(model_dir: Path) -> dict:
     """One process on the ranks' global batch: per balancing mode the first step's gradients and loss
     terms, and the losses of three steps (as the ranks' straight run)."""
-    ranks = D.init("cpu")
+    ranks = init("cpu")
     out = {}
     for mode, accum in CASES.items():
         # the ranks' micro-batches one after the other (running: the ranks' single micro-batches as one)
@@ -133,7 +137,7 @@ def one_process(model_dir: Path) -> dict:
         )
         trainer = make_trainer(model_dir, parallel(), ranks, same_batch)
         summary = trainer.step_gradients()
-        out[mode] = (D.full_gradients(trainer.model), {k: summary[k] for k in LOSS_TERMS})
+        out[mode] = (full_gradients(trainer.model), {k: summary[k] for k in LOSS_TERMS})
     run = make_trainer(model_dir, parallel(), ranks, settings("running", 1, micro_batch_size=MICRO_BATCH * RANKS))
     run.run()
     out["losses"] = [r["loss"] for r in run.train_records()]
@@ -141,7 +145,7 @@ def one_process(model_dir: Path) -> dict:
     return out
 
 
-def evaluation(model_dir, layout: ParallelSettings, ranks: D.Ranks) -> dict:
+def evaluation(model_dir, layout: ParallelSettings, ranks: Ranks) -> dict:
     """The Trainer's evaluation sums of the saved model over the validation rows (on every rank)."""
     trainer = make_trainer(model_dir, layout, ranks, settings("running", 1), eval_rows=packed_rows(EVAL_ROWS, seed=1))
     stats = trainer.evaluation_stats()
@@ -218,7 +222,7 @@ def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly
 
 
 def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
-    ranks = D.init("cpu")
+    ranks = init("cpu")
     unknown = make_trainer(saved_models["tied"], parallel(), ranks, settings("running", 1, steps=1))
     unknown.run()
     assert unknown.train_records()[-1]["mfu"] is None
@@ -231,9 +235,9 @@ def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
 
 
 def test_lora_on_sharded_ranks_is_refused_naming_the_settings(saved_models):
-    two = D.Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
-    with pytest.raises(D.DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp"):
-        D.load_for_training(
+    two = Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp"):
+        load_for_training(
             saved_models["tied"],
             tiny_model_cfg(),
             settings("running", 1, method="lora"),
@@ -245,16 +249,14 @@ def test_lora_on_sharded_ranks_is_refused_naming_the_settings(saved_models):
 
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
 def test_expert_parallelism_refuses_tied_embeddings(saved_models):
-    with pytest.raises(D.DistributedError, match="tie_word_embeddings.*parallel.strategy: fsdp"):
-        D.load_model(
-            saved_models["tied"], tiny_model_cfg(), parallel(strategy="ep", ep_size=2, nproc_per_node=2), "fp32"
-        )
+    with pytest.raises(DistributedError, match="tie_word_embeddings.*parallel.strategy: fsdp"):
+        load_model(saved_models["tied"], tiny_model_cfg(), parallel(strategy="ep", ep_size=2, nproc_per_node=2), "fp32")
 
 
 def test_ranks_that_differ_from_the_config_are_a_clear_error():
-    one = D.Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    with pytest.raises(D.DistributedError, match="torchrun started 1 rank.*ask for 2"):
-        D.check_ranks(parallel(strategy="none", nproc_per_node=2), one)
+    one = Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(DistributedError, match="torchrun started 1 rank.*ask for 2"):
+        check_ranks(parallel(strategy="none", nproc_per_node=2), one)
 
 
 def test_ranks_share_the_rules_threads_and_only_rank_0_writes_the_log(monkeypatch):
@@ -331,19 +333,19 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
 
     torch.set_num_threads(1)
     out = Path(out)
-    ranks = D.init("cpu")
-    layout = D.check_ranks(parallel(**json.loads(parallel_json)), ranks)
+    ranks = init("cpu")
+    layout = check_ranks(parallel(**json.loads(parallel_json)), ranks)
     report: dict = {"terms": {}, "terms_rank1": {}}
     for mode, accum in CASES.items():
         trainer = make_trainer(model_dir, layout, ranks, settings(mode, accum))
         summary = trainer.step_gradients()
-        grads = D.full_gradients(trainer.model)
-        terms = D.gather_objects({k: summary[k] for k in LOSS_TERMS})
+        grads = full_gradients(trainer.model)
+        terms = gather_objects({k: summary[k] for k in LOSS_TERMS})
         report["terms"][mode], report["terms_rank1"][mode] = terms
         if ranks.is_main:
             save_file({k: v.contiguous() for k, v in grads.items()}, str(out / f"grads-{mode}.safetensors"))
-    report["sharded"] = D.is_sharded(trainer.model)
-    report["eval"] = D.gather_objects(evaluation(model_dir, layout, ranks))
+    report["sharded"] = is_sharded(trainer.model)
+    report["eval"] = gather_objects(evaluation(model_dir, layout, ranks))
 
     with_peak = settings("running", 1, checkpoint_every=1, peak_flops_per_s=1e12)
     straight = make_trainer(model_dir, layout, ranks, with_peak, checkpoint_dir=out / "checkpoints")
@@ -353,7 +355,7 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
     continued_from = resumed.step
     resumed.run()
     last = lambda t: [(r["step"], r["loss"], r["grad_norm"]) for r in t.train_records()]  # noqa: E731
-    weights = [D.full_state_dict(t.model)[0] for t in (straight, resumed)]
+    weights = [full_state_dict(t.model)[0] for t in (straight, resumed)]
     report["resume"] = {
         "continued_from": continued_from,
         "straight": last(straight),
@@ -365,7 +367,7 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
     report["mfu"], report["flops_per_s"] = record["mfu"], record["flops_per_s"]
     if ranks.is_main:
         (out / "report.json").write_text(json.dumps(report))
-    D.teardown()
+    teardown()
 
 
 if __name__ == "__main__":

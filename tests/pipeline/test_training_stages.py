@@ -14,16 +14,18 @@ import torch
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import packed_rows  # noqa: E402
 
-from moeflow import config as mfconfig
-from moeflow.experts_choice import choice_record, measure
-from moeflow.files import write_json
-from moeflow.modeling import build_model
-from moeflow.stage import KILL_ENV
+from moeflow.model.experts_choice import choice_record, measure
+from moeflow.model.factory import build_model
+from moeflow.runtime.files import write_json
+from moeflow.runtime.stage import KILL_ENV
+from moeflow.settings import REPO_ROOT
+from moeflow.workflow.keys import train_model_settings, warmup_settings
+from moeflow.workflow.load import load, run_config
 
 # --------------------------------------------------------------------------- the stage scripts
 
 
-SCRIPTS = mfconfig.REPO_ROOT / "workflow" / "scripts"
+SCRIPTS = REPO_ROOT / "workflow" / "scripts"
 TORCHRUN = [
     sys.executable,
     "-m",
@@ -40,8 +42,8 @@ TORCHRUN = [
 def stage_inputs(tmp_path_factory):
     """A saved base model with its tokenizer, a fine-tuning corpus and a validation set, on disk in the
     formats the upstream stages write."""
-    from moeflow.shards import write_split
-    from moeflow.tokenizer import train_tokenizer
+    from moeflow.data.shards import write_split
+    from moeflow.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("stage")
     texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
@@ -67,7 +69,7 @@ def run_stage_script(script, root, rule, inputs, outputs, params, torchrun=False
         "params": params,
     }
     args = [str(SCRIPTS / script), "--job", json.dumps(job), "--threads", "1", "--log-file", str(root / f"{rule}.log")]
-    env = {**os.environ, "PYTHONPATH": str(mfconfig.REPO_ROOT / "src"), "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "PYTHONSAFEPATH": "1"}
     env.pop(KILL_ENV, None)
     command = TORCHRUN + args if torchrun else [sys.executable] + args
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
@@ -87,13 +89,13 @@ def fine_tune_settings(**train):
         "routing_guard": {"window_steps": 2, "max_load_ratio": 3.9, "min_load_entropy": 0.2, "max_dead_experts": 2},
         **train,
     }
-    cfg = mfconfig.run_config(mfconfig.load(overrides={"model": tiny_model_cfg(), "train": section}), "moe")
-    return mfconfig.warmup_settings(cfg), mfconfig.train_model_settings(cfg)
+    cfg = run_config(load(overrides={"model": tiny_model_cfg(), "train": section}), "moe")
+    return warmup_settings(cfg), train_model_settings(cfg)
 
 
 def fine_tune_model() -> dict:
     """The model section of :func:`fine_tune_settings`' run (rule choose_experts's choice is made for it)."""
-    return mfconfig.run_config(mfconfig.load(overrides={"model": tiny_model_cfg()}), "moe")["model"]
+    return run_config(load(overrides={"model": tiny_model_cfg()}), "moe")["model"]
 
 
 def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_path):

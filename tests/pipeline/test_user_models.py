@@ -14,9 +14,9 @@ import yaml
 from conftest import active_stack, copy_workflow, results, snakemake
 from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, model_config
 
-from moeflow import compat
-from moeflow.modeling import build_model
-from moeflow.tokenizer import train_tokenizer
+from moeflow.data.tokenizer import train_tokenizer
+from moeflow.model.factory import build_model
+from moeflow.runtime import compat
 
 pytestmark = pytest.mark.pipeline
 

@@ -10,12 +10,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeflow import artifacts as A
-from moeflow import config as mfconfig
-from moeflow.eval_loop import SetStats
-from moeflow.eval_results import RunResults, read_run_results
-from moeflow.evaluate import EvalSet, run_metrics
-from moeflow.files import write_json
+from moeflow.evaluation.loop import SetStats
+from moeflow.evaluation.run_metrics import EvalSet, run_metrics
+from moeflow.paper.build import (
+    balance_table,
+    comparison_table,
+    drift_table,
+    expert_table,
+    final_metrics_table,
+    forgetting_table,
+    humaneval_table,
+    lm_eval_table,
+    method_table,
+    paper_outputs,
+    write_paper,
+)
+from moeflow.paper.eval_results import RunResults, read_run_results
+from moeflow.paper.figures import drift_figure, expert_load_figure, loss_figure, save_figure
+from moeflow.paper.inputs import RunRecord, read_train_log
+from moeflow.paper.provenance import provenance_line, provenance_record, sha256_file, stage_provenance
+from moeflow.paper.tables import TABLE_FORMATS, as_dict_rows, cell, latex_escape, read_csv_table, write_table
+from moeflow.runtime.files import write_json
+from moeflow.settings import with_defaults
 
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
 
@@ -50,9 +66,9 @@ def metrics_for(run: str, moe: bool, seed: int) -> dict:
 
 
 def train_log(path: Path, moe: bool, steps: int = 12) -> Path:
-    """A metrics.jsonl as training writes it (``moeflow.metrics.MetricsLog``)."""
-    from moeflow.guards import layer_health
-    from moeflow.metrics import MetricsLog
+    """A metrics.jsonl as training writes it (``moeflow.train.metrics.MetricsLog``)."""
+    from moeflow.train.guards import layer_health
+    from moeflow.train.metrics import MetricsLog
 
     log = MetricsLog(path)
     rng = np.random.default_rng(0)
@@ -88,9 +104,9 @@ def train_log(path: Path, moe: bool, steps: int = 12) -> Path:
 
 def test_final_metrics_table_matches_the_metrics(tmp_path):
     evals = {"moe": metrics_for("moe", True, 0), "dense": metrics_for("dense", False, 100)}
-    table = A.final_metrics_table(evals)
-    A.write_table(table, tmp_path, "provenance test")
-    columns, rows = A.read_csv_table(tmp_path / "final_metrics.csv")
+    table = final_metrics_table(evals)
+    write_table(table, tmp_path, "provenance test")
+    columns, rows = read_csv_table(tmp_path / "final_metrics.csv")
     assert len(rows) == 6
     for row in (dict(zip(columns, r)) for r in rows):
         s = next(x for x in evals[row["run"]]["sets"] if x["name"] == row["set"])
@@ -104,12 +120,12 @@ def test_final_metrics_table_matches_the_metrics(tmp_path):
     tex = (tmp_path / "final_metrics.tex").read_text()
     for r in rows:  # the same digits in every format
         assert "| " + " | ".join(r) + " |" in md
-        assert " & ".join(A.latex_escape(c) for c in r) + " \\\\" in tex
+        assert " & ".join(latex_escape(c) for c in r) + " \\\\" in tex
 
 
 def test_expert_and_balance_tables_match_the_metrics():
     evals = {"moe": metrics_for("moe", True, 0), "dense": metrics_for("dense", False, 100)}
-    experts = A.as_dict_rows(A.expert_table(evals))
+    experts = as_dict_rows(expert_table(evals))
     assert len(experts) == LAYERS * EXPERTS  # the dense run has no experts
     valset = evals["moe"]["sets"][0]
     for row in experts:
@@ -120,7 +136,7 @@ def test_expert_and_balance_tables_match_the_metrics():
             assert (layer, e) == (1, 3) and row["fine-tuned loss"] == "n/a"
         else:
             assert float(row["fine-tuned loss"]) == pytest.approx(expected, abs=5e-5)
-    balance = A.as_dict_rows(A.balance_table(evals))
+    balance = as_dict_rows(balance_table(evals))
     dead = {(r["layer"], r["model"]): int(r["dead experts"]) for r in balance}
     assert dead[("1", "base")] == 1 and dead[("1", "finetuned")] == 1 and dead[("0", "base")] == 0
 
@@ -128,23 +144,23 @@ def test_expert_and_balance_tables_match_the_metrics():
 def test_tables_are_byte_identical_for_the_same_inputs(tmp_path):
     for attempt in ("a", "b"):
         evals = {"moe": metrics_for("moe", True, 0), "dense": metrics_for("dense", False, 100)}
-        A.write_table(A.final_metrics_table(evals), tmp_path / attempt, "p")
-        A.write_table(A.expert_table(evals), tmp_path / attempt, "p")
+        write_table(final_metrics_table(evals), tmp_path / attempt, "p")
+        write_table(expert_table(evals), tmp_path / attempt, "p")
     for name in ("final_metrics", "experts"):
-        for ext in A.TABLE_FORMATS:
+        for ext in TABLE_FORMATS:
             assert (tmp_path / "a" / f"{name}.{ext}").read_bytes() == (tmp_path / "b" / f"{name}.{ext}").read_bytes()
 
 
 def test_cells_and_latex_escaping():
-    assert A.cell(None) == "n/a" and A.cell(float("nan")) == "n/a"
-    assert A.cell(True) == "yes" and A.cell(3) == "3"
-    assert A.cell(2.0) == "2.0000" and A.cell(2.0, 2) == "2.00"
-    assert A.cell(1234567.0) == "1234567"
-    assert A.latex_escape("test/general_50% & #1") == r"test/general\_50\% \& \#1"
+    assert cell(None) == "n/a" and cell(float("nan")) == "n/a"
+    assert cell(True) == "yes" and cell(3) == "3"
+    assert cell(2.0) == "2.0000" and cell(2.0, 2) == "2.00"
+    assert cell(1234567.0) == "1234567"
+    assert latex_escape("test/general_50% & #1") == r"test/general\_50\% \& \#1"
 
 
 def test_training_log_is_read_by_step_with_cumulative_tokens(tmp_path):
-    log = A.read_train_log(train_log(tmp_path / "run", moe=True))
+    log = read_train_log(train_log(tmp_path / "run", moe=True))
     assert log.steps == list(range(1, 13))
     assert log.tokens[-1] == 12 * 2048
     assert log.val_steps == [4, 8, 12] and log.val_tokens == [4 * 2048, 8 * 2048, 12 * 2048]
@@ -153,16 +169,16 @@ def test_training_log_is_read_by_step_with_cumulative_tokens(tmp_path):
 
 def test_comparison_table_reports_both_runs_and_their_ratios(tmp_path):
     records = [
-        A.RunRecord(
+        RunRecord(
             run,
             metrics_for(run, moe, seed),
             {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": mem * 2**20},
-            A.read_train_log(train_log(tmp_path / run, moe)),
+            read_train_log(train_log(tmp_path / run, moe)),
             {"max_rss_mib": mem},
         )
         for run, moe, seed, tps, mem in (("moe", True, 0, 5000.0, 800.0), ("dense", False, 100, 10000.0, 600.0))
     ]
-    rows = A.as_dict_rows(A.comparison_table(records, "moe"))
+    rows = as_dict_rows(comparison_table(records, "moe"))
     assert [r["run"] for r in rows] == ["moe", "dense", "dense / moe"]
     assert rows[0]["train tokens/s"] == "9000" and rows[1]["train tokens/s"] == "12000"
     assert (
@@ -175,16 +191,17 @@ def test_comparison_table_reports_both_runs_and_their_ratios(tmp_path):
 
 
 def training_report(method: str, trainable: int, total: int) -> dict:
-    """adapter/trainable_parameters.json as moeflow.lora.save_adapter_output writes it (the fields the table reads)."""
+    """adapter/trainable_parameters.json as moeflow.model.lora.save_adapter_output writes it (the fields the table
+    reads)."""
     return {"method": method, "trainable": trainable, "total": total, "trainable_fraction": trainable / total}
 
 
 def test_lora_vs_full_table_compares_every_run_at_the_same_tokens(tmp_path):
-    full_log = A.read_train_log(train_log(tmp_path / "moe", moe=True, steps=12))
-    lora_log = A.read_train_log(train_log(tmp_path / "lora", moe=True, steps=8))  # a shorter run
+    full_log = read_train_log(train_log(tmp_path / "moe", moe=True, steps=12))
+    lora_log = read_train_log(train_log(tmp_path / "lora", moe=True, steps=8))  # a shorter run
     lora_log.tokens_per_s = [15000.0] * len(lora_log.tokens_per_s)
     records = [
-        A.RunRecord(
+        RunRecord(
             "moe",
             metrics_for("moe", True, 0),
             {},
@@ -192,7 +209,7 @@ def test_lora_vs_full_table_compares_every_run_at_the_same_tokens(tmp_path):
             {"max_rss_mib": 900.0},
             training_report("full", 10**6, 10**6),
         ),
-        A.RunRecord(
+        RunRecord(
             "lora",
             metrics_for("lora", True, 7),
             {},
@@ -201,7 +218,7 @@ def test_lora_vs_full_table_compares_every_run_at_the_same_tokens(tmp_path):
             training_report("lora", 40_000, 1_040_000),
         ),
     ]
-    rows = A.as_dict_rows(A.method_table(records, "moe"))
+    rows = as_dict_rows(method_table(records, "moe"))
     assert [r["run"] for r in rows] == ["moe", "lora", "lora / moe"]
     assert [r["method"] for r in rows[:2]] == ["full", "lora"]
     assert (
@@ -224,10 +241,10 @@ def test_lora_vs_full_table_compares_every_run_at_the_same_tokens(tmp_path):
 
 
 def test_figures_are_byte_stable_and_carry_provenance(tmp_path):
-    log = A.read_train_log(train_log(tmp_path / "run", moe=True))
+    log = read_train_log(train_log(tmp_path / "run", moe=True))
     for attempt in ("a", "b"):
-        A.save_figure(A.expert_load_figure("moe", log), tmp_path / attempt, "load", "moeflow provenance xyz")
-        A.save_figure(A.loss_figure({"moe": log}), tmp_path / attempt, "loss", "moeflow provenance xyz")
+        save_figure(expert_load_figure("moe", log), tmp_path / attempt, "load", "moeflow provenance xyz")
+        save_figure(loss_figure({"moe": log}), tmp_path / attempt, "loss", "moeflow provenance xyz")
     for name in ("load.png", "load.pdf", "loss.png", "loss.pdf"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     from PIL import Image
@@ -241,21 +258,21 @@ def test_provenance_record_names_code_config_environment_and_data(tmp_path):
     write_json(env, {"stack": "pinned"})
     manifest = tmp_path / "manifest.json"
     write_json(manifest, {"corpus": "general"})
-    stages = A.stage_provenance(
+    stages = stage_provenance(
         {"evaluate/moe": {"provenance": {"moeflow_code": "abc", "stage": "evaluate_run"}}, "plain": {"x": 1}}
     )
-    record = A.provenance_record({"seed": 1}, stages, env, {"general": manifest})
+    record = provenance_record({"seed": 1}, stages, env, {"general": manifest})
     assert record["code_versions"] == ["abc"] and list(record["stages"]) == ["evaluate/moe"]
-    assert record["data_manifests"]["general"] == A.sha256_file(manifest)[:16]
-    line = A.provenance_line(record)
+    assert record["data_manifests"]["general"] == sha256_file(manifest)[:16]
+    line = provenance_line(record)
     assert record["config_hash"] in line and "abc" in line
-    assert A.provenance_record({"seed": 2}, stages, env, {"general": manifest})["config_hash"] != record["config_hash"]
+    assert provenance_record({"seed": 2}, stages, env, {"general": manifest})["config_hash"] != record["config_hash"]
 
 
 def coverage_json() -> dict:
     """coverage.json as the coverage stage writes it, from synthetic routing of 60 documents."""
-    from moeflow.coverage import build_constraints, coverage_report, select_documents
-    from moeflow.pool_stats import StatsCollector
+    from moeflow.coverage.cover import build_constraints, coverage_report, select_documents
+    from moeflow.model.routing_stats import StatsCollector
 
     rng = np.random.default_rng(0)
     collector = StatsCollector(list(range(LAYERS)), EXPERTS, TOP_K)
@@ -271,7 +288,7 @@ def coverage_json() -> dict:
     return coverage_report(stats, constraints, selection, settings, 0)[0]
 
 
-EXPERTS_TIMINGS = {  # a choose_experts timings file (moeflow.experts_choice.measure)
+EXPERTS_TIMINGS = {  # a choose_experts timings file (moeflow.model.experts_choice.measure)
     "configured": "auto",
     "device": "cpu",
     "precision": "fp32",
@@ -309,18 +326,18 @@ def write_paper_inputs(tmp_path: Path):
     manifest = tmp_path / "manifest.json"
     write_json(manifest, {"corpus": "target", "provenance": {"stage": "tokenize", "moeflow_code": "c0de"}})
     records = {
-        run: A.RunRecord(
+        run: RunRecord(
             run,
             metrics_for(run, moe, seed) | {"provenance": {"stage": "evaluate_run", "moeflow_code": "c0de"}},
             {"finetuned": {"tokens_per_s": tps}, "peak_memory_bytes": 700 * 2**20},
-            A.read_train_log(train_log(tmp_path / run, moe)),
+            read_train_log(train_log(tmp_path / run, moe)),
             {"max_rss_mib": 900.0},
             training_report("full", total, total),
             results_for(tmp_path, run, drift=moe),  # the dense run: lm-eval and HumanEval, no drift
         )
         for run, moe, seed, tps, total in (("moe", True, 0, 5000.0, 1_000_000), ("dense", False, 100, 9000.0, 600_000))
     }
-    config = mfconfig.with_defaults(
+    config = with_defaults(
         {
             "threads": 2,
             "precision": "fp32",
@@ -348,28 +365,28 @@ def test_write_paper_makes_every_artifact_reproducibly_with_provenance(tmp_path)
     inputs = write_paper_inputs(tmp_path)
     outputs = {}
     for attempt in ("a", "b"):
-        artifacts = A.write_paper(tmp_path / attempt, **inputs)
-        expected = set(A.paper_outputs(str(tmp_path / attempt)).values())
+        artifacts = write_paper(tmp_path / attempt, **inputs)
+        expected = set(paper_outputs(str(tmp_path / attempt)).values())
         assert {str(p) for p in artifacts} | {str(tmp_path / attempt / "provenance.json")} == expected
         outputs[attempt] = {Path(p).relative_to(tmp_path / attempt).as_posix(): Path(p).read_bytes() for p in expected}
     assert outputs["a"] == outputs["b"]  # tables, figures and provenance: byte-identical
     provenance = json.loads(outputs["a"]["provenance.json"])
     assert provenance["code_versions"] == ["c0de"]
     assert set(provenance["stages"]) == {"evaluate/moe", "tokenize/target"}
-    assert provenance["artifacts"]["tables/moe_vs_dense.csv"] == A.sha256_file(
+    assert provenance["artifacts"]["tables/moe_vs_dense.csv"] == sha256_file(
         tmp_path / "a" / "tables" / "moe_vs_dense.csv"
     )
-    line = A.provenance_line({k: v for k, v in provenance.items() if k != "artifacts"})
+    line = provenance_line({k: v for k, v in provenance.items() if k != "artifacts"})
     for name, blob in outputs["a"].items():
         if name.endswith((".csv", ".md", ".tex")):
             assert line in blob.decode(), name
-    columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "moe_vs_dense.csv")
+    columns, rows = read_csv_table(tmp_path / "a" / "tables" / "moe_vs_dense.csv")
     assert [r[0] for r in rows] == ["moe", "dense", "dense / moe"]
-    columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "lora_vs_full.csv")
+    columns, rows = read_csv_table(tmp_path / "a" / "tables" / "lora_vs_full.csv")
     assert [r[:2] for r in rows] == [["moe", "full"], ["dense", "full"]]  # every run; no ratio row without a LoRA run
-    columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "forgetting.csv")
+    columns, rows = read_csv_table(tmp_path / "a" / "tables" / "forgetting.csv")
     assert [r[0] for r in rows] == ["moe", "dense"] and "moeflow_body_choice acc change" in columns
-    columns, rows = A.read_csv_table(tmp_path / "a" / "tables" / "routing_drift.csv")
+    columns, rows = read_csv_table(tmp_path / "a" / "tables" / "routing_drift.csv")
     assert [r[:2] for r in rows] == [["moe", "0"], ["moe", "1"]]
 
 
@@ -399,7 +416,7 @@ def humaneval_result(greedy: float, sampled: dict) -> dict:
 
 def drift_json() -> dict:
     """drift.json as the routing_drift stage writes it, from hand-made routings of 4 tokens."""
-    from moeflow.drift import LayerTokens, drift_record
+    from moeflow.evaluation.drift import LayerTokens, drift_record
 
     same = LayerTokens(1, EXPERTS, np.array([[0, 1]] * 4), 2.0)
     base = [LayerTokens(0, EXPERTS, np.array([[0, 1], [0, 1], [2, 3], [0, 2]]), 4.0), same]
@@ -431,13 +448,13 @@ def results_for(tmp_path: Path, run: str, **what) -> RunResults:
     return read_run_results("general", "target", **write_results(tmp_path / run, **what))
 
 
-def full_record(tmp_path: Path, run: str, moe: bool, seed: int, **what) -> A.RunRecord:
+def full_record(tmp_path: Path, run: str, moe: bool, seed: int, **what) -> RunRecord:
     """A run's record with everything the comparison tables read, and its result files (``write_results``)."""
-    return A.RunRecord(
+    return RunRecord(
         run,
         metrics_for(run, moe, seed),
         {"finetuned": {"tokens_per_s": 1000.0}, "peak_memory_bytes": 2**20},
-        A.read_train_log(train_log(tmp_path / run, moe)),
+        read_train_log(train_log(tmp_path / run, moe)),
         {"max_rss_mib": 100.0},
         training_report("full", 10**6, 10**6),
         results_for(tmp_path, run, **what),
@@ -446,7 +463,7 @@ def full_record(tmp_path: Path, run: str, moe: bool, seed: int, **what) -> A.Run
 
 def test_lm_eval_and_humaneval_tables_hold_the_result_files_numbers(tmp_path):
     record = full_record(tmp_path, "moe", True, 0)
-    rows = A.as_dict_rows(A.lm_eval_table([record]))
+    rows = as_dict_rows(lm_eval_table([record]))
     assert [(r["task"], r["metric"]) for r in rows] == [
         ("moeflow_perplexity", "token_perplexity"),
         ("moeflow_body_choice", "acc"),
@@ -454,7 +471,7 @@ def test_lm_eval_and_humaneval_tables_hold_the_result_files_numbers(tmp_path):
     assert rows[0]["base"] == "30.0000" and rows[0]["fine-tuned"] == "29.5000" and rows[0]["change"] == "-0.5000"
     assert rows[0]["base stderr"] == "n/a" and rows[1]["base stderr"] == "0.0400" and rows[1]["samples"] == "40"
     assert rows[1]["fine-tuned stderr"] == "0.0900"
-    rows = A.as_dict_rows(A.humaneval_table([record]))
+    rows = as_dict_rows(humaneval_table([record]))
     assert [r["measure"] for r in rows] == ["greedy pass@1", "sampled pass@1", "sampled pass@2", "sampled pass@10"]
     assert [r["change"] for r in rows] == ["0.2500", "0.2000", "0.2000", "0.3000"] and rows[0]["problems"] == "4"
 
@@ -464,8 +481,8 @@ def test_forgetting_table_sets_the_general_slice_beside_the_target(tmp_path):
         full_record(tmp_path, "moe", True, 0),
         full_record(tmp_path, "dense", False, 100, tasks=(), humaneval=False, drift=False),
     ]
-    table = A.forgetting_table(records)
-    rows = A.as_dict_rows(table)
+    table = forgetting_table(records)
+    rows = as_dict_rows(table)
     assert table.columns == [
         "run",
         "general set",
@@ -497,18 +514,18 @@ def test_without_tasks_or_humaneval_their_columns_are_absent(tmp_path):
         full_record(tmp_path, "moe", True, 0, tasks=(), humaneval=False),
         full_record(tmp_path, "dense", False, 100, tasks=(), humaneval=False, drift=False),
     ]
-    for table in (A.forgetting_table(records), A.comparison_table(records, "moe"), A.method_table(records, "moe")):
+    for table in (forgetting_table(records), comparison_table(records, "moe"), method_table(records, "moe")):
         assert "general loss change" in table.columns and "target loss change" in table.columns, table.name
         assert not [c for c in table.columns if "HumanEval" in c or "moeflow_" in c], table.name
-    assert A.lm_eval_table(records).rows == [] and A.humaneval_table(records).rows == []
+    assert lm_eval_table(records).rows == [] and humaneval_table(records).rows == []
 
 
 def test_comparison_tables_gain_the_forgetting_columns(tmp_path):
     records = [full_record(tmp_path, "moe", True, 0), full_record(tmp_path, "dense", False, 100, drift=False)]
-    forgetting = {r["run"]: r for r in A.as_dict_rows(A.forgetting_table(records))}
-    for table in (A.comparison_table(records, "moe"), A.method_table(records, "moe")):
-        rows = A.as_dict_rows(table)
-        for column in [c for c in A.forgetting_table(records).columns if c.endswith(" change")]:
+    forgetting = {r["run"]: r for r in as_dict_rows(forgetting_table(records))}
+    for table in (comparison_table(records, "moe"), method_table(records, "moe")):
+        rows = as_dict_rows(table)
+        for column in [c for c in forgetting_table(records).columns if c.endswith(" change")]:
             assert column in table.columns, (table.name, column)
             assert [r[column] for r in rows[:2]] == [forgetting["moe"][column], forgetting["dense"][column]]
             assert all(r[column] == "" for r in rows[2:])  # no ratios of changes
@@ -516,7 +533,7 @@ def test_comparison_tables_gain_the_forgetting_columns(tmp_path):
 
 def test_drift_table_and_figure_from_drift_json(tmp_path):
     record, dense = full_record(tmp_path, "moe", True, 0), full_record(tmp_path, "dense", False, 100, drift=False)
-    rows = A.as_dict_rows(A.drift_table([record, dense]))  # the dense run has no rows
+    rows = as_dict_rows(drift_table([record, dense]))  # the dense run has no rows
     assert [(r["run"], r["layer"]) for r in rows] == [("moe", "0"), ("moe", "1")]
     # layer 0: loads (3, 2, 2, 1)/8 -> (1, 3, 2, 2)/8: expert 0 lost more than half, expert 3 doubled, expert 1
     # rose by exactly half (not more); two of four tokens changed their set
@@ -528,7 +545,7 @@ def test_drift_table_and_figure_from_drift_json(tmp_path):
     assert rows[0]["entropy change"] == "-0.2500" and rows[0]["tokens"] == "4"
     assert rows[1]["JS divergence"] == "0.0000" and rows[1]["gained"] == rows[1]["lost"] == "none"
     for attempt in ("a", "b"):
-        A.save_figure(A.drift_figure([record, dense]), tmp_path / attempt, "drift", "moeflow provenance xyz")
-        A.save_figure(A.drift_figure([dense]), tmp_path / attempt, "no_drift", "moeflow provenance xyz")
+        save_figure(drift_figure([record, dense]), tmp_path / attempt, "drift", "moeflow provenance xyz")
+        save_figure(drift_figure([dense]), tmp_path / attempt, "no_drift", "moeflow provenance xyz")
     for name in ("drift.png", "drift.pdf", "no_drift.png"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name

@@ -10,19 +10,21 @@ from pathlib import Path
 import pytest
 from conftest import run_coverage_stage
 
-from moeflow import config as mfconfig
-from moeflow.coverage import CoverageInfeasible, infeasible_message
-from moeflow.modeling import ModelError, build_model, check_vocabulary, load_model, load_tokenizer
-from moeflow.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
-from moeflow.valset import StageOutputs, build_valset
+from moeflow.coverage.build import StageOutputs, build_valset
+from moeflow.coverage.cover import CoverageInfeasible, infeasible_message
+from moeflow.model.factory import build_model, load_model
+from moeflow.model.folder import ModelError, check_vocabulary, load_tokenizer
+from moeflow.model.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
+from moeflow.settings import REPO_ROOT, ConfigError
+from moeflow.workflow.load import load
 
-SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
+SMOKE = REPO_ROOT / "config" / "smoke.yaml"
 SUPPORTED = ", ".join(sorted(FAMILIES))
 
 
 def config_error(**overrides) -> str:
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(SMOKE, overrides=overrides)
+    with pytest.raises(ConfigError) as err:
+        load(SMOKE, overrides=overrides)
     return str(err.value)
 
 
@@ -170,7 +172,7 @@ def test_a_tokenizer_larger_than_the_model_vocabulary(coverage_inputs):  # noqa:
 
 
 def test_an_empty_held_out_pool(coverage_inputs, tmp_path):  # noqa: F811
-    from moeflow.tokenize_stage import tokenize_corpus
+    from moeflow.data.tokenize import tokenize_corpus
 
     root, model_cfg = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
@@ -202,7 +204,7 @@ def test_an_empty_held_out_pool(coverage_inputs, tmp_path):  # noqa: F811
 
 
 def test_a_held_out_pool_too_small_for_the_constraints(coverage_inputs, tmp_path):  # noqa: F811
-    from moeflow.shards import open_split, read_documents
+    from moeflow.data.shards import open_split, read_documents
 
     root, model_cfg = coverage_inputs
     docs = len(dict(read_documents(open_split(root / "code", "heldout"))))

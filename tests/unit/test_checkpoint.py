@@ -20,18 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training_script, settings  # noqa: E402
 
-from moeflow import distributed as D  # noqa: E402
-from moeflow.checkpoint import CheckpointError, latest_checkpoint, partial_folder, step_folder  # noqa: E402
-from moeflow.checkpoint_storage import ShardWriter  # noqa: E402
-from moeflow.collate import collate  # noqa: E402
-from moeflow.modeling import build_model  # noqa: E402
-from moeflow.safetensors_files import read_header  # noqa: E402
-from moeflow.train import Trainer  # noqa: E402
+from moeflow.checkpoint.safetensors_files import read_header  # noqa: E402
+from moeflow.checkpoint.state import CheckpointError, latest_checkpoint, partial_folder, step_folder  # noqa: E402
+from moeflow.checkpoint.storage import ShardWriter  # noqa: E402
+from moeflow.data.collate import collate  # noqa: E402
+from moeflow.model.factory import build_model  # noqa: E402
+from moeflow.parallel.layouts import full_state_dict
+from moeflow.train.trainer import Trainer  # noqa: E402
 
 
 def whole_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Weights and every optimizer tensor (both AdamW moments and the step) by name."""
-    weights, optim = D.full_state_dict(trainer.model, trainer.optimizer)
+    weights, optim = full_state_dict(trainer.model, trainer.optimizer)
     flat = {f"model/{k}": v for k, v in weights.items()}
     flat.update({f"optimizer/{n}/{k}": v for n, s in optim["state"].items() for k, v in s.items()})
     return flat

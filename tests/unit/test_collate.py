@@ -10,8 +10,7 @@ import pytest
 import torch
 from tiny_models import WINDOW, build_family, tiny_model_cfg
 
-from moeflow import compat
-from moeflow.collate import (
+from moeflow.data.collate import (
     PackingUnsupported,
     block_causal_mask,
     collate,
@@ -19,8 +18,9 @@ from moeflow.collate import (
     model_inputs,
     packed_attention_mask,
 )
-from moeflow.modeling import build_model
-from moeflow.packing import pack_documents
+from moeflow.data.packing import pack_documents
+from moeflow.model.factory import build_model
+from moeflow.runtime import compat
 
 VOCAB = 64
 

@@ -7,36 +7,58 @@ import json
 
 import pytest
 
-from moeflow import config as mfconfig
+from moeflow.settings import REPO_ROOT, ConfigError, _resolved, enum, plain, schema, typed, with_defaults
+from moeflow.train.settings import (
+    BalanceSettings,
+    LoraSettings,
+    PretrainStage,
+    RoutingThresholds,
+    TrainModelStage,
+    TrainSettings,
+    WarmupStage,
+)
+from moeflow.workflow.keys import (
+    base_model_settings,
+    coverage_key,
+    data_key,
+    stable_hash,
+    tokenizer_key,
+    train_model_settings,
+    train_settings,
+    training,
+    warmup_settings,
+)
+from moeflow.workflow.load import load, resolve_stack, run_config
+from moeflow.workflow.merge import resolved_precision, run_names
 
-SMOKE = mfconfig.REPO_ROOT / "config" / "smoke.yaml"
+SMOKE = REPO_ROOT / "config" / "smoke.yaml"
 
 
 def optional_keys_without_default(node, path=""):
     """Keys the schema lets a config leave out but gives no default (a source's keys per kind count)."""
-    node = mfconfig._resolved(node)
+    node = _resolved(node)
     branches = [(node.get(b) or {}).get("properties") or {} for b in ("then", "else")]
     per_kind = {k for props in branches for k, v in props.items() if "default" in v}
     missing = []
     for key, sub in (node.get("properties") or {}).items():
-        resolved = mfconfig._resolved(sub)
+        resolved = _resolved(sub)
         if key not in node.get("required", []) and "default" not in resolved and key not in per_kind:
             missing.append(f"{path}.{key}")
         if "properties" in resolved or isinstance(resolved.get("additionalProperties"), dict):
             missing += optional_keys_without_default(sub, f"{path}.{key}")
     others = node.get("additionalProperties")
-    if isinstance(others, dict) and "properties" in mfconfig._resolved(others):
+    if isinstance(others, dict) and "properties" in _resolved(others):
         missing += optional_keys_without_default(others, f"{path}.*")
     return missing
 
 
 def test_every_optional_key_has_its_default_in_the_schema():
     # a file source's path has none: the file kinds require it and stdlib takes none
-    assert optional_keys_without_default(mfconfig.schema()) == [".data.sources.*.path"]
+    assert optional_keys_without_default(schema()) == [".data.sources.*.path"]
 
 
 def test_defaults_fill_in_through_refs_and_per_source_kind():
-    filled = mfconfig.with_defaults(
+    filled = with_defaults(
         {
             "train": {"steps": 3, "lr": 1.0, "balance": {"coef": 0.5}},
             "data": {"sources": {"code": {"type": "stdlib"}, "chat": {"type": "jsonl", "path": "c.jsonl"}}},
@@ -54,7 +76,7 @@ def test_defaults_fill_in_through_refs_and_per_source_kind():
     }
     assert filled["parallel"]["strategy"] == "none" and filled["env"] == {"strict": False}
     # keys present, null included, are kept
-    assert mfconfig.with_defaults({"hardware": {"num_devices": None}})["hardware"] == {
+    assert with_defaults({"hardware": {"num_devices": None}})["hardware"] == {
         "num_devices": None,
         "device": "cpu",
         "memory_gib_per_device": None,
@@ -62,7 +84,7 @@ def test_defaults_fill_in_through_refs_and_per_source_kind():
 
 
 def test_a_runs_overlay_gets_the_defaults_too():
-    cfg = mfconfig.load(
+    cfg = load(
         SMOKE,
         overrides={
             "runs": {
@@ -76,7 +98,7 @@ def test_a_runs_overlay_gets_the_defaults_too():
             }
         },
     )
-    wide = mfconfig.run_config(cfg, "wide")
+    wide = run_config(cfg, "wide")
     assert wide["parallel"] == {
         "strategy": "fsdp",
         "nproc_per_node": 2,
@@ -89,50 +111,50 @@ def test_a_runs_overlay_gets_the_defaults_too():
 
 
 def test_enumerations_are_read_from_the_schema():
-    assert mfconfig.enum("#/$defs/balance/properties/mode") == ("running", "exact", "micro_batch", "off", False)
-    lora = mfconfig.settings(mfconfig.LoraSettings, {"targets": ["all"]})
+    assert enum("#/$defs/balance/properties/mode") == ("running", "exact", "micro_batch", "off", False)
+    lora = typed(LoraSettings, {"targets": ["all"]})
     assert lora.categories == ("attention", "dense_ffn", "shared_experts", "routed_experts")
 
 
 def test_training_settings_resolve_the_warmup_and_drop_lora_of_a_full_run():
-    train = mfconfig.training({"steps": 40, "lr": 1e-3, "warmup_ratio": 0.2, "balance": {"mode": False}})
-    settings = mfconfig.settings(mfconfig.TrainSettings, train)
+    train = training({"steps": 40, "lr": 1e-3, "warmup_ratio": 0.2, "balance": {"mode": False}})
+    settings = typed(TrainSettings, train)
     assert settings.warmup_steps == 8 and settings.lora is None and settings.balance.mode == "off"
     assert isinstance(settings.betas, tuple)
-    assert settings.routing_guard == mfconfig.RoutingThresholds(10, 3.0, 0.6, 0, 50, 0.5, 0.5, "base", 1.5, 0.15)
-    lora = mfconfig.settings(mfconfig.TrainSettings, mfconfig.training({"steps": 4, "lr": 1e-3, "method": "lora"}))
-    assert lora.lora == mfconfig.LoraSettings(rank=16, alpha=32.0, dropout=0.0, targets=("all",), router="frozen")
+    assert settings.routing_guard == RoutingThresholds(10, 3.0, 0.6, 0, 50, 0.5, 0.5, "base", 1.5, 0.15)
+    lora = typed(TrainSettings, training({"steps": 4, "lr": 1e-3, "method": "lora"}))
+    assert lora.lora == LoraSettings(rank=16, alpha=32.0, dropout=0.0, targets=("all",), router="frozen")
 
 
 def test_typed_settings_need_every_key_and_know_them_all():
-    with pytest.raises(mfconfig.ConfigError, match=r"missing \['data'"):
-        mfconfig.settings(mfconfig.PretrainStage, {"model": {}, "pretrain": {}, "precision": "fp32", "seed": 0})
-    with pytest.raises(mfconfig.ConfigError, match=r"unknown \['extra'\]"):
-        mfconfig.settings(mfconfig.BalanceSettings, {"coef": 0.1, "extra": 1})
+    with pytest.raises(ConfigError, match=r"missing \['data'"):
+        typed(PretrainStage, {"model": {}, "pretrain": {}, "precision": "fp32", "seed": 0})
+    with pytest.raises(ConfigError, match=r"unknown \['extra'\]"):
+        typed(BalanceSettings, {"coef": 0.1, "extra": 1})
 
 
 @pytest.mark.parametrize(
     "stage,settings_of",
     [
-        (mfconfig.PretrainStage, mfconfig.base_model_settings),
-        (mfconfig.WarmupStage, mfconfig.warmup_settings),
-        (mfconfig.TrainModelStage, mfconfig.train_model_settings),
+        (PretrainStage, base_model_settings),
+        (WarmupStage, warmup_settings),
+        (TrainModelStage, train_model_settings),
     ],
 )
 def test_stage_params_are_plain_whole_and_type_back(stage, settings_of):
-    cfg = mfconfig.run_config(mfconfig.load(SMOKE), "moe")
+    cfg = run_config(load(SMOKE), "moe")
     params = settings_of(cfg)
     assert json.loads(json.dumps(params)) == params  # what Snakemake compares to decide a rerun
-    typed = mfconfig.settings(stage, params)
-    assert mfconfig.plain(typed) == json.loads(json.dumps(params))
+    stage_settings = typed(stage, params)
+    assert plain(stage_settings) == json.loads(json.dumps(params))
 
 
 def test_the_warmup_stage_trains_the_warmup_part_only():
-    cfg = mfconfig.run_config(mfconfig.load(SMOKE), "moe")
-    warmup = mfconfig.settings(mfconfig.WarmupStage, mfconfig.warmup_settings(cfg)).train
+    cfg = run_config(load(SMOKE), "moe")
+    warmup = typed(WarmupStage, warmup_settings(cfg)).train
     assert (warmup.steps, warmup.warmup_steps) == (cfg["train"]["warmup_steps"],) * 2
     assert (warmup.min_lr, warmup.log_every, warmup.eval_every, warmup.peak_flops_per_s) == (0.0, 1, 0, None)
-    whole = mfconfig.settings(mfconfig.TrainModelStage, mfconfig.train_model_settings(cfg)).train
+    whole = typed(TrainModelStage, train_model_settings(cfg)).train
     assert whole.steps == cfg["train"]["steps"] and whole.routing_guard == warmup.routing_guard
 
 
@@ -140,25 +162,21 @@ def test_the_warmup_stage_trains_the_warmup_part_only():
 
 
 def test_null_in_an_overlay_removes_a_key_or_a_run():
-    cfg = mfconfig.load(
+    cfg = load(
         overrides={
             "train": {"warmup_steps": None, "warmup_ratio": 0.25},
             "runs": {"dense": None},
             "paper": {"dense_runs": []},
         }
     )
-    assert mfconfig.run_names(cfg) == ["moe"]
-    assert mfconfig.train_settings(cfg)["warmup_steps"] == 10  # 0.25 x 40 steps: the default's 8 is gone
-    with pytest.raises(
-        mfconfig.ConfigError, match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe\)"
-    ):
-        mfconfig.load(overrides={"runs": {"dense": None}})
+    assert run_names(cfg) == ["moe"]
+    assert train_settings(cfg)["warmup_steps"] == 10  # 0.25 x 40 steps: the default's 8 is gone
+    with pytest.raises(ConfigError, match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe\)"):
+        load(overrides={"runs": {"dense": None}})
 
 
 def test_a_source_of_another_type_replaces_the_one_below_whole(tmp_path):
-    cfg = mfconfig.load(
-        overrides={"data": {"sources": {"target": {"type": "jsonl", "path": str(tmp_path / "t.jsonl")}}}}
-    )
+    cfg = load(overrides={"data": {"sources": {"target": {"type": "jsonl", "path": str(tmp_path / "t.jsonl")}}}})
     assert cfg["data"]["sources"]["target"] == {
         "type": "jsonl",
         "path": str(tmp_path / "t.jsonl"),
@@ -166,17 +184,13 @@ def test_a_source_of_another_type_replaces_the_one_below_whole(tmp_path):
         "messages_field": None,
         "assistant_only_labels": True,
     }
-    same_type = mfconfig.load(
-        overrides={"data": {"sources": {"target": {"type": "stdlib", "exclude_packages": ["xml"]}}}}
-    )
+    same_type = load(overrides={"data": {"sources": {"target": {"type": "stdlib", "exclude_packages": ["xml"]}}}})
     assert same_type["data"]["sources"]["target"]["packages"] == ["email", "http", "urllib", "json", "xml", "html"]
 
 
 def test_keys_of_another_kind_of_source_are_a_config_error():
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(
-            overrides={"data": {"sources": {"notes": {"type": "jsonl", "path": "n.jsonl", "packages": ["json"]}}}}
-        )
+    with pytest.raises(ConfigError) as err:
+        load(overrides={"data": {"sources": {"notes": {"type": "jsonl", "path": "n.jsonl", "packages": ["json"]}}}})
     assert str(err.value) == (
         "invalid configuration: config key 'data.sources.notes': "
         "packages do not apply to a source of type jsonl; remove them"
@@ -184,8 +198,8 @@ def test_keys_of_another_kind_of_source_are_a_config_error():
 
 
 def test_a_hub_id_as_model_pretrained_says_how_to_fetch_it():
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(overrides={"model": {"pretrained": "Qwen/Qwen3-30B-A3B"}})
+    with pytest.raises(ConfigError) as err:
+        load(overrides={"model": {"pretrained": "Qwen/Qwen3-30B-A3B"}})
     message = str(err.value)
     assert "config key 'model.pretrained': 'Qwen/Qwen3-30B-A3B' is not a local model folder" in message
     assert "moeflow never downloads a model" in message
@@ -196,16 +210,16 @@ def test_a_hub_id_as_model_pretrained_says_how_to_fetch_it():
 def test_a_pretrained_model_gets_only_its_own_runs(tmp_path):
     """The embedded default's dense comparison (model_from_config) changes model.config: a pretrained folder
     has no model.config to change, so it is not there for one."""
-    pretrained = mfconfig.load(overrides={"model": {"pretrained": str(tmp_path)}})
-    assert mfconfig.run_names(pretrained) == ["moe"] and pretrained["paper"]["dense_runs"] == []
-    assert "model_from_config" not in pretrained and "model_from_config" not in mfconfig.load()
+    pretrained = load(overrides={"model": {"pretrained": str(tmp_path)}})
+    assert run_names(pretrained) == ["moe"] and pretrained["paper"]["dense_runs"] == []
+    assert "model_from_config" not in pretrained and "model_from_config" not in load()
     # the smoke overlay's change to the dense run lands on the embedded default's
-    assert mfconfig.run_config(mfconfig.load(SMOKE), "dense")["model"]["config"]["num_experts"] == 0
+    assert run_config(load(SMOKE), "dense")["model"]["config"]["num_experts"] == 0
 
 
 def test_a_run_that_changes_model_config_of_a_pretrained_model_is_refused(tmp_path):
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(
+    with pytest.raises(ConfigError) as err:
+        load(
             overrides={
                 "model": {"pretrained": str(tmp_path)},
                 "runs": {"narrow": {"model": {"config": {"intermediate_size": 64}}}},
@@ -215,20 +229,18 @@ def test_a_run_that_changes_model_config_of_a_pretrained_model_is_refused(tmp_pa
         "invalid configuration: config key 'runs.narrow.model.config': run 'narrow' changes model.config, but "
         "model.pretrained is set"
     )
-    with pytest.raises(mfconfig.ConfigError, match="run 'own' changes model.config"):  # the run's own pretrained folder
-        mfconfig.load(
-            overrides={"runs": {"own": {"model": {"pretrained": str(tmp_path), "config": {"hidden_size": 64}}}}}
-        )
+    with pytest.raises(ConfigError, match="run 'own' changes model.config"):  # the run's own pretrained folder
+        load(overrides={"runs": {"own": {"model": {"pretrained": str(tmp_path), "config": {"hidden_size": 64}}}}})
 
 
 # --------------------------------------------------------------------------- validation and keys
 
 
 def test_default_and_smoke_configs_are_valid():
-    for cfg in (mfconfig.load(), mfconfig.load(SMOKE)):
-        assert mfconfig.run_names(cfg) == ["moe", "dense"]
-        mfconfig.run_config(cfg, "moe")
-        dense = mfconfig.run_config(cfg, "dense")["model"]["config"]  # the MoE's active parameters per token
+    for cfg in (load(), load(SMOKE)):
+        assert run_names(cfg) == ["moe", "dense"]
+        run_config(cfg, "moe")
+        dense = run_config(cfg, "dense")["model"]["config"]  # the MoE's active parameters per token
         moe = cfg["model"]["config"]
         assert (
             dense["num_experts"] == 0
@@ -237,94 +249,92 @@ def test_default_and_smoke_configs_are_valid():
 
 
 def test_wrong_type_names_the_key():
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(overrides={"data": {"seq_len": "long"}})
+    with pytest.raises(ConfigError) as err:
+        load(overrides={"data": {"seq_len": "long"}})
     assert "config key 'data.seq_len': 'long' is not of type 'integer'" in str(err.value)
 
 
 def test_out_of_range_value_names_the_key():
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(overrides={"threads": 0})
+    with pytest.raises(ConfigError) as err:
+        load(overrides={"threads": 0})
     assert "config key 'threads': 0 is less than the minimum of 1" in str(err.value)
 
 
 def test_unknown_key_names_it_and_lists_the_allowed_keys():
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(overrides={"coverage": {"min_doc_per_expert": 5}})
+    with pytest.raises(ConfigError) as err:
+        load(overrides={"coverage": {"min_doc_per_expert": 5}})
     message = str(err.value)
     assert "config key 'coverage': unknown key(s) 'min_doc_per_expert'" in message
     assert "min_docs_per_expert" in message  # the allowed keys are listed
 
 
 def test_enum_lists_the_allowed_values():
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(overrides={"precision": "fp16"})
+    with pytest.raises(ConfigError) as err:
+        load(overrides={"precision": "fp16"})
     assert "config key 'precision': 'fp16' is not one of the allowed values ('auto', 'fp32', 'bf16')" in str(err.value)
 
 
 def test_a_bad_run_overlay_is_reported_with_the_run_name():
-    with pytest.raises(mfconfig.ConfigError) as err:
-        mfconfig.load(overrides={"runs": {"wide": {"data": {"seq_len": -4}}}})
+    with pytest.raises(ConfigError) as err:
+        load(overrides={"runs": {"wide": {"data": {"seq_len": -4}}}})
     assert "(run 'wide')" in str(err.value) and "data.seq_len" in str(err.value)
 
 
 def test_run_names_are_restricted_to_path_safe_characters():
-    with pytest.raises(mfconfig.ConfigError, match="run names may use"):
-        mfconfig.load(overrides={"runs": {"../escape": {}}})
+    with pytest.raises(ConfigError, match="run names may use"):
+        load(overrides={"runs": {"../escape": {}}})
 
 
 def test_unknown_corpus_reference_is_refused():
-    with pytest.raises(mfconfig.ConfigError, match="corpus 'nope' is not among 'data.sources'"):
-        mfconfig.load(overrides={"data": {"eval_corpora": ["nope"]}})
+    with pytest.raises(ConfigError, match="corpus 'nope' is not among 'data.sources'"):
+        load(overrides={"data": {"eval_corpora": ["nope"]}})
 
 
 def test_missing_config_file_is_named(tmp_path):
-    with pytest.raises(mfconfig.ConfigError, match="does not exist"):
-        mfconfig.load(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "absent.yaml")
 
 
 def test_runs_overlay_the_base_and_share_what_they_agree_on():
-    cfg = mfconfig.load(
+    cfg = load(
         overrides={
             "runs": {"moe": {}, "lr_variant": {"train": {"micro_batch_size": 4}}, "short": {"data": {"seq_len": 256}}}
         }
     )
-    moe, lr_variant, short = (mfconfig.run_config(cfg, r) for r in ("moe", "lr_variant", "short"))
+    moe, lr_variant, short = (run_config(cfg, r) for r in ("moe", "lr_variant", "short"))
     assert lr_variant["train"]["micro_batch_size"] == 4 and moe["train"]["micro_batch_size"] == 2
     # a training setting does not change the data stages' keys ...
-    assert mfconfig.data_key(moe) == mfconfig.data_key(lr_variant)
-    assert mfconfig.coverage_key(moe) == mfconfig.coverage_key(lr_variant)
+    assert data_key(moe) == data_key(lr_variant)
+    assert coverage_key(moe) == coverage_key(lr_variant)
     # ... a data setting does, but the tokenizer (trained before packing) is still shared
-    assert mfconfig.data_key(moe) != mfconfig.data_key(short)
-    assert mfconfig.tokenizer_key(moe) == mfconfig.tokenizer_key(short)
+    assert data_key(moe) != data_key(short)
+    assert tokenizer_key(moe) == tokenizer_key(short)
 
 
 def test_stable_hash_ignores_key_order():
-    assert mfconfig.stable_hash({"a": 1, "b": [1, 2]}) == mfconfig.stable_hash({"b": [1, 2], "a": 1})
+    assert stable_hash({"a": 1, "b": [1, 2]}) == stable_hash({"b": [1, 2], "a": 1})
 
 
 def test_stack_comes_from_config_then_environment():
-    cfg = mfconfig.load()
-    assert mfconfig.resolve_stack(cfg, environ={}) == "pinned"
-    assert mfconfig.resolve_stack(cfg, environ={"STACK": "current"}) == "current"
-    assert mfconfig.resolve_stack({**cfg, "stack": "pinned"}, environ={"STACK": "current"}) == "pinned"
-    with pytest.raises(mfconfig.ConfigError, match="must be one of pinned, current"):
-        mfconfig.resolve_stack(cfg, environ={"STACK": "nightly"})
+    cfg = load()
+    assert resolve_stack(cfg, environ={}) == "pinned"
+    assert resolve_stack(cfg, environ={"STACK": "current"}) == "current"
+    assert resolve_stack({**cfg, "stack": "pinned"}, environ={"STACK": "current"}) == "pinned"
+    with pytest.raises(ConfigError, match="must be one of pinned, current"):
+        resolve_stack(cfg, environ={"STACK": "nightly"})
 
 
 def test_precision_auto_is_fp32_on_the_cpu_and_bf16_on_cuda():
-    assert mfconfig.load()["precision"] == "fp32"  # the CPU results and stage keys of before
-    assert mfconfig.load(overrides={"hardware": {"device": "cuda"}})["precision"] == "bf16"
-    cuda = mfconfig.load(overrides={"hardware": {"device": "cuda"}, "precision": "fp32"})
+    assert load()["precision"] == "fp32"  # the CPU results and stage keys of before
+    assert load(overrides={"hardware": {"device": "cuda"}})["precision"] == "bf16"
+    cuda = load(overrides={"hardware": {"device": "cuda"}, "precision": "fp32"})
     assert cuda["precision"] == "fp32"  # an explicit precision wins
-    assert all(mfconfig.run_config(cuda, run)["precision"] == "fp32" for run in mfconfig.run_names(cuda))
-    assert mfconfig.resolved_precision({"precision": "auto", "hardware": {"device": "cuda"}}) == "bf16"
+    assert all(run_config(cuda, run)["precision"] == "fp32" for run in run_names(cuda))
+    assert resolved_precision({"precision": "auto", "hardware": {"device": "cuda"}}) == "bf16"
 
 
 def test_flash_attention_in_fp32_is_refused_naming_both_keys():
-    with pytest.raises(
-        mfconfig.ConfigError, match="'model.attn_implementation': flash_attention_2 and 'precision': fp32"
-    ):
-        mfconfig.load(overrides={"model": {"attn_implementation": "flash_attention_2"}})
+    with pytest.raises(ConfigError, match="'model.attn_implementation': flash_attention_2 and 'precision': fp32"):
+        load(overrides={"model": {"attn_implementation": "flash_attention_2"}})
     on_cuda = {"model": {"attn_implementation": "flash_attention_2"}, "hardware": {"device": "cuda"}}
-    assert mfconfig.load(overrides=on_cuda)["precision"] == "bf16"
+    assert load(overrides=on_cuda)["precision"] == "bf16"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.corpus import (
+from moeflow.data.corpus import (
     CorpusError,
     Document,
     SourceReader,

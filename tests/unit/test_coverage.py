@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import run_coverage_stage
 
-from moeflow.artifacts import coverage_heatmap
-from moeflow.coverage import (
+from moeflow.coverage.bitsets import masked_popcounts, pack_word_bits, unpack_word_bits
+from moeflow.coverage.cover import (
     Constraints,
     CoverageInfeasible,
     build_constraints,
@@ -26,9 +26,9 @@ from moeflow.coverage import (
     top_pairs,
     unmet_constraints,
 )
-from moeflow.packed_bits import masked_popcounts, pack_word_bits, unpack_word_bits
-from moeflow.pool_stats import PoolStats, StatsCollector, cell_table, route_pool
-from moeflow.valset import open_valset
+from moeflow.coverage.heatmap import coverage_heatmap
+from moeflow.data.valset import open_valset
+from moeflow.model.routing_stats import PoolStats, StatsCollector, cell_table, route_pool
 
 LAYERS, E, K = [1, 3], 8, 2
 
@@ -268,7 +268,7 @@ def test_heatmap_is_a_deterministic_png(tmp_path):
 
 
 def test_stage_writes_a_disjoint_covering_valset(coverage_inputs, tmp_path):
-    from moeflow.shards import open_split, read_documents
+    from moeflow.data.shards import open_split, read_documents
 
     root, model_cfg = coverage_inputs
     report, outputs = run_coverage_stage(root, model_cfg, tmp_path / "a")
@@ -295,9 +295,9 @@ def test_stage_statistics_match_routing_each_document_alone(coverage_inputs):
     """Packed documents are masked from each other: routing a document alone gives the same counts."""
     import torch
 
-    from moeflow.modeling import load_model
-    from moeflow.routing import capture
-    from moeflow.shards import iter_rows, open_split, read_documents
+    from moeflow.data.shards import iter_rows, open_split, read_documents
+    from moeflow.model.factory import load_model
+    from moeflow.model.routing import capture
 
     root, model_cfg = coverage_inputs
     model = load_model(root / "base", model_cfg).eval()

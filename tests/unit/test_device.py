@@ -9,12 +9,16 @@ import torch
 from device_check import DeviceCheck, DeviceMixError
 from tiny_models import model_config
 
-from moeflow import config as mfconfig
-from moeflow import distributed as D
-from moeflow import hardware, metrics
-from moeflow.collate import collate
-from moeflow.modeling import build_model
-from moeflow.train import Trainer
+from moeflow.data.collate import collate
+from moeflow.model.factory import build_model
+from moeflow.parallel import gradients
+from moeflow.parallel.gradients import clip_grad_norm
+from moeflow.runtime import hardware
+from moeflow.settings import typed
+from moeflow.train import metrics
+from moeflow.train.settings import TrainSettings
+from moeflow.train.trainer import Trainer
+from moeflow.workflow.keys import training
 
 VOCAB = 97
 # What the step itself may read back per optimizer step: the loss summary (StepLoss.summary) and the
@@ -48,7 +52,7 @@ def trainer(balance: dict, dense: bool = False, grad_accum_steps: int = 2, max_g
         "balance": balance,
         "memory_guard": {"skip_steps": 100},
     }
-    settings = mfconfig.settings(mfconfig.TrainSettings, mfconfig.training(section))
+    settings = typed(TrainSettings, training(section))
     return Trainer(model, settings, rows(), collate_fn=collate, seed=0)
 
 
@@ -95,7 +99,7 @@ def test_host_reads_per_step_do_not_grow_with_micro_batches_or_parameters(monkey
     assert counts[0] == counts[1]
     # the sharded models' clipping (FSDP1's flat parameters): one read-back for all parameters
     t = trainer(BALANCE["running+z"])
-    monkeypatch.setattr(D, "is_fsdp1", lambda model: True)
+    monkeypatch.setattr(gradients, "is_fsdp1", lambda model: True)
     check, records = checked_steps(t)
     assert len(moeflow_syncs(check)) <= SYNCS_PER_STEP * len(records), check.sync_report("moeflow")
 
@@ -106,8 +110,8 @@ def test_sharded_clipping_sums_norms_in_parameter_order_like_the_unsharded_one(m
     for sharded in (False, True):
         t = trainer(BALANCE["exact"])
         t.step_gradients()
-        monkeypatch.setattr(D, "is_fsdp1", lambda model, sharded=sharded: sharded)
-        norm = D.clip_grad_norm(t.model, 0.05)
+        monkeypatch.setattr(gradients, "is_fsdp1", lambda model, sharded=sharded: sharded)
+        norm = clip_grad_norm(t.model, 0.05)
         grads[sharded] = (norm, torch.cat([p.grad.reshape(-1) for p in t.model.parameters() if p.grad is not None]))
     assert grads[True][0] == pytest.approx(grads[False][0], rel=1e-6) and grads[True][0] > 0.05
     assert torch.allclose(grads[True][1], grads[False][1], rtol=1e-5, atol=0)

@@ -1,8 +1,8 @@
 """Two CPU ranks (gloo, started by torchrun) give the gradients of one process on the same global batch.
 
 Each layout runs one optimizer step's forward and backward with the training loop's own step
-(``moeflow.train.accumulate_gradients``: token-normalised cross-entropy plus the global-batch balancing
-loss and z-loss, counts all-reduced), then ``moeflow.distributed.reduce_gradients``; rank 0 saves the
+(``moeflow.train.trainer.accumulate_gradients``: token-normalised cross-entropy plus the global-batch balancing
+loss and z-loss, counts all-reduced), then ``moeflow.parallel.gradients.reduce_gradients``; rank 0 saves the
 whole gradients, which must equal one process's on the concatenated batch (relative error < 1e-5).
 """
 
@@ -20,11 +20,22 @@ import pytest
 import torch
 from tiny_models import tiny_model_cfg
 
-from moeflow import compat, distributed
-from moeflow import config as mfconfig
-from moeflow.config import REPO_ROOT
-from moeflow.parameters import clean_name
-from moeflow.scaleout import torchrun_command
+from moeflow.model.parameters import clean_name
+from moeflow.parallel.gradients import clip_grad_norm, full_gradients, reduce_gradients
+from moeflow.parallel.launch import torchrun_command
+from moeflow.parallel.layouts import (
+    distributed_config,
+    full_state_dict,
+    is_sharded,
+    original_shape,
+    shard_model,
+    unwrap,
+)
+from moeflow.parallel.process_group import DistributedError, init, process_group, teardown, world_size
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime import compat
+from moeflow.settings import REPO_ROOT, typed
+from moeflow.train.settings import BalanceSettings
 
 MODEL = tiny_model_cfg(tie_word_embeddings=False)
 VOCAB = 96
@@ -54,29 +65,29 @@ def optimizer_for(model) -> torch.optim.Optimizer:
 
 
 def bf16_autocast():
-    """The Trainer's autocast with ``precision: bf16`` (moeflow.train.Trainer.autocast), on the CPU."""
+    """The Trainer's autocast with ``precision: bf16`` (moeflow.train.trainer.Trainer.autocast), on the CPU."""
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
 def one_step(model, rows_per_micro_batch: list[list[dict]], autocast=contextlib.nullcontext):
     """The training loop's step on these micro-batches; returns its StepLoss."""
-    from moeflow.collate import collate
-    from moeflow.routing import adapter_or_none
-    from moeflow.train import accumulate_gradients
+    from moeflow.data.collate import collate
+    from moeflow.model.routing import adapter_or_none
+    from moeflow.train.trainer import accumulate_gradients
 
     batches = [collate(rows) for rows in rows_per_micro_batch]
     return accumulate_gradients(
         model,
         batches,
-        mfconfig.settings(mfconfig.BalanceSettings, LOSS),
-        adapter_or_none(distributed.unwrap(model)),
+        typed(BalanceSettings, LOSS),
+        adapter_or_none(unwrap(model)),
         autocast,
     )
 
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory) -> Path:
-    from moeflow.modeling import build_model
+    from moeflow.model.factory import build_model
 
     folder = tmp_path_factory.mktemp("dist") / "model"
     build_model(MODEL, VOCAB, seed=3).save_pretrained(folder)
@@ -86,7 +97,7 @@ def saved_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference_model(saved_model):
     """One process, one micro-batch holding every rank's rows; then one optimizer step."""
-    from moeflow.modeling import load_model
+    from moeflow.model.factory import load_model
 
     model = load_model(saved_model, MODEL)
     model.config.use_cache = False
@@ -138,7 +149,7 @@ def whole_norm(grads: dict[str, torch.Tensor]) -> float:
 
 
 def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    """The whole state after one optimizer step (gathered by distributed.full_state_dict) equals one process's."""
+    """The whole state after one optimizer step (gathered by full_state_dict) equals one process's."""
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].shape == want[name].shape, name
@@ -178,9 +189,9 @@ def test_expert_parallel_plus_fsdp_gives_the_gradients_of_one_process(
 
 @pytest.mark.skipif(compat.is_transformers_v5(), reason="transformers 5 has expert parallelism")
 def test_expert_parallel_on_the_pinned_stack_is_a_clear_error():
-    with pytest.raises(distributed.DistributedError, match="no expert parallelism.*STACK=current"):
-        distributed.distributed_config(
-            mfconfig.settings(mfconfig.ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2}),
+    with pytest.raises(DistributedError, match="no expert parallelism.*STACK=current"):
+        distributed_config(
+            typed(ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2}),
             "fp32",
             world=2,
         )
@@ -188,7 +199,7 @@ def test_expert_parallel_on_the_pinned_stack_is_a_clear_error():
 
 def checkpoint_round_trip(folder: Path, saved, fresh) -> None:
     """``saved``'s (model, optimizer) state through a checkpoint into ``fresh``'s (every rank calls it)."""
-    from moeflow.checkpoint import load_checkpoint, save_checkpoint
+    from moeflow.checkpoint.state import load_checkpoint, save_checkpoint
 
     save_checkpoint(folder, *saved, {"history": []}, [])
     load_checkpoint(folder, *fresh)
@@ -197,20 +208,20 @@ def checkpoint_round_trip(folder: Path, saved, fresh) -> None:
 def test_state_round_trips_in_one_process(saved_model, reference_model, tmp_path):
     """One process's whole state is the sharded layouts' (names, whole tensors), and its checkpoint loads
     into a fresh model and optimizer exactly."""
-    from moeflow.modeling import load_model
+    from moeflow.model.factory import load_model
 
     model = load_model(saved_model, MODEL)
     model.config.use_cache = False
     one_step(model, [packed_rows()])
     optimizer = optimizer_for(model)
     optimizer.step()
-    weights, optim_state = distributed.full_state_dict(model, optimizer)
+    weights, optim_state = full_state_dict(model, optimizer)
     assert_same_weights(weights, reference_model[1])
     assert sorted(optim_state["state"]) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
     fresh = load_model(saved_model, MODEL)
     fresh_optimizer = optimizer_for(fresh)
     checkpoint_round_trip(tmp_path / "checkpoint", (model, optimizer), (fresh, fresh_optimizer))
-    again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
+    again, again_optim = full_state_dict(fresh, fresh_optimizer)
     assert all(torch.equal(again[k], weights[k]) for k in weights)
     assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
 
@@ -218,7 +229,7 @@ def test_state_round_trips_in_one_process(saved_model, reference_model, tmp_path
 def test_bf16_fsdp_computes_in_bf16_over_fp32_masters_and_gives_the_bf16_gradient(saved_model, tmp_path):
     """precision: bf16 with strategy: fsdp: FSDP's mixed precision (bf16 gathers and compute, fp32 shards,
     fp32 reduction), and no whole-model .to(device) before sharding (on CUDA: the whole model on one GPU)."""
-    from moeflow.modeling import load_model
+    from moeflow.model.factory import load_model
 
     run_ranks(saved_model, tmp_path, {"strategy": "fsdp"}, harness="bf16")
     from safetensors.torch import load_file
@@ -243,16 +254,16 @@ def test_bf16_fsdp_computes_in_bf16_over_fp32_masters_and_gives_the_bf16_gradien
 
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
 def test_expert_parallel_bf16_asks_transformers_for_fsdp_mixed_precision():
-    parallel = mfconfig.settings(mfconfig.ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2})
-    assert distributed.distributed_config(parallel, "bf16", world=2).fsdp_mixed_precision
-    assert not distributed.distributed_config(parallel, "fp32", world=2).fsdp_mixed_precision
+    parallel = typed(ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2})
+    assert distributed_config(parallel, "bf16", world=2).fsdp_mixed_precision
+    assert not distributed_config(parallel, "fp32", world=2).fsdp_mixed_precision
 
 
 def test_one_process_needs_no_process_group():
-    ranks = distributed.init("cpu")
+    ranks = init("cpu")
     assert (ranks.rank, ranks.world_size, ranks.device.type) == (0, 1, "cpu") and ranks.is_main
-    assert distributed.world_size() == 1
-    distributed.teardown()
+    assert world_size() == 1
+    teardown()
 
 
 def _tensor_free(state):
@@ -270,45 +281,45 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
     """One rank: load, shard, one step on this rank's rows, reduce; rank 0 saves the whole gradients."""
     from safetensors.torch import save_file
 
-    from moeflow.modeling import load_model
+    from moeflow.model.factory import load_model
 
     torch.set_num_threads(1)
-    parallel = mfconfig.settings(mfconfig.ParallelSettings, json.loads(parallel_json))
-    with distributed.process_group("cpu") as ranks:
+    parallel = typed(ParallelSettings, json.loads(parallel_json))
+    with process_group("cpu") as ranks:
         if parallel.strategy == "ep":
-            model = distributed.load_model(saved_model, MODEL, parallel, "fp32")
+            model = load_model(saved_model, MODEL, parallel, "fp32")
         else:
             model = load_model(saved_model, MODEL)
         model.config.use_cache = False
         model.train()
-        model = distributed.shard_model(model, parallel, ranks, "fp32")
+        model = shard_model(model, parallel, ranks, "fp32")
         mine = packed_rows()[ranks.rank * ROWS_PER_RANK : (ranks.rank + 1) * ROWS_PER_RANK]
         step = one_step(model, [mine])
-        distributed.reduce_gradients(model)
-        grad_norm = distributed.clip_grad_norm(model, float("inf"))  # the whole model's norm, clipping nothing
-        grads = distributed.full_gradients(model)
+        reduce_gradients(model)
+        grad_norm = clip_grad_norm(model, float("inf"))  # the whole model's norm, clipping nothing
+        grads = full_gradients(model)
         optimizer = optimizer_for(model)
         optimizer.step()
-        weights, optim_state = distributed.full_state_dict(model, optimizer)
+        weights, optim_state = full_state_dict(model, optimizer)
         # this rank's checkpoint shards load into a freshly sharded model and optimizer: the same whole state
         fresh = (
-            distributed.load_model(saved_model, MODEL, parallel, "fp32")
+            load_model(saved_model, MODEL, parallel, "fp32")
             if parallel.strategy == "ep"
             else load_model(saved_model, MODEL)
         )
-        fresh = distributed.shard_model(fresh, parallel, ranks, "fp32")
+        fresh = shard_model(fresh, parallel, ranks, "fp32")
         fresh_optimizer = optimizer_for(fresh)
         checkpoint_round_trip(Path(out) / "checkpoint", (model, optimizer), (fresh, fresh_optimizer))
-        again, again_optim = distributed.full_state_dict(fresh, fresh_optimizer)
+        again, again_optim = full_state_dict(fresh, fresh_optimizer)
         assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
         assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
         if ranks.is_main:
             save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out) / "grads.safetensors"))
             save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(out) / "weights.safetensors"))
-            shapes = {clean_name(n): list(distributed.original_shape(p)) for n, p in model.named_parameters()}
+            shapes = {clean_name(n): list(original_shape(p)) for n, p in model.named_parameters()}
             report = {
                 "label_tokens": step.num_label_tokens,
-                "sharded": distributed.is_sharded(model),
+                "sharded": is_sharded(model),
                 "grad_norm": grad_norm,
                 "shapes": shapes,
             }
@@ -320,11 +331,11 @@ def _main_bf16(saved_model: str, out: str, parallel_json: str) -> None:
     of the weights a forward sees and of the reduced gradients; rank 0 saves the whole gradients."""
     from safetensors.torch import save_file
 
-    from moeflow.modeling import load_model
+    from moeflow.model.factory import load_model
 
     torch.set_num_threads(1)
-    parallel = mfconfig.settings(mfconfig.ParallelSettings, json.loads(parallel_json))
-    with distributed.process_group("cpu") as ranks:
+    parallel = typed(ParallelSettings, json.loads(parallel_json))
+    with process_group("cpu") as ranks:
         model = load_model(saved_model, MODEL)
         model.config.use_cache = False
         model.train()
@@ -336,18 +347,18 @@ def _main_bf16(saved_model: str, out: str, parallel_json: str) -> None:
 
         torch.nn.Module.to = recording_to
         try:
-            model = distributed.shard_model(model, parallel, ranks, "bf16")
+            model = shard_model(model, parallel, ranks, "bf16")
         finally:
             torch.nn.Module.to = to
         masters = sorted({str(p.dtype) for p in model.parameters()})
         seen = []
-        projection = distributed.unwrap(model).model.layers[0].self_attn.q_proj
+        projection = unwrap(model).model.layers[0].self_attn.q_proj
         projection.register_forward_pre_hook(lambda module, args: seen.append(str(module.weight.dtype)))
         mine = packed_rows()[ranks.rank * ROWS_PER_RANK : (ranks.rank + 1) * ROWS_PER_RANK]
         one_step(model, [mine], bf16_autocast)
-        distributed.reduce_gradients(model)
-        grads = distributed.full_gradients(model)
-        weights, _ = distributed.full_state_dict(model)
+        reduce_gradients(model)
+        grads = full_gradients(model)
+        weights, _ = full_state_dict(model)
         if ranks.is_main:
             save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out) / "grads.safetensors"))
             report = {

@@ -12,11 +12,11 @@ import torch
 from scipy.spatial.distance import jensenshannon
 from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
-from moeflow import drift
-from moeflow.eval_loop import batches, evaluate_batches
-from moeflow.modeling import build_model
-from moeflow.packing import pack_documents
-from moeflow.routing import NoMoELayers, adapter_for, capture
+from moeflow.data.packing import pack_documents
+from moeflow.evaluation import drift
+from moeflow.evaluation.loop import batches, evaluate_batches
+from moeflow.model.factory import build_model
+from moeflow.model.routing import NoMoELayers, adapter_for, capture
 
 VOCAB = 96
 SETTINGS = {"batch_size": 3, "max_sequences": None}
@@ -84,7 +84,7 @@ def test_identical_models_do_not_drift(base, rows):
 
 
 def test_load_is_the_evaluations_routed_share(base, rows):
-    """The same loads as moeflow.eval_loop counts over the same batches (a second implementation)."""
+    """The same loads as moeflow.evaluation.loop counts over the same batches (a second implementation)."""
     packed, _, _ = rows
     stats = evaluate_batches(base, batches(packed, 3, "eager"), adapter_for(base))
     for row, layer in enumerate(drift.model_routing(base, packed, SETTINGS)):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import active_stack
 
-from moeflow import compat, env
-from moeflow.config import REPO_ROOT
-from moeflow.files import dumps_json
-from moeflow.pins import pinned_versions
+from moeflow.runtime import compat, env
+from moeflow.runtime.files import dumps_json
+from moeflow.runtime.pins import pinned_versions
+from moeflow.settings import REPO_ROOT
 
 ENV_FILE = REPO_ROOT / "envs" / f"{active_stack()}.yaml"
 
@@ -105,7 +105,7 @@ def test_strict_verification_fails_listing_every_difference(tmp_path):
 
 def test_lenient_verification_warns_and_records(tmp_path, caplog):
     report = env.collect(active_stack(), changed_env_file(tmp_path), trust_remote_code={"r": True})
-    with caplog.at_level(logging.WARNING, logger="moeflow.env"):
+    with caplog.at_level(logging.WARNING, logger="moeflow.runtime.env"):
         warnings = env.enforce(report, strict=False)
     assert report["pins"]["differences"] == [
         {"package": "moeflow-no-such-package", "pinned": "1.0", "installed": None},
@@ -140,7 +140,7 @@ def test_device_memory_comes_from_the_report(report):
 
 def test_an_optional_cuda_pin_that_is_not_installed_is_no_difference(report):
     """flash-attn on a CPU machine: reported as an optional CUDA pin, not as missing."""
-    from moeflow.pins import cuda_pinned_versions
+    from moeflow.runtime.pins import cuda_pinned_versions
 
     optional = {pin["package"]: pin for pin in report["pins"]["optional_cuda"]}
     assert set(optional) == set(cuda_pinned_versions(ENV_FILE)) == {"flash-attn"}

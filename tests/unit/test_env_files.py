@@ -9,13 +9,14 @@ from importlib import metadata
 import pytest
 import yaml
 
-from moeflow import config as mfconfig
-from moeflow.pins import cuda_pinned_versions, cuda_requirements, pinned_versions, pip_requirements
+from moeflow.runtime.pins import cuda_pinned_versions, cuda_requirements, pinned_versions, pip_requirements
+from moeflow.settings import REPO_ROOT
+from moeflow.workflow.load import STACKS
 
-ENVS = mfconfig.REPO_ROOT / "envs"
+ENVS = REPO_ROOT / "envs"
 
 
-@pytest.mark.parametrize("stack", mfconfig.STACKS)
+@pytest.mark.parametrize("stack", STACKS)
 def test_env_file_is_a_conda_env_with_every_pip_package_pinned(stack):
     env = yaml.safe_load((ENVS / f"{stack}.yaml").read_text())
     assert "python=3.11" in env["dependencies"]
@@ -48,7 +49,7 @@ def test_what_ci_installed_is_exactly_the_active_stacks_pins():
 
 def test_pip_pins_tool_prints_the_requirements():
     out = subprocess.run(
-        [sys.executable, str(mfconfig.REPO_ROOT / "tools" / "pip_pins.py"), str(ENVS / "pinned.yaml")],
+        [sys.executable, str(REPO_ROOT / "tools" / "pip_pins.py"), str(ENVS / "pinned.yaml")],
         check=True,
         capture_output=True,
         text=True,
@@ -56,7 +57,7 @@ def test_pip_pins_tool_prints_the_requirements():
     assert out == pip_requirements(ENVS / "pinned.yaml")
 
 
-@pytest.mark.parametrize("stack", mfconfig.STACKS)
+@pytest.mark.parametrize("stack", STACKS)
 def test_flash_attn_is_an_optional_cuda_pin_that_the_cpu_install_skips(stack):
     """flash-attn compiles against the CUDA toolkit: pinned in the cuda_pip section, never in the pip list."""
     env_file = ENVS / f"{stack}.yaml"
@@ -74,7 +75,7 @@ def test_the_flash_attn_pins_match_each_stacks_torch():
 
 
 def test_pip_pins_tool_prints_the_cuda_pins_only_when_asked():
-    tool = [sys.executable, str(mfconfig.REPO_ROOT / "tools" / "pip_pins.py")]
+    tool = [sys.executable, str(REPO_ROOT / "tools" / "pip_pins.py")]
     out = subprocess.run(
         tool + ["--cuda", str(ENVS / "pinned.yaml")], check=True, capture_output=True, text=True
     ).stdout.split()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tiny_training import packed_rows
 
-from moeflow.eval_loop import FILLER, SetStats, batches, sum_stats
+from moeflow.evaluation.loop import FILLER, SetStats, batches, sum_stats
 
 
 @pytest.mark.parametrize("rows, world", [(5, 2), (7, 3), (1, 2), (8, 2)])

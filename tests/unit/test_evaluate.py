@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
-from moeflow.eval_loop import evaluate_batches
-from moeflow.evaluate import balance, change_record, set_comparison, set_record, summary_markdown
-from moeflow.modeling import build_model
-from moeflow.routing import adapter_for, capture
+from moeflow.evaluation.loop import evaluate_batches
+from moeflow.evaluation.run_metrics import balance, change_record, set_comparison, set_record, summary_markdown
+from moeflow.model.factory import build_model
+from moeflow.model.routing import adapter_for, capture
 
 VOCAB = 96
 TINY_MOE = tiny_model_cfg("eager", max_position_embeddings=64, tie_word_embeddings=False)
@@ -155,7 +155,7 @@ def packed_documents(seed: int = 0, count: int = 7):
         (1000 + i, torch.randint(1, VOCAB, (int(n),), generator=gen).tolist(), None)
         for i, n in enumerate(torch.randint(5, 30, (count,), generator=gen))
     ]
-    from moeflow.packing import pack_documents
+    from moeflow.data.packing import pack_documents
 
     return docs, list(pack_documents(iter(docs), seq_len=32, pad_to_multiple_of=8))
 
@@ -163,7 +163,7 @@ def packed_documents(seed: int = 0, count: int = 7):
 def test_packed_rows_evaluate_as_each_document_alone(moe):
     """Through the data stage's packing and collate: the set loss equals each packed segment (a document,
     or the part of one that a row holds) run alone."""
-    from moeflow.eval_loop import batches
+    from moeflow.evaluation.loop import batches
 
     docs, rows = packed_documents()
     assert len(rows[-1]["input_ids"]) < 32 and rows[-1]["doc_ids"][-1] == -1  # the last row is padded
@@ -185,7 +185,7 @@ def test_packed_rows_evaluate_as_each_document_alone(moe):
 
 
 def test_coverage_recheck_names_cells_that_fall_below_the_threshold():
-    from moeflow.evaluate import coverage_recheck
+    from moeflow.evaluation.run_metrics import coverage_recheck
 
     before = {"layers": [0, 1], "docs": [[5, 5, 1, 6], [7, 7, 7, 7]]}
     after = {"layers": [0, 1], "docs": [[5, 4, 6, 6], [7, 7, 0, 7]]}
@@ -197,9 +197,9 @@ def test_coverage_recheck_names_cells_that_fall_below_the_threshold():
 
 
 def test_valset_coverage_counts_documents_per_expert_like_a_hand_count(moe, tmp_path):
-    from moeflow.evaluate import valset_coverage
-    from moeflow.shards import write_split
-    from moeflow.valset import VALSET_SPLIT, open_valset
+    from moeflow.data.shards import write_split
+    from moeflow.data.valset import VALSET_SPLIT, open_valset
+    from moeflow.evaluation.run_metrics import valset_coverage
 
     docs, rows = packed_documents(2)
     write_split(tmp_path / "valset" / VALSET_SPLIT, iter(rows))

@@ -1,4 +1,4 @@
-"""The experts implementation chosen by measurement (moeflow.experts_choice, rule choose_experts)."""
+"""The experts implementation chosen by measurement (moeflow.model.experts_choice, rule choose_experts)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import yaml
 from conftest import SMOKE, copy_workflow, snakemake
 from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
-from moeflow import compat
-from moeflow import experts_choice as X
-from moeflow.artifacts import experts_choice_line
-from moeflow.config import REPO_ROOT
+from moeflow.model import experts_choice as X
+from moeflow.paper.build import experts_choice_line
+from moeflow.runtime import compat
+from moeflow.settings import REPO_ROOT
 
 CPU = torch.device("cpu")
 MICRO_BATCH, SEQ_LEN = 2, 64

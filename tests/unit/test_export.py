@@ -1,4 +1,4 @@
-"""moeflow.export in one process: the streamed folder holds what save_pretrained writes (names, tensors,
+"""moeflow.checkpoint.export in one process: the streamed folder holds what save_pretrained writes (names, tensors,
 config), split into files of at most ``max_shard_size`` with HF's index, loads with from_pretrained, is
 fed one tensor at a time, is atomic, and a LoRA model is merged as ``merge_and_unload`` merges it.
 The same on two ranks (FSDP, expert parallelism): tests/pipeline/test_sharded_state.py."""
@@ -12,11 +12,12 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import tiny_model_cfg
 
-from moeflow import export, lora
-from moeflow.config import LoraSettings
-from moeflow.config import settings as typed_settings
-from moeflow.modeling import build_model
-from moeflow.safetensors_files import weight_files
+from moeflow.checkpoint import export
+from moeflow.checkpoint.safetensors_files import weight_files
+from moeflow.model import lora
+from moeflow.model.factory import build_model
+from moeflow.settings import typed
+from moeflow.train.settings import LoraSettings
 
 VOCAB = 96
 
@@ -122,7 +123,7 @@ def test_a_lora_model_is_merged_as_merge_and_unload_merges_it(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    settings = typed_settings(LoraSettings, {"rank": 4})
+    settings = typed(LoraSettings, {"rank": 4})
     model = lora.apply_lora(tiny(), settings, gradient_checkpointing=False)
     with torch.no_grad():
         for name, p in model.named_parameters():

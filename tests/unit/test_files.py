@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from moeflow.files import atomic_dir, atomic_file, read_json, write_json
+from moeflow.runtime.files import atomic_dir, atomic_file, read_json, write_json
 
 
 def test_write_json_is_sorted_and_stable(tmp_path):

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from moeflow import gpu_node
+from moeflow.runtime import gpu_node
 
 CUDA_LAYOUT = {"device": "cuda", "nproc_per_node": 8}
 

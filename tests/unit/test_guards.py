@@ -6,9 +6,10 @@ import pytest
 import torch
 from tiny_training import make_trainer, settings  # noqa: E402
 
-from moeflow import config as mfconfig
-from moeflow import guards as G
-from moeflow.checkpoint import latest_checkpoint
+from moeflow.checkpoint.state import latest_checkpoint
+from moeflow.settings import typed
+from moeflow.train import guards as G
+from moeflow.train.settings import MemoryThresholds, RoutingThresholds
 
 
 def test_memory_guard_stops_a_leaking_step():
@@ -31,8 +32,8 @@ def test_memory_guard_stops_a_leaking_step():
 
 
 def test_memory_guard_is_quiet_on_flat_memory(caplog):
-    guard = G.MemoryGuard(mfconfig.MemoryThresholds(skip_steps=2, window_steps=4, max_slope_mib_per_step=1, patience=2))
-    with caplog.at_level("WARNING", logger="moeflow.guards"):
+    guard = G.MemoryGuard(MemoryThresholds(skip_steps=2, window_steps=4, max_slope_mib_per_step=1, patience=2))
+    with caplog.at_level("WARNING", logger="moeflow.train.guards"):
         rates = [guard.observe(step, 1000.0 + (step % 2) * 0.5) for step in range(20)]
     # skipped steps and a filling window report nothing; from then on every step reports a small slope
     assert rates[:5] == [None] * 5 and all(r is not None and abs(r) <= 0.5 for r in rates[5:])
@@ -54,8 +55,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_absolute_routing_guard_flags_collapse_and_dead_experts():
     guard = G.RoutingGuard(
-        mfconfig.settings(
-            mfconfig.RoutingThresholds,
+        settings(
+            RoutingThresholds,
             {
                 "window_steps": 2,
                 "max_load_ratio": 2.0,
@@ -74,7 +75,7 @@ def test_absolute_routing_guard_flags_collapse_and_dead_experts():
 
 
 def test_routing_guard_warns_when_loss_falls_fast_while_entropy_collapses():
-    guard = G.RoutingGuard(mfconfig.settings(mfconfig.RoutingThresholds, {"window_steps": 50, "early_steps": 10}))
+    guard = G.RoutingGuard(typed(RoutingThresholds, {"window_steps": 50, "early_steps": 10}))
     guard.observe(1, [[5, 5]], [0.69], 8.0)
     messages = guard.observe(2, [[5, 5]], [0.1], 2.0)
     assert any("routing may have failed" in m for m in messages)
@@ -85,7 +86,7 @@ SKEWED_BASE = [[40, 10, 8, 6, 6, 4, 4, 2], [12, 12, 10, 10, 10, 10, 8, 8]]
 
 
 def base_guard(**thresholds):
-    guard = G.RoutingGuard(mfconfig.settings(mfconfig.RoutingThresholds, {"window_steps": 2, **thresholds}))
+    guard = G.RoutingGuard(typed(RoutingThresholds, {"window_steps": 2, **thresholds}))
     guard.set_reference(SKEWED_BASE)
     return guard
 
@@ -96,9 +97,7 @@ def test_base_reference_passes_an_unchanged_router_from_a_skewed_base():
         assert guard.observe(step, [[20, 5, 4, 3, 3, 2, 2, 1], [6, 6, 5, 5, 5, 5, 4, 4]], [1.0, 1.3], 5.0) == []
     report = guard.report()
     assert report["stable"] and report["base_layers"][0]["max_over_mean"] == 4.0
-    absolute = G.RoutingGuard(
-        mfconfig.settings(mfconfig.RoutingThresholds, {"window_steps": 2, "reference": "absolute"})
-    )
+    absolute = G.RoutingGuard(typed(RoutingThresholds, {"window_steps": 2, "reference": "absolute"}))
     absolute.window.extend(guard.window)
     assert not absolute.report()["stable"]  # the same routing fails the absolute thresholds
 

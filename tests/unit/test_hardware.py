@@ -1,11 +1,12 @@
-"""moeflow.hardware: the compute device, and TF32 on for CUDA stages."""
+"""moeflow.runtime.hardware: the compute device, and TF32 on for CUDA stages."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moeflow import distributed, hardware
+from moeflow.parallel.process_group import init
+from moeflow.runtime import hardware
 
 
 @pytest.fixture
@@ -26,15 +27,15 @@ def test_a_cuda_device_turns_tf32_on_and_the_cpu_leaves_it(monkeypatch, tf32_off
 
 
 def test_training_ranks_get_their_device_through_compute_device(monkeypatch, tf32_off):
-    """distributed.init (every training stage) passes through hardware.compute_device."""
+    """init (every training stage) passes through hardware.compute_device."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ranks = distributed.init("cuda")
+    ranks = init("cuda")
     assert ranks.device == torch.device("cuda", 0) and torch.backends.cuda.matmul.allow_tf32
 
 
 def test_cuda_without_a_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(hardware.DeviceUnavailable, match="hardware.device"):
-        distributed.init("cuda")
+        init("cuda")

@@ -12,12 +12,16 @@ import pytest
 import torch
 from tiny_models import tiny_model_cfg
 
-from moeflow import config, harness, harness_tasks, task_docs
-from moeflow.evaluate import EvalSet, evaluate_model
-from moeflow.modeling import build_model
-from moeflow.packing import pack_documents
-from moeflow.shards import open_split, write_split
-from moeflow.tokenizer import train_tokenizer
+from moeflow.data.packing import pack_documents
+from moeflow.data.shards import open_split, write_split
+from moeflow.data.tokenizer import train_tokenizer
+from moeflow.evaluation import lm_eval_docs as task_docs
+from moeflow.evaluation import lm_eval_run as harness
+from moeflow.evaluation import lm_eval_tasks as harness_tasks
+from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
+from moeflow.model.factory import build_model
+from moeflow.settings import DEFAULT_CONFIG, ConfigError
+from moeflow.workflow.load import load
 
 SEQ_LEN = 96
 SETTINGS = {"batch_size": 4, "limit": None, "num_fewshot": None, "bootstrap_iters": 0, "choices": 3}
@@ -95,7 +99,7 @@ def test_perplexity_task_agrees_with_moeflow_evaluation(corpus, model, tmp_path)
         )
         assert check["relative_difference"] < 1e-6  # the same tokens: the two agree to float rounding
     # code has segments cut inside a run of spaces, whose text encodes back to other tokens: lm-eval is given
-    # the data stage's tokens for them (moeflow.harness.exact_tokens)
+    # the data stage's tokens for them (moeflow.evaluation.lm_eval_run.exact_tokens)
     code_docs = documents["code"][0]
     assert any(tokenizer.encode(d["text"], add_special_tokens=False) != d["input_ids"] for d in code_docs)
     assert record["num_samples"] == sum(len(docs) for docs, _ in documents.values())
@@ -214,7 +218,7 @@ def test_metrics_from_lm_eval_results():
 def test_config_check_refuses_an_unknown_task_naming_the_key(monkeypatch):
     monkeypatch.setattr(harness_tasks, "registry_has", lambda name: False)
     tasks = ["moeflow_perplexity", "moeflow_body_choice", "not_a_task"]
-    with pytest.raises(config.ConfigError, match=r"evaluate\.tasks\[2\].*'not_a_task'"):
-        config.load(config.DEFAULT_CONFIG, overrides={"evaluate": {"tasks": tasks}})
-    with pytest.raises(config.ConfigError, match=r"evaluate\.lm_eval\.max_length"):
-        config.load(config.DEFAULT_CONFIG, overrides={"evaluate": {"lm_eval": {"max_length": 64}}})
+    with pytest.raises(ConfigError, match=r"evaluate\.tasks\[2\].*'not_a_task'"):
+        load(DEFAULT_CONFIG, overrides={"evaluate": {"tasks": tasks}})
+    with pytest.raises(ConfigError, match=r"evaluate\.lm_eval\.max_length"):
+        load(DEFAULT_CONFIG, overrides={"evaluate": {"lm_eval": {"max_length": 64}}})

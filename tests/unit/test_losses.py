@@ -2,7 +2,7 @@
 
 Reference = one forward over all 8 sequences, HF-style mean cross-entropy over every non-ignored
 label, and the global balancing loss computed from ``outputs.router_logits`` with plain torch ops.
-Under test = ``moeflow.train.accumulate_gradients`` over 4 micro-batches of 2 sequences of varied
+Under test = ``moeflow.train.trainer.accumulate_gradients`` over 4 micro-batches of 2 sequences of varied
 lengths (float64, so 1e-6 relative is a statement about the maths, not about rounding).
 """
 
@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_model_cfg
 
-from moeflow import config as mfconfig
-from moeflow.collate import collate
-from moeflow.linear_loss import count_label_tokens, install
-from moeflow.losses import (
+from moeflow.data.collate import collate
+from moeflow.model.chunked_loss import count_label_tokens, install
+from moeflow.model.factory import build_model
+from moeflow.model.routing import adapter_or_none
+from moeflow.settings import ConfigError, typed
+from moeflow.train.losses import (
     LayerRouter,
     StepLoss,
     balance_from_sums,
@@ -24,9 +26,9 @@ from moeflow.losses import (
     token_mask,
     update_correction_bias,
 )
-from moeflow.modeling import build_model
-from moeflow.routing import adapter_or_none
-from moeflow.train import accumulate_gradients
+from moeflow.train.settings import BalanceSettings
+from moeflow.train.trainer import accumulate_gradients
+from moeflow.workflow.load import load
 
 VOCAB = 97
 LENGTHS = [23, 9, 31, 17, 12, 28, 5, 20]  # 8 sequences, 4 micro-batches of 2 of varied lengths
@@ -79,9 +81,9 @@ def reference_grads(model, rows, balance: bool):
     return grads(model)
 
 
-def balance(**section) -> mfconfig.BalanceSettings:
+def balance(**section) -> BalanceSettings:
     """``train.balance`` settings: the keys given, the schema's defaults for the rest."""
-    return mfconfig.settings(mfconfig.BalanceSettings, section)
+    return typed(BalanceSettings, section)
 
 
 def accumulated_grads(model, rows, mode: str, micro=2):
@@ -207,10 +209,8 @@ def test_z_loss_matches_its_definition():
 def test_exact_mode_without_counts_is_refused():
     with pytest.raises(ValueError, match="counting forward"):
         StepLoss.for_step(balance(mode="exact"), 1, 1, 1)
-    with pytest.raises(
-        mfconfig.ConfigError, match="config key 'train.balance.mode': 'global' is not one of the allowed values"
-    ):
-        mfconfig.load(overrides={"train": {"balance": {"mode": "global"}}})
+    with pytest.raises(ConfigError, match="config key 'train.balance.mode': 'global' is not one of the allowed values"):
+        load(overrides={"train": {"balance": {"mode": "global"}}})
 
 
 def test_expert_counts_and_loss_free_bias_update():

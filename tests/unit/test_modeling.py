@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 from tiny_models import VOCAB, tiny_model_cfg
 
-from moeflow import compat
-from moeflow.config import TrainModelStage, settings, training
-from moeflow.files import write_json
-from moeflow.modeling import ModelError, build_model, load_model, resolve_experts, resolve_stage_experts
+from moeflow.model.factory import build_model, load_model, resolve_experts, resolve_stage_experts
+from moeflow.model.folder import ModelError
+from moeflow.runtime import compat
+from moeflow.runtime.files import write_json
+from moeflow.settings import typed
+from moeflow.train.settings import TrainModelStage
+from moeflow.workflow.keys import training
 
 
 def experts_of(model) -> str | None:
@@ -53,8 +56,8 @@ def test_stage_settings_get_the_resolved_section(tmp_path):
         "parallel": {},
         "hardware_device": "cpu",
     }
-    stage = resolve_stage_experts(settings(TrainModelStage, data), choice_file(tmp_path, "eager"))
-    assert stage.model["experts_implementation"] == "eager" and stage.train == settings(TrainModelStage, data).train
+    stage = resolve_stage_experts(typed(TrainModelStage, data), choice_file(tmp_path, "eager"))
+    assert stage.model["experts_implementation"] == "eager" and stage.train == typed(TrainModelStage, data).train
 
 
 def test_a_section_that_names_no_implementation_loads_with_the_stacks_default():

@@ -1,4 +1,4 @@
-"""moeflow.parameters: one classification of parameter names, and the optimizer groups built on it."""
+"""moeflow.model.parameters: one classification of parameter names, and the optimizer groups built on it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, build_family
 
-from moeflow import compat
-from moeflow import parameters as P
-from moeflow.optim import param_groups
-from moeflow.routing import adapter_for
+from moeflow.model import parameters as P
+from moeflow.model.routing import adapter_for
+from moeflow.runtime import compat
+from moeflow.train.optim import param_groups
 
 STACK_FAMILIES = [f for f in FAMILIES if compat.is_transformers_v5() or f not in TRANSFORMERS_5_ONLY]
 
@@ -24,7 +24,7 @@ def settings(**kw):
 
 
 def router_parameter_names(model) -> set[str]:
-    """The router parameters as moeflow.routing finds the routers (not from names)."""
+    """The router parameters as moeflow.model.routing finds the routers (not from names)."""
     return {f"{site.name}.{name}" for site in adapter_for(model).sites for name, _ in site.router.named_parameters()}
 
 
@@ -96,7 +96,7 @@ def test_counts_merge_the_small_categories():
 
 
 def test_weight_decay_rule_uses_the_shape_in_the_model():
-    # FSDP1 flattens parameters to 1-D: the rule reads the original shape (moeflow.distributed.original_shape)
+    # FSDP1 flattens parameters to 1-D: the rule reads the original shape (moeflow.parallel.layouts.original_shape)
     assert P.takes_weight_decay("model.layers.0.self_attn.q_proj.weight", (16, 16))
     assert not P.takes_weight_decay("model.layers.0.self_attn.q_proj.bias", (16,))
     assert not P.takes_weight_decay("model.layers.0.self_attn.sinks", (2,))

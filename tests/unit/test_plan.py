@@ -7,10 +7,29 @@ import dataclasses
 import pytest
 from conftest import active_stack
 
-from moeflow import compat, config, env, plan
-from moeflow.config import REPO_ROOT
-from moeflow.files import dumps_json
-from moeflow.modeling import build_model
+from moeflow.model.factory import build_model
+from moeflow.plan.counts import count_parameters, formula_count, lora_count
+from moeflow.plan.memory import (
+    CPU_RANK_RUNTIME_BYTES,
+    GIB,
+    PHASES,
+    Job,
+    host_per_node_bytes,
+    memory_per_device,
+    min_devices,
+    phase_memory,
+    plan,
+    rank_bytes,
+    verdict,
+)
+from moeflow.plan.report import enforce, render_markdown, summary
+from moeflow.plan.shapes import PlanError, experts_fused, model_shape, resolve_vocab_size
+from moeflow.runtime import compat, env
+from moeflow.runtime.files import dumps_json
+from moeflow.settings import REPO_ROOT, typed
+from moeflow.train.settings import LoraSettings
+from moeflow.workflow.keys import plan_settings
+from moeflow.workflow.load import load, run_config
 
 STEP3P5 = REPO_ROOT / "config" / "models" / "step3p5-flash.yaml"
 QWEN3_30B = REPO_ROOT / "config" / "models" / "qwen3-30b-a3b.yaml"
@@ -87,7 +106,7 @@ def model_section(name: str) -> dict:
 
 
 def settings_of(*overlays, overrides=None) -> dict:
-    return config.plan_settings(config.run_config(config.load(*overlays, overrides=overrides), "moe"))
+    return plan_settings(run_config(load(*overlays, overrides=overrides), "moe"))
 
 
 # --------------------------------------------------------------------------- parameter counts
@@ -95,7 +114,7 @@ def settings_of(*overlays, overrides=None) -> dict:
 
 @pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
 def test_formula_matches_the_meta_device_count(name):
-    shape, exact, formula = plan.count_parameters(model_section(name), tokenizer_vocab=300)
+    shape, exact, formula = count_parameters(model_section(name), tokenizer_vocab=300)
     assert exact.method == "meta"
     assert formula.by_category == exact.by_category
     assert (formula.largest_layer, formula.largest_layer_without_routed) == (
@@ -110,13 +129,13 @@ def test_formula_matches_the_meta_device_count(name):
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_meta_count_matches_a_real_model(name):
     section = model_section(name)
-    _, exact, _ = plan.count_parameters(section, tokenizer_vocab=300)
+    _, exact, _ = count_parameters(section, tokenizer_vocab=300)
     model = build_model(section, vocab_size=300)
     assert exact.total == sum(p.numel() for p in model.parameters())
 
 
 def test_shared_experts_and_dense_first_layers_are_counted():
-    shape, _, formula = plan.count_parameters(model_section("deepseek_v3"), tokenizer_vocab=300)
+    shape, _, formula = count_parameters(model_section("deepseek_v3"), tokenizer_vocab=300)
     assert shape.dense_layers == (0,) and shape.moe_layers == (1, 2)
     assert formula.by_category["dense_ffn"] == 3 * 64 * 96
     assert formula.by_category["shared_experts"] == 2 * 3 * 64 * 32
@@ -126,13 +145,13 @@ def test_shared_experts_and_dense_first_layers_are_counted():
 
 
 def test_tied_embeddings_are_counted_once():
-    _, tied, _ = plan.count_parameters(model_section("qwen3_moe-tied-sparse-step"), tokenizer_vocab=300)
+    _, tied, _ = count_parameters(model_section("qwen3_moe-tied-sparse-step"), tokenizer_vocab=300)
     assert tied.by_category["lm_head"] == 0 and tied.by_category["embedding"] == 300 * 64
 
 
 def test_step3p5_flash_has_about_196b_parameters_11b_active():
     settings = settings_of(STEP3P5)
-    shape, counted, formula = plan.count_parameters(settings["model"], settings["vocab_size"])
+    shape, counted, formula = count_parameters(settings["model"], settings["vocab_size"])
     assert counted.method == "formula"  # no transformers causal-LM class knows step3p5
     assert shape.vocab_size == 128_896 and len(shape.moe_layers) == 42 and shape.dense_layers == (0, 1, 2)
     assert (shape.num_experts, shape.top_k, shape.expert_ffn, shape.shared_ffn) == (288, 8, 1280, 1280)
@@ -145,7 +164,7 @@ def test_step3p5_formula_matches_transformers_step3p7_text_model():
     import torch
     from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
-    from moeflow.modeling import build_config
+    from moeflow.model.factory import build_config
 
     settings = settings_of(STEP3P5)
     small = {
@@ -168,78 +187,78 @@ def test_step3p5_formula_matches_transformers_step3p7_text_model():
     }
     with torch.device("meta"):
         model = Step3p7TextModel(build_config(small, 300))
-    _, counted, _ = plan.count_parameters(small)
+    _, counted, _ = count_parameters(small)
     assert counted.total == sum(p.numel() for p in model.parameters()) + 300 * 64  # + the untied LM head
 
 
 def test_qwen3_30b_a3b_counts_like_the_published_model():
     settings = settings_of(QWEN3_30B)
-    shape = plan.model_shape(dict(settings["model"]["config"]), 151_936)
-    count = plan.formula_count(shape)
+    shape = model_shape(dict(settings["model"]["config"]), 151_936)
+    count = formula_count(shape)
     assert count.total == pytest.approx(30.5e9, rel=0.01) and count.active == pytest.approx(3.3e9, rel=0.03)
-    job = plan.Job.from_settings(settings)
-    visible = int(79.11 * plan.GIB)  # an 80 GB H100 as torch sees it; test_plan_gpu.py has the terms by hand
-    assert plan.verdict(plan.memory_per_device(shape, count, job)["total"], visible) == "fits"
+    job = Job.from_settings(settings)
+    visible = int(79.11 * GIB)  # an 80 GB H100 as torch sees it; test_plan_gpu.py has the terms by hand
+    assert verdict(memory_per_device(shape, count, job)["total"], visible) == "fits"
     one = dataclasses.replace(job, num_devices=1)
-    assert plan.verdict(plan.memory_per_device(shape, count, one)["total"], visible) == "does_not_fit"
+    assert verdict(memory_per_device(shape, count, one)["total"], visible) == "does_not_fit"
 
 
 def test_model_config_vocab_size_is_preferred_to_the_tokenizer():
-    assert plan.resolve_vocab_size({"vocab_size": 128_896}, 4096) == 128_896
-    assert plan.resolve_vocab_size({}, 4096) == 4096
-    with pytest.raises(plan.PlanError, match="vocab_size"):
-        plan.resolve_vocab_size({}, None)
+    assert resolve_vocab_size({"vocab_size": 128_896}, 4096) == 128_896
+    assert resolve_vocab_size({}, 4096) == 4096
+    with pytest.raises(PlanError, match="vocab_size"):
+        resolve_vocab_size({}, None)
 
 
 def test_unknown_family_and_missing_key_name_the_key():
-    with pytest.raises(plan.PlanError, match=r"model\.config\.model_type.*qwen3_moe"):
-        plan.model_shape({"model_type": "llama"}, 100)
+    with pytest.raises(PlanError, match=r"model\.config\.model_type.*qwen3_moe"):
+        model_shape({"model_type": "llama"}, 100)
     fields = {"model_type": "step3p5", **SMALL, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
-    with pytest.raises(plan.PlanError, match=r"model\.config\.n_routed_experts.*moe_num_experts"):
-        plan.model_shape(fields, 100)
+    with pytest.raises(PlanError, match=r"model\.config\.n_routed_experts.*moe_num_experts"):
+        model_shape(fields, 100)
 
 
 # --------------------------------------------------------------------------- memory and verdicts
 
 
 def tiny_shape_and_count():
-    shape, exact, _ = plan.count_parameters(model_section("qwen3_moe"), tokenizer_vocab=300)
+    shape, exact, _ = count_parameters(model_section("qwen3_moe"), tokenizer_vocab=300)
     return shape, exact
 
 
-def default_job(**changes) -> plan.Job:
+def default_job(**changes) -> Job:
     """The embedded default's job, with ``changes``."""
-    return dataclasses.replace(plan.Job.from_settings(settings_of()), **changes)
+    return dataclasses.replace(Job.from_settings(settings_of()), **changes)
 
 
-def lora_of(**section) -> config.LoraSettings:
-    return config.settings(config.LoraSettings, section)
+def lora_of(**section) -> LoraSettings:
+    return typed(LoraSettings, section)
 
 
 def test_states_take_16_bytes_per_parameter_in_both_precisions():
     shape, count = tiny_shape_and_count()
     for precision in ("fp32", "bf16"):
-        mem = plan.memory_per_device(shape, count, default_job(precision=precision))
+        mem = memory_per_device(shape, count, default_job(precision=precision))
         assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * count.total
-    bf16 = plan.memory_per_device(shape, count, default_job(precision="bf16"))
+    bf16 = memory_per_device(shape, count, default_job(precision="bf16"))
     assert bf16["weights"] == 2 * count.total and bf16["optimizer"] == 12 * count.total
 
 
 def test_sharding_checkpointing_and_lora_lower_what_they_should():
     shape, count = tiny_shape_and_count()
     small = default_job(micro_batch_size=2, seq_len=256)
-    base = plan.memory_per_device(shape, count, small)
-    four = plan.memory_per_device(shape, count, dataclasses.replace(small, num_devices=4))
+    base = memory_per_device(shape, count, small)
+    four = memory_per_device(shape, count, dataclasses.replace(small, num_devices=4))
     assert four["optimizer"] == pytest.approx(base["optimizer"] / 4, abs=1)
     assert four["unsharded_layer"] == count.largest_layer * 8 and base["unsharded_layer"] == 0
-    checkpointed = plan.memory_per_device(shape, count, dataclasses.replace(small, gradient_checkpointing=True))
+    checkpointed = memory_per_device(shape, count, dataclasses.replace(small, gradient_checkpointing=True))
     assert checkpointed["activations"] < base["activations"]
-    sdpa = plan.memory_per_device(shape, count, dataclasses.replace(small, attn_implementation="sdpa"))
-    eager = plan.memory_per_device(shape, count, dataclasses.replace(small, attn_implementation="eager"))
+    sdpa = memory_per_device(shape, count, dataclasses.replace(small, attn_implementation="sdpa"))
+    eager = memory_per_device(shape, count, dataclasses.replace(small, attn_implementation="eager"))
     assert eager["activations"] - sdpa["activations"] == 2 * 256 * shape.num_layers * shape.num_heads * 256 * 4
     lora_job = dataclasses.replace(small, method="lora", lora=lora_of(rank=4))
-    lora = plan.memory_per_device(shape, count, lora_job)
-    adapters = plan.lora_count(shape, lora_job.lora)
+    lora = memory_per_device(shape, count, lora_job)
+    adapters = lora_count(shape, lora_job.lora)
     assert 0 < adapters.trainable < count.total / 2
     assert lora["weights"] == base["weights"] + 4 * adapters.added  # frozen base + the adapters
     assert lora["gradients"] == 4 * adapters.trainable and lora["optimizer"] == 8 * adapters.trainable
@@ -247,27 +266,25 @@ def test_sharding_checkpointing_and_lora_lower_what_they_should():
 
 def test_min_devices_is_the_smallest_count_that_fits():
     settings = settings_of(STEP3P5)
-    shape, count, _ = plan.count_parameters(settings["model"], settings["vocab_size"])
-    job = dataclasses.replace(plan.Job.from_settings(settings), expert_parallel=True)
-    memory = 24 * plan.GIB
-    n = plan.min_devices(shape, count, job, memory)
+    shape, count, _ = count_parameters(settings["model"], settings["vocab_size"])
+    job = dataclasses.replace(Job.from_settings(settings), expert_parallel=True)
+    memory = 24 * GIB
+    n = min_devices(shape, count, job, memory)
     assert n and n > 100
 
     def fits(k):
-        return plan.verdict(
-            plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=k))["total"], memory
-        )
+        return verdict(memory_per_device(shape, count, dataclasses.replace(job, num_devices=k))["total"], memory)
 
     assert fits(n) == "fits" and fits(n - 1) != "fits"
 
 
 def test_full_fine_tune_of_step3p5_flash_on_one_24gb_card_is_refused_with_the_numbers(env_report):
-    result = plan.plan(settings_of(STEP3P5), env_report)
+    result = plan(settings_of(STEP3P5), env_report)
     assert result["verdict"] == "does_not_fit"
-    assert result["device_memory_bytes"] == int(23.68 * plan.GIB)  # a 24 GB RTX 4090 as torch sees it
-    assert result["per_device_bytes"]["total"] > 100 * 24 * plan.GIB
-    with pytest.raises(plan.PlanError) as err:
-        plan.enforce(result)
+    assert result["device_memory_bytes"] == int(23.68 * GIB)  # a 24 GB RTX 4090 as torch sees it
+    assert result["per_device_bytes"]["total"] > 100 * 24 * GIB
+    with pytest.raises(PlanError) as err:
+        enforce(result)
     message = str(err.value)
     gib = result["per_device_gib"]
     assert "195.84B parameters (10.88B active per token)" in message
@@ -279,30 +296,30 @@ def test_full_fine_tune_of_step3p5_flash_on_one_24gb_card_is_refused_with_the_nu
 
 
 def test_the_embedded_default_fits_on_this_machine(env_report):
-    result = plan.plan(settings_of(), env_report)
+    result = plan(settings_of(), env_report)
     assert result["verdict"] == "fits" and result["suggestions"] == []
-    plan.enforce(result)
+    enforce(result)
     assert result["device_memory_bytes"] == env_report["system"]["ram_usable_bytes"]  # hardware.device: cpu
     assert result["parameters"]["method"] == "meta" and result["parameters"]["formula_matches"]
-    assert dumps_json(plan.plan(settings_of(), env_report)) == dumps_json(result)
-    assert "fits" in plan.render_markdown(result)
+    assert dumps_json(plan(settings_of(), env_report)) == dumps_json(result)
+    assert "fits" in render_markdown(result)
 
 
 def test_cuda_without_a_gpu_or_a_memory_setting_says_what_to_set(env_report):
     if env_report["torch"]["gpus"]:
         pytest.skip("this machine has a GPU")
     settings = settings_of(overrides={"hardware": {"device": "cuda"}})
-    with pytest.raises(plan.PlanError, match="hardware.memory_gib_per_device"):
-        plan.plan(settings, env_report)
+    with pytest.raises(PlanError, match="hardware.memory_gib_per_device"):
+        plan(settings, env_report)
 
 
 def test_a_tight_job_warns_and_goes_on(env_report, caplog):
-    needed = plan.plan(settings_of(), env_report)["per_device_bytes"]["total"]
-    settings = settings_of(overrides={"hardware": {"memory_gib_per_device": needed / 0.95 / plan.GIB}})
-    result = plan.plan(settings, env_report)
+    needed = plan(settings_of(), env_report)["per_device_bytes"]["total"]
+    settings = settings_of(overrides={"hardware": {"memory_gib_per_device": needed / 0.95 / GIB}})
+    result = plan(settings, env_report)
     assert result["verdict"] == "tight" and result["suggestions"]
     with caplog.at_level("WARNING", logger="moeflow.plan"):
-        plan.enforce(result)
+        enforce(result)
     assert "less than 10% headroom" in caplog.text
 
 
@@ -317,7 +334,7 @@ def parallel_settings(parallel: dict, hardware: dict | None = None, **overrides)
 
 
 def test_the_parallel_section_names_the_layout():
-    ep = plan.Job.from_settings(
+    ep = Job.from_settings(
         parallel_settings(
             {"nproc_per_node": 4, "nnodes": 2, "strategy": "ep", "ep_size": 4},
             {"device": "cuda", "memory_gib_per_device": 80},
@@ -326,23 +343,23 @@ def test_the_parallel_section_names_the_layout():
     assert (
         ep.expert_parallel and ep.strategy == "ep" and (ep.num_devices, ep.ranks_per_node, ep.shard_ranks) == (8, 4, 8)
     )
-    none = plan.Job.from_settings(parallel_settings({"nproc_per_node": 2, "strategy": "none"}))
+    none = Job.from_settings(parallel_settings({"nproc_per_node": 2, "strategy": "none"}))
     assert none.replicated and none.strategy == "none" and none.shard_ranks == 1 and not none.sharded
-    fsdp = plan.Job.from_settings(parallel_settings({"nproc_per_node": 4, "strategy": "fsdp", "fsdp_size": 2}))
+    fsdp = Job.from_settings(parallel_settings({"nproc_per_node": 4, "strategy": "fsdp", "fsdp_size": 2}))
     assert fsdp.strategy == "fsdp" and fsdp.shard_ranks == 2 and fsdp.ranks_per_node == 4
     # no ranks in the parallel section, several devices: a plan on paper, FSDP over one node's devices
-    paper = plan.Job.from_settings(settings_of(overrides={"hardware": {"num_devices": 4}}))
+    paper = Job.from_settings(settings_of(overrides={"hardware": {"num_devices": 4}}))
     assert paper.strategy == "fsdp" and paper.shard_ranks == 4 and paper.ranks_per_node == 4
-    assert plan.Job.from_settings(settings_of()).strategy == "none"
+    assert Job.from_settings(settings_of()).strategy == "none"
 
 
-def cpu_job(ranks: int, strategy: str = "fsdp", **changes) -> plan.Job:
+def cpu_job(ranks: int, strategy: str = "fsdp", **changes) -> Job:
     return default_job(num_devices=ranks, replicated=strategy == "none", **{"ranks_per_node": ranks, **changes})
 
 
 def test_fsdp_at_two_ranks_halves_the_sharded_terms_of_every_phase():
     shape, count = tiny_shape_and_count()
-    one, two = (plan.phase_memory(shape, count, cpu_job(n)) for n in (1, 2))
+    one, two = (phase_memory(shape, count, cpu_job(n)) for n in (1, 2))
     weights, moments = 4 * count.total, 8 * count.total  # fp32 parameters, AdamW's two fp32 moments
     for phase in ("load", "checkpoint", "resume", "export"):
         assert one[phase]["device"]["weights"] == weights and two[phase]["device"]["weights"] == weights / 2, phase
@@ -356,31 +373,31 @@ def test_fsdp_at_two_ranks_halves_the_sharded_terms_of_every_phase():
     for term in ("weights", "gradients", "optimizer"):
         assert two["step"]["device"][term] == one["step"]["device"][term] / 2, term
     # on CPU one memory: the runtime once, nothing on the host side, a rank's figure is the device side
-    runtime = plan.CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
+    runtime = CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
     assert two["checkpoint"]["device"] == {
         "weights": weights / 2,
         "optimizer": moments / 2,
         "runtime": runtime,
         "total": weights / 2 + moments / 2 + runtime,
     }
-    for phase in plan.PHASES:
-        assert two[phase]["host"] == {"total": 0} and plan.rank_bytes(two[phase]) == two[phase]["device"]["total"]
+    for phase in PHASES:
+        assert two[phase]["host"] == {"total": 0} and rank_bytes(two[phase]) == two[phase]["device"]["total"]
         assert two[phase]["device"]["runtime"] == runtime
 
 
 def test_export_holds_one_whole_largest_tensor_and_none_holds_the_whole_model():
     shape, count = tiny_shape_and_count()
     # the tiny qwen3_moe's largest parameter: its 300 x 64 embedding (its experts are 8 x 64 x 32 per matrix)
-    fused_experts = 8 * 2 * 32 * 64 if plan.experts_fused("qwen3_moe") else 0
+    fused_experts = 8 * 2 * 32 * 64 if experts_fused("qwen3_moe") else 0
     assert count.largest_tensor == max(300 * 64, fused_experts)
     for ranks in (1, 4):
-        export = plan.phase_memory(shape, count, cpu_job(ranks))["export"]["device"]
+        export = phase_memory(shape, count, cpu_job(ranks))["export"]["device"]
         assert export["gathered_tensor"] == 4 * count.largest_tensor  # whole, on every rank count
-    none = plan.phase_memory(shape, count, cpu_job(4, "none"))
+    none = phase_memory(shape, count, cpu_job(4, "none"))
     for phase in ("load", "checkpoint", "resume", "export"):
         assert none[phase]["device"]["weights"] == 4 * count.total, phase
     assert none["checkpoint"]["device"]["optimizer"] == 8 * count.total
-    assert none["step"]["device"] == plan.memory_per_device(shape, count, cpu_job(1)) | {
+    assert none["step"]["device"] == memory_per_device(shape, count, cpu_job(1)) | {
         "total": none["step"]["device"]["total"]
     }
     assert none["step"]["device"]["unsharded_layer"] == 0
@@ -389,25 +406,25 @@ def test_export_holds_one_whole_largest_tensor_and_none_holds_the_whole_model():
 def test_host_memory_per_node_is_the_ranks_of_a_node_times_a_rank():
     shape, count = tiny_shape_and_count()
     job = cpu_job(4, ranks_per_node=2)
-    phases = plan.phase_memory(shape, count, job)
+    phases = phase_memory(shape, count, job)
     for phase in phases.values():
-        assert plan.host_per_node_bytes(phase, job) == 2 * plan.rank_bytes(phase)  # CPU: the whole figure
+        assert host_per_node_bytes(phase, job) == 2 * rank_bytes(phase)  # CPU: the whole figure
     cuda = dataclasses.replace(job, device="cuda")
-    phases = plan.phase_memory(shape, count, cuda)
+    phases = phase_memory(shape, count, cuda)
     owned = -(-4 * count.largest_tensor // 4)
-    assert phases["load"]["host"] == {"read_buffer": owned, "runtime": 3 * plan.GIB, "total": owned + 3 * plan.GIB}
+    assert phases["load"]["host"] == {"read_buffer": owned, "runtime": 3 * GIB, "total": owned + 3 * GIB}
     assert phases["export"]["host"]["staging_copy"] == 4 * count.largest_tensor
-    assert phases["step"]["host"] == {"runtime": 3 * plan.GIB, "total": 3 * plan.GIB}
-    assert plan.host_per_node_bytes(phases["checkpoint"], cuda) == 2 * phases["checkpoint"]["host"]["total"]
-    assert phases["checkpoint"]["device"]["runtime"] == plan.GIB  # the CUDA context
+    assert phases["step"]["host"] == {"runtime": 3 * GIB, "total": 3 * GIB}
+    assert host_per_node_bytes(phases["checkpoint"], cuda) == 2 * phases["checkpoint"]["host"]["total"]
+    assert phases["checkpoint"]["device"]["runtime"] == GIB  # the CUDA context
 
 
 def test_plan_reports_every_phase_and_the_worst(env_report):
-    result = plan.plan(parallel_settings({"nproc_per_node": 2, "strategy": "fsdp"}), env_report)
-    assert list(result["phases"]) == list(plan.PHASES) and result["worst_phase"] == "step"
+    result = plan(parallel_settings({"nproc_per_node": 2, "strategy": "fsdp"}), env_report)
+    assert list(result["phases"]) == list(PHASES) and result["worst_phase"] == "step"
     assert result["per_device_bytes"] == result["phases"]["step"]["device_bytes"]
     assert result["job"]["strategy"] == "fsdp" and result["host"]["ranks_per_node"] == 2
-    text, markdown = plan.summary(result), plan.render_markdown(result)
+    text, markdown = summary(result), render_markdown(result)
     assert "per rank and phase: load" in text and "worst phase step" in text
     assert (
         "## Memory per rank and phase (worst: step)" in markdown and "| term | load | step | checkpoint |" in markdown
@@ -424,14 +441,14 @@ LORA_FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe"]
 @pytest.mark.parametrize("name", LORA_FAMILIES)
 def test_lora_arithmetic_matches_peft_trainable_parameters(name, router):
     """rank x (in + out) per adapted matrix, experts included, against what peft actually creates."""
-    from moeflow import lora
+    from moeflow.model import lora
 
     if router == "adapter" and name == "deepseek_v3" and not compat.is_transformers_v5():
         pytest.skip("a DeepSeek-V3 router adapter needs transformers 5 (tests/test_lora.py checks the error)")
     settings = lora_of(rank=4, alpha=8, targets=["all"], router=router)
     section = model_section(name)
-    shape, _, _ = plan.count_parameters(section, tokenizer_vocab=300)
-    counted = plan.lora_count(shape, settings)
+    shape, _, _ = count_parameters(section, tokenizer_vocab=300)
+    counted = lora_count(shape, settings)
     report = lora.trainable_parameter_report(lora.apply_lora(build_model(section, vocab_size=300), settings, False))
     assert counted.trainable == report["trainable"] and counted.added == report["adapter"]
     for category, n in counted.by_category.items():
@@ -440,12 +457,12 @@ def test_lora_arithmetic_matches_peft_trainable_parameters(name, router):
 
 
 def test_lora_counts_each_expert_and_only_the_chosen_targets():
-    shape, _, _ = plan.count_parameters(model_section("deepseek_v3"), tokenizer_vocab=300)
-    attention_only = plan.lora_count(shape, lora_of(rank=8, targets=["attention"]))
+    shape, _, _ = count_parameters(model_section("deepseek_v3"), tokenizer_vocab=300)
+    attention_only = lora_count(shape, lora_of(rank=8, targets=["attention"]))
     assert set(k for k, v in attention_only.by_category.items() if v) == {"attention"}
-    experts = plan.lora_count(shape, lora_of(rank=8, targets=["routed_experts"]))
+    experts = lora_count(shape, lora_of(rank=8, targets=["routed_experts"]))
     h, f, e = shape.hidden_size, shape.expert_ffn, shape.num_experts
-    per_expert = 8 * ((h + 2 * f) + (f + h)) if plan.experts_fused("deepseek_v3") else 8 * 3 * (h + f)
+    per_expert = 8 * ((h + 2 * f) + (f + h)) if experts_fused("deepseek_v3") else 8 * 3 * (h + f)
     assert experts.by_category["routed_experts"] == len(shape.moe_layers) * e * per_expert
     assert experts.router_weights == 0 and experts.trainable == experts.added
 
@@ -453,23 +470,23 @@ def test_lora_counts_each_expert_and_only_the_chosen_targets():
 def test_lora_makes_a_refused_step3p5_flash_fine_tune_fit_on_enough_cards(env_report):
     """Full fine-tuning on 80 GiB cards needs FSDP over many cards; LoRA (frozen bf16 weights) needs far
     fewer, and the planner says how many, both as its own plan and as a suggestion for the full one."""
-    full = plan.plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}}), env_report)
+    full = plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}}), env_report)
     assert full["verdict"] == "does_not_fit" and full["min_devices"] > 40
-    lora = plan.plan(
+    lora = plan(
         settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}, "train": {"method": "lora"}}),
         env_report,
     )
     assert lora["verdict"] == "does_not_fit" and lora["lora"]["trainable"] > 1e9  # every one of the 288 x 42 experts
     n = lora["min_devices"]
     assert 5 <= n < full["min_devices"] / 4
-    at_n = plan.plan(
+    at_n = plan(
         settings_of(
             STEP3P5,
             overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n}, "train": {"method": "lora"}},
         ),
         env_report,
     )
-    fewer = plan.plan(
+    fewer = plan(
         settings_of(
             STEP3P5,
             overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n - 1}, "train": {"method": "lora"}},
@@ -485,7 +502,5 @@ def test_lora_makes_a_refused_step3p5_flash_fine_tune_fit_on_enough_cards(env_re
         o for o in full["suggestions"] if o["change"].startswith("train.method: lora (rank 16 on all, router frozen)")
     )
     assert suggestion["min_devices"] == n
-    assert f"train.method: lora (rank 16 on all, router frozen): at least {n} devices" in plan.summary(full)
-    assert "LoRA rank 16 on all, router frozen" in plan.summary(lora) and "## LoRA adapters" in plan.render_markdown(
-        lora
-    )
+    assert f"train.method: lora (rank 16 on all, router frozen): at least {n} devices" in summary(full)
+    assert "LoRA rank 16 on all, router frozen" in summary(lora) and "## LoRA adapters" in render_markdown(lora)

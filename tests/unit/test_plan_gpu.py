@@ -14,8 +14,27 @@ import dataclasses
 import pytest
 from conftest import active_stack
 
-from moeflow import compat, config, env, plan, scaleout
-from moeflow.config import REPO_ROOT
+from moeflow.plan.counts import count_parameters
+from moeflow.plan.memory import (
+    CPU_RANK_RUNTIME_BYTES,
+    PHASES,
+    Job,
+    device_memory,
+    host_per_node_bytes,
+    memory_per_device,
+    phase_memory,
+    plan,
+    root_unit_parameters,
+    uses_fsdp1,
+    verdict,
+)
+from moeflow.plan.report import enforce, render_markdown, summary
+from moeflow.plan.scaleout import profile_request
+from moeflow.plan.shapes import PlanError, experts_fused
+from moeflow.runtime import compat, env
+from moeflow.settings import REPO_ROOT
+from moeflow.workflow.keys import plan_settings
+from moeflow.workflow.load import load, run_config
 
 GIB = 2**30
 MODELS = REPO_ROOT / "config" / "models"
@@ -34,11 +53,11 @@ QWEN_LAYER = (
 QWEN_ROOT = 2 * 151_936 * 2048 + 2048  # embedding, LM head, final norm
 QWEN_TOKENS = 1 * 4096
 # The largest parameter: the embedding (and LM head), or on transformers 5 a layer's fused experts' gate_up
-QWEN_LARGEST = max(151_936 * 2048, 128 * 2 * 768 * 2048 if plan.experts_fused("qwen3_moe") else 0)
+QWEN_LARGEST = max(151_936 * 2048, 128 * 2 * 768 * 2048 if experts_fused("qwen3_moe") else 0)
 
 
 def settings_of(*overlays, overrides=None) -> dict:
-    return config.plan_settings(config.run_config(config.load(*overlays, overrides=overrides), "moe"))
+    return plan_settings(run_config(load(*overlays, overrides=overrides), "moe"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,8 +77,8 @@ def env_report():
 @pytest.fixture(scope="module")
 def qwen():
     settings = settings_of(QWEN3_30B)
-    shape, count, _ = plan.count_parameters(settings["model"], settings["vocab_size"])
-    return shape, count, plan.Job.from_settings(settings)
+    shape, count, _ = count_parameters(settings["model"], settings["vocab_size"])
+    return shape, count, Job.from_settings(settings)
 
 
 def qwen_activation_bytes(tokens: int) -> int:
@@ -72,14 +91,14 @@ def qwen_activation_bytes(tokens: int) -> int:
 
 def test_qwen3_30b_a3b_terms_on_8_x_80gb_by_hand(qwen):
     shape, count, job = qwen
-    assert (count.total, count.largest_layer, plan.root_unit_parameters(shape, count)) == (
+    assert (count.total, count.largest_layer, root_unit_parameters(shape, count)) == (
         QWEN_TOTAL,
         QWEN_LAYER,
         QWEN_ROOT,
     )
     assert job.num_devices == 8 and job.precision == "bf16" and job.mixed_precision
     assert (job.micro_batch_size, job.seq_len, job.gradient_checkpointing) == (1, 4096, True)
-    mem = plan.memory_per_device(shape, count, job)
+    mem = memory_per_device(shape, count, job)
     expected = {
         # fp32 masters 4 + fp32 gradients 4 + AdamW moments 8 = 16 bytes per parameter, over 8 devices
         "weights": QWEN_TOTAL * 2 // 8,
@@ -103,51 +122,51 @@ def test_qwen3_30b_a3b_terms_on_8_x_80gb_by_hand(qwen):
     assert expected["loss"] / GIB == pytest.approx(2.06, abs=0.01)
     assert 68 * GIB <= mem["total"] <= 71 * GIB  # 69.34 GiB (75.41 with the full logits: tight)
     visible = int(79.11 * GIB)  # an 80 GB H100 as torch sees it
-    assert plan.verdict(mem["total"], visible) == "fits"  # under 90% of the card
+    assert verdict(mem["total"], visible) == "fits"  # under 90% of the card
 
 
 def test_qwen3_30b_a3b_does_not_fit_when_a_term_pushes_it_over(qwen):
     shape, count, job = qwen
     visible = int(79.11 * GIB)
-    one = plan.memory_per_device(shape, count, job)
-    two = plan.memory_per_device(shape, count, dataclasses.replace(job, micro_batch_size=2))
+    one = memory_per_device(shape, count, job)
+    two = memory_per_device(shape, count, dataclasses.replace(job, micro_batch_size=2))
     # micro-batch 2: 8192 tokens; the loss grows by the kept per-token gradients only (the full logits grew by
     # 4096 x 151,936 x 14 bytes, 8.11 GiB, which made it not fit)
     assert two["loss"] - one["loss"] == 4096 * (2048 + 1) * 4 and two["activations"] == qwen_activation_bytes(8192)
     assert two["residual_stream"] == 8192 * 48 * 2048 * 2
-    assert plan.verdict(two["total"], visible) == "fits"
+    assert verdict(two["total"], visible) == "fits"
     # the chunk size is the planner's too: micro-batch 4 in one chunk of 16,384 tokens holds 13.9 GiB of logits
-    whole = plan.memory_per_device(shape, count, dataclasses.replace(job, micro_batch_size=4, loss_chunk_tokens=16384))
+    whole = memory_per_device(shape, count, dataclasses.replace(job, micro_batch_size=4, loss_chunk_tokens=16384))
     assert whole["loss"] == 16384 * 151_936 * 6 + (16384 * 2049 + 151_936 * 2048) * 4
     assert whole["total"] - whole["loss"] < 0.9 * visible < visible < whole["total"]
-    assert plan.verdict(whole["total"], visible) == "does_not_fit"
+    assert verdict(whole["total"], visible) == "does_not_fit"
     # seven cards: the states grow to 16 x N / 7; the per-layer FSDP terms and the root unit stay
-    seven = plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=7))
+    seven = memory_per_device(shape, count, dataclasses.replace(job, num_devices=7))
     assert seven["optimizer"] == -(-QWEN_TOTAL * 12 // 7) and seven["root_unit"] == QWEN_ROOT * 4
-    assert plan.verdict(seven["total"], visible) == "tight"
-    six = plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=6))
-    assert plan.verdict(six["total"], visible) == "does_not_fit"
+    assert verdict(seven["total"], visible) == "tight"
+    six = memory_per_device(shape, count, dataclasses.replace(job, num_devices=6))
+    assert verdict(six["total"], visible) == "does_not_fit"
     # one card: nothing is gathered, and the residual stream is fp32 (bf16 autocast over fp32 weights)
-    one = plan.memory_per_device(shape, count, dataclasses.replace(job, num_devices=1))
+    one = memory_per_device(shape, count, dataclasses.replace(job, num_devices=1))
     assert one["prefetched_layer"] == one["layer_gradient_reduce"] == one["root_unit"] == 0
     assert one["residual_stream"] == QWEN_TOKENS * 48 * 2048 * 4
 
 
 def test_an_80gb_card_is_planned_with_what_torch_sees_of_it(env_report):
-    result = plan.plan(settings_of(QWEN3_30B), env_report)
+    result = plan(settings_of(QWEN3_30B), env_report)
     assert result["device_memory_bytes"] == int(79.11 * GIB) and "79.11 GiB visible" in result["device_memory_source"]
     assert result["verdict"] == "fits" and 68 <= result["per_device_gib"]["total"] <= 71
-    other = plan.plan(settings_of(QWEN3_30B, overrides={"hardware": {"memory_gib_per_device": 96}}), env_report)
+    other = plan(settings_of(QWEN3_30B, overrides={"hardware": {"memory_gib_per_device": 96}}), env_report)
     assert other["device_memory_bytes"] == 96 * GIB  # not a size the table knows: taken as torch's total
     cpu = settings_of(QWEN3_30B, overrides={"hardware": {"device": "cpu", "memory_gib_per_device": 80}})
-    assert plan.device_memory(cpu, env_report)[0] == 80 * GIB
+    assert device_memory(cpu, env_report)[0] == 80 * GIB
 
 
 def test_new_terms_are_in_the_plan_files(env_report):
-    result = plan.plan(settings_of(QWEN3_30B), env_report)
+    result = plan(settings_of(QWEN3_30B), env_report)
     for key in ("prefetched_layer", "layer_gradient_reduce", "root_unit", "residual_stream", "loss"):
         assert key in result["per_device_bytes"] and key in result["per_device_gib"]
-    text, markdown = plan.summary(result), plan.render_markdown(result)
+    text, markdown = summary(result), render_markdown(result)
     gib = result["per_device_gib"]
     assert f"root unit {gib['root_unit']:.2f} GiB" in text and f"loss {gib['loss']:.2f} GiB" in text
     assert "| prefetched layer |" in markdown and "| layer gradient reduce |" in markdown
@@ -161,10 +180,10 @@ def test_qwen3_30b_a3b_phases_by_hand(qwen):
     fp32 moments (8 bytes), over the 8 ranks; the host holds one tensor's buffer and the runtime."""
     shape, count, job = qwen
     assert job.strategy == "fsdp" and job.shard_ranks == 8 and job.ranks_per_node == 8
-    phases = plan.phase_memory(shape, count, job)
+    phases = phase_memory(shape, count, job)
     weights, moments = QWEN_TOTAL * 4 // 8, QWEN_TOTAL * 8 // 8
     owned, whole = -(-QWEN_LARGEST * 4 // 8), QWEN_LARGEST * 4
-    wrapping = max(QWEN_LAYER, QWEN_ROOT) * 4 if plan.uses_fsdp1() else 0  # FSDP1 materialises a unit to wrap it
+    wrapping = max(QWEN_LAYER, QWEN_ROOT) * 4 if uses_fsdp1() else 0  # FSDP1 materialises a unit to wrap it
     host = 3 * GIB  # interpreter, torch, CUDA's host libraries
     expected = {
         "load": (
@@ -188,13 +207,13 @@ def test_qwen3_30b_a3b_phases_by_hand(qwen):
     for phase, (device, host_side) in expected.items():
         assert phases[phase]["device"] == device | {"total": sum(device.values())}, phase
         assert phases[phase]["host"] == host_side | {"total": sum(host_side.values())}, phase
-    step = plan.memory_per_device(shape, count, job)
+    step = memory_per_device(shape, count, job)
     assert phases["step"]["device"] == step and phases["step"]["host"] == {"runtime": host, "total": host}
     # 14.22 GiB of fp32 weights and 28.43 GiB of moments per GPU between steps; the step's 69.3 GiB is the worst
     assert phases["checkpoint"]["device"]["total"] / GIB == pytest.approx(43.65, abs=0.01)
-    assert max(plan.PHASES, key=lambda name: phases[name]["device"]["total"]) == "step"
+    assert max(PHASES, key=lambda name: phases[name]["device"]["total"]) == "step"
     # strategy none on the same 8 GPUs: every rank whole in every phase
-    whole_model = plan.phase_memory(shape, count, dataclasses.replace(job, replicated=True))
+    whole_model = phase_memory(shape, count, dataclasses.replace(job, replicated=True))
     for phase in ("load", "checkpoint", "resume", "export"):
         assert whole_model[phase]["device"]["weights"] == QWEN_TOTAL * 4, phase
     assert whole_model["export"]["device"]["optimizer"] == QWEN_TOTAL * 8
@@ -213,7 +232,7 @@ def test_a_job_whose_checkpoint_does_not_fit_is_refused_naming_it(qwen, env_repo
             "hardware": {"memory_gib_per_device": 120},
         },
     )
-    result = plan.plan(settings, env_report)
+    result = plan(settings, env_report)
     phases = result["phases"]
     assert phases["step"]["verdict"] == "fits" and phases["load"]["verdict"] == "tight"
     adapters = result["lora"]
@@ -221,8 +240,8 @@ def test_a_job_whose_checkpoint_does_not_fit_is_refused_naming_it(qwen, env_repo
     assert phases["checkpoint"]["device_bytes"]["total"] == checkpoint and checkpoint > 120 * GIB
     # the worst: the resume, whose zero-gradient step initialising AdamW adds 4 bytes per trained parameter
     assert result["verdict"] == "does_not_fit" and result["worst_phase"] == "resume"
-    with pytest.raises(plan.PlanError) as err:
-        plan.enforce(result)
+    with pytest.raises(PlanError) as err:
+        enforce(result)
     message = str(err.value)
     assert "does not fit in memory in its checkpoint, resume, export phase(s) (worst: resume)" in message
     weights = phases["checkpoint"]["device_gib"]["weights"]
@@ -255,20 +274,20 @@ def step_activation_bytes(tokens: int) -> int:
 @pytest.fixture(scope="module")
 def step():
     settings = settings_of(STEP3P5)
-    shape, count, _ = plan.count_parameters(settings["model"], settings["vocab_size"])
-    return shape, count, plan.Job.from_settings(settings)
+    shape, count, _ = count_parameters(settings["model"], settings["vocab_size"])
+    return shape, count, Job.from_settings(settings)
 
 
 def test_step3p5_flash_on_its_24gb_card_by_hand(step, env_report):
     shape, count, job = step
     assert count.total == STEP_TOTAL and (job.num_devices, job.micro_batch_size, job.seq_len) == (1, 2, 2048)
-    mem = plan.memory_per_device(shape, count, job)
+    mem = memory_per_device(shape, count, job)
     assert mem["unsharded_layer"] == mem["prefetched_layer"] == mem["layer_gradient_reduce"] == mem["root_unit"] == 0
     assert mem["residual_stream"] == STEP_TOKENS * 45 * 4096 * 4  # fp32 on one card (autocast)
     assert mem["activations"] == step_activation_bytes(STEP_TOKENS)
     assert mem["loss"] == step_loss_bytes(STEP_TOKENS)
     assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * STEP_TOTAL
-    result = plan.plan(settings_of(STEP3P5), env_report)
+    result = plan(settings_of(STEP3P5), env_report)
     assert result["device_memory_bytes"] == int(23.68 * GIB) and result["verdict"] == "does_not_fit"
 
 
@@ -279,20 +298,20 @@ def test_step3p5_flash_on_the_multinode_profile_by_hand(step, env_report):
     assert count.largest_layer_without_routed == max(STEP_DENSE_LAYER, STEP_MOE_LAYER_WITHOUT_ROUTED)
     assert count.largest_layer_without_routed == STEP_DENSE_LAYER
     ep = dataclasses.replace(job, num_devices=48, expert_parallel=True, ranks_per_node=8)
-    mem = plan.memory_per_device(shape, count, ep)
+    mem = memory_per_device(shape, count, ep)
     assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * STEP_TOTAL // 48
     assert mem["unsharded_layer"] == STEP_DENSE_LAYER * 4 and mem["prefetched_layer"] == STEP_DENSE_LAYER * 2
     assert mem["layer_gradient_reduce"] == STEP_DENSE_LAYER * 4 and mem["root_unit"] == STEP_ROOT * 4
     assert mem["residual_stream"] == STEP_TOKENS * 45 * 4096 * 2  # bf16 under FSDP mixed precision
     assert mem["activations"] == step_activation_bytes(STEP_TOKENS) and mem["loss"] == step_loss_bytes(STEP_TOKENS)
     visible = int(79.11 * GIB)
-    assert plan.verdict(mem["total"], visible) == "tight"  # 73.00 GiB (77.14 with the full logits)
-    five_nodes = plan.memory_per_device(shape, count, dataclasses.replace(ep, num_devices=40))
-    assert plan.verdict(five_nodes["total"], visible) == "does_not_fit"
+    assert verdict(mem["total"], visible) == "tight"  # 73.00 GiB (77.14 with the full logits)
+    five_nodes = memory_per_device(shape, count, dataclasses.replace(ep, num_devices=40))
+    assert verdict(five_nodes["total"], visible) == "does_not_fit"
     # the load phase: each rank allocates only its share (fp32); its host reads one tensor's owned rows at a time
-    phases = plan.phase_memory(shape, count, ep)
+    phases = phase_memory(shape, count, ep)
     largest = 128_896 * 4096  # the embedding (transformers 5 fuses the experts: 288 x 2560 x 4096 is larger)
-    largest = max(largest, 288 * 2 * 1280 * 4096 if plan.experts_fused("step3p5") else 0)
+    largest = max(largest, 288 * 2 * 1280 * 4096 if experts_fused("step3p5") else 0)
     assert phases["load"]["device"] == {
         "weights": -(-STEP_TOTAL * 4 // 48),
         "wrapping_unit": 0,  # transformers 5 shards at load
@@ -300,10 +319,10 @@ def test_step3p5_flash_on_the_multinode_profile_by_hand(step, env_report):
         "total": -(-STEP_TOTAL * 4 // 48) + GIB,
     }
     assert phases["export"]["device"]["gathered_tensor"] == 4 * largest
-    per_node = plan.host_per_node_bytes(phases["export"], ep)
+    per_node = host_per_node_bytes(phases["export"], ep)
     assert per_node == 8 * (4 * largest + 3 * GIB)
-    mem_mb = scaleout.profile_request("slurm-multinode").mem_mb
-    assert plan.verdict(per_node, mem_mb * 2**20) == "fits"
+    mem_mb = profile_request("slurm-multinode").mem_mb
+    assert verdict(per_node, mem_mb * 2**20) == "fits"
 
 
 # --------------------------------------------------------------------------- a node's host memory
@@ -313,9 +332,9 @@ def test_qwen3_30b_a3b_ranks_load_their_shards_within_the_nodes_memory(qwen, env
     """Each rank reads only its shard: the node's host holds 8 x (one tensor's buffer + 3 GiB of runtime), not
     8 x the fp32 model (933.9 GiB, tight in the profile's 937.5 GiB, before sharded loading)."""
     _, count, job = qwen
-    mem_mb = scaleout.profile_request("slurm").mem_mb
+    mem_mb = profile_request("slurm").mem_mb
     assert mem_mb == 960_000  # 937.5 GiB
-    result = plan.plan(settings_of(QWEN3_30B), env_report, mem_mb=mem_mb)
+    result = plan(settings_of(QWEN3_30B), env_report, mem_mb=mem_mb)
     host = result["host"]
     # the worst: the export stages one whole gathered tensor on the host of every rank
     assert host["phase"] == "export" and host["per_node_bytes"]["export"] == 8 * (QWEN_LARGEST * 4 + 3 * GIB)
@@ -323,23 +342,21 @@ def test_qwen3_30b_a3b_ranks_load_their_shards_within_the_nodes_memory(qwen, env
     assert host["verdict"] == "fits" and host["limit_bytes"] == mem_mb * 2**20
     assert host["limit_source"] == "the training job's mem_mb"
     with caplog.at_level("WARNING", logger="moeflow.plan"):
-        plan.enforce(result)
+        enforce(result)
     assert not caplog.text
-    short = plan.plan(settings_of(QWEN3_30B), env_report, mem_mb=30_000)  # 29.3 GiB < 8 x 4.16 GiB
+    short = plan(settings_of(QWEN3_30B), env_report, mem_mb=30_000)  # 29.3 GiB < 8 x 4.16 GiB
     assert short["host"]["verdict"] == "does_not_fit"
-    with pytest.raises(
-        plan.PlanError, match="8 rank\\(s\\) per node do not fit in the host memory of 29.30 GiB .*export"
-    ):
-        plan.enforce(short)
+    with pytest.raises(PlanError, match="8 rank\\(s\\) per node do not fit in the host memory of 29.30 GiB .*export"):
+        enforce(short)
     # without mem_mb the host is compared with this machine's RAM, and only warned about (GPU ranks run elsewhere)
-    here = plan.plan(settings_of(QWEN3_30B), env_report)
+    here = plan(settings_of(QWEN3_30B), env_report)
     assert here["host"]["limit_bytes"] == env_report["system"]["ram_usable_bytes"]
-    plan.enforce(here)
+    enforce(here)
 
 
 def test_the_embedded_default_fits_within_this_machine(env_report):
-    result = plan.plan(settings_of(), env_report)
-    runtime = plan.CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
+    result = plan(settings_of(), env_report)
+    runtime = CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
     count = result["parameters"]["total"]
     load = result["phases"]["load"]
     assert load["device_bytes"] == {

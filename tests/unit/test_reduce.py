@@ -16,8 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_models import tiny_model_cfg
 
-from moeflow import distributed as D
-from moeflow.modeling import build_model
+from moeflow.model.factory import build_model
+from moeflow.parallel import gradients
+from moeflow.parallel.gradients import GRADIENT_BUCKET_BYTES, reduce_gradients
 
 VOCAB = 97
 
@@ -30,7 +31,7 @@ def model_with_gradients(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("bucket_bytes", [1000, 4096 * 4 + 12, D.GRADIENT_BUCKET_BYTES])
+@pytest.mark.parametrize("bucket_bytes", [1000, 4096 * 4 + 12, GRADIENT_BUCKET_BYTES])
 def test_one_all_reduce_per_bucket_and_the_per_parameter_result(monkeypatch, bucket_bytes):
     model = model_with_gradients()
     want = {n: 2 * p.grad for n, p in model.named_parameters()}
@@ -40,9 +41,9 @@ def test_one_all_reduce_per_bucket_and_the_per_parameter_result(monkeypatch, buc
         calls.append(tensor.numel())
         tensor.mul_(2)
 
-    monkeypatch.setattr(D, "world_size", lambda: 2)
+    monkeypatch.setattr(gradients, "world_size", lambda: 2)
     monkeypatch.setattr(dist, "all_reduce", two_equal_ranks)
-    D.reduce_gradients(model, bucket_bytes)
+    reduce_gradients(model, bucket_bytes)
 
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert len(calls) == 1 + math.ceil(grad_bytes / bucket_bytes), calls
@@ -65,9 +66,9 @@ def test_a_gradient_missing_on_this_rank_is_reduced_as_zeros_and_one_missing_eve
         else:
             tensor.mul_(2)
 
-    monkeypatch.setattr(D, "world_size", lambda: 2)
+    monkeypatch.setattr(gradients, "world_size", lambda: 2)
     monkeypatch.setattr(dist, "all_reduce", two_ranks)
-    D.reduce_gradients(model, 1000)
+    reduce_gradients(model, 1000)
     assert params[3].grad is not None and torch.equal(params[3].grad, torch.zeros_like(params[3]))
     assert all((p.grad is None) == (id(p) == missing_everywhere) for p in params)
 
@@ -77,7 +78,7 @@ def _rank(rank: int, world: int, init_file: str, results: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         bucketed, reference = model_with_gradients(seed=rank), model_with_gradients(seed=rank)
-        D.reduce_gradients(bucketed, bucket_bytes=1000)  # small buckets: most parameters are split
+        reduce_gradients(bucketed, bucket_bytes=1000)  # small buckets: most parameters are split
         for p in reference.parameters():
             dist.all_reduce(p.grad)
         results[rank] = all(torch.equal(a.grad, b.grad) for a, b in zip(bucketed.parameters(), reference.parameters()))

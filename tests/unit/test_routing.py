@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny_models import COMMON, FAMILY_CONFIGS, SEQ, TRANSFORMERS_5_ONLY, VOCAB
 
-from moeflow import compat
-from moeflow.modeling import build_model
-from moeflow.routing import UnsupportedModel, adapter_for, capture
+from moeflow.model.factory import build_model
+from moeflow.model.routing import UnsupportedModel, adapter_for, capture
+from moeflow.runtime import compat
 
 TOKENS = (2, SEQ)  # batch, seq
 

@@ -1,4 +1,4 @@
-"""moeflow.sandbox: an untrusted program runs in its own isolated interpreter; code that hangs, forks, writes
+"""moeflow.evaluation.sandbox: an untrusted program runs in its own isolated interpreter; code that hangs, forks, writes
 outside its folder, opens a socket, floods its output or signals the pipeline ends with a status saying
 which and harms nothing. Each case runs with the network and PID namespaces (where unshare can make them)
 and with the audit hook alone."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from moeflow import sandbox
-from moeflow.sandbox import Limits, run, run_many
+from moeflow.evaluation import sandbox
+from moeflow.evaluation.sandbox import Limits, run, run_many
 
 FAST = Limits(wall_s=3.0, memory_mb=256)
 ISOLATIONS = [

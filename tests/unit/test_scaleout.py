@@ -5,8 +5,28 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow import compat, config, scaleout
-from moeflow.config import REPO_ROOT
+from moeflow.parallel.launch import torchrun_command
+from moeflow.plan import counts
+from moeflow.plan.scaleout import (
+    ASSUMED_MFU,
+    DEFAULT_TOKEN_BUDGET,
+    ScaleoutError,
+    cost,
+    hardware_overlay,
+    layout,
+    markdown_row,
+    phase_rows,
+    phase_table,
+    profile_request,
+    request_problems,
+    scaleout_plan,
+    wall_hours_fit,
+)
+from moeflow.runtime import compat
+from moeflow.settings import REPO_ROOT, ConfigError
+from moeflow.workflow.load import load, run_config
+from moeflow.workflow.merge import deep_merge
+from moeflow.workflow.recipe import translate_recipe_flags
 
 MODELS = REPO_ROOT / "config" / "models"
 # Each shipped large model, the profile its training runs with, and the overlay of that profile's hardware.
@@ -17,30 +37,28 @@ LARGE_MODELS = {
 
 
 def cluster_config(model: str, profile: str, overrides=None) -> dict:
-    return config.run_config(
-        config.load(MODELS / f"{model}.yaml", scaleout.hardware_overlay(profile), overrides=overrides), "moe"
-    )
+    return run_config(load(MODELS / f"{model}.yaml", hardware_overlay(profile), overrides=overrides), "moe")
 
 
 @pytest.mark.parametrize("model,profile", sorted(LARGE_MODELS.items()))
 def test_config_names_what_its_profile_requests(model, profile):
-    request = scaleout.profile_request(profile)
+    request = profile_request(profile)
     assert request.gpus == request.gpus_per_node * request.nodes and request.gpu_memory_gib == 80
-    assert scaleout.request_problems(cluster_config(model, profile), request) == []
+    assert request_problems(cluster_config(model, profile), request) == []
     # the warmup gets the same GPUs as train_model (the checkpoint is resumed on the same layout)
-    warmup = scaleout.profile_request(profile, "warmup")
+    warmup = profile_request(profile, "warmup")
     assert (warmup.gpus, warmup.nodes, warmup.gpu_model) == (request.gpus, request.nodes, request.gpu_model)
 
 
 def test_qwen3_overlay_alone_already_names_the_profiles_hardware():
-    cfg = config.run_config(config.load(MODELS / "qwen3-30b-a3b.yaml"), "moe")
-    assert scaleout.request_problems(cfg, scaleout.profile_request("slurm")) == []
+    cfg = run_config(load(MODELS / "qwen3-30b-a3b.yaml"), "moe")
+    assert request_problems(cfg, profile_request("slurm")) == []
 
 
 @pytest.mark.parametrize("model,profile", sorted(LARGE_MODELS.items()))
 def test_planner_accepts_the_profiles_gpus_and_refuses_fewer(model, profile):
-    request = scaleout.profile_request(profile)
-    p = scaleout.scaleout_plan(cluster_config(model, profile), request)
+    request = profile_request(profile)
+    p = scaleout_plan(cluster_config(model, profile), request)
     # Counting every term a GPU holds (the prefetched layer, the root unit, the logits, the card's visible memory),
     # the profiles' GPUs fit without the planner's 10% headroom ("tight"): Qwen3-30B-A3B's realistic peak is
     # 73-77 GiB of ~79 GiB. One GPU fewer (or one node fewer) does not fit at all.
@@ -51,24 +69,22 @@ def test_planner_accepts_the_profiles_gpus_and_refuses_fewer(model, profile):
 
 
 def test_layouts_at_real_scale():
-    qwen = scaleout.scaleout_plan(cluster_config("qwen3-30b-a3b", "slurm"), scaleout.profile_request("slurm"))
+    qwen = scaleout_plan(cluster_config("qwen3-30b-a3b", "slurm"), profile_request("slurm"))
     assert (qwen["layout"]["world_size"], qwen["layout"]["fsdp_size"], qwen["layout"]["ep_size"]) == (8, 8, 1)
     assert qwen["layout"]["strategy"] == "fsdp" and qwen["layout"]["gradient_checkpointing"]
     assert not qwen["layout"]["needs_transformers_5"]
-    step = scaleout.scaleout_plan(
-        cluster_config("step3p5-flash", "slurm-multinode"), scaleout.profile_request("slurm-multinode")
-    )
+    step = scaleout_plan(cluster_config("step3p5-flash", "slurm-multinode"), profile_request("slurm-multinode"))
     assert (step["layout"]["world_size"], step["layout"]["fsdp_size"], step["layout"]["ep_size"]) == (48, 48, 8)
     assert step["layout"]["experts_per_rank"] == 288 / 8 and step["layout"]["needs_transformers_5"]
     assert step["job"]["expert_parallel"] and step["layout"]["gradient_checkpointing"]
     # under expert parallelism only the dense part of a layer is gathered: far less than the whole layer
-    fsdp_only = scaleout.scaleout_plan(
+    fsdp_only = scaleout_plan(
         cluster_config(
             "step3p5-flash",
             "slurm-multinode",
             {"parallel": {"strategy": "fsdp", "ep_size": 1, "ep_implementation": "auto"}},
         ),
-        scaleout.profile_request("slurm-multinode"),
+        profile_request("slurm-multinode"),
     )
     assert (
         step["on_request"]["per_gpu_gib"]["unsharded_layer"] * 5
@@ -77,16 +93,14 @@ def test_layouts_at_real_scale():
 
 
 def test_cost_is_six_n_active_tokens_at_the_assumed_mfu():
-    c = scaleout.cost(active_parameters=3_000_000_000, tokens=10**9, gpus=8, peak_flops=1e15, mfu=0.25)
+    c = cost(active_parameters=3_000_000_000, tokens=10**9, gpus=8, peak_flops=1e15, mfu=0.25)
     assert c["flops"] == 6 * 3e9 * 1e9
     assert c["gpu_hours"] == pytest.approx(1.8e19 / 2.5e14 / 3600)
     assert c["wall_hours"] == pytest.approx(c["gpu_hours"] / 8)
-    step = scaleout.scaleout_plan(
-        cluster_config("step3p5-flash", "slurm-multinode"), scaleout.profile_request("slurm-multinode")
-    )
-    assert step["cost"]["assumed_mfu"] == scaleout.ASSUMED_MFU
-    assert step["cost"]["flops"] == 6 * step["parameters"]["active_per_token"] * scaleout.DEFAULT_TOKEN_BUDGET
-    assert scaleout.wall_hours_fit(scaleout.profile_request("slurm-multinode").runtime_min, step)
+    step = scaleout_plan(cluster_config("step3p5-flash", "slurm-multinode"), profile_request("slurm-multinode"))
+    assert step["cost"]["assumed_mfu"] == ASSUMED_MFU
+    assert step["cost"]["flops"] == 6 * step["parameters"]["active_per_token"] * DEFAULT_TOKEN_BUDGET
+    assert wall_hours_fit(profile_request("slurm-multinode").runtime_min, step)
 
 
 def test_profile_without_gpus_for_the_rule_is_an_error(tmp_path):
@@ -94,17 +108,17 @@ def test_profile_without_gpus_for_the_rule_is_an_error(tmp_path):
     (tmp_path / "p" / "config.yaml").write_text(
         "executor: slurm\ndefault-resources: {slurm_partition: cpu, mem_mb: 1000, runtime: 10}\n"
     )
-    with pytest.raises(scaleout.ScaleoutError, match="requests no GPUs"):
-        scaleout.profile_request("p", profiles=tmp_path)
+    with pytest.raises(ScaleoutError, match="requests no GPUs"):
+        profile_request("p", profiles=tmp_path)
 
 
 # --------------------------------------------------------------------------- the parallel section
 
 
 def test_default_parallel_section_is_one_process():
-    cfg = config.load()
+    cfg = load()
     assert cfg["parallel"]["strategy"] == "none" and cfg["parallel"]["nproc_per_node"] * cfg["parallel"]["nnodes"] == 1
-    assert scaleout.layout(config.run_config(cfg, "moe"))["world_size"] == 1
+    assert layout(run_config(cfg, "moe"))["world_size"] == 1
 
 
 @pytest.mark.parametrize(
@@ -126,18 +140,18 @@ def test_default_parallel_section_is_one_process():
     ],
 )
 def test_inconsistent_parallel_layouts_are_refused_naming_the_keys(parallel, hardware, message):
-    with pytest.raises(config.ConfigError, match=message):
-        config.load(overrides={"parallel": parallel, "hardware": hardware})
+    with pytest.raises(ConfigError, match=message):
+        load(overrides={"parallel": parallel, "hardware": hardware})
 
 
 def test_unknown_parallel_key_is_a_schema_error():
-    with pytest.raises(config.ConfigError, match="'tp_size' was unexpected|unknown key\\(s\\) 'tp_size'"):
-        config.load(overrides={"parallel": {"tp_size": 2}})
+    with pytest.raises(ConfigError, match="'tp_size' was unexpected|unknown key\\(s\\) 'tp_size'"):
+        load(overrides={"parallel": {"tp_size": 2}})
 
 
 def test_two_cpu_ranks_layout_is_valid():
-    cfg = config.load(overrides={"parallel": {"nproc_per_node": 2, "strategy": "fsdp"}, "hardware": {"num_devices": 2}})
-    assert scaleout.layout(config.run_config(cfg, "moe"))["fsdp_size"] == 2
+    cfg = load(overrides={"parallel": {"nproc_per_node": 2, "strategy": "fsdp"}, "hardware": {"num_devices": 2}})
+    assert layout(run_config(cfg, "moe"))["fsdp_size"] == 2
 
 
 # --------------------------------------------------------------------------- the copied recipe's flags
@@ -146,7 +160,7 @@ def test_two_cpu_ranks_layout_is_valid():
 def test_recipe_launch_flags_map_to_the_parallel_section_or_are_refused():
     # torchrun --nproc_per_node 4 train.py --moe_expert_parallel_degree 2 --moe_token_dispatcher_type balance
     #   --moe_eval_capacity_factor 1.2, and group_experts_by: device
-    overrides, refused = config.translate_recipe_flags(
+    overrides, refused = translate_recipe_flags(
         {
             "--moe_expert_parallel_degree": 2,
             "--moe_token_dispatcher_type": "balance",
@@ -159,17 +173,15 @@ def test_recipe_launch_flags_map_to_the_parallel_section_or_are_refused():
     assert any("moe_token_dispatcher_type" in r and "train.balance" in r for r in refused)
     assert any("moe_eval_capacity_factor" in r and "dropless" in r for r in refused)
     # the mapped settings make a valid config on 4 ranks (the recipe's --nproc_per_node 4)
-    cfg = config.load(
-        overrides=config.deep_merge(overrides, {"parallel": {"nproc_per_node": 4}, "hardware": {"num_devices": 4}})
-    )
-    assert scaleout.layout(config.run_config(cfg, "moe"))["ep_size"] == 2
+    cfg = load(overrides=deep_merge(overrides, {"parallel": {"nproc_per_node": 4}, "hardware": {"num_devices": 4}}))
+    assert layout(run_config(cfg, "moe"))["ep_size"] == 2
 
 
 @pytest.mark.parametrize(
     "value,implementation", [("alltoall", "all_to_all"), ("all_to_all", "all_to_all"), ("allgather", "all_reduce")]
 )
 def test_dispatcher_types_with_a_transformers_equivalent_map_to_ep_implementation(value, implementation):
-    overrides, refused = config.translate_recipe_flags({"moe_token_dispatcher_type": value})
+    overrides, refused = translate_recipe_flags({"moe_token_dispatcher_type": value})
     assert overrides == {"parallel": {"ep_implementation": implementation}} and refused == []
 
 
@@ -185,8 +197,8 @@ def test_dispatcher_types_with_a_transformers_equivalent_map_to_ep_implementatio
     ],
 )
 def test_a_config_with_a_recipe_flag_fails_with_the_real_setting(key, value, says):
-    with pytest.raises(config.ConfigError) as err:
-        config.load(overrides={"train": {key: value}})
+    with pytest.raises(ConfigError) as err:
+        load(overrides={"train": {key: value}})
     assert f"train.{key}" in str(err.value) and says in str(err.value)
 
 
@@ -194,24 +206,24 @@ def test_a_config_with_a_recipe_flag_fails_with_the_real_setting(key, value, say
 
 
 def test_launcher_starts_one_rank_per_gpu_or_the_cpu_ranks():
-    assert scaleout.torchrun_command("python", cpu_ranks=2) == (
+    assert torchrun_command("python", cpu_ranks=2) == (
         "python -m torch.distributed.run --standalone --monitor-interval 0.5 --nproc_per_node 2"
     )
-    assert scaleout.torchrun_command("python", gpus=8).endswith("--nproc_per_node 8")
-    request = scaleout.profile_request("slurm-multinode")
-    multi = scaleout.torchrun_command("python", gpus=request.gpus, nodes=request.nodes)
+    assert torchrun_command("python", gpus=8).endswith("--nproc_per_node 8")
+    request = profile_request("slurm-multinode")
+    multi = torchrun_command("python", gpus=request.gpus, nodes=request.nodes)
     assert multi.startswith(
         f"srun --overlap --nodes {request.nodes} --ntasks-per-node 1 python -m torch.distributed.run"
     )
     assert f"--nproc_per_node {request.gpus_per_node} --nnodes {request.nodes} --rdzv-backend c10d" in multi
     assert "--standalone" not in multi and "$SLURM_JOB_NODELIST" in multi
-    with pytest.raises(scaleout.ScaleoutError, match="evenly"):
-        scaleout.torchrun_command("python", gpus=12, nodes=8)
+    with pytest.raises(ScaleoutError, match="evenly"):
+        torchrun_command("python", gpus=12, nodes=8)
 
 
 def test_readme_row_shows_the_plans_numbers():
-    p = scaleout.scaleout_plan(cluster_config("qwen3-30b-a3b", "slurm"), scaleout.profile_request("slurm"))
-    row = scaleout.markdown_row("Qwen3-30B-A3B", p)
+    p = scaleout_plan(cluster_config("qwen3-30b-a3b", "slurm"), profile_request("slurm"))
+    row = markdown_row("Qwen3-30B-A3B", p)
     assert f"**{p['on_request']['per_gpu_gib']['total']:.1f}** of 80" in row and "8 x H100 (1 node)" in row
     assert f"{p['cost']['gpu_hours']:.0f} GPU-h" in row and "`profiles/slurm`" in row
 
@@ -223,21 +235,19 @@ def test_readme_row_shows_the_plans_numbers():
     not compat.is_transformers_v5(), reason="the README's table is the current stack's (FSDP2, fused experts)"
 )
 def test_readme_phase_table_is_the_planners_output(monkeypatch):
-    from moeflow import plan
 
     # the closed form (the meta count of Qwen3-30B-A3B's experts takes ~40 s; tests/unit/test_plan.py checks
     # that both agree, the largest tensor included)
-    monkeypatch.setattr(plan, "meta_count", lambda config, shape: None)
+    monkeypatch.setattr(counts, "meta_count", lambda config, shape: None)
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     table = readme.split("<!-- phase-table:start -->\n")[1].split("<!-- phase-table:end -->")[0]
-    assert table == scaleout.phase_table()
+    assert table == phase_table()
 
 
 def test_phase_table_rows_use_each_models_layout(monkeypatch):
-    from moeflow import plan
 
-    monkeypatch.setattr(plan, "meta_count", lambda config, shape: None)
-    rows = scaleout.phase_rows(nodes=(1, 8))
+    monkeypatch.setattr(counts, "meta_count", lambda config, shape: None)
+    rows = phase_rows(nodes=(1, 8))
     layouts = {(r["model"], r["method"]): r["job"].strategy for r in rows}
     assert layouts == {
         ("Qwen3-30B-A3B", "full"): "fsdp",

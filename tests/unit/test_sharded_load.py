@@ -1,4 +1,4 @@
-"""moeflow.sharded_load in one process: a model built on the meta device and filled from its folder's files
+"""moeflow.parallel.rank_load in one process: a model built on the meta device and filled from its folder's files
 equals ``from_pretrained``'s, a rank's rows come from the file tensors that hold them (transformers 5's
 fused experts from their per-expert file tensors), and a folder that does not fit is a clear error.
 The same on two ranks (FSDP shards): tests/pipeline/test_sharded_state.py."""
@@ -11,15 +11,21 @@ import pytest
 import torch
 from tiny_models import tiny_model_cfg
 
-from moeflow import compat, sharded_load
-from moeflow import distributed as D
-from moeflow.config import ParallelSettings, TrainSettings, training
-from moeflow.config import settings as typed_settings
-from moeflow.modeling import build_model, check_model_folder, load_model
-from moeflow.safetensors_files import SafetensorsError, read_header, weight_files
+from moeflow.checkpoint.safetensors_files import SafetensorsError, read_header, weight_files
+from moeflow.model import loading
+from moeflow.model.factory import build_model, load_model
+from moeflow.model.folder import check_model_folder
+from moeflow.model.loading import load_for_training
+from moeflow.parallel import rank_load as sharded_load
+from moeflow.parallel.process_group import Ranks
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime import compat
+from moeflow.settings import typed
+from moeflow.train.settings import TrainSettings
+from moeflow.workflow.keys import training
 
 VOCAB = 96
-ONE_RANK = D.Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+ONE_RANK = Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def saved(tmp_path, tied=True, **save):
@@ -134,21 +140,21 @@ def test_a_folder_that_does_not_fit_is_an_error_naming_the_file_and_tensor(tmp_p
 
 def _train(method: str) -> TrainSettings:
     section = {"steps": 1, "lr": 1e-3, "method": method} | ({"lora": {"rank": 2}} if method == "lora" else {})
-    return typed_settings(TrainSettings, training(section))
+    return typed(TrainSettings, training(section))
 
 
 def test_without_weights_a_full_model_reads_none_and_lora_loads_the_base(tmp_path, monkeypatch):
     folder = saved(tmp_path)
-    layout = typed_settings(ParallelSettings, {})
+    layout = typed(ParallelSettings, {})
     whole = load_model(folder, tiny_model_cfg())
     monkeypatch.setattr(sharded_load, "fill_from_folder", lambda *a: pytest.fail("read the weights"))
-    model = D.load_for_training(
+    model = load_for_training(
         folder, tiny_model_cfg(), _train("full"), layout, ONE_RANK, precision="fp32", weights=False
     )
     assert not any(p.is_meta for p in model.parameters())
     assert sorted(model.state_dict()) == sorted(whole.state_dict())
     assert torch.equal(model.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq)
-    lora_model = D.load_for_training(
+    lora_model = load_for_training(
         folder, tiny_model_cfg(), _train("lora"), layout, ONE_RANK, precision="fp32", weights=False
     )
     merged = lora_model.merge_and_unload().state_dict()  # fresh adapters (B = 0) merge to the base weights
@@ -163,13 +169,13 @@ def test_fsdp_at_one_rank_fills_from_the_files_and_none_loads_with_from_pretrain
     folder = saved(tmp_path, tied=False)
     whole = load_model(folder, tiny_model_cfg())
     calls = []
-    real_load = D.load_whole_model
-    monkeypatch.setattr(D, "load_whole_model", lambda *a, **k: calls.append(a) or real_load(*a, **k))
-    fsdp = typed_settings(ParallelSettings, {"strategy": "fsdp"})
-    model = D.load_for_training(folder, tiny_model_cfg(), _train("full"), fsdp, ONE_RANK, precision="fp32")
+    real_load = loading.load_whole_model
+    monkeypatch.setattr(loading, "load_whole_model", lambda *a, **k: calls.append(a) or real_load(*a, **k))
+    fsdp = typed(ParallelSettings, {"strategy": "fsdp"})
+    model = load_for_training(folder, tiny_model_cfg(), _train("full"), fsdp, ONE_RANK, precision="fp32")
     assert not calls
     assert_same_state(model, whole)
-    none = typed_settings(ParallelSettings, {"strategy": "none"})
-    model = D.load_for_training(folder, tiny_model_cfg(), _train("full"), none, ONE_RANK, precision="fp32")
+    none = typed(ParallelSettings, {"strategy": "none"})
+    model = load_for_training(folder, tiny_model_cfg(), _train("full"), none, ONE_RANK, precision="fp32")
     assert len(calls) == 1
     assert_same_state(model, whole)

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeflow.corpus import CorpusError, SourceReader, split_documents
-from moeflow.packing import Packer, pack_documents
-from moeflow.shards import COLUMNS, iter_rows, open_split, read_documents, row_schema, write_split
-from moeflow.tokenize_stage import tokenize_corpus
-from moeflow.tokenizer import BOS, EOS, PAD, DocumentEncoder, folder_hash, train_tokenizer_stage
+from moeflow.data.corpus import CorpusError, SourceReader, split_documents
+from moeflow.data.packing import Packer, pack_documents
+from moeflow.data.shards import COLUMNS, iter_rows, open_split, read_documents, row_schema, write_split
+from moeflow.data.tokenize import tokenize_corpus
+from moeflow.data.tokenizer import BOS, EOS, PAD, DocumentEncoder, folder_hash, train_tokenizer_stage
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 SPLIT = {"heldout": 0.1, "test": 0.05}
@@ -193,7 +193,7 @@ def test_chat_labels_only_on_assistant_turns(tokenizer_dir, tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     source = {"type": "jsonl", "path": str(tmp_path / "c.jsonl"), "messages_field": "messages"}
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    from moeflow.corpus import Document
+    from moeflow.data.corpus import Document
 
     ids, labels = DocumentEncoder(tok, source).encode_chat(Document("c", messages=tuple(chat)))
     learned = tok.decode(ids[labels != -100])
@@ -227,7 +227,7 @@ def test_skipped_records_are_counted_in_the_manifest(tokenizer_dir, tmp_path):
 def test_a_killed_run_leaves_no_output(tokenizer_dir, tmp_path):
     out = tmp_path / "out"
     code = (
-        "import sys; from moeflow.tokenize_stage import tokenize_corpus; "
+        "import sys; from moeflow.data.tokenize import tokenize_corpus; "
         f"tokenize_corpus('small', {settings({'small': SMALL_STDLIB})!r}, {str(tokenizer_dir)!r}, {str(out)!r})"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC), "MOEFLOW_KILL_AT": "tokenize.before_rename"}

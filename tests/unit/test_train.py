@@ -20,13 +20,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from tiny_models import tiny_dense_cfg, tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training_script, settings  # noqa: E402
 
-from moeflow import config as mfconfig
-from moeflow.checkpoint import latest_checkpoint
-from moeflow.collate import collate
-from moeflow.modeling import build_model
-from moeflow.optim import lr_factor, param_groups
-from moeflow.stage import job_from_argv
-from moeflow.train import Trainer
+from moeflow.checkpoint.state import latest_checkpoint
+from moeflow.data.collate import collate
+from moeflow.model.factory import build_model
+from moeflow.runtime.job import job_from_argv
+from moeflow.settings import ConfigError, typed
+from moeflow.train.optim import lr_factor, param_groups
+from moeflow.train.settings import BalanceSettings
+from moeflow.train.trainer import Trainer
+from moeflow.workflow.keys import warmup_key, warmup_settings
+from moeflow.workflow.load import load, run_config
+from moeflow.workflow.merge import deep_merge
 
 # --------------------------------------------------------------------------- settings
 
@@ -55,28 +59,26 @@ def test_param_groups_skip_decay_on_norms_and_scale_routers():
 
 
 def test_copied_recipe_settings_are_refused_with_what_to_use():
-    with pytest.raises(mfconfig.ConfigError, match="no optimizer 'adamw_moe'; use train.optimizer: adamw"):
-        mfconfig.load(overrides={"train": {"optimizer": "adamw_moe"}})
-    with pytest.raises(mfconfig.ConfigError, match="'DataCollatorForMoE'"):
-        mfconfig.load(overrides={"train": {"data_collator": "DataCollatorForMoE"}})
-    with pytest.raises(
-        mfconfig.ConfigError, match="'Trainer.accumulate_gradient' does not exist; set train.grad_accum_steps"
-    ):
-        mfconfig.load(overrides={"train": {"accumulate_gradient": True}})
-    with pytest.raises(mfconfig.ConfigError, match="'train.warmup_steps' and 'train.warmup_ratio' are both set"):
-        mfconfig.load(overrides={"train": {"warmup_steps": 1000, "warmup_ratio": 0.1}})
+    with pytest.raises(ConfigError, match="no optimizer 'adamw_moe'; use train.optimizer: adamw"):
+        load(overrides={"train": {"optimizer": "adamw_moe"}})
+    with pytest.raises(ConfigError, match="'DataCollatorForMoE'"):
+        load(overrides={"train": {"data_collator": "DataCollatorForMoE"}})
+    with pytest.raises(ConfigError, match="'Trainer.accumulate_gradient' does not exist; set train.grad_accum_steps"):
+        load(overrides={"train": {"accumulate_gradient": True}})
+    with pytest.raises(ConfigError, match="'train.warmup_steps' and 'train.warmup_ratio' are both set"):
+        load(overrides={"train": {"warmup_steps": 1000, "warmup_ratio": 0.1}})
 
 
 def test_warmup_key_ignores_settings_of_the_second_part_only():
-    cfg = mfconfig.run_config(mfconfig.load(), "moe")
-    key = mfconfig.warmup_key(cfg)
+    cfg = run_config(load(), "moe")
+    key = warmup_key(cfg)
     for second_part in ({"steps": 500}, {"min_lr": 0.0}, {"eval_every": 3}):
-        assert mfconfig.warmup_key(mfconfig.deep_merge(cfg, {"train": second_part})) == key
+        assert warmup_key(deep_merge(cfg, {"train": second_part})) == key
     for first_part in ({"lr": 1e-3}, {"warmup_steps": 3}, {"balance": {"mode": "exact"}}):
-        assert mfconfig.warmup_key(mfconfig.deep_merge(cfg, {"train": first_part})) != key
-    assert mfconfig.warmup_key(mfconfig.deep_merge(cfg, {"data": {"seq_len": 256}})) != key
-    ratio = mfconfig.deep_merge(cfg, {"train": {"warmup_steps": None, "warmup_ratio": 0.2, "steps": 40}})
-    assert mfconfig.warmup_settings(ratio)["train"]["warmup_steps"] == 8
+        assert warmup_key(deep_merge(cfg, {"train": first_part})) != key
+    assert warmup_key(deep_merge(cfg, {"data": {"seq_len": 256}})) != key
+    ratio = deep_merge(cfg, {"train": {"warmup_steps": None, "warmup_ratio": 0.2, "steps": 40}})
+    assert warmup_settings(ratio)["train"]["warmup_steps"] == 8
 
 
 def test_job_from_argv_reads_what_the_rule_passes():
@@ -142,8 +144,8 @@ def test_kill_minus_nine_then_resume_gives_the_same_final_loss(tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_gradients():
     """Non-reentrant checkpointing reruns the routers in backward: the hooks must not count them twice."""
-    from moeflow.routing import adapter_or_none
-    from moeflow.train import accumulate_gradients, enable_checkpointing
+    from moeflow.model.routing import adapter_or_none
+    from moeflow.train.trainer import accumulate_gradients, enable_checkpointing
 
     rows = packed_rows(4)
     batches = [collate(rows[i : i + 2]) for i in (0, 2)]
@@ -156,7 +158,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         step = accumulate_gradients(
             model,
             batches,
-            mfconfig.settings(mfconfig.BalanceSettings, {"mode": "exact", "coef": 0.1}),
+            typed(BalanceSettings, {"mode": "exact", "coef": 0.1}),
             adapter_or_none(model),
         )
         results.append(
@@ -269,7 +271,7 @@ if __name__ == "__main__":
 
 
 def test_lora_fine_tuning_trains_adapters_only_and_resumes_exactly(tmp_path):
-    from moeflow.lora import prepare_model
+    from moeflow.model.lora import prepare_model
 
     def lora_trainer():
         model = prepare_model(

@@ -22,36 +22,39 @@ os.environ.update(
 # of spinning, which took a loaded step from 28-49 s to 3.4-4.3 s (benchmarks/train.py). Timing only.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from moeflow import config as mfconfig
-from moeflow.env import fingerprint as environment_fingerprint
-from moeflow.imports import library_files
+from moeflow.settings import ConfigError
+from moeflow.workflow import keys as stage_keys
+from moeflow.workflow.load import load as load_config, resolve_stack, run_config
+from moeflow.workflow.merge import run_names
+from moeflow.runtime.env import fingerprint as environment_fingerprint
+from moeflow.workflow.imports import library_files
 
 try:
     # The config again from config/config.yaml and the --configfile overlays, merged by moeflow's rules (null
     # removes a key, a source of another type is replaced, model_from_config) with the schema's defaults
     # filled in, then validated; each run's is merged and filled below.
-    _loaded = mfconfig.load(*workflow.config_settings.configfiles, overrides=dict(workflow.config_settings.config))
+    _loaded = load_config(*workflow.config_settings.configfiles, overrides=dict(workflow.config_settings.config))
     config.clear()
     config.update(_loaded)
-    STACK = mfconfig.resolve_stack(config)
-except mfconfig.ConfigError as exc:
+    STACK = resolve_stack(config)
+except ConfigError as exc:
     raise WorkflowError(f"moeflow: {exc}") from None
 
 RESULTS = f"results/{STACK}"
 # For `conda:`, which Snakemake resolves relative to the rule file (workflow/rules/), not the working directory.
 ENV_FILE = f"../../envs/{STACK}.yaml"
-RUNS = {name: mfconfig.run_config(config, name) for name in mfconfig.run_names(config)}
+RUNS = {name: run_config(config, name) for name in run_names(config)}
 if not RUNS:
     raise WorkflowError("moeflow: the config defines no runs (config key 'runs'); add at least one, e.g. runs: {moe: {}}")
 
 # Data stages are keyed by their own settings, so runs that agree on data share them.
-TOKENIZERS = {mfconfig.tokenizer_key(cfg): mfconfig.tokenizer_settings(cfg) for cfg in RUNS.values()}
-DATASETS = {mfconfig.data_key(cfg): mfconfig.data_settings(cfg) for cfg in RUNS.values()}
+TOKENIZERS = {stage_keys.tokenizer_key(cfg): stage_keys.tokenizer_settings(cfg) for cfg in RUNS.values()}
+DATASETS = {stage_keys.data_key(cfg): stage_keys.data_settings(cfg) for cfg in RUNS.values()}
 
 
 def lib(script):
     """The package modules a stage script imports, directly or through other package modules, as inputs:
-    editing one reruns the rule (moeflow.imports walks the imports; nothing is listed by hand)."""
+    editing one reruns the rule (moeflow.workflow.imports walks the imports; nothing is listed by hand)."""
     return library_files(Path(workflow.basedir) / "workflow" / "scripts" / script, SRC / "moeflow")
 
 
@@ -74,25 +77,25 @@ def bench_path(rule, *parts):
 
 def tokenizer_dir(settings):
     """The tokenizer folder for a set of tokenizer settings: the pretrained model's, or one trained here."""
-    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{mfconfig.stable_hash(settings)}"
+    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{stage_keys.stable_hash(settings)}"
 
 
 def corpus_files(wc):
     """Source files of a corpus, so that editing one reruns the stage (stdlib is recorded in the manifest)."""
-    from moeflow.corpus import source_files
+    from moeflow.data.corpus import source_files
 
     return source_files(DATASETS[wc.datakey]["data"]["sources"][wc.corpus])
 
 
 def data_dir(cfg, corpus):
-    return f"{RESULTS}/data/{mfconfig.data_key(cfg)}/{corpus}"
+    return f"{RESULTS}/data/{stage_keys.data_key(cfg)}/{corpus}"
 
 
-BASES = {mfconfig.base_key(cfg): cfg for cfg in RUNS.values() if not cfg["model"]["pretrained"]}
+BASES = {stage_keys.base_key(cfg): cfg for cfg in RUNS.values() if not cfg["model"]["pretrained"]}
 
 
 def base_model_dir(cfg):
-    return cfg["model"]["pretrained"] or f"{RESULTS}/base/{mfconfig.base_key(cfg)}"
+    return cfg["model"]["pretrained"] or f"{RESULTS}/base/{stage_keys.base_key(cfg)}"
 
 
 def coverage_source(cfg):
@@ -106,27 +109,27 @@ def coverage_source(cfg):
     return RUNS[other]
 
 
-COVERAGES = {mfconfig.coverage_key(coverage_source(cfg)): coverage_source(cfg) for cfg in RUNS.values()}
+COVERAGES = {stage_keys.coverage_key(coverage_source(cfg)): coverage_source(cfg) for cfg in RUNS.values()}
 
 
 def coverage_dir(cfg):
-    return f"{RESULTS}/coverage/{mfconfig.coverage_key(coverage_source(cfg))}"
+    return f"{RESULTS}/coverage/{stage_keys.coverage_key(coverage_source(cfg))}"
 
 
 # --- the experts implementation (rule choose_experts)
 
-EXPERTS = {mfconfig.experts_key(cfg, part): mfconfig.experts_settings(cfg, part) for cfg in RUNS.values() for part in mfconfig.EXPERTS_PARTS}
+EXPERTS = {stage_keys.experts_key(cfg, part): stage_keys.experts_settings(cfg, part) for cfg in RUNS.values() for part in stage_keys.EXPERTS_PARTS}
 
 
 def experts_choice(cfg, part="train"):
-    """The experts choice (moeflow.experts_choice), input ``experts`` of every job that loads ``cfg``'s model,
+    """The experts choice (moeflow.model.experts_choice), input ``experts`` of every job that loads ``cfg``'s model,
     timed at a micro-batch of ``part`` (train for fine-tuning and evaluation, pretrain for the base model's stages)."""
-    return f"{RESULTS}/experts/{mfconfig.experts_key(cfg, part)}/choice.json"
+    return f"{RESULTS}/experts/{stage_keys.experts_key(cfg, part)}/choice.json"
 
 
 def experts_timings(cfg, part="train"):
     """The timings behind :func:`experts_choice` (reports only: never an input of a rule that trains)."""
-    return f"{RESULTS}/experts/{mfconfig.experts_key(cfg, part)}/timings.json"
+    return f"{RESULTS}/experts/{stage_keys.experts_key(cfg, part)}/timings.json"
 
 
 def run_targets(cfg, run):
@@ -139,10 +142,10 @@ def run_targets(cfg, run):
 
 # --- evaluation and paper
 
-from moeflow.artifacts import paper_outputs
-from moeflow.eval_results import MODELS
-from moeflow.harness_tasks import by_label as lm_eval_task_labels
-from moeflow.plan import PlanError, model_config_fields, model_shape
+from moeflow.paper.build import paper_outputs
+from moeflow.paper.eval_results import MODELS
+from moeflow.evaluation.lm_eval_tasks import by_label as lm_eval_task_labels
+from moeflow.plan.shapes import PlanError, model_config_fields, model_shape
 
 PAPER = f"{RESULTS}/paper"
 
@@ -185,7 +188,7 @@ def drift_file(run):
 
 
 def eval_result_files():
-    """Every run's lm-eval, HumanEval and routing-drift results, as moeflow.eval_results.read_run_results
+    """Every run's lm-eval, HumanEval and routing-drift results, as moeflow.paper.eval_results.read_run_results
     takes them (the paper rule's params; ``eval_result_paths`` lists the same files as its inputs)."""
     return {run: {"lm_eval": lm_eval_files(run), "humaneval": humaneval_files(run), "drift": drift_file(run)} for run in RUNS}
 
@@ -210,7 +213,7 @@ def paper_data():
     for cfg in RUNS.values():
         data = cfg["data"]
         for corpus in {data["base_corpus"], data["finetune_corpus"], *data["eval_corpora"], *coverage_source(cfg)["coverage"]["pool_corpora"]}:
-            out[f"{mfconfig.data_key(cfg)}/{corpus}"] = data_dir(cfg, corpus)
+            out[f"{stage_keys.data_key(cfg)}/{corpus}"] = data_dir(cfg, corpus)
     return dict(sorted(out.items()))
 
 
@@ -227,7 +230,7 @@ def paper_output_files():
 
 
 # --- training stages (pretrain_base, warmup, train_model): shell rules that start their script
-# through torchrun; the script reads its job, and its typed settings, with moeflow.stage.job_from_argv.
+# through torchrun; the script reads its job, and its typed settings, with moeflow.runtime.job.job_from_argv.
 
 
 def training_python():
@@ -238,12 +241,12 @@ def training_python():
 
 
 def torchrun_launcher(cfg_of=None):
-    """``params.launcher`` of the training rules, from moeflow.scaleout.torchrun_command. One rank per GPU
+    """``params.launcher`` of the training rules, from moeflow.parallel.launch.torchrun_command. One rank per GPU
     of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile); without
     that resource, ``parallel.nproc_per_node`` ranks of the run config ``cfg_of(wildcards)`` (GPUs with
     hardware.device cuda, gloo CPU ranks with cpu), or one rank without ``cfg_of``. The script checks
     that the ranks it finds are what the config's parallel section asks for."""
-    from moeflow.scaleout import torchrun_command
+    from moeflow.parallel.launch import torchrun_command
 
     def launcher(wildcards, resources):
         cfg = cfg_of(wildcards) if cfg_of else None
@@ -262,7 +265,7 @@ TRAIN_SHELL = "{params.launcher} {input.script:q} --job {params.job:q} --threads
 
 
 def torchrun_job(rule, **params):
-    """The script's job description (``moeflow.stage.job_from_argv``): rule, inputs, outputs, params.
+    """The script's job description (``moeflow.runtime.job.job_from_argv``): rule, inputs, outputs, params.
     Params are whole settings dicts, so Snakemake reruns the rule when one changes."""
 
     def job(wildcards, input, output):
@@ -272,12 +275,12 @@ def torchrun_job(rule, **params):
     return job
 
 
-WARMUPS = {mfconfig.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}
+WARMUPS = {stage_keys.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}
 CHECKPOINTS = f"{RESULTS}/checkpoints"  # resumable checkpoints, outside every declared output
 
 
 def warmup_dir(cfg):
-    return f"{RESULTS}/warmup/{mfconfig.warmup_key(cfg)}"
+    return f"{RESULTS}/warmup/{stage_keys.warmup_key(cfg)}"
 
 
 def final_model_dir(run):

@@ -12,7 +12,7 @@ rule coverage_valset:
         json=f"{RESULTS}/coverage/{{covkey}}/coverage.json",
         heatmap=report(f"{RESULTS}/coverage/{{covkey}}/heatmap.png", caption="../report/coverage.rst", category="Coverage"),
     params:
-        settings=lambda wc: mfconfig.coverage_settings(COVERAGES[wc.covkey]),
+        settings=lambda wc: stage_keys.coverage_settings(COVERAGES[wc.covkey]),
         device=lambda wc: COVERAGES[wc.covkey]["hardware"]["device"],
         runtime=runtime(),
     threads: config["threads"]

@@ -1,5 +1,5 @@
 # Routing drift of each MoE run: how fine-tuning moved the router, per MoE layer, between the base and the
-# fine-tuned model on the run's coverage validation set (moeflow.drift). Dense runs have no router: the paper
+# fine-tuned model on the run's coverage validation set (moeflow.evaluation.drift). Dense runs have no router: the paper
 # asks for drift.json of MoE runs only (common.smk's drift_files), so the rule is never scheduled for them.
 
 
@@ -13,7 +13,7 @@ rule routing_drift:
     output:
         json=f"{RESULTS}/runs/{{run}}/eval/drift.json",
     params:
-        settings=lambda wc: mfconfig.eval_batch_settings(RUNS[wc.run]),
+        settings=lambda wc: stage_keys.eval_batch_settings(RUNS[wc.run]),
         model=lambda wc: RUNS[wc.run]["model"],
         device=lambda wc: RUNS[wc.run]["hardware"]["device"],
         runtime=lambda wc: runtime(wc.run),

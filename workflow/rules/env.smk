@@ -1,7 +1,7 @@
 # Stage 1: what environment is this? Facts only (no timestamps), so an unchanged environment gives
 # the same bytes and reruns nothing downstream. The fingerprint param reruns it when packages change.
 
-from moeflow.gpu_node import layout as gpu_layout
+from moeflow.runtime.gpu_node import layout as gpu_layout
 
 
 rule verify_env:
@@ -30,7 +30,7 @@ rule verify_env:
 
 
 # The experts implementation that model.experts_implementation: auto stands for, chosen by timing one MoE block
-# of the run's shape on its device and precision (moeflow.experts_choice). One job per distinct shape, device and
+# of the run's shape on its device and precision (moeflow.model.experts_choice). One job per distinct shape, device and
 # precision (common.smk's EXPERTS), so runs that share a model share it. The choice (no timings) is an input of
 # every rule that loads the model; the timings only of the paper, so their run-to-run noise reruns nothing.
 rule choose_experts:

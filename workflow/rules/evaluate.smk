@@ -16,7 +16,7 @@ rule evaluate_run:
         speed=f"{RESULTS}/runs/{{run}}/eval/speed.json",
         summary=report(f"{RESULTS}/runs/{{run}}/eval/summary.md", caption="../report/evaluate.rst", category="Evaluation", subcategory="{run}"),
     params:
-        settings=lambda wc: mfconfig.eval_batch_settings(RUNS[wc.run]),  # not lm-eval's or HumanEval's keys
+        settings=lambda wc: stage_keys.eval_batch_settings(RUNS[wc.run]),  # not lm-eval's or HumanEval's keys
         model=lambda wc: RUNS[wc.run]["model"],
         coverage=lambda wc: coverage_source(RUNS[wc.run])["coverage"],
         pool_corpora=lambda wc: coverage_source(RUNS[wc.run])["coverage"]["pool_corpora"],

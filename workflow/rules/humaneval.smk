@@ -1,6 +1,6 @@
 # HumanEval pass@k of each run's base and fine-tuned model. Generation and execution are two rules, cached
 # apart: changing a sandbox setting (timeout_s, memory_mb) or k reruns the execution only, and generated code
-# runs only inside moeflow.sandbox, never in a rule's own process.
+# runs only inside moeflow.evaluation.sandbox, never in a rule's own process.
 
 
 rule humaneval_generate:
@@ -13,7 +13,7 @@ rule humaneval_generate:
     wildcard_constraints:
         model="base|finetuned",
     params:
-        settings=lambda wc: mfconfig.humaneval_generation_settings(RUNS[wc.run]),
+        settings=lambda wc: stage_keys.humaneval_generation_settings(RUNS[wc.run]),
         model=lambda wc: RUNS[wc.run]["model"],
         device=lambda wc: RUNS[wc.run]["hardware"]["device"],
         runtime=lambda wc: runtime(wc.run),
@@ -38,8 +38,8 @@ rule humaneval_execute:
     wildcard_constraints:
         model="base|finetuned",
     params:
-        settings=lambda wc: mfconfig.humaneval_execution_settings(RUNS[wc.run]),
-        generation=lambda wc: mfconfig.humaneval_generation_settings(RUNS[wc.run]),
+        settings=lambda wc: stage_keys.humaneval_execution_settings(RUNS[wc.run]),
+        generation=lambda wc: stage_keys.humaneval_generation_settings(RUNS[wc.run]),
         runtime=lambda wc: runtime(wc.run),
     threads: config["threads"]
     log:

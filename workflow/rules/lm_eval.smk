@@ -2,7 +2,7 @@
 # job per (run, model, task), so adding a task runs that task only. moeflow's own tasks (workflow/tasks/) read
 # each evaluation corpus's packed test split; a task of lm-eval's registry reads its data from the local cache.
 
-from moeflow.harness_tasks import by_label as tasks_by_label
+from moeflow.evaluation.lm_eval_tasks import by_label as tasks_by_label
 
 
 rule lm_eval_task:

@@ -4,7 +4,7 @@
 
 rule pretrain_base:
     input:
-        tokenizer=lambda wc: tokenizer_dir(mfconfig.tokenizer_settings(BASES[wc.basekey])),
+        tokenizer=lambda wc: tokenizer_dir(stage_keys.tokenizer_settings(BASES[wc.basekey])),
         data=lambda wc: data_dir(BASES[wc.basekey], BASES[wc.basekey]["data"]["base_corpus"]),
         experts=lambda wc: experts_choice(BASES[wc.basekey], "pretrain"),
         script="workflow/scripts/pretrain_base.py",
@@ -14,7 +14,7 @@ rule pretrain_base:
     params:
         job=torchrun_job(
             "pretrain_base",
-            settings=lambda wc: mfconfig.base_model_settings(BASES[wc.basekey]),
+            settings=lambda wc: stage_keys.base_model_settings(BASES[wc.basekey]),
             runtime=lambda wc: runtime() | {"precision": BASES[wc.basekey]["precision"], "seed": BASES[wc.basekey]["seed"]},
             checkpoints=f"{RESULTS}/checkpoints",
         ),

@@ -10,7 +10,7 @@ rule plan_memory:
         json=f"{RESULTS}/runs/{{run}}/plan.json",
         md=report(f"{RESULTS}/runs/{{run}}/plan.md", caption="../report/plan_memory.rst", category="Memory plan", subcategory="{run}"),
     params:
-        settings=lambda wc: mfconfig.plan_settings(RUNS[wc.run]),
+        settings=lambda wc: stage_keys.plan_settings(RUNS[wc.run]),
         runtime=lambda wc: runtime(wc.run),
     threads: 1
     log:

@@ -18,7 +18,7 @@ rule warmup:
     params:
         job=torchrun_job(
             "warmup",
-            settings=lambda wc: mfconfig.warmup_settings(RUNS[WARMUPS[wc.warmkey]]),
+            settings=lambda wc: stage_keys.warmup_settings(RUNS[WARMUPS[wc.warmkey]]),
             runtime=lambda wc: runtime(WARMUPS[wc.warmkey]),
             checkpoints=CHECKPOINTS,
             failed_report=lambda wc: f"{RESULTS}/logs/warmup/{wc.warmkey}.routing_report.json",
@@ -51,15 +51,15 @@ rule train_model:
         model=directory(f"{RESULTS}/runs/{{run}}/model"),
         logs=directory(f"{RESULTS}/runs/{{run}}/train"),
         # The peft adapter of a LoRA run (train.method: lora), next to the merged model; a full run writes
-        # a method marker here, so the output always exists (moeflow.lora.save_adapter_output).
+        # a method marker here, so the output always exists (moeflow.model.lora.save_adapter_output).
         adapter=directory(f"{RESULTS}/runs/{{run}}/adapter"),
     params:
         job=torchrun_job(
             "train_model",
-            settings=lambda wc: mfconfig.train_model_settings(RUNS[wc.run]),
+            settings=lambda wc: stage_keys.train_model_settings(RUNS[wc.run]),
             # its own param: a change reruns train_model (Snakemake's params rule), but is no part of the
             # checkpoints' key
-            export=lambda wc: mfconfig.export_settings(RUNS[wc.run]),
+            export=lambda wc: stage_keys.export_settings(RUNS[wc.run]),
             runtime=lambda wc: runtime(wc.run),
             checkpoints=CHECKPOINTS,
         ),

@@ -1,14 +1,14 @@
 """Stage choose_experts: time one MoE block under each experts implementation at the run's layer shape, on
-its device and in its precision (moeflow.experts_choice); write the choice, which the rules that load the
+its device and in its precision (moeflow.model.experts_choice); write the choice, which the rules that load the
 model take as input, and the timings, which only the reports read."""
 
-from moeflow import experts_choice
-from moeflow.files import write_json
-from moeflow.hardware import compute_device
-from moeflow.stage import Stage
+from moeflow.model import experts_choice
+from moeflow.runtime.files import write_json
+from moeflow.runtime.hardware import compute_device
+from moeflow.runtime.stage import Stage
 
 stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
-settings = snakemake.params.settings  # noqa: F821 (moeflow.config.experts_settings)
+settings = snakemake.params.settings  # noqa: F821 (moeflow.workflow.keys.experts_settings)
 
 report = experts_choice.measure(
     settings["model"],

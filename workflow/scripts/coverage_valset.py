@@ -3,10 +3,11 @@ the validation set that exercises every (layer, expert) and the frequent expert 
 Writes the valset (data-stage format), coverage.json (with the random-subset comparison) and the heatmap;
 fails listing the unmet constraints unless coverage.allow_unmet is set."""
 
-from moeflow.hardware import compute_device, compute_dtype
-from moeflow.modeling import check_vocabulary, load_model, resolve_experts
-from moeflow.stage import Stage
-from moeflow.valset import StageOutputs, build_valset
+from moeflow.coverage.build import StageOutputs, build_valset
+from moeflow.model.factory import load_model, resolve_experts
+from moeflow.model.folder import check_vocabulary
+from moeflow.runtime.hardware import compute_device, compute_dtype
+from moeflow.runtime.stage import Stage
 
 stage = Stage.from_snakemake(snakemake)
 settings = snakemake.params.settings  # mfconfig.coverage_settings

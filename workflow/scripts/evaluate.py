@@ -4,14 +4,15 @@ rechecked with the fine-tuned router, and the throughput and peak memory of the 
 
 import gc
 
-from moeflow import evaluate as ev
-from moeflow.files import write_json, write_text
-from moeflow.hardware import compute_device, compute_dtype
-from moeflow.metrics import active_parameters
-from moeflow.modeling import check_vocabulary, load_model, resolve_experts
-from moeflow.shards import open_split
-from moeflow.stage import Stage, kill_point
-from moeflow.valset import open_valset
+from moeflow.data.shards import open_split
+from moeflow.data.valset import open_valset
+from moeflow.evaluation import run_metrics as ev
+from moeflow.model.factory import load_model, resolve_experts
+from moeflow.model.folder import check_vocabulary
+from moeflow.runtime.files import write_json, write_text
+from moeflow.runtime.hardware import compute_device, compute_dtype
+from moeflow.runtime.stage import Stage, kill_point
+from moeflow.train.metrics import active_parameters
 
 stage = Stage.from_snakemake(snakemake)
 params = snakemake.params

@@ -1,15 +1,16 @@
-"""HumanEval pass@k of one model of a run: every sample's test program run in the sandbox (moeflow.sandbox,
+"""HumanEval pass@k of one model of a run: every sample's test program run in the sandbox (moeflow.evaluation.sandbox,
 never in this process), the greedy pass@1 and the sampled pass@k, per problem and averaged."""
 
-from moeflow import humaneval as he
-from moeflow.config import HumanEvalExecution, settings
-from moeflow.files import write_json, write_text
-from moeflow.sandbox import Limits, namespaces_available
-from moeflow.stage import Stage
+from moeflow.evaluation import humaneval as he
+from moeflow.evaluation.humaneval import HumanEvalExecution
+from moeflow.evaluation.sandbox import Limits, namespaces_available
+from moeflow.runtime.files import write_json, write_text
+from moeflow.runtime.stage import Stage
+from moeflow.settings import typed
 
 stage = Stage.from_snakemake(snakemake)
 params = snakemake.params
-cfg = settings(HumanEvalExecution, params.settings)
+cfg = typed(HumanEvalExecution, params.settings)
 samples = he.read_samples(snakemake.input.samples)
 problems = he.load_problems(params.generation["problems"])
 

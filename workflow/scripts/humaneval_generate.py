@@ -3,16 +3,18 @@
 
 from functools import partial
 
-from moeflow import humaneval as he
-from moeflow.config import HumanEvalGeneration, settings
-from moeflow.generation import Decoding, generate
-from moeflow.hardware import compute_device, compute_dtype
-from moeflow.modeling import load_model, load_tokenizer, resolve_experts
-from moeflow.stage import Stage
+from moeflow.evaluation import humaneval as he
+from moeflow.evaluation.generation import Decoding, generate
+from moeflow.evaluation.humaneval import HumanEvalGeneration
+from moeflow.model.factory import load_model, resolve_experts
+from moeflow.model.folder import load_tokenizer
+from moeflow.runtime.hardware import compute_device, compute_dtype
+from moeflow.runtime.stage import Stage
+from moeflow.settings import typed
 
 stage = Stage.from_snakemake(snakemake)
 params = snakemake.params
-cfg = settings(HumanEvalGeneration, params.settings)
+cfg = typed(HumanEvalGeneration, params.settings)
 problems = he.load_problems(cfg.problems)  # before the model loads: a bad count fails first
 
 device = compute_device(params.device)

@@ -1,15 +1,17 @@
-"""One lm-eval task on one model of a run (base or fine-tuned) through lm-evaluation-harness (moeflow.harness):
+"""One lm-eval task on one model of a run (base or fine-tuned) through lm-evaluation-harness
+(moeflow.evaluation.lm_eval_run):
 its metrics with lm-eval's standard errors and, for moeflow's perplexity task, the cross-check against
 moeflow's own perplexity of the same test segments."""
 
 import tempfile
 
-from moeflow import harness
-from moeflow.files import write_json
-from moeflow.hardware import compute_device, compute_dtype
-from moeflow.harness_tasks import TaskSpecError, missing_data_files, resolve
-from moeflow.modeling import load_model, load_tokenizer, resolve_experts
-from moeflow.stage import Stage, kill_point
+from moeflow.evaluation import lm_eval_run as harness
+from moeflow.evaluation.lm_eval_tasks import TaskSpecError, missing_data_files, resolve
+from moeflow.model.factory import load_model, resolve_experts
+from moeflow.model.folder import load_tokenizer
+from moeflow.runtime.files import write_json
+from moeflow.runtime.hardware import compute_device, compute_dtype
+from moeflow.runtime.stage import Stage, kill_point
 
 stage = Stage.from_snakemake(snakemake)
 params = snakemake.params

@@ -2,22 +2,23 @@
 every run (training logs, evaluation metrics, lm-eval tasks, HumanEval, routing drift, coverage,
 environment), each carrying its provenance."""
 
-from moeflow import artifacts as A
-from moeflow.eval_results import read_run_results, stage_documents
-from moeflow.files import read_json
-from moeflow.lora import REPORT_FILE
-from moeflow.stage import Stage
+from moeflow.model.lora import REPORT_FILE
+from moeflow.paper.build import write_paper
+from moeflow.paper.eval_results import read_run_results, stage_documents
+from moeflow.paper.inputs import RunRecord, read_benchmark, read_train_log
+from moeflow.runtime.files import read_json
+from moeflow.runtime.stage import Stage
 
 Stage.from_snakemake(snakemake)
 inp, params = snakemake.input, snakemake.params
 
 records = {
-    run: A.RunRecord(
+    run: RunRecord(
         name=run,
         metrics=read_json(metrics),
         speed=read_json(speed),
-        log=A.read_train_log(f"{logs}/metrics.jsonl"),
-        benchmark=A.read_benchmark(bench),
+        log=read_train_log(f"{logs}/metrics.jsonl"),
+        benchmark=read_benchmark(bench),
         training=read_json(f"{adapter}/{REPORT_FILE}"),
         results=read_run_results(
             params.corpora[run]["general"], params.corpora[run]["target"], **params.eval_files[run]
@@ -38,7 +39,7 @@ for run, r in records.items():
 stage_docs["coverage"] = coverage = read_json(inp.coverage)
 stage_docs["verify_env"] = read_json(inp.env)
 
-A.write_paper(
+write_paper(
     params.outdir,
     config=params.config,
     settings=params.settings,

@@ -1,5 +1,5 @@
 """Stage pretrain_base (embedded default only): train the small MoE from config on the base corpus's
-train split, and save it as save_pretrained would (moeflow.export, with the schema's export.max_shard_size:
+train split, and save it as save_pretrained would (moeflow.checkpoint.export, with the schema's export.max_shard_size:
 the embedded default is far smaller) plus its tokenizer, like any user's pretrained model.
 Started through torchrun by its rule (see workflow/rules/model.smk): one rank per GPU of the rule's
 resources, one CPU rank otherwise; every rank holds the whole model (parallel.strategy: none) and rank 0
@@ -8,19 +8,21 @@ writes the output."""
 import contextlib
 from pathlib import Path
 
-from moeflow import distributed as D
-from moeflow.config import ExportSettings, PretrainStage
-from moeflow.config import settings as typed_settings
-from moeflow.export import write_model_folder
-from moeflow.files import atomic_dir, write_json
-from moeflow.modeling import build_model, load_tokenizer, resolve_experts
-from moeflow.shards import open_split
-from moeflow.stage import Stage, job_from_argv
-from moeflow.train import train_stage
+from moeflow.checkpoint.export import ExportSettings, write_model_folder
+from moeflow.data.shards import open_split
+from moeflow.model.factory import build_model, resolve_experts
+from moeflow.model.folder import load_tokenizer
+from moeflow.parallel.process_group import init, teardown
+from moeflow.runtime.files import atomic_dir, write_json
+from moeflow.runtime.job import job_from_argv
+from moeflow.runtime.stage import Stage
+from moeflow.settings import typed
+from moeflow.train.settings import PretrainStage
+from moeflow.train.trainer import train_stage
 
 snakemake = job_from_argv(settings=PretrainStage)
 stage = Stage.from_snakemake(snakemake)
-ranks = D.init()
+ranks = init()
 settings = snakemake.settings
 model_cfg = resolve_experts(settings.model, snakemake.input.experts)
 
@@ -43,7 +45,7 @@ with atomic_dir(snakemake.output.model) if ranks.is_main else contextlib.nullcon
         key_inputs=[snakemake.input.tokenizer, snakemake.input.data],
     )
     if trainer.rank == 0:
-        write_model_folder(model, tokenizer, out, typed_settings(ExportSettings, {}).max_shard_size)
+        write_model_folder(model, tokenizer, out, typed(ExportSettings, {}).max_shard_size)
         last = trainer.train_records()[-1]
         write_json(
             Path(out) / "training" / "summary.json",
@@ -55,4 +57,4 @@ with atomic_dir(snakemake.output.model) if ranks.is_main else contextlib.nullcon
             },
         )
 trainer.remove_checkpoints()
-D.teardown()
+teardown()

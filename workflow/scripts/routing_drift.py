@@ -1,14 +1,14 @@
 """Routing drift of one MoE run: its base and its fine-tuned model routed over the coverage validation set,
-compared per MoE layer (moeflow.drift)."""
+compared per MoE layer (moeflow.evaluation.drift)."""
 
 import gc
 
-from moeflow import drift
-from moeflow.files import write_json
-from moeflow.hardware import compute_device, compute_dtype
-from moeflow.modeling import load_model, resolve_experts
-from moeflow.stage import Stage, kill_point
-from moeflow.valset import open_valset
+from moeflow.data.valset import open_valset
+from moeflow.evaluation import drift
+from moeflow.model.factory import load_model, resolve_experts
+from moeflow.runtime.files import write_json
+from moeflow.runtime.hardware import compute_device, compute_dtype
+from moeflow.runtime.stage import Stage, kill_point
 
 stage = Stage.from_snakemake(snakemake)
 params = snakemake.params

@@ -1,8 +1,8 @@
 """Tokenize one corpus: read its source, split by content hash, pack into seq_len rows and write
-Arrow shards per split plus manifest.json (see moeflow.shards for the row format)."""
+Arrow shards per split plus manifest.json (see moeflow.data.shards for the row format)."""
 
-from moeflow.stage import Stage
-from moeflow.tokenize_stage import tokenize_corpus
+from moeflow.data.tokenize import tokenize_corpus
+from moeflow.runtime.stage import Stage
 
 stage = Stage.from_snakemake(snakemake)
 tokenize_corpus(

@@ -1,32 +1,36 @@
 """Stage train_model: continue from the warmup checkpoint with cosine decay to train.steps, evaluating
 on the coverage validation set; save the final model (HF-sharded safetensors + tokenizer, streamed one tensor
-at a time by moeflow.export: loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained; LoRA adapters
+at a time by moeflow.checkpoint.export: loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained; LoRA adapters
 merged in), the adapter (a LoRA run's
-peft adapter, or a full run's method marker; moeflow.lora.save_adapter_output) and the run's TensorBoard
+peft adapter, or a full run's method marker; moeflow.model.lora.save_adapter_output) and the run's TensorBoard
 logs and metrics.jsonl (warmup steps included). Started through torchrun by its rule: every rank runs
 this script, the layout is the config's ``parallel`` section (moeflow.distributed), rank 0 writes."""
 
 from pathlib import Path
 
-from moeflow import distributed as D
-from moeflow.config import ExportSettings, TrainModelStage
-from moeflow.config import settings as typed_settings
-from moeflow.export import save_final_model
-from moeflow.files import write_json
-from moeflow.lora import save_adapter_output
-from moeflow.modeling import load_tokenizer, resolve_stage_experts
-from moeflow.shards import open_split
-from moeflow.stage import Stage, job_from_argv
-from moeflow.train import train_stage
-from moeflow.valset import open_valset
+from moeflow.checkpoint.export import ExportSettings, save_final_model
+from moeflow.data.shards import open_split
+from moeflow.data.valset import open_valset
+from moeflow.model.factory import resolve_stage_experts
+from moeflow.model.folder import load_tokenizer
+from moeflow.model.loading import start_fine_tuning
+from moeflow.model.lora import save_adapter_output
+from moeflow.parallel.layouts import unwrap
+from moeflow.parallel.process_group import teardown
+from moeflow.runtime.files import write_json
+from moeflow.runtime.job import job_from_argv
+from moeflow.runtime.stage import Stage
+from moeflow.settings import typed
+from moeflow.train.settings import TrainModelStage
+from moeflow.train.trainer import train_stage
 
 snakemake = job_from_argv(settings=TrainModelStage)
 stage = Stage.from_snakemake(snakemake)
 snakemake.settings = resolve_stage_experts(snakemake.settings, snakemake.input.experts)
 settings = snakemake.settings
-export = typed_settings(ExportSettings, snakemake.params.export)
+export = typed(ExportSettings, snakemake.params.export)
 # the warmup checkpoint (start_from) replaces every weight: the base model's are not read (moeflow.distributed)
-ranks, model = D.start_fine_tuning(snakemake, stage.precision, weights=False)
+ranks, model = start_fine_tuning(snakemake, stage.precision, weights=False)
 tokenizer = load_tokenizer(snakemake.input.model)
 trainer = train_stage(
     stage,
@@ -56,7 +60,7 @@ if trainer.rank == 0:
         },
     )
     # before the merge, which consumes LoRA's wrapper
-    save_adapter_output(D.unwrap(trainer.model), snakemake.output.adapter)
+    save_adapter_output(unwrap(trainer.model), snakemake.output.adapter)
 save_final_model(trainer.model, tokenizer, snakemake.output.model, export.max_shard_size)  # every rank
 trainer.remove_checkpoints()
-D.teardown()
+teardown()

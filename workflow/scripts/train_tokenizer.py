@@ -4,8 +4,8 @@ Saved as a folder that AutoTokenizer.from_pretrained loads, plus moeflow_tokeniz
 trained on, provenance).
 """
 
-from moeflow.stage import Stage
-from moeflow.tokenizer import train_tokenizer_stage
+from moeflow.data.tokenizer import train_tokenizer_stage
+from moeflow.runtime.stage import Stage
 
 stage = Stage.from_snakemake(snakemake)
 train_tokenizer_stage(

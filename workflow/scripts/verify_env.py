@@ -1,8 +1,8 @@
 """Stage verify_env: what environment is this, and does it match the stack's pins?"""
 
-from moeflow import env, gpu_node
-from moeflow.files import write_json, write_text
-from moeflow.stage import Stage, kill_point
+from moeflow.runtime import env, gpu_node
+from moeflow.runtime.files import write_json, write_text
+from moeflow.runtime.stage import Stage, kill_point
 
 stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
 params = snakemake.params  # noqa: F821

@@ -3,24 +3,26 @@ optimizer, RNG states, data position, metrics so far) plus a routing-stability r
 ends the warmup unstable (collapsed layer, dead experts, load beyond train.routing_guard) fails the
 stage with the report, before the expensive part starts. With train.routing_guard.reference base (the
 default) the gate judges change against the base model's own routing on the rows of the gate's window,
-routed here before training (moeflow.guards.base_reference); the reference travels in the checkpoint to
+routed here before training (moeflow.train.guards.base_reference); the reference travels in the checkpoint to
 train_model. Started through torchrun by its rule: every
 rank runs this script; the layout is the config's ``parallel`` section (moeflow.distributed)."""
 
-from moeflow import distributed as D
-from moeflow.config import WarmupStage
-from moeflow.files import dumps_json, write_json
-from moeflow.guards import UnstableRouting, base_reference
-from moeflow.modeling import resolve_stage_experts
-from moeflow.shards import open_split
-from moeflow.stage import Stage, job_from_argv, log
-from moeflow.train import train_stage
+from moeflow.data.shards import open_split
+from moeflow.model.factory import resolve_stage_experts
+from moeflow.model.loading import start_fine_tuning
+from moeflow.parallel.process_group import teardown
+from moeflow.runtime.files import dumps_json, write_json
+from moeflow.runtime.job import job_from_argv
+from moeflow.runtime.stage import Stage, log
+from moeflow.train.guards import UnstableRouting, base_reference
+from moeflow.train.settings import WarmupStage
+from moeflow.train.trainer import train_stage
 
 snakemake = job_from_argv(settings=WarmupStage)
 stage = Stage.from_snakemake(snakemake)
 snakemake.settings = resolve_stage_experts(snakemake.settings, snakemake.input.experts)
 settings = snakemake.settings  # train: the warmup part's (train.warmup_steps steps)
-ranks, model = D.start_fine_tuning(snakemake, stage.precision)
+ranks, model = start_fine_tuning(snakemake, stage.precision)
 rows = open_split(snakemake.input.data, "train")
 reference = None
 if settings.train.routing_guard.reference == "base":  # before train_stage: a resumed run has the base model here too
@@ -60,4 +62,4 @@ if not report["stable"]:
     )
 trainer.save(snakemake.output.checkpoint, extra_json={"routing_report.json": report})  # every rank: a collective
 trainer.remove_checkpoints()
-D.teardown()
+teardown()

@@ -1,0 +1,3 @@
+"""Training state on disk: resumable checkpoints (every rank writes its own pieces through
+torch.distributed.checkpoint), the safetensors files they and the exports use, and the final model's export.
+"""

@@ -1,0 +1,258 @@
+"""The final model folder (HF-sharded safetensors, config, tokenizer), written by every rank together one
+whole tensor at a time, so that no process ever holds the whole model.
+
+:func:`save_final_model` is a collective for a sharded model (every rank calls it): each tensor is made
+whole in turn (FSDP2 and transformers' expert parallelism: ``DTensor.full_tensor``; FSDP1: the ranks'
+ranges of its elements summed into one buffer on rank 0), and rank 0 streams it into the open
+shard file (``moeflow.checkpoint.safetensors_files.SafetensorsWriter``: the layout is known in advance from the
+tensors' whole shapes and dtypes). A file is closed when the next tensor would take it past
+``export.max_shard_size`` (a tensor larger than that gets a file of its own, as ``save_pretrained`` does);
+one file is ``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json``. What is written is what ``save_pretrained`` writes on this stack: its
+names and layout (``moeflow.model.saved_names``), tied weights once, persistent buffers, ``config.json`` and
+``generation_config.json`` (a cache for generation; the run's ``distributed_config`` dropped) and the
+tokenizer. An unsharded model (every rank holds it whole) is written by rank 0 alone, no collective;
+a LoRA model is merged first (on every rank: LoRA runs unsharded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from moeflow.checkpoint.pieces import state_pieces
+from moeflow.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsWriter, tensor_nbytes
+from moeflow.checkpoint.storage import Piece
+from moeflow.model.lora import is_lora_model, merge_adapters
+from moeflow.model.parameters import clean_name
+from moeflow.model.saved_names import saved_format
+from moeflow.parallel.layouts import is_fsdp1, original_shape, reshard, unwrap
+from moeflow.parallel.process_group import barrier, rank
+from moeflow.parallel.rank_load import persistent_buffers
+from moeflow.runtime.files import atomic_dir
+
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class ExportError(ValueError):
+    """A final model that cannot be written as asked."""
+
+
+def size_in_bytes(size: int | str) -> int:
+    """``export.max_shard_size`` in bytes: an int, or a number with a unit as save_pretrained takes it
+    ("5GB" = 5 x 10^9 bytes, "200KB", "1GiB" = 2^30)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", str(size).upper())
+    if not match:
+        raise ExportError(f"export.max_shard_size {size!r} is not a size such as 5GB, 500MB or 1GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
+
+
+@dataclass(frozen=True)
+class ModelTensor:
+    """One tensor the folder holds, by the unwrapped model's name, with its whole dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def model_tensors(model: torch.nn.Module) -> list[ModelTensor]:
+    """Every parameter (tied ones once, under the first name, as save_pretrained keeps them) and persistent
+    buffer of the model, in module order."""
+    out = [ModelTensor(clean_name(name), p.dtype, original_shape(p)) for name, p in model.named_parameters()]
+    return out + [ModelTensor(name, b.dtype, tuple(b.shape)) for name, b in persistent_buffers(model)]
+
+
+def whole_tensors(model: torch.nn.Module, tensors: Sequence[ModelTensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Each of ``tensors`` whole, one at a time, in order: on every rank (DTensors: ``full_tensor``), or,
+    for FSDP1, on rank 0 (None on the others) from the ranks' ranges of its elements in their flat shards
+    (``distributed.state_pieces``; torch 2.3's ``summon_full_params`` of one inner unit leaves its
+    parameters sharded, and its sharded state dict copies every rank's rows at once). A collective for a
+    sharded model: every rank iterates to the end."""
+    if is_fsdp1(model):
+        pieces = state_pieces(model).model
+        params = {clean_name(n) for n, _ in unwrap(model).named_parameters()}
+        for t in tensors:
+            piece = pieces[t.name]
+            yield t.name, (_whole_on_rank0(piece, t) if t.name in params else piece.local.view(t.shape))
+        return
+    lookup = {clean_name(n): t for n, t in model.named_parameters()}
+    lookup |= {clean_name(n): b for n, b in model.named_buffers()}
+    for t in tensors:
+        yield t.name, _whole(lookup[t.name])
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)  # a DTensor
+    return (full_tensor() if full_tensor is not None else tensor).detach()
+
+
+def _whole_on_rank0(piece: Piece, tensor: ModelTensor) -> torch.Tensor | None:
+    """An FSDP1 parameter whole on rank 0: each rank puts its range of elements into a zero buffer of the
+    whole and the buffers are summed on rank 0 as integers of the same width (every element comes from one
+    rank and the others add zero bits: the exact values, a negative zero's sign too)."""
+    import torch.distributed as dist
+
+    whole = torch.zeros(piece.numel, dtype=tensor.dtype, device=piece.local.device)
+    whole[piece.offset : piece.offset + piece.local.numel()] = piece.local
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(whole.element_size())
+    dist.reduce(whole.view(bits) if bits else whole, dst=0, op=dist.ReduceOp.SUM)
+    return whole.view(tensor.shape) if rank() == 0 else None
+
+
+def shard_layouts(
+    saved: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int
+) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """The files' layouts, in order: a file takes tensors until the next would pass ``max_shard_size``
+    bytes; a tensor larger than that on its own."""
+    files: list[list] = [[]]
+    size = 0
+    for spec in saved:
+        nbytes = tensor_nbytes(spec[1], spec[2])
+        if files[-1] and (size + nbytes > max_shard_size or nbytes > max_shard_size):
+            files.append([])
+            size = 0
+        files[-1].append(spec)
+        size += nbytes
+        if nbytes > max_shard_size:
+            files.append([])
+            size = 0
+    return [f for f in files if f]
+
+
+def file_names(count: int) -> list[str]:
+    """save_pretrained's weight file names for ``count`` files."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+class ShardedWriter:
+    """Writes tensors into consecutive safetensors files of known layouts, one file open at a time."""
+
+    METADATA = {"format": "pt"}  # what save_pretrained writes, and what from_pretrained checks
+
+    def __init__(self, folder: Path, layouts: list[list[tuple[str, torch.dtype, tuple[int, ...]]]]):
+        self.folder = folder
+        self.layouts = layouts
+        self.names = file_names(len(layouts))
+        self._file = -1
+        self._left = 0
+        self._writer: SafetensorsWriter | None = None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._left == 0:
+            self._close()
+            self._file += 1
+            if self._file >= len(self.layouts):
+                raise ExportError(f"{self.folder}: tensor {name!r} is beyond the planned files")
+            path = self.folder / self.names[self._file]
+            self._writer = SafetensorsWriter(path, self.layouts[self._file], self.METADATA).__enter__()
+            self._left = len(self.layouts[self._file])
+        self._writer.write(name, tensor)
+        self._left -= 1
+
+    def _close(self, exc: BaseException | None = None) -> None:
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.__exit__(type(exc) if exc else None, exc, None)
+
+    def finish(self) -> None:
+        self._close()
+        if self._file != len(self.layouts) - 1 or self._left:
+            raise ExportError(f"{self.folder}: the model's tensors ended before the planned files were written")
+        if len(self.layouts) > 1:
+            weight_map = {spec[0]: file for file, layout in zip(self.names, self.layouts) for spec in layout}
+            total = sum(tensor_nbytes(dtype, shape) for layout in self.layouts for _, dtype, shape in layout)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_weights(model: torch.nn.Module, folder: Path | None, max_shard_size: int | str) -> None:
+    """The model's weights as save_pretrained writes them, streamed into ``folder`` by rank 0 (the other
+    ranks pass None). A collective for a sharded model."""
+    inner = unwrap(model)
+    tensors = model_tensors(model)
+    saved = []
+    for t in tensors:
+        for name, meta in saved_format(inner, {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items():
+            saved.append((name, meta.dtype, tuple(meta.shape)))
+    writer = ShardedWriter(folder, shard_layouts(saved, size_in_bytes(max_shard_size))) if folder else None
+    try:
+        for name, whole in whole_tensors(model, tensors):
+            if writer is not None:
+                for saved_name, piece in saved_format(inner, {name: whole}).items():
+                    writer.write(saved_name, piece)
+            del whole
+    except BaseException as exc:
+        if writer is not None:
+            writer._close(exc)
+        raise
+    if writer is not None:
+        writer.finish()
+
+
+def _saved_config(model: torch.nn.Module):
+    """The model's config as the folder holds it: generation with a cache (training turned it off), and
+    no DistributedConfig (the folder loads whole; the layout is the run's, not the model's)."""
+    inner = unwrap(model)
+    config = copy.deepcopy(inner.config)
+    config.use_cache = True
+    config.architectures = [type(inner).__name__.removeprefix("FSDP")]  # as save_pretrained records them
+    config.dtype = str(next(inner.parameters()).dtype).split(".")[1]
+    if getattr(config, "distributed_config", None) is not None:
+        config.distributed_config = None
+    return config
+
+
+def write_model_folder(
+    model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLike | None, max_shard_size: int | str
+) -> None:
+    """The model's weights, config, generation config and (if given) tokenizer into an existing folder
+    (rank 0's; the other ranks pass None). A collective for a sharded model."""
+    folder = Path(folder) if folder is not None else None
+    write_weights(model, folder, max_shard_size)
+    if folder is None:
+        return
+    inner = unwrap(model)
+    _saved_config(model).save_pretrained(folder)
+    generation = getattr(inner, "generation_config", None)
+    if generation is not None and inner.can_generate():
+        generation.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def save_final_model(model: Any, tokenizer: Any, folder: str | os.PathLike, max_shard_size: int | str) -> Any:
+    """A folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load, written atomically by rank 0
+    (LoRA adapters merged in, on every rank). A collective: every rank calls it. Returns the model written
+    (a LoRA model's merged base model: merging consumes the peft wrapper)."""
+    if is_lora_model(model):
+        model = merge_adapters(model)
+    reshard(model)  # the parameters as their shards, also after a last evaluation's forward
+    with atomic_dir(folder) if rank() == 0 else contextlib.nullcontext() as out:
+        write_model_folder(model, tokenizer, out, max_shard_size)
+    barrier()  # the folder is in place before any rank goes on
+    return model
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """``export``: the final model folder (moeflow.checkpoint.export)."""
+
+    SCHEMA: ClassVar[str] = "#/properties/export"
+    max_shard_size: str

@@ -1,0 +1,3 @@
+"""The expert-coverage validation set: per-(layer, expert) constraints, the greedy multi-cover, the
+stage that writes the set and its heatmap.
+"""

@@ -1,0 +1,3 @@
+"""Data: reading the sources, the tokenizer, packing documents into rows, the Arrow shards and their
+manifest, the validation set's format, the order training reads rows in, and rows to model inputs.
+"""

@@ -1,0 +1,141 @@
+"""Packed rows to model inputs with attention kept inside each document, for every supported family and stack.
+
+    batch = collate(rows)                                   # CPU tensors, one micro-batch
+    out = model(**model_inputs(model, batch), use_cache=False)
+
+``model_inputs`` moves the batch to the model's device and adds the attention mask that makes a packed
+document's logits equal the document run alone (verified per family and stack by tests/unit/test_families.py):
+
+- No mask where the model's own mask builders take document boundaries from restarting ``position_ids``:
+  transformers 5 (every family but gpt_oss) and ``flash_attention_2``. ``use_cache=False`` is required (a
+  cache silently disables the per-document masking).
+- Otherwise 4D additive masks (B, 1, L, L) in the model's dtype on its device: 0 where a query may attend
+  (same document, causal, and inside the layer's sliding window where it has one), the dtype's most negative
+  value elsewhere (a 4D boolean mask is silently wrong with eager attention). That is transformers 4.57 with
+  eager or sdpa (torch < 2.6: no packed masks from position_ids), and gpt_oss on transformers 5 (its mask
+  builders are not given position_ids). A given 4D mask replaces the model's own, sliding window included, so
+  the window is built in; a model whose layers mix sliding-window and full attention (``layer_types``) gets a
+  dict ``{layer type: mask}``, which the families that have such layers accept.
+
+Rows of different lengths (the last row of a split is shorter) are padded at the end: label -100,
+positions restarting at 0 (a block of their own). Causal attention means real tokens never see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from moeflow.data.shards import IGNORE_INDEX
+from moeflow.runtime import compat
+
+SLIDING = "sliding_attention"  # transformers' layer type of a sliding-window attention layer
+
+
+# Families whose decoder stack takes a dict {layer type: mask} (the others take one mask for every layer).
+MASK_PER_LAYER_TYPE = ("gpt_oss", "step3p5")
+
+
+# Families whose transformers 5 mask builders are not given position_ids, so they cannot see documents.
+POSITIONS_NOT_IN_MASKS_V5 = ("gpt_oss",)
+
+
+class PackingUnsupported(compat.UnsupportedOnStack):
+    """A model whose attention moeflow cannot keep inside each packed document."""
+
+
+def collate(rows: Sequence[Mapping[str, Any]], *, pad_id: int = 0) -> dict[str, Any]:
+    """``input_ids``, ``labels``, ``position_ids``, ``doc_ids``: (B, L) long CPU tensors.
+
+    ``rows`` are packed rows (lists, numpy arrays or tensors). ``doc_ids`` is -1 on padding; a row
+    without the column counts as one document (0). Give the batch to the model through ``model_inputs``.
+    """
+    import torch
+
+    if not rows:
+        raise ValueError("collate: no rows")
+    length = max(len(r["input_ids"]) for r in rows)
+    input_ids = np.full((len(rows), length), pad_id, dtype=np.int64)
+    labels = np.full((len(rows), length), IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.tile(np.arange(length, dtype=np.int64), (len(rows), 1))
+    doc_ids = np.full((len(rows), length), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[i, :n] = np.asarray(row["input_ids"])
+        labels[i, :n] = np.asarray(row["labels"])
+        position_ids[i, :n] = np.asarray(row["position_ids"])
+        position_ids[i, n:] -= n  # the batch padding restarts at 0: a block of its own
+        doc_ids[i, :n] = np.asarray(row["doc_ids"]) if "doc_ids" in row else 0
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(position_ids),
+        "doc_ids": torch.from_numpy(doc_ids),
+    }
+
+
+def model_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The forward's ``input_ids``, ``position_ids`` and, where the model needs it, ``attention_mask``
+    (see the module doc), on the model's device. Call the model with ``use_cache=False``."""
+    parameter = next(model.parameters())
+    inputs = {k: batch[k].to(parameter.device) for k in ("input_ids", "position_ids")}
+    mask = packed_attention_mask(model.config, inputs["position_ids"], parameter.dtype)
+    if mask is not None:
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window as the model applies it with eager/sdpa attention (None: full)."""
+    layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return [None] * layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [int(window)] * layers
+    return [int(window) if kind == SLIDING else None for kind in types[:layers]]
+
+
+def model_masks_documents(config: Any) -> bool:
+    """Whether the model keeps packed documents apart from restarting position_ids alone (no mask given)."""
+    if config._attn_implementation == "flash_attention_2":
+        return True
+    return compat.is_transformers_v5() and config.model_type not in POSITIONS_NOT_IN_MASKS_V5
+
+
+def packed_attention_mask(config: Any, position_ids: Any, dtype: Any):
+    """None, one 4D mask, or ``{layer type: 4D mask}`` (see the module doc) for a model with ``config``."""
+    if model_masks_documents(config):
+        return None
+    windows = layer_windows(config)
+    if len(set(windows)) == 1:
+        return block_causal_mask(position_ids, dtype, windows[0])
+    if config.model_type not in MASK_PER_LAYER_TYPE:
+        raise PackingUnsupported(
+            f"packed sequences with {config.model_type!r} on transformers {compat.version_of('transformers')} and "
+            f"{config._attn_implementation} attention: its layers mix sliding-window and full attention, and its "
+            "decoder takes one mask for every layer, so one per-document mask would drop or impose the window. "
+            "Use flash_attention_2 (GPU) or a configuration with the same window in every layer"
+        )
+    return {kind: block_causal_mask(position_ids, dtype, window) for kind, window in zip(config.layer_types, windows)}
+
+
+def block_causal_mask(position_ids: Any, dtype: Any, sliding_window: int | None = None):
+    """(B, 1, L, L) additive mask from position_ids, on their device: a new block starts wherever the position
+    is 0; a query attends to earlier keys of its block, the last ``sliding_window`` positions only if given."""
+    import torch
+
+    block = torch.cumsum((position_ids == 0).to(torch.int64), dim=1)
+    same_block = block[:, :, None] == block[:, None, :]
+    length = position_ids.shape[1]
+    index = torch.arange(length, device=position_ids.device)
+    distance = index[:, None] - index[None, :]  # query minus key
+    allowed = distance >= 0
+    if sliding_window is not None:
+        allowed &= distance < sliding_window
+    mask = torch.zeros(same_block.shape, dtype=dtype, device=position_ids.device)
+    mask.masked_fill_(~(same_block & allowed), torch.finfo(dtype).min)
+    return mask[:, None]

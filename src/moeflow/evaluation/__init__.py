@@ -1,0 +1,3 @@
+"""Evaluating a model: losses per set with the shared batch loop, lm-evaluation-harness tasks, HumanEval
+generation and sandboxed execution, and routing drift between a base and a fine-tuned router.
+"""

@@ -1,0 +1,160 @@
+"""Routing drift: how fine-tuning moved the router, per MoE layer, between a run's base and fine-tuned model
+run over the same tokens (the coverage validation set, in ``moeflow.evaluation.loop`` batches).
+
+Per MoE layer, over the non-padding tokens:
+
+* ``js_divergence``: the Jensen-Shannon divergence (base 2, so in [0, 1]) of the two expert-load
+  distributions, an expert's load being its share of the layer's top-k assignments;
+* ``changed_expert_set_fraction``: the fraction of tokens whose set of chosen experts differs (the order
+  within the top-k does not count);
+* ``gained`` / ``lost``: the experts whose load share rose / fell by more than half the base's share
+  (``LOAD_CHANGE``); an expert the base never chose gains as soon as it is chosen;
+* ``entropy_base`` / ``entropy_finetuned`` / ``entropy_change``: the mean per-token entropy (nats) of the
+  routing probabilities (``moeflow.model.routing.LayerRouting.probs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeflow.data.collate import model_inputs
+from moeflow.evaluation.loop import batches
+from moeflow.model.routing import NoMoELayers, RoutingAdapter, adapter_or_none, capture
+from moeflow.runtime.stage import progress
+from moeflow.train.losses import token_mask
+
+LOAD_CHANGE = 0.5  # an expert gained or lost load: its share moved by more than half the base's share
+
+
+@dataclass
+class LayerTokens:
+    """One model's routing of a set at one MoE layer, token by token (padding left out)."""
+
+    layer: int
+    num_experts: int
+    expert_sets: np.ndarray  # (tokens, k) the chosen experts of each token, sorted
+    entropy_sum: float  # summed per-token entropy of the routing probabilities (nats)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.expert_sets.shape[0])
+
+    def load_share(self) -> np.ndarray:
+        """(E,) each expert's share of the layer's top-k assignments."""
+        counts = np.bincount(self.expert_sets.reshape(-1), minlength=self.num_experts).astype(np.float64)
+        return counts / max(counts.sum(), 1.0)
+
+    @property
+    def mean_entropy(self) -> float:
+        return self.entropy_sum / self.tokens if self.tokens else float("nan")
+
+
+def token_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """(tokens,) entropy in nats of each row of (tokens, E) probabilities (0 log 0 = 0)."""
+    return torch.special.entr(probs.double()).sum(dim=-1)
+
+
+def route_tokens(
+    model, collated: Iterable[Mapping[str, Any]], adapter: RoutingAdapter, precision: str = "fp32"
+) -> list[LayerTokens]:
+    """Every MoE layer's chosen experts and routing entropy for each real token of the batches ``collated``
+    (``moeflow.data.collate.collate`` output), in batch order."""
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    sets: dict[int, list[np.ndarray]] = {}
+    entropy: dict[int, float] = {}
+    experts: dict[int, int] = {}
+    model.eval()
+    with torch.no_grad(), autocast:
+        for batch in collated:
+            real = token_mask(batch).reshape(-1)
+            with capture(model, adapter) as routing:
+                model(**model_inputs(model, batch), use_cache=False)
+            for layer in routing.layers:
+                chosen = layer.topk_index.reshape(real.shape[0], -1).cpu()[real]
+                sets.setdefault(layer.layer, []).append(torch.sort(chosen, dim=-1).values.numpy())
+                probs = layer.probs().reshape(real.shape[0], -1).cpu()[real]
+                entropy[layer.layer] = entropy.get(layer.layer, 0.0) + float(token_entropy(probs).sum())
+                experts[layer.layer] = layer.num_experts
+    return [LayerTokens(layer, experts[layer], np.concatenate(sets[layer]), entropy[layer]) for layer in sorted(sets)]
+
+
+def js_divergence(p: Sequence[float], q: Sequence[float]) -> float:
+    """Jensen-Shannon divergence of two distributions, base 2 (0: the same, 1: disjoint supports)."""
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    m = (p + q) / 2
+
+    def kl_to_m(x: np.ndarray) -> float:
+        nonzero = x > 0
+        return float(np.sum(x[nonzero] * np.log2(x[nonzero] / m[nonzero])))
+
+    return max(0.0, (kl_to_m(p) + kl_to_m(q)) / 2)
+
+
+def changed_set_fraction(base: np.ndarray, finetuned: np.ndarray) -> float:
+    """The fraction of tokens whose (sorted) chosen-expert rows differ between two (tokens, k) arrays."""
+    if base.shape != finetuned.shape:
+        raise ValueError(f"routing of different tokens: {base.shape} vs {finetuned.shape}")
+    return float(np.any(base != finetuned, axis=1).mean()) if len(base) else 0.0
+
+
+def moved_experts(
+    base_share: np.ndarray, finetuned_share: np.ndarray, load_change: float = LOAD_CHANGE
+) -> tuple[list[int], list[int]]:
+    """(gained, lost): experts whose share rose above / fell below (1 +- ``load_change``) x the base's."""
+    gained = np.flatnonzero(finetuned_share > base_share * (1 + load_change))
+    lost = np.flatnonzero(finetuned_share < base_share * (1 - load_change))
+    return gained.tolist(), lost.tolist()
+
+
+def layer_drift(base: LayerTokens, finetuned: LayerTokens) -> dict[str, Any]:
+    """The drift record of one MoE layer (the keys of drift.json's ``layers``)."""
+    if (base.layer, base.num_experts) != (finetuned.layer, finetuned.num_experts):
+        raise ValueError(
+            f"layer {base.layer} ({base.num_experts} experts) compared with "
+            f"layer {finetuned.layer} ({finetuned.num_experts} experts)"
+        )
+    p, q = base.load_share(), finetuned.load_share()
+    gained, lost = moved_experts(p, q)
+    return {
+        "layer": base.layer,
+        "js_divergence": js_divergence(p, q),
+        "changed_expert_set_fraction": changed_set_fraction(base.expert_sets, finetuned.expert_sets),
+        "gained": gained,
+        "lost": lost,
+        "entropy_base": base.mean_entropy,
+        "entropy_finetuned": finetuned.mean_entropy,
+        "entropy_change": finetuned.mean_entropy - base.mean_entropy,
+        "load_base": p.tolist(),
+        "load_finetuned": q.tolist(),
+    }
+
+
+def drift_record(base: Sequence[LayerTokens], finetuned: Sequence[LayerTokens]) -> dict[str, Any]:
+    """drift.json without provenance: ``layers`` (one record per MoE layer) and ``tokens`` compared."""
+    if [b.layer for b in base] != [f.layer for f in finetuned]:
+        raise ValueError(
+            f"MoE layers differ: base {[b.layer for b in base]}, fine-tuned {[f.layer for f in finetuned]}"
+        )
+    return {
+        "layers": [layer_drift(b, f) for b, f in zip(base, finetuned)],
+        "tokens": base[0].tokens if base else 0,
+    }
+
+
+def model_routing(
+    model, rows, settings: Mapping[str, Any], precision: str = "fp32", label: str = ""
+) -> list[LayerTokens]:
+    """``route_tokens`` of an MoE model over a set of packed rows in the evaluation's batches (``settings``:
+    ``moeflow.workflow.keys.eval_batch_settings``); ``NoMoELayers`` for a model without experts."""
+    adapter = adapter_or_none(model)
+    if adapter is None:
+        raise NoMoELayers(f"routing drift compares the routers of MoE models; the {label or 'given'} model has none")
+    attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    collated = batches(rows, settings["batch_size"], attn, settings["max_sequences"])
+    return route_tokens(model, progress(collated, desc=f"routing drift: {label}"), adapter, precision)

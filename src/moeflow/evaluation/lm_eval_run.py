@@ -1,0 +1,330 @@
+"""One ``evaluate.tasks`` entry through lm-evaluation-harness (the lm-eval package's Python API) on a loaded
+model, and the stage's result record (``lm_eval/<model>/<task>.json``).
+
+lm-eval is imported inside the functions that use it (its import takes seconds). Where it is missing the stage
+refuses with :class:`HarnessUnavailable`.
+
+moeflow's corpus tasks run once per evaluation corpus, on documents built from the corpus's packed test split
+(``moeflow.evaluation.lm_eval_docs``); their metrics are named ``<corpus>/<metric>``. The perplexity task is a
+cross-check of
+moeflow's own evaluation, so its contexts are made the same as the evaluation's (see
+:func:`first_token_as_context`), and its record puts moeflow's perplexity over the same segments beside lm-eval's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from moeflow.data.shards import open_split
+from moeflow.evaluation.lm_eval_docs import (
+    DOCS_FILE,
+    SEGMENTS,
+    Segment,
+    TaskDataError,
+    body_choice_docs,
+    document_texts,
+    segment_docs,
+    segments,
+    write_docs,
+)
+from moeflow.evaluation.lm_eval_tasks import TASKS_DIR, TaskSpec
+from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
+from moeflow.runtime import compat
+
+log = logging.getLogger(__name__)
+
+
+# A logit that takes all the probability: log_softmax gives exactly 0 for it in float32 and bfloat16.
+CERTAIN = 1.0e4
+
+
+class HarnessUnavailable(compat.UnsupportedOnStack):
+    """lm-eval does not import on this stack."""
+
+
+class HarnessError(RuntimeError):
+    """lm-eval called the model in a way the cross-check cannot reproduce."""
+
+
+def require_lm_eval() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as exc:
+        raise HarnessUnavailable(
+            f"the lm_eval stage needs the lm-eval package (pinned in envs/<stack>.yaml), which does not import "
+            f"in this environment ({exc}). Install it on this stack, or leave evaluate.tasks empty here"
+        ) from None
+
+
+def lm_eval_version() -> str:
+    return str(compat.version_of("lm_eval"))
+
+
+@contextlib.contextmanager
+def first_token_as_context(model: Any, prefix_id: int) -> Iterator[None]:
+    """Score lm-eval's rolling windows as moeflow's evaluation scores a packed segment.
+
+    lm-eval's ``loglikelihood_rolling`` puts a prefix token (BOS) before a document and predicts every
+    token of it, the first from the prefix. moeflow's evaluation runs a segment from its first token at position
+    0, which is context only. While this is active the model is called without the prefix (so positions and
+    attention are the evaluation's) and the first token is returned as certain (log-probability 0), so lm-eval's
+    sum is the segment's log-likelihood over the tokens moeflow predicts. Every window must start with the
+    prefix: one window per document, which a ``max_length`` of at least ``data.seq_len`` gives.
+    """
+    import torch
+
+    targets: list[Any] = []
+
+    def drop_prefix(module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        if ids.shape[1] < 2 or not bool((ids[:, 0] == prefix_id).all()):
+            raise HarnessError(
+                "lm-eval split a perplexity document into several windows (or gave one without its prefix): "
+                "set evaluate.lm_eval.max_length to at least data.seq_len, or null"
+            )
+        targets.append(ids[:, 1])
+        if args:
+            return (ids[:, 1:], *args[1:]), kwargs
+        return args, {**kwargs, "input_ids": ids[:, 1:]}
+
+    def certain_first(module, args, kwargs, output):
+        logits = output.logits
+        first = torch.zeros_like(logits[:, :1])
+        first.scatter_(-1, targets.pop()[:, None, None], CERTAIN)
+        output.logits = torch.cat([first, logits], dim=1)
+        return output
+
+    handles = [
+        model.register_forward_pre_hook(drop_prefix, with_kwargs=True),
+        model.register_forward_hook(certain_first, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def exact_tokens(encode: Callable[..., list[int]], token_ids: Mapping[str, Sequence[int]]) -> Callable[..., list[int]]:
+    """HFLM's ``tok_encode``, except that a perplexity document's text gives back the tokens the data stage
+    made for it: decoding a segment and encoding it again is not always the identity, and the cross-check
+    must score the tokens moeflow's evaluation scores."""
+
+    def tok_encode(string: str, *args, **kwargs) -> list[int]:
+        ids = token_ids.get(string)
+        return list(ids) if ids is not None else encode(string, *args, **kwargs)
+
+    return tok_encode
+
+
+def evaluate_task(
+    model: Any,
+    tokenizer: Any,
+    task: TaskSpec,
+    settings: Mapping[str, Any],
+    max_length: int,
+    seed: int,
+    docs_file: str | Path | None = None,
+    log_samples: bool = False,
+    token_ids: Mapping[str, Sequence[int]] | None = None,
+) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` output for one task (for a corpus task, on the documents in ``docs_file``;
+    with ``log_samples``, each document's scores under ``samples``; with ``token_ids``, the tokens lm-eval
+    scores for those document texts).
+
+    ``settings``: the config's ``evaluate.lm_eval``. lm-eval's seeds are all ``seed``. The registry is indexed
+    only for a registry task; moeflow's tasks and a YAML file's folder are always on the include path.
+    """
+    require_lm_eval()
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    include = [str(TASKS_DIR)] + ([str(task.yaml_path.parent)] if task.yaml_path else [])
+    manager = TaskManager(
+        include_path=include,
+        include_defaults=task.registry,
+        metadata={DOCS_FILE: str(docs_file)} if docs_file else None,
+    )
+    lm = HFLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        backend="causal",
+        batch_size=settings["batch_size"],
+        max_length=max_length,
+    )
+    if token_ids:
+        lm.tok_encode = exact_tokens(lm.tok_encode, token_ids)
+    scoring = first_token_as_context(model, lm.prefix_token_id) if task.docs == SEGMENTS else contextlib.nullcontext()
+    with scoring:
+        return simple_evaluate(
+            model=lm,
+            tasks=[task.spec],
+            task_manager=manager,
+            num_fewshot=settings["num_fewshot"],
+            limit=settings["limit"],
+            bootstrap_iters=settings["bootstrap_iters"],
+            log_samples=log_samples,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+
+
+def metrics(output: Mapping[str, Any], prefix: str = "") -> dict[str, dict[str, float | None]]:
+    """``{name: {"value", "stderr"}}`` from lm-eval's results: ``metric`` (``metric,filter`` when a filter other
+    than none made it), under ``subtask/`` when the task is a group of several; stderr None where lm-eval
+    computes none."""
+    results = output["results"]
+    out = {}
+    for name, entry in results.items():
+        where = f"{name}/" if len(results) > 1 else ""
+        for key, value in entry.items():
+            if "," not in key or "_stderr," in key:
+                continue
+            metric, filter_name = key.split(",", 1)
+            stderr = entry.get(f"{metric}_stderr,{filter_name}")
+            label = metric if filter_name == "none" else key
+            out[f"{prefix}{where}{label}"] = {"value": _number(value), "stderr": _number(stderr)}
+    return out
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def num_samples(output: Mapping[str, Any]) -> int:
+    """The documents lm-eval scored (after ``limit``), over every task of the output."""
+    return sum(int(n["effective"]) for n in output["n-samples"].values())
+
+
+def moeflow_perplexity(
+    model: Any, parts: Sequence[Segment], corpus: str, batch_size: int, precision: str
+) -> dict[str, float | int]:
+    """moeflow's evaluation (``moeflow.evaluation.run_metrics.evaluate_model``) over the same segments lm-eval
+    scored."""
+    name = f"test/{corpus}"
+    stats = evaluate_model(
+        model,
+        [EvalSet(name, [corpus], [p.row() for p in parts])],
+        {"batch_size": batch_size, "max_sequences": None},
+        precision,
+    )[name]
+    return {"perplexity": stats.perplexity, "label_tokens": stats.label_tokens}
+
+
+def segment_loglikelihoods(output: Mapping[str, Any]) -> list[float]:
+    """lm-eval's log-likelihood of each perplexity document, in document order (from ``log_samples``)."""
+    (samples,) = output["samples"].values()
+    return [float(s["token_perplexity"][0]) for s in sorted(samples, key=lambda s: s["doc_id"])]
+
+
+def cross_check(
+    model: Any,
+    parts: Sequence[Segment],
+    loglikelihoods: Sequence[float],
+    corpus: str,
+    batch_size: int,
+    precision: str,
+) -> dict[str, Any]:
+    """lm-eval's token perplexity beside moeflow's over the segments lm-eval scored (the same tokens: see
+    :func:`exact_tokens`), which must agree to rounding."""
+    scored = parts[: len(loglikelihoods)]
+    ours = moeflow_perplexity(model, scored, corpus, batch_size, precision)
+    theirs = math.exp(-sum(loglikelihoods) / ours["label_tokens"])
+    return {
+        "lm_eval_token_perplexity": theirs,
+        "moeflow_perplexity": ours["perplexity"],
+        "relative_difference": abs(theirs / ours["perplexity"] - 1.0),
+        "label_tokens": ours["label_tokens"],
+        "segments": len(scored),
+    }
+
+
+def corpus_documents(
+    task: TaskSpec,
+    corpus_dirs: Mapping[str, str | Path],
+    tokenizer: Any,
+    settings: Mapping[str, Any],
+    max_length: int,
+    seed: int,
+) -> dict[str, tuple[list[dict[str, Any]], list[Segment]]]:
+    """A corpus task's documents per evaluation corpus (and the segments behind them, for the perplexity
+    task), from each corpus's packed test split; a corpus that gives none (a split without a Python function
+    with a docstring that fits, say) is left out, with a warning. Built before any model is loaded, so a task
+    that no corpus gives documents for fails first."""
+    out = {}
+    for corpus, folder in corpus_dirs.items():
+        rows = open_split(folder, "test")
+        if task.docs == SEGMENTS:
+            parts = segments(rows)
+            docs = segment_docs(parts, tokenizer)
+        else:
+            parts = []
+            docs = body_choice_docs(
+                document_texts(rows, tokenizer),
+                tokenizer,
+                choices=settings["choices"],
+                seed=seed,
+                max_tokens=max_length,
+            )
+        if docs:
+            out[corpus] = (docs, parts)
+        else:
+            log.warning("%s: the test split of corpus %s (%s) gives no documents; left out", task.spec, corpus, folder)
+    if not out:
+        raise TaskDataError(
+            f"config key 'evaluate.tasks' entry {task.spec!r}: no test split of data.eval_corpora "
+            f"({', '.join(corpus_dirs)}) gives documents for it ({task.docs}: e.g. no Python function with a "
+            f"docstring whose prompt and body fit in {max_length} tokens); raise evaluate.lm_eval.max_length, "
+            "evaluate on a corpus of Python code, or drop the task from evaluate.tasks"
+        )
+    return out
+
+
+def corpus_task_record(
+    model: Any,
+    tokenizer: Any,
+    task: TaskSpec,
+    documents: Mapping[str, tuple[list[dict[str, Any]], list[Segment]]],
+    settings: Mapping[str, Any],
+    max_length: int,
+    seed: int,
+    precision: str,
+    workdir: str | Path,
+) -> dict[str, Any]:
+    """metrics (``<corpus>/<metric>``), num_samples and, for the perplexity task, cross_check per corpus."""
+    record: dict[str, Any] = {
+        "metrics": {},
+        "num_samples": 0,
+        "corpora": list(documents),  # the corpora that gave documents
+        "lm_eval": lm_eval_version(),
+    }
+    checks = {}
+    for corpus, (docs, parts) in documents.items():
+        docs_file = Path(workdir) / f"{corpus}.jsonl"
+        write_docs(docs_file, docs)
+        segments_task = task.docs == SEGMENTS
+        token_ids = {doc["text"]: doc["input_ids"] for doc in docs} if segments_task else None
+        output = evaluate_task(model, tokenizer, task, settings, max_length, seed, docs_file, segments_task, token_ids)
+        record["metrics"].update(metrics(output, prefix=f"{corpus}/"))
+        record["num_samples"] += num_samples(output)
+        if task.docs == SEGMENTS:
+            loglikelihoods = segment_loglikelihoods(output)
+            checks[corpus] = cross_check(model, parts, loglikelihoods, corpus, settings["batch_size"], precision)
+    if checks:
+        record["cross_check"] = checks
+    return record
+
+
+def task_record(
+    model: Any, tokenizer: Any, task: TaskSpec, settings: Mapping[str, Any], max_length: int, seed: int
+) -> dict[str, Any]:
+    output = evaluate_task(model, tokenizer, task, settings, max_length, seed)
+    return {"metrics": metrics(output), "num_samples": num_samples(output), "lm_eval": lm_eval_version()}

@@ -1,0 +1,3 @@
+"""The model: one factory that builds or loads a causal LM for a layout, the chunked loss every model
+computes, routing read per family, parameter categories, LoRA adapters and the experts implementation.
+"""

@@ -1,0 +1,436 @@
+"""LoRA fine-tuning through peft: which weights get adapters, saving and loading them, merging.
+
+Settings (``train.lora``, used when ``train.method: lora``; see config/config.yaml)::
+
+    rank, alpha, dropout           the adapters' rank r, scaling alpha / r, and dropout on their input
+    targets                        attention | dense_ffn | shared_experts | routed_experts | all
+    router                         frozen (default) | trainable (its full weight) | adapter (its own LoRA)
+
+Where the adapters go is read from the model, not from a per-family table. Every ``nn.Linear`` is put in
+a category by its place: under ``self_attn`` (attention), inside a routed expert (``experts.<n>.``),
+inside a shared expert (``shared_expert(s).``/``share_expert.``), the router of an MoE block (found
+as ``moeflow.model.routing`` finds it), or a dense MLP (``mlp.``/``feed_forward.`` outside any MoE block).
+Those go to peft as ``target_modules`` (one regular expression, layer and expert indices generalised).
+Routed experts stored as fused 3D parameters (transformers 5: ``mlp.experts.gate_up_proj`` and
+``down_proj``, shape (experts, out, in)) go to peft as ``target_parameters``; peft then trains one
+rank-r adapter per expert (``lora_A``: in -> r x experts, ``lora_B``: r x experts -> out). A transformers
+5 router is a module with a ``weight`` parameter, so a router adapter is a ``target_parameters`` entry
+there and a ``target_modules`` entry on 4.57 (an ``nn.Linear``).
+
+Limits (each raises a clear error): peft cannot apply dropout to ``target_parameters`` adapters, so
+``dropout`` must be 0 when fused experts (or a transformers-5 router) get adapters; transformers 4.57
+keeps only GPT-OSS's experts fused, in an (experts, in, out) layout peft cannot tell from (experts,
+out, in), so LoRA on them needs transformers 5 (``compat.UnsupportedOnStack``); a router adapter on
+4.57 needs an ``nn.Linear`` router, because moeflow.model.routing recomputes the DeepSeek-V3/GPT-OSS router
+logits from the raw weight there.
+
+Gradient checkpointing with frozen embeddings: the embedding output does not require grad, so the
+*reentrant* checkpoint function sees no input that needs grad and returns outputs without a graph: no
+gradient reaches the adapters of the checkpointed layers (tests/test_lora.py shows it). Non-reentrant
+checkpointing does not have that problem, but :func:`apply_lora` calls ``enable_input_require_grads``
+whenever checkpointing is on, so either variant trains the adapters.
+
+Checkpoints hold only what training changes: ``save_pretrained`` of the peft model (adapter_config.json,
+adapter_model.safetensors), the router's weights when it is trainable (router.safetensors) and the
+LoRA settings (moeflow_lora.json). :func:`merge_adapters` folds the adapters into the base weights, for
+``moeflow.checkpoint.export`` to write a folder that ``AutoModelForCausalLM.from_pretrained`` loads. train_model also
+declares the adapter as an output (``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which
+``PeftModel.from_pretrained`` loads on the base model, plus the trainable-parameter report; a full run
+writes only the report (``method: full``).
+
+Which category a weight belongs to is ``moeflow.model.parameters``' answer. This module imports peft lazily:
+moeflow.plan (imported at DAG-build time) uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeflow.model import parameters as P
+from moeflow.model.routing import FAMILIES
+from moeflow.runtime import compat
+from moeflow.runtime.files import atomic_dir, read_json, write_json
+from moeflow.settings import typed
+from moeflow.train.settings import LORA_ALL, LoraSettings, TrainSettings
+
+log = logging.getLogger("moeflow.model.lora")
+
+
+ADAPTER_NAME = "default"
+
+
+SETTINGS_FILE = "moeflow_lora.json"
+
+
+ROUTER_FILE = "router.safetensors"
+
+
+REPORT_FILE = "trainable_parameters.json"
+
+
+class LoraConfigError(ValueError):
+    """A LoRA setting that cannot work for this model, naming the key and what to do."""
+
+
+def is_lora_model(model: Any) -> bool:
+    """True for a model wrapped by :func:`apply_lora` / :func:`load_adapter` (a peft PeftModel)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is pinned in both stacks
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _base(model: Any) -> Any:
+    return model.get_base_model() if is_lora_model(model) else model
+
+
+def router_modules(model: Any) -> dict[str, Any]:
+    """Qualified name (in the base model) -> router module of each MoE block, as moeflow.model.routing finds them."""
+    base = _base(model)
+    family = FAMILIES.get(getattr(base.config, "model_type", None))
+    if family is None:
+        return {}
+    return {
+        f"{name}.{family.router_attr}": getattr(module, family.router_attr)
+        for name, module in base.named_modules()
+        if type(module).__name__ == family.block_class and getattr(module, family.router_attr, None) is not None
+    }
+
+
+@dataclass
+class Targets:
+    """What peft gets: module names (``target_modules``) and parameter names (``target_parameters``),
+    each with its category, names relative to the base model."""
+
+    modules: dict[str, str]
+    parameters: dict[str, str]
+
+
+def _category_of_linear(name: str, routers: set[str], blocks: list[str]) -> str | None:
+    if name in routers:
+        return P.ROUTER
+    category = P.module_category(name)
+    if category in (P.ATTENTION, P.ROUTED_EXPERTS, P.SHARED_EXPERTS):
+        return category
+    if any(name.startswith(block + ".") for block in blocks):
+        return None  # e.g. qwen2_moe's shared_expert_gate (hidden -> 1): not worth an adapter
+    return category if category == P.DENSE_FFN else None  # not lm_head, nor anything outside the layers' projections
+
+
+def find_targets(model: Any, settings: LoraSettings) -> Targets:
+    """The modules and parameters that get adapters under ``settings`` (see the module docstring)."""
+    routers = router_modules(model)
+    blocks = sorted(name.rsplit(".", 1)[0] for name in routers)
+    wanted = set(settings.categories) | ({"router"} if settings.router == "adapter" else set())
+    modules: dict[str, str] = {}
+    parameters: dict[str, str] = {}
+    fused: list[str] = []
+    for name, module in _base(model).named_modules():
+        if isinstance(module, torch.nn.Linear):
+            category = _category_of_linear(name, set(routers), blocks)
+            if category in wanted:
+                modules[name] = category
+            continue
+        if name in routers:
+            if "router" in wanted:
+                if not compat.is_transformers_v5():
+                    raise compat.UnsupportedOnStack(
+                        f"config key 'train.lora.router': an adapter on the {type(module).__name__} router needs "
+                        f"transformers 5 (the 'current' stack; on {compat.version_of('transformers')} "
+                        f"moeflow.model.routing "
+                        "reads this router's logits from its raw weight); use router: trainable or frozen here"
+                    )
+                parameters[f"{name}.weight"] = "router"
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            # an ``experts`` module's 3D parameters; 4.57's GraniteMoE experts (input_linear/output_linear) are
+            # not a layout peft's target_parameters reads, and get no adapters
+            if param.ndim == 3 and name.endswith("experts") and P.category(f"{name}.{param_name}") == P.ROUTED_EXPERTS:
+                fused.append(f"{name}.{param_name}")
+                if "routed_experts" in wanted:
+                    parameters[f"{name}.{param_name}"] = "routed_experts"
+    if fused and "routed_experts" in wanted and not compat.is_transformers_v5():
+        raise compat.UnsupportedOnStack(
+            f"config key 'train.lora.targets': {getattr(_base(model).config, 'model_type', '?')} "
+            "keeps its routed experts as "
+            f"fused 3D parameters ({fused[0]}) in an (experts, in, out) layout on transformers "
+            f"{compat.version_of('transformers')}, which peft's target_parameters cannot read; LoRA on these experts "
+            "needs transformers 5 (the 'current' stack). Leave routed_experts out of train.lora.targets here"
+        )
+    if parameters and settings.dropout:
+        raise LoraConfigError(
+            f"config key 'train.lora.dropout': {settings.dropout}, "
+            f"but {sorted(set(parameters.values()))} are adapted through "
+            f"peft's target_parameters ({next(iter(parameters))}: a fused parameter, not an nn.Linear), which cannot "
+            "apply dropout. Set train.lora.dropout: 0, or leave those out of train.lora.targets"
+        )
+    found = set(modules.values()) | set(parameters.values())
+    missing = [c for c in ([*settings.categories] if LORA_ALL not in settings.targets else []) if c not in found]
+    if settings.router == "adapter" and "router" not in found:
+        missing.append("router")
+    if settings.router == "trainable" and not routers:
+        missing.append("router")
+    if missing or not found:
+        raise LoraConfigError(
+            f"config key 'train.lora.{'router' if missing == ['router'] else 'targets'}': model_type "
+            f"{getattr(_base(model).config, 'model_type', '?')} has no "
+            f"{', '.join(missing) or 'adaptable weights in ' + ', '.join(settings.categories)}; "
+            f"it has {', '.join(sorted(found | ({'router'} if routers else set()))) or 'none of them'}"
+        )
+    return Targets(modules=modules, parameters=parameters)
+
+
+def module_pattern(names: list[str]) -> str:
+    """One regular expression (peft full-matches it against module names) for ``names``, with layer and
+    expert indices generalised so the adapter config stays short for models with thousands of experts."""
+    generic = {r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split(".")) for name in names}
+    return "(?:" + "|".join(sorted(generic)) + ")"
+
+
+def parameter_suffixes(names: list[str]) -> list[str]:
+    """``target_parameters`` as names below the decoder layer (peft matches them as suffixes)."""
+    return sorted({re.sub(r"^.*?(^|\.)layers\.\d+\.", "", name) for name in names})
+
+
+@contextlib.contextmanager
+def _native_layout():
+    """On transformers 5, peft rewrites the targets and adapter weights of some MoE families (qwen3_moe,
+    mixtral, deepseek_v3, olmoe, ...) as if they named transformers 4.57 modules, so that adapters trained
+    on 4.57 still load: every ``gate_proj``/``up_proj``/``down_proj`` becomes the fused expert parameter.
+    That drops the adapters of DeepSeek-V3's shared experts and dense layers. moeflow's targets are this
+    model's own names (results of the two stacks never mix), so the conversion is skipped while moeflow
+    creates or loads adapters."""
+    if not compat.is_transformers_v5():
+        yield
+        return
+    from peft.utils import transformers_weight_conversion as conversion
+
+    saved = conversion.convert_peft_config_for_transformers, conversion.convert_peft_adapter_state_dict_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda peft_config, model, conversions=None: None
+    conversion.convert_peft_adapter_state_dict_for_transformers = (
+        lambda model, peft_config, adapter_state_dict, adapter_name="default": adapter_state_dict
+    )
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers, conversion.convert_peft_adapter_state_dict_for_transformers = (
+            saved
+        )
+
+
+def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool) -> Any:
+    """Wrap a transformers causal LM with LoRA adapters (peft) and freeze everything else; return the
+    peft model. ``settings``: ``train.lora``. With ``gradient_checkpointing``
+    it turns on non-reentrant checkpointing and makes the embedding output require grad."""
+    from peft import LoraConfig, get_peft_model
+
+    if is_lora_model(model):
+        raise LoraConfigError("the model already has LoRA adapters: apply_lora takes the base model")
+    targets = find_targets(model, settings)
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        bias="none",
+        target_modules=module_pattern(sorted(targets.modules)) if targets.modules else [],
+        target_parameters=parameter_suffixes(sorted(targets.parameters)) or None,
+    )
+    with _native_layout():
+        peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+    tuner = peft_model.base_model
+    got_modules, got_params = set(tuner.targeted_module_names), set(getattr(tuner, "targeted_parameter_names", []))
+    if got_modules != set(targets.modules) or got_params != set(targets.parameters):
+        raise RuntimeError(  # the generalised pattern matched something else: a bug here, not a user error
+            f"peft adapted {sorted(got_modules ^ set(targets.modules))[:5]} "
+            f"/ {sorted(got_params ^ set(targets.parameters))[:5]} "
+            "differently from moeflow.model.lora.find_targets"
+        )
+    if settings.router == "trainable":
+        for router in router_modules(peft_model).values():
+            for param in router.parameters():
+                param.requires_grad_(True)
+    if gradient_checkpointing:
+        enable_checkpointing(peft_model.get_base_model(), reentrant=False)
+        peft_model.get_base_model().enable_input_require_grads()
+    peft_model._moeflow_lora = settings
+    return peft_model
+
+
+def enable_checkpointing(model: Any, reentrant: bool = False) -> None:
+    """Activation checkpointing of a transformers model (5.x renamed the method; the old name warns)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
+def lora_settings(model: Any) -> LoraSettings:
+    settings = getattr(model, "_moeflow_lora", None)
+    if settings is None:
+        raise LoraConfigError(
+            "the model has no moeflow LoRA adapters (use moeflow.model.lora.apply_lora or load_adapter)"
+        )
+    return settings
+
+
+def _router_state(model: Any) -> dict[str, Any]:
+    return {
+        f"{name}.{param_name}": param.detach().cpu().contiguous()
+        for name, router in sorted(router_modules(model).items())
+        for param_name, param in router.named_parameters()
+    }
+
+
+def save_adapter(model: Any, folder: str | os.PathLike) -> None:
+    """Write the adapters (peft ``save_pretrained``: adapter_config.json + adapter_model.safetensors),
+    the router's weights when it is trainable, and the LoRA settings into ``folder``. Call it inside
+    ``moeflow.runtime.files.atomic_dir`` (or a checkpoint folder that is renamed into place)."""
+    from safetensors.torch import save_file
+
+    settings = lora_settings(model)
+    folder = Path(folder)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    if settings.router == "trainable":
+        save_file(_router_state(model), str(folder / ROUTER_FILE))
+    write_json(folder / SETTINGS_FILE, settings.as_dict())
+
+
+def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: bool = False) -> Any:
+    """Adapters saved by :func:`save_adapter`, trainable. ``model``: the base model (it is wrapped as
+    :func:`apply_lora` does, ``gradient_checkpointing`` as there), or a model already wrapped with the same
+    LoRA settings (resume: its adapter weights are replaced). Returns the peft model."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / SETTINGS_FILE).is_file():
+        raise LoraConfigError(f"{folder} is not a moeflow LoRA adapter folder (no {SETTINGS_FILE})")
+    saved = typed(LoraSettings, read_json(folder / SETTINGS_FILE))
+    if not is_lora_model(model):
+        model = apply_lora(model, saved, gradient_checkpointing)
+    elif lora_settings(model) != saved:
+        raise LoraConfigError(
+            f"the adapter in {folder} was trained with train.lora {saved.as_dict()}, "
+            f"the model has {lora_settings(model).as_dict()}"
+        )
+    with _native_layout():
+        result = set_peft_model_state_dict(
+            model, load_peft_weights(str(folder), device="cpu"), adapter_name=ADAPTER_NAME
+        )
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise LoraConfigError(
+            f"the adapter in {folder} does not fit this model: missing {missing[:3]}, "
+            f"unexpected {list(result.unexpected_keys)[:3]}"
+        )
+    if saved.router == "trainable":
+        state = load_file(str(folder / ROUTER_FILE))
+        with torch.no_grad():
+            for name, router in router_modules(model).items():
+                for param_name, param in router.named_parameters():
+                    param.copy_(state[f"{name}.{param_name}"])
+    return model
+
+
+def save_adapter_output(model: Any, folder: str | os.PathLike) -> dict[str, Any]:
+    """train_model's ``adapter`` output, written atomically: for a LoRA model the adapter (:func:`save_adapter`:
+    loadable with ``PeftModel.from_pretrained`` on the base model), for every model
+    ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full`` or ``lora``),
+    so the output exists for a full run too. Call it before :func:`merge_adapters`, which consumes the
+    peft wrapper. Returns the report."""
+    report = trainable_parameter_report(model)
+    with atomic_dir(folder) as tmp:
+        if is_lora_model(model):
+            save_adapter(model, tmp)
+        write_json(Path(tmp) / REPORT_FILE, report)
+    return report
+
+
+def merge_adapters(model: Any) -> Any:
+    """Fold the adapters into the base weights: the merged transformers model (``moeflow.checkpoint.export`` writes
+    it as a folder that ``AutoModelForCausalLM.from_pretrained`` loads). This consumes the peft wrapper."""
+    return model.merge_and_unload(safe_merge=True)
+
+
+def trainable_parameter_report(model: Any) -> dict[str, Any]:
+    """Trainable and total parameters (tied weights once), overall and by category (as the planner counts
+    them: ``moeflow.model.parameters.counted_category``; adapters under the weight they adapt); for a LoRA model
+    also the adapter parameters and the settings."""
+    by_category: dict[str, dict[str, int]] = {}
+    trainable = total = adapter = 0
+    for name, param in model.named_parameters():
+        # the whole parameter's size also for an FSDP1 flat shard (moeflow.parallel.layouts.original_shape)
+        n = math.prod(getattr(param, "_moeflow_shape", None) or param.shape)
+        entry = by_category.setdefault(P.counted_category(name) or "other", {"trainable": 0, "total": 0})
+        entry["total"] += n
+        total += n
+        if P.is_adapter(name):
+            adapter += n
+        if param.requires_grad:
+            entry["trainable"] += n
+            trainable += n
+    report = {
+        "method": "lora" if is_lora_model(model) else "full",
+        "trainable": trainable,
+        "total": total,
+        "trainable_fraction": trainable / total if total else 0.0,
+        "adapter": adapter,
+        "by_category": {k: by_category[k] for k in sorted(by_category)},
+        "router_trainable": router_is_trainable(model),
+    }
+    if is_lora_model(model):
+        report["lora"] = lora_settings(model).as_dict()
+    return report
+
+
+def router_is_trainable(model: Any) -> bool:
+    """Whether any router weight (or a router adapter) gets gradients. False for a LoRA model with a
+    frozen router, a model whose routers were frozen (train.freeze_router), or a model with no router.
+    With a frozen router the balancing loss cannot move the routers themselves; its gradient still
+    reaches adapters upstream of them (attention and earlier layers) through the routers' input."""
+    return any(p.requires_grad for router in router_modules(model).values() for p in router.parameters())
+
+
+def describe(model: Any) -> str:
+    """One line for the log: trainable parameters and where the adapters are."""
+    r = trainable_parameter_report(model)
+    parts = [f"{k} {v['trainable']:,}" for k, v in r["by_category"].items() if v["trainable"]]
+    return (
+        f"{r['method']}: {r['trainable']:,} of {r['total']:,} parameters trainable "
+        f"({100 * r['trainable_fraction']:.2f}%): " + ", ".join(parts)
+    )
+
+
+def prepare_model(model: Any, train: TrainSettings) -> Any:
+    """The model the loop trains: the model itself (``train.method: full``), or wrapped with LoRA
+    adapters (``lora``: moeflow.model.lora, the base weights frozen)."""
+    if train.method == "lora":
+        return apply_lora(model, train.lora, train.gradient_checkpointing)
+    return model
+
+
+__all__ = [
+    "LoraSettings",
+    "LoraConfigError",
+    "apply_lora",
+    "save_adapter",
+    "load_adapter",
+    "save_adapter_output",
+    "merge_adapters",
+    "trainable_parameter_report",
+    "router_is_trainable",
+    "is_lora_model",
+    "find_targets",
+    "describe",
+]

@@ -1,0 +1,235 @@
+"""Per-document routing statistics of a document pool (what the coverage validation set is chosen from).
+
+The held-out pool goes through the base model in batches of about ``batch_tokens`` tokens (no grad,
+packed documents masked from each other by ``moeflow.data.collate``); ``moeflow.model.routing.capture`` gives each
+token's chosen experts and the row column ``doc_ids`` attributes it to its document. Kept per document,
+sparse: tokens routed to each (layer, expert) and tokens on which each pair of experts was chosen
+together (``PoolStats``). Memory grows with the number of distinct (document, layer, expert) and
+(document, layer, pair) entries, never with tokens x experts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeflow.data.collate import collate, model_inputs
+from moeflow.model.chunked_loss import token_losses
+from moeflow.model.routing import adapter_for, capture
+from moeflow.runtime.stage import kill_point, progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sparse:
+    """Per-document counts: ``count[i]`` tokens of document ``doc[i]`` on constraint code ``code[i]``."""
+
+    doc: np.ndarray
+    code: np.ndarray
+    count: np.ndarray
+
+    @classmethod
+    def empty(cls) -> Sparse:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(z, z.copy(), z.copy())
+
+
+def _sum_duplicates(doc: np.ndarray, code: np.ndarray, count: np.ndarray, width: int) -> Sparse:
+    """Merge entries with the same (doc, code), sorted by doc then code."""
+    if doc.size == 0:
+        return Sparse.empty()
+    key = doc.astype(np.int64) * width + code
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    merged = np.add.reduceat(count[order].astype(np.int64), starts)
+    key = key[starts]
+    return Sparse(key // width, key % width, merged)
+
+
+@dataclass
+class PoolStats:
+    """Routing statistics of a document pool (one entry per document, in pool order)."""
+
+    corpora: list[str]
+    layers: list[int]  # decoder layer index of each MoE layer
+    num_experts: int
+    top_k: int
+    doc_corpus: np.ndarray  # (D,) index into corpora
+    doc_id: np.ndarray  # (D,) the data stage's doc_ids
+    doc_tokens: np.ndarray  # (D,) tokens of each document
+    cells: Sparse  # code = layer_position * E + expert
+    pairs: Sparse  # code = layer_position * E * E + lo * E + hi (lo < hi)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_id)
+
+    @property
+    def num_cells(self) -> int:
+        return len(self.layers) * self.num_experts
+
+
+class StatsCollector:
+    """Accumulates ``PoolStats`` batch by batch from (doc_ids, chosen experts per MoE layer)."""
+
+    def __init__(self, layers: Sequence[int], num_experts: int, top_k: int):
+        self.layers, self.num_experts, self.top_k = list(layers), int(num_experts), int(top_k)
+        self._index: dict[tuple[int, int], int] = {}
+        self._corpus: list[int] = []
+        self._doc_id: list[int] = []
+        self._tokens: list[tuple[np.ndarray, np.ndarray]] = []
+        self._cells: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending = 0
+
+    def _doc_indices(self, corpus: int, doc_ids: np.ndarray) -> np.ndarray:
+        out = np.empty(len(doc_ids), dtype=np.int64)
+        for i, doc_id in enumerate(doc_ids.tolist()):
+            key = (corpus, doc_id)
+            if key not in self._index:
+                self._index[key] = len(self._doc_id)
+                self._corpus.append(corpus)
+                self._doc_id.append(doc_id)
+            out[i] = self._index[key]
+        return out
+
+    def add(self, corpus: int, doc_ids: np.ndarray, topk_per_layer: Sequence[np.ndarray]) -> None:
+        """``doc_ids`` (T,) per token (-1: padding, not counted); ``topk_per_layer``: (T, k) per MoE layer."""
+        doc_ids = np.asarray(doc_ids, dtype=np.int64).reshape(-1)
+        if len(topk_per_layer) != len(self.layers):
+            raise ValueError(f"expected routing for {len(self.layers)} MoE layers, got {len(topk_per_layer)}")
+        valid = doc_ids >= 0
+        if not valid.any():
+            return
+        batch_docs, local = np.unique(doc_ids[valid], return_inverse=True)
+        local = local.reshape(-1)
+        global_docs = self._doc_indices(corpus, batch_docs)
+        self._tokens.append((global_docs, np.bincount(local, minlength=len(batch_docs))))
+        E = self.num_experts
+        for position, topk in enumerate(topk_per_layer):
+            index = np.asarray(topk, dtype=np.int64).reshape(len(doc_ids), -1)[valid]
+            keys, counts = np.unique((local[:, None] * E + index).ravel(), return_counts=True)
+            self._cells.append((global_docs[keys // E], position * E + keys % E, counts))
+            if index.shape[1] > 1:
+                a, b = np.triu_indices(index.shape[1], 1)
+                lo, hi = np.minimum(index[:, a], index[:, b]), np.maximum(index[:, a], index[:, b])
+                keys, counts = np.unique(((local[:, None] * E + lo) * E + hi).ravel(), return_counts=True)
+                self._pairs.append((global_docs[keys // (E * E)], position * E * E + keys % (E * E), counts))
+        self._pending += len(doc_ids)
+        if self._pending > (1 << 22):  # merge now and then: documents spanning batches repeat entries
+            self._compact()
+
+    def _compact(self) -> None:
+        E, L = self.num_experts, len(self.layers)
+        for chunks, width in ((self._cells, L * E), (self._pairs, L * E * E)):
+            if len(chunks) > 1:
+                merged = _sum_duplicates(*(np.concatenate(parts) for parts in zip(*chunks)), width)
+                chunks[:] = [(merged.doc, merged.code, merged.count)]
+        self._pending = 0
+
+    def finish(self, corpora: Sequence[str]) -> PoolStats:
+        self._compact()
+        E, L = self.num_experts, len(self.layers)
+        D = len(self._doc_id)
+        doc_tokens = np.zeros(D, dtype=np.int64)
+        for docs, counts in self._tokens:
+            np.add.at(doc_tokens, docs, counts)
+
+        def merged(chunks, width):
+            if not chunks:
+                return Sparse.empty()
+            return _sum_duplicates(*(np.concatenate(parts) for parts in zip(*chunks)), width)
+
+        return PoolStats(
+            corpora=list(corpora),
+            layers=self.layers,
+            num_experts=E,
+            top_k=self.top_k,
+            doc_corpus=np.asarray(self._corpus, dtype=np.int64),
+            doc_id=np.asarray(self._doc_id, dtype=np.int64),
+            doc_tokens=doc_tokens,
+            cells=merged(self._cells, L * E),
+            pairs=merged(self._pairs, L * E * E),
+        )
+
+
+def _row_batches(rows: Iterable[Mapping[str, Any]], batch_tokens: int) -> Iterator[list[Mapping[str, Any]]]:
+    """Consecutive rows, at most ``batch_tokens`` tokens a batch (at least one row)."""
+    batch, tokens = [], 0
+    for row in rows:
+        n = len(row["input_ids"])
+        if batch and tokens + n > batch_tokens:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(row)
+        tokens += n
+    if batch:
+        yield batch
+
+
+def route_pool(
+    model: Any,
+    pools: Sequence[tuple[str, Iterable[Mapping[str, Any]]]],
+    batch_tokens: int,
+    attn_implementation: str,
+    precision: str = "fp32",
+    adapter: Any = None,
+) -> PoolStats:
+    """Route each pool's packed rows through ``model`` and collect per-document statistics.
+
+    ``pools``: ``(corpus name, rows)`` with rows as the data stage writes them (``moeflow.data.shards``).
+    """
+    adapter = adapter or adapter_for(model)
+    collector = StatsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    model.eval()
+    for corpus_index, (corpus, rows) in enumerate(pools):
+        for batch_rows in progress(_row_batches(rows, batch_tokens), desc=f"route {corpus} (batches)"):
+            batch = collate(batch_rows)
+            doc_ids = batch["doc_ids"].numpy()
+            inputs = model_inputs(model, batch)
+            with torch.no_grad(), autocast, capture(model, adapter) as routing:
+                token_losses(model, inputs, batch["labels"])  # the chunked loss: never the full logits
+            collector.add(corpus_index, doc_ids.reshape(-1), [r.topk_index.cpu().numpy() for r in routing.layers])
+            kill_point("coverage.batch")
+    stats = collector.finish([name for name, _ in pools])
+    log.info(
+        "routed %d documents (%d tokens) through %d MoE layers",
+        stats.num_docs,
+        stats.doc_tokens.sum(),
+        len(stats.layers),
+    )
+    return stats
+
+
+def expert_load(
+    model: Any,
+    rows: Iterable[Mapping[str, Any]],
+    batch_tokens: int,
+    attn_implementation: str,
+    precision: str = "fp32",
+    adapter: Any = None,
+) -> list[list[int]]:
+    """Tokens routed to each expert of each MoE layer over ``rows`` (top-k assignments, padding excluded): the
+    base routing reference of the warmup's gate (``moeflow.train.guards.base_reference``)."""
+    stats = route_pool(model, [("gate window", rows)], batch_tokens, attn_implementation, precision, adapter)
+    _, tokens = cell_table(stats, np.ones(stats.num_docs, dtype=bool), 0)
+    return tokens.tolist()
+
+
+def cell_table(stats: PoolStats, docs_mask: np.ndarray, min_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(L, E) documents with >= min_tokens tokens, and tokens, per cell, over the masked documents."""
+    L, E = len(stats.layers), stats.num_experts
+    keep = docs_mask[stats.cells.doc]
+    tokens = np.bincount(stats.cells.code[keep], weights=stats.cells.count[keep], minlength=L * E)
+    meets = keep & (stats.cells.count >= min_tokens)
+    docs = np.bincount(stats.cells.code[meets], minlength=L * E)
+    return docs.reshape(L, E).astype(np.int64), tokens.reshape(L, E).astype(np.int64)

@@ -1,0 +1,1 @@
+"""The paper: figures, tables and provenance from the cached results of every run (never a retraining)."""

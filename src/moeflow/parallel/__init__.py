@@ -1,0 +1,4 @@
+"""Ranks and layouts: the process group torchrun describes, FSDP and expert-parallel sharding, gradient
+reduction and clipping across ranks, each rank reading its own rows of the weight files, the torchrun
+command.
+"""

@@ -1,0 +1,236 @@
+"""The layouts of ``parallel.strategy``: FSDP (FSDP2 ``fully_shard`` on the current stack, FSDP1 on the
+pinned one), transformers' expert parallelism, and what every layout answers the same way (unwrap,
+reshard, the whole state dict).
+
+* ``parallel.strategy``:
+
+  - ``none``: every rank holds the whole model; :func:`reduce_gradients` sums the gradients over ranks.
+  - ``fsdp``: :func:`shard_model` wraps the model, one FSDP unit per decoder layer plus the root:
+    FSDP2 ``fully_shard`` on the current stack; FSDP1 ``FullyShardedDataParallel(use_orig_params=True)``
+    on the pinned stack, whose torch 2.3.1 ``fully_shard`` fails without CUDA. With ``precision: bf16``,
+    FSDP's mixed precision (bf16 gathers and compute, fp32 shards and gradient reduction).
+  - ``ep``: transformers 5 shards the model itself at ``from_pretrained`` (:func:`load_model`) through
+    ``DistributedConfig(ep_size=..., fsdp_size=...)``: experts split over ``ep_size`` ranks, the rest
+    FSDP2-sharded. transformers 4.57 (pinned stack) has no expert parallelism: a clear error.
+
+* The losses are normalised by the step's global token count (``moeflow.train.losses`` all-reduces the counts),
+  so the gradient of a step is the *sum* of the ranks' gradients. FSDP (ours and transformers') averages
+  over the data-parallel ranks; :func:`reduce_gradients` multiplies by their number (exact for powers of
+  two) and, for an unsharded model, all-reduces the sum (the Trainer's one gradient reduction).
+* :func:`clip_grad_norm`, :func:`state_pieces` (each rank's own pieces of the weights and AdamW state,
+  for the DCP checkpoints of ``moeflow.checkpoint.state``, which reshard to any layout and world size),
+  :func:`full_state_dict` (the whole state, for tests and comparisons) and :func:`full_gradients`
+  (tests, debugging) work for all three layouts; the final model is ``moeflow.checkpoint.export``'s (every rank
+  together, one whole tensor at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from moeflow.model.parameters import clean_name
+from moeflow.parallel.process_group import DistributedError, Ranks, world_size
+from moeflow.parallel.rank_load import (
+    has_meta_parameters,
+    materialize,
+    materialize_parameters,
+)
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime import compat
+
+
+def distributed_config(parallel: ParallelSettings, precision: str, world: int | None = None):
+    """transformers 5's ``DistributedConfig`` for ``strategy: ep`` (experts over ``ep_size`` ranks, the rest
+    FSDP2-sharded over ``fsdp_size``, default all ranks). With ``precision: bf16``, transformers' FSDP2
+    mixed precision: :func:`fsdp2_mixed_precision`'s policy (bf16 parameters, fp32 reduction)."""
+    if parallel.strategy != "ep":
+        raise DistributedError(
+            f"parallel.strategy is {parallel.strategy!r}: transformers' DistributedConfig is for strategy: ep"
+        )
+    if not compat.is_transformers_v5():
+        raise DistributedError(
+            "config key 'parallel.strategy': ep (expert parallelism) needs transformers 5's DistributedConfig, and "
+            f"this stack has transformers {compat.version_of('transformers')}, which has no expert parallelism: run "
+            "with STACK=current, or use parallel.strategy: fsdp (FSDP1 here shards the experts with everything else)"
+        )
+    from transformers.distributed import DistributedConfig
+
+    world = world or world_size()
+    fsdp = parallel.fsdp_size or world
+    if world % fsdp or fsdp % parallel.ep_size:
+        raise DistributedError(
+            f"parallel.ep_size {parallel.ep_size} and fsdp_size {fsdp} do not tile the {world} ranks torchrun started "
+            "(ep_size must divide fsdp_size, fsdp_size must divide the ranks)"
+        )
+    return DistributedConfig(
+        ep_size=parallel.ep_size,
+        fsdp_size=fsdp,
+        dp_replicate_size=world // fsdp,
+        ep_implementation=parallel.ep_implementation,
+        fsdp_mixed_precision=precision == "bf16",
+    )
+
+
+def _layer_classes(model: torch.nn.Module) -> tuple[type, ...]:
+    """The decoder-layer classes (transformers' ``_no_split_modules``): one FSDP unit each."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise DistributedError(
+            f"{type(model).__name__} names no decoder-layer class (_no_split_modules): cannot place FSDP units"
+        )
+    return tuple(sorted(classes, key=lambda c: c.__name__))
+
+
+def fsdp2_available() -> bool:
+    """Whether to use FSDP2 (``fully_shard``): torch >= 2.6 (the current stack). torch 2.3's early
+    ``fully_shard`` needs CUDA, so the pinned stack uses FSDP1 on every device, one code path there."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 6)
+
+
+def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks, precision: str) -> torch.nn.Module:
+    """The model for this layout: unchanged for ``none`` and ``ep`` (already sharded at load), FSDP-wrapped
+    for ``fsdp`` (FSDP2 on the current stack, FSDP1 on the pinned one). Call before the optimizer is built.
+
+    With ``precision: bf16``, FSDP's mixed precision: the shards (AdamW's master weights) stay fp32, each
+    unit is all-gathered in bf16 and computes in bf16, gradients are reduce-scattered in fp32 (half the
+    traffic of fp32 gathers; the Trainer's autocast keeps the losses fp32)."""
+    if parallel.strategy != "fsdp" or ranks.world_size == 1:
+        if parallel.strategy == "ep":
+            return model
+        return materialize(model, ranks.device) if has_meta_parameters(model) else model.to(ranks.device)
+    layers = _layer_classes(model)
+    if fsdp2_available():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        # No whole-model .to(device) first (114 GiB fp32 for Qwen3-30B-A3B on one 80 GB GPU): fully_shard moves
+        # each unit's parameters and buffers to the mesh's device as it shards them, and the root unit takes
+        # everything outside the layers (embeddings, final norm, output layer, rotary buffers).
+        mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+        policy = fsdp2_mixed_precision(precision)
+        for module in list(model.modules()):
+            if isinstance(module, layers):
+                fully_shard(module, mesh=mesh, **policy)
+        fully_shard(model, mesh=mesh, **policy)
+        return materialize(model, ranks.device) if has_meta_parameters(model) else model
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    for param in model.parameters():  # FSDP1 turns them into flat 1-D shards; FSDP2 keeps the shapes
+        param._moeflow_shape = tuple(param.shape)
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(set(layers)),
+        use_orig_params=True,  # parameter names (and so AdamW's groups) stay those of the model
+        device_id=ranks.device,  # torch 2.3 assumes CUDA unless told (gloo on CPU needs device_id=cpu)
+        sync_module_states=False,  # every rank built or loaded the same weights
+        # A model on the meta device (moeflow.parallel.rank_load): each unit gets empty shards as it is wrapped
+        param_init_fn=materialize_parameters(ranks.device) if has_meta_parameters(model) else None,
+        # Buffers stay fp32 (FSDP2 casts none either): rotary inv_freq in bf16 would shift the angles of
+        # late positions by radians.
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else None,
+    )
+
+
+def fsdp2_mixed_precision(precision: str) -> dict[str, Any]:
+    """``fully_shard``'s mixed-precision keyword for ``precision``: bf16 parameters, fp32 reduction (the
+    policy transformers' ``DistributedConfig(fsdp_mixed_precision=True)`` uses for ``strategy: ep``)."""
+    if precision != "bf16":
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+def original_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    """A parameter's shape in the model, also once FSDP1 has made it a flat 1-D shard (for AdamW's
+    groups: weight decay on parameters of 2 or more dimensions; for parameter counts)."""
+    return getattr(param, "_moeflow_shape", None) or tuple(param.shape)
+
+
+def is_fsdp1(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether parameters are sharded (FSDP1, FSDP2 or transformers' EP/FSDP), i.e. FSDP reduces gradients."""
+    if is_fsdp1(model):
+        return True
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.3: DTensor lives in torch.distributed._tensor
+        from torch.distributed._tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside an FSDP1 wrapper (FSDP2 and EP keep the model's own class)."""
+    return model.module if is_fsdp1(model) else model
+
+
+def _state_dict_options(full_state_dict: bool = True, **kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full_state_dict, **kwargs)
+
+
+def full_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, rank0_only: bool = False
+) -> tuple[dict, dict | None]:
+    """Whole (unsharded) model and optimizer state on every rank, keyed by parameter name as the unwrapped
+    model names them (the optimizer's too: ``{"state": {name: {...}}, "param_groups": [{"params": [names]}]}``),
+    in one format for every layout and world size: what the safetensors checkpoint writes. A collective:
+    every rank calls it. ``rank0_only``: gathered into rank 0's CPU memory only (the other ranks may get
+    empty states), as a writer on rank 0 needs: no rank holds the whole model on its device."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    # (torch 2.3's FSDP1 crashes offloading a model that is on the CPU already: there every rank gathers)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    options = _state_dict_options(cpu_offload=rank0_only and is_sharded(model) and not (is_fsdp1(model) and on_cpu))
+    with _cpu_safe_fsdp1():
+        model_state = get_model_state_dict(model, options=options)
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return {clean_name(k): v for k, v in model_state.items()}, optim_state
+
+
+@contextlib.contextmanager
+def _cpu_safe_fsdp1() -> Iterator[None]:
+    """torch 2.3's FSDP1 gathers optimizer state with a debugging ``torch.cuda.synchronize()`` that fails
+    without CUDA (torch/distributed/fsdp/_optim_utils.py); on a machine without CUDA it has nothing to wait for."""
+    if torch.cuda.is_available():
+        yield
+        return
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = synchronize
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered parameters. FSDP2 keeps the root unit gathered after a forward pass
+    (the backward pass needs it at once): after a forward without backward (evaluation) the model's
+    registered parameters are the gathered ones, which the optimizer does not know, and a state dict of them
+    would be whole tensors. A no-op for other layouts."""
+    if not fsdp2_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

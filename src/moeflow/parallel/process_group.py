@@ -1,0 +1,137 @@
+"""The process group torchrun describes: one from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, gloo on CPU, nccl
+on CUDA, nothing at all in one process (:func:`init` / :func:`teardown`, or the :func:`process_group`
+context), this rank's place and device (:class:`Ranks`), and the few collectives the library uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime.hardware import compute_device
+
+
+class DistributedError(RuntimeError):
+    """A layout that cannot run here, naming the setting and what to do."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among torchrun's processes, and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def check_ranks(parallel: ParallelSettings, ranks: Ranks) -> ParallelSettings:
+    """The layout, if torchrun started the ranks it asks for; else a clear error. (The rule starts one
+    rank per GPU of its ``resources.gpu``, or ``parallel.nproc_per_node`` CPU ranks: a profile and a
+    config that disagree end here, before any work.)"""
+    if ranks.world_size != parallel.world_size:
+        raise DistributedError(
+            f"torchrun started {ranks.world_size} rank(s), "
+            "but config keys 'parallel.nproc_per_node' x 'parallel.nnodes' "
+            f"ask for {parallel.world_size}: make the training rule's resources "
+            "(gpu, nodes; set in the profile) and the "
+            "config's parallel section agree (moeflow.plan.scaleout.request_problems lists the differences)"
+        )
+    return parallel
+
+
+def init(device_type: str | None = None) -> Ranks:
+    """Join the process group torchrun describes (only with more than one process) and pick the device.
+
+    ``device_type``: "cuda" or "cpu"; default: CUDA when available. The backend follows the device:
+    nccl for CUDA tensors (and gloo for CPU ones) on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = compute_device(device_type)  # refuses CUDA without a GPU; TF32 on for CUDA
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            # With CUDA, nccl for the model's tensors and gloo for the CPU tensors the losses all-reduce
+            # (token and expert counts, logged loss terms).
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo")
+    return Ranks(rank, world, local_rank, device)
+
+
+def teardown() -> None:
+    """Leave the process group (all ranks together), if one was joined."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(device_type: str | None = None) -> Iterator[Ranks]:
+    """:func:`init`, then :func:`teardown` when the body succeeds. On an error the group is left as it is
+    (a barrier would wait forever for a rank that failed); torchrun stops the other ranks."""
+    ranks = init(device_type)
+    yield ranks
+    teardown()
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if _initialized() else 1
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _initialized() else 0
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if _initialized():
+        dist.barrier()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` in one process."""
+    import torch.distributed as dist
+
+    if not _initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (a no-op in one process)."""
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor

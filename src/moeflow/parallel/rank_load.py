@@ -1,0 +1,295 @@
+"""A model built with its parameters on the meta device, then filled from its folder's safetensors files
+with only the rows each rank owns, so that no rank materialises parameters it does not hold.
+
+* :func:`build_on_meta`: the folder's model class from its config.json, parameters on the meta device
+  (no memory), buffers real: rotary ``inv_freq`` and the other non-persistent buffers are computed at
+  construction and are not in the weight files. Persistent buffers are filled from the files.
+* :func:`materialize_parameters`: FSDP1's ``param_init_fn`` (one unit at a time, ties kept) and
+  :func:`materialize` (after ``fully_shard``, or for an unsharded model): empty storage on the device for
+  the (local shards of the) parameters, the buffers kept.
+* :func:`fill_from_folder`: every entry of the model's sharded state dict (FSDP1: ShardedTensor, FSDP2:
+  DTensor, unsharded: the tensor) gets its owned dim-0 rows from the folder's files (one
+  ``model.safetensors`` or an HF index with its files, ``moeflow.checkpoint.safetensors_files.weight_files``), read
+  with ``os.pread`` straight into the local shard.
+
+transformers 5 stores some weights in the model in another layout than in the files (fused experts:
+``experts.gate_up_proj`` of shape (experts, 2 x inner, hidden) from the files' per-expert ``gate_proj`` and
+``up_proj``): :func:`file_sources` finds each such parameter's file tensors with transformers' own reverse
+conversion (what ``save_pretrained`` writes), applied to the parameter's element indices, and a rank reads
+the file tensors that overlap its rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeflow.checkpoint.safetensors_files import SafetensorsError, read_elements, read_header, read_tensor, weight_files
+from moeflow.model.factory import _impl_kwargs, model_section, with_chunked_loss
+from moeflow.model.folder import check_model_folder
+from moeflow.model.parameters import clean_name
+from moeflow.model.saved_names import saved_format
+
+META = torch.device("meta")
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside register their parameters on the meta device; buffers stay real."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device != META:
+            kwargs = {k: v for k, v in param.__dict__.items()}
+            module._parameters[name] = type(param)(param.to(META), requires_grad=param.requires_grad, **kwargs)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def build_on_meta(path: str | os.PathLike, model_cfg: Mapping[str, Any], dtype: torch.dtype = torch.float32):
+    """The model of a saved folder (its config.json and generation_config.json) with parameters on the
+    meta device, as ``moeflow.model.factory.load_model`` would load it but without reading any weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    model_cfg = model_section(model_cfg)
+    folder = check_model_folder(path)
+    trust = model_cfg["trust_remote_code"]
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust, local_files_only=True)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            config, torch_dtype=dtype, trust_remote_code=trust, **_impl_kwargs(model_cfg)
+        )
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    model.eval()  # as from_pretrained returns it
+    return with_chunked_loss(model, model_cfg)
+
+
+def has_meta_parameters(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize_parameters(device: torch.device):
+    """FSDP1's ``param_init_fn``: the module's own meta parameters get empty storage on ``device``; a
+    parameter tied to one materialised before (tied embeddings) gets the same new parameter."""
+    done: dict[int, torch.nn.Parameter] = {}
+
+    def init(module: torch.nn.Module) -> None:
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in done:
+                new = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)  # moeflow's _moeflow_shape, peft's and transformers' marks
+                done[id(param)] = new
+            module._parameters[name] = done[id(param)]
+
+    return init
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Empty storage on ``device`` for every meta parameter (after ``fully_shard``: their local shards),
+    the buffers kept as they are (``to_empty`` would leave them uninitialised too)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def _local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """This rank's pieces of a state-dict entry: (local tensor, offset of its first element in the whole
+    tensor). FSDP shards along dim 0, so every offset is a row offset (other dims 0)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):  # FSDP1's sharded state dict (torch 2.3)
+        return [(shard.tensor, tuple(shard.metadata.shard_offsets)) for shard in value.local_shards()]
+    if _is_dtensor(value):
+        try:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        except ImportError:  # torch 2.3
+            from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return [(value.to_local(), tuple(offset))]
+    return [(value, (0,) * value.dim())]
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.3
+        from torch.distributed._tensor import DTensor
+    return isinstance(value, DTensor)
+
+
+def file_sources(model: torch.nn.Module, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """The file tensors ``save_pretrained`` writes for the model's tensor ``name``, each as the indices
+    (into the flattened whole tensor ``name``) of its elements: ``{name: arange}`` when the files hold it
+    as the model does."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    index_dtype = torch.int32 if numel < 2**31 else torch.int64
+    probe = torch.arange(numel, dtype=index_dtype).reshape(shape)
+    return saved_format(model, {name: probe})
+
+
+def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: Mapping[str, list[str]]) -> None:
+    """Fill the model's (local shards of its) parameters and persistent buffers from the folder's files,
+    each rank reading only the rows it owns. ``names_of``: every name of a tied tensor (the files hold one
+    of them). A missing tensor, a shape that differs or an index naming a missing file: a SafetensorsError
+    naming the file and the tensor."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    folder = Path(path)
+    files = weight_files(folder)
+    headers = {file: read_header(file)[0] for file in sorted(set(files.values()))}
+    if hasattr(model, "_fsdp_wrapped_module"):
+        _fill_fsdp1(model, folder, files, headers, names_of)
+        return
+    state = get_model_state_dict(model)
+    inner = model.module if hasattr(model, "_fsdp_wrapped_module") else model
+    with torch.no_grad():
+        for name, value in state.items():
+            shape = tuple(value.shape)
+            stored = next((n for n in names_of.get(name, [name]) if n in files), None)
+            if stored is not None:
+                sources = {stored: None}
+            else:
+                sources = file_sources(inner, name, shape)
+                if set(sources) == {name}:
+                    raise SafetensorsError(f"{folder}: the model's tensor {name!r} is in none of its weight files")
+            for local, offset in _local_pieces(value):
+                if local.numel():
+                    _fill_piece(folder, files, headers, name, shape, sources, local, offset[0] if offset else 0)
+    set_model_state_dict(model, state)
+
+
+def _stored_entry(folder: Path, files, headers, name: str, names_of: Mapping[str, list[str]], shape):
+    """The file and entry holding the model's tensor ``name`` (under any of its tied names), checked."""
+    stored = next((n for n in names_of.get(name, [name]) if n in files), None)
+    if stored is None:
+        raise SafetensorsError(f"{folder}: the model's tensor {name!r} is in none of its weight files")
+    file = files[stored]
+    entry = headers[file].get(stored)
+    if entry is None:
+        raise SafetensorsError(f"{file}: the index maps tensor {stored!r} to this file, which does not hold it")
+    if entry.shape != tuple(shape):
+        raise SafetensorsError(
+            f"{file}: tensor {stored!r} has shape {list(entry.shape)}, the model's {name!r} needs {list(shape)}"
+        )
+    return file, entry
+
+
+def _fill_fsdp1(model: torch.nn.Module, folder: Path, files, headers, names_of: Mapping[str, list[str]]) -> None:
+    """FSDP1 (torch 2.3): each unit's flat shard holds, per original parameter, a range of its flattened
+    elements (``_shard_param_infos``); read exactly those ranges from the files into the shard, and the
+    unsharded buffers whole. Nothing is gathered: FSDP1's sharded state dict would unshard every unit and
+    copy each rank's rows out of it (a second copy of the rank's weights)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with torch.no_grad():
+        for prefix, unit in model.named_modules():
+            if not isinstance(unit, FullyShardedDataParallel) or unit._handle is None:
+                continue
+            flat = unit._handle.flat_param
+            base = clean_name(prefix)
+            for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
+                if not info.in_shard or not info.numel_in_shard:
+                    continue
+                name = clean_name(f"{base}.{fqn}" if base else fqn)
+                file, entry = _stored_entry(folder, files, headers, name, names_of, tuple(shape))
+                out = flat.data[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                if entry.dtype == out.dtype:
+                    read_elements(file, entry, info.intra_param_start_idx, info.intra_param_end_idx + 1, out)
+                else:
+                    whole = read_tensor(file, entry).reshape(-1)
+                    out.copy_(whole[info.intra_param_start_idx : info.intra_param_end_idx + 1])
+        for name, buffer in persistent_buffers(model.module):
+            file, entry = _stored_entry(folder, files, headers, name, names_of, tuple(buffer.shape))
+            _read_rows(file, entry, range(entry.shape[0]) if entry.shape else range(1), buffer)
+
+
+def _fill_piece(folder, files, headers, name, shape, sources, local: torch.Tensor, first_row: int) -> None:
+    rows = range(first_row, first_row + (local.shape[0] if local.dim() else 1))
+    for stored, indices in sources.items():
+        if stored not in files:
+            raise SafetensorsError(f"{folder}: tensor {stored!r} (of the model's {name!r}) is in none of its files")
+        file = files[stored]
+        entry = headers[file].get(stored)
+        if entry is None:
+            raise SafetensorsError(f"{file}: the index maps tensor {stored!r} to this file, which does not hold it")
+        want = shape if indices is None else tuple(indices.shape)
+        if entry.shape != want:
+            raise SafetensorsError(
+                f"{file}: tensor {stored!r} has shape {list(entry.shape)}, the model's {name!r} needs {list(want)}"
+            )
+        if indices is None:
+            _read_rows(file, entry, rows, local)
+            continue
+        row_numel = local[0].numel() if local.dim() else 1
+        lo, hi = rows.start * row_numel, rows.stop * row_numel
+        flat = indices.reshape(-1)
+        first = int(flat[0])
+        if _is_range(flat) and first >= lo and first + flat.numel() <= hi:
+            # a block of the whole tensor (one expert's matrix): read straight into its place
+            _read_rows(
+                file, entry, range(entry.shape[0]), local.view(-1)[first - lo :][: flat.numel()].view(entry.shape)
+            )
+            continue
+        owned = (indices >= lo) & (indices < hi)
+        if owned.any():
+            data = read_tensor(file, entry)
+            local.view(-1)[indices[owned].long() - lo] = data[owned].to(local.dtype)
+
+
+def _is_range(flat: torch.Tensor) -> bool:
+    """Whether indices are consecutive: the file tensor is one contiguous block of the model's tensor."""
+    first = int(flat[0])
+    return int(flat[-1]) == first + flat.numel() - 1 and torch.equal(
+        flat, torch.arange(first, first + flat.numel(), dtype=flat.dtype)
+    )
+
+
+def _read_rows(file: Path, entry, rows: range, local: torch.Tensor) -> None:
+    """Rows ``rows`` of ``entry`` into ``local``: straight into it when the dtypes match, else through one
+    buffer of those rows (a file in another dtype than the model's, cast as from_pretrained casts)."""
+    if not entry.shape:
+        local.copy_(read_tensor(file, entry).reshape(local.shape))
+    elif entry.dtype == local.dtype:
+        read_tensor(file, entry, rows, out=local)
+    else:
+        local.copy_(read_tensor(file, entry, rows))
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict holds, by clean name, in module order (not rotary embeddings' ``inv_freq``,
+    which is not persistent)."""
+    out = []
+    for prefix, module in model.named_modules():
+        for leaf, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and leaf not in module._non_persistent_buffers_set:
+                out.append((clean_name(f"{prefix}.{leaf}" if prefix else leaf), buffer))
+    return out
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Every name of each parameter that has several (tied embeddings), by each of its names."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name: group for group in names.values() if len(group) > 1 for name in group}

@@ -1,0 +1,685 @@
+"""The memory planner: count parameters from a model config (no weights) and estimate memory per rank in
+every phase of a training job (load, step, checkpoint, resume, export).
+
+Parameters
+    :func:`model_shape` reads a ``model.config`` mapping (``model_type`` plus the family's keys) into a
+    :class:`Shape` for the families in ``FAMILIES``. :func:`count_parameters` counts exactly by building
+    the model on PyTorch's meta device (no memory, no weights) wherever the installed transformers knows
+    the family, and falls back to the closed-form :func:`formula_count` where it does not (step3p5 has
+    no causal-LM class in transformers 4.57 or 5.x). Both report the same categories; the tests check
+    the formula against the meta count. *Active* parameters per token are everything except the routed
+    experts, plus ``top_k / num_experts`` of them; embeddings and the LM head count as active (the usual
+    convention: Step-3.5-Flash's "11B active" includes them).
+
+Memory per device in a training step (bytes, :func:`memory_per_device`, the ``step`` phase), for a job of
+``micro_batch_size`` sequences of ``seq_len`` tokens; the terms are summed, a conservative peak (the loss's
+buffers and the gathered layers of the backward pass are not all live at the same instant):
+    * weights: parameters x 2 (bf16) or 4 (fp32);
+    * gradients: trainable parameters x the same width;
+    * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16;
+      either way 16 bytes per trainable parameter, the same total as moeflow.train.trainer's bf16 autocast
+      (fp32 weights 4 + fp32 gradients 4 + moments 8) and as FSDP mixed precision (fp32 sharded master
+      weights 4 + fp32 sharded gradients 4 + moments 8);
+    * with ``parallel.strategy`` fsdp or ep (``Job.shard_ranks > 1``: ``parallel.fsdp_size``, all ranks by
+      default; a config without ranks but several ``hardware.num_devices`` is planned as FSDP over them)
+      these three are sharded over the ranks (FSDP full sharding, bf16 as FSDP
+      mixed precision: bf16 parameters gathered and computed with, fp32 masters, fp32 gradient reduction),
+      and each device also holds, in the gathered width (2 for bf16, 4 for fp32):
+        - unsharded_layer: the largest decoder layer (one FSDP unit) while it runs, its weights and its
+          unsharded gradient; with expert parallelism (``Job.expert_parallel``) the routed experts stay
+          with their devices and only the rest of that layer is gathered;
+        - prefetched_layer: the next unit's weights, all-gathered while this one runs;
+        - layer_gradient_reduce: the unit's gradient copied into the fp32 reduce-scatter buffer;
+        - root_unit: the root unit (embedding, LM head, final norm), gathered for the whole step (the
+          root is not resharded after the forward pass), and its gradient, held until the end of backward;
+    * residual_stream: the layer inputs kept for the backward pass, ``T x layers x H`` with gradient
+      checkpointing (``2 x`` without: the input and the residual after attention), with ``T =
+      micro_batch_size x seq_len`` tokens, in fp32 where the weights are fp32 (fp32, and bf16 autocast on
+      one device), in bf16 under FSDP mixed precision;
+    * activations, per device (each device runs its own micro-batch), in the compute width ``a`` (2 for
+      bf16, 4 for fp32):
+        - per layer and token, the tensors kept for the backward pass: attention ``2H + (q + 2kv) d +
+          q d + q`` (layer input, norm output, q/k/v, attention output, softmax statistics; plus the
+          head gates where the model has them), plus ``q x seq_len`` attention probabilities with eager
+          attention; ``2H`` for the FFN's norm input and output; then a dense FFN ``3 I``, or an MoE FFN
+          ``2E + k (2H + 3 I_e) + 3 I_s + H`` (router scores, each token's copy into and out of its
+          k experts with their gate/up/activation, the shared expert); MLA (deepseek_v3) uses its
+          latent and per-head widths for q/k/v;
+        - without checkpointing: ``T x a x sum over layers``; with gradient checkpointing: ``T x a x the
+          largest layer`` (one layer recomputed at a time); less the layer inputs the residual stream
+          counts, plus the final norm;
+    * loss: moeflow.model.chunked_loss applies the output layer to ``C = min(model.loss_chunk_tokens, T)`` tokens
+      at a time: ``C x vocab x (4 + 2 with bf16)`` (a chunk's fp32 logits, turned into their gradient in
+      place, and with bf16 the product before its fp32 copy and the gradient's bf16 copy), plus what it
+      keeps from the forward to the backward pass, in fp32: the hidden states' gradient ``T x H x 4``, the
+      output weight's gradient ``vocab x H x 4`` when the output layer trains (not with LoRA), and the
+      per-token losses ``T x 4``;
+    * runtime: a fixed overhead (the CUDA context with NCCL's and cuBLAS's buffers; on CPU the measured
+      resident set of a training rank's interpreter, torch, transformers and gloo: ``CPU_RANK_RUNTIME_BYTES``).
+    ``parallel.strategy: none`` on several ranks (``Job.replicated``): every rank holds all of it, unsharded.
+
+The phases (:func:`phase_memory`, per rank; the resident state is the parameters in fp32, ``PARAM_BYTES``,
+frozen ones included, and AdamW's two fp32 moments of the trained ones, both over ``Job.shard_ranks``):
+    * load: the rank's share of the weights, allocated empty and filled with the rows it owns from the
+      folder's safetensors (moeflow.parallel.rank_load; ``none`` and one rank load the whole model), plus on the
+      pinned stack (FSDP1) the largest unit materialised whole while it is wrapped, plus on CUDA one
+      tensor's owned rows read into a host buffer;
+    * step: :func:`memory_per_device`;
+    * checkpoint: the resident state (the gradients are freed after each step; each rank writes its own
+      shards, moeflow.checkpoint.state), plus on CUDA one tensor's shard staged on the host;
+    * resume: the resident state (the model, then AdamW's shards read into) and the zero gradients of the
+      step torch.distributed.checkpoint initialises a fresh optimizer's state with, plus on CUDA one
+      tensor's read buffer;
+    * export: the resident state and one whole parameter gathered on every rank (the largest:
+      ``ParamCount.largest_tensor``, the embedding, or a layer's fused experts on transformers 5), staged on
+      the host on CUDA; rank 0 streams each tensor to its file (no buffer of ``export.max_shard_size``).
+    Each side (device, host) of a phase has its terms and a ``total``. On CUDA the host side also holds the
+    host runtime per rank (``CUDA_HOST_RUNTIME_BYTES``: interpreter, torch, CUDA's host libraries); with
+    ``hardware.device: cpu`` there is one memory: every term is on the device side, the runtime once,
+    nothing is staged, and :func:`rank_bytes` (device + host) is what the rank's peak RSS should be.
+
+The device's memory is ``hardware.memory_gib_per_device``, on CUDA as torch sees a card of that nominal
+size (``VISIBLE_GIB``: 79.11 GiB of an 80 GB H100), or what verify_env measured (torch's total).
+
+Host memory per node (``plan()["host"]``): ``parallel.nproc_per_node`` ranks x a rank's host side in each
+phase (on CPU, x its whole figure), the worst phase against the training job's ``mem_mb`` when the caller
+knows it, else this machine's RAM (binding only when the ranks run here, on CPU).
+
+A phase *fits* when its device total is at most ``1 - HEADROOM`` of the device memory, is *tight* up to
+the full memory (a warning), and *does not fit* above it. ``plan()["phases"]`` has every phase, the
+verdict is the worst phase's (``plan()["worst_phase"]``, the largest device total): :func:`enforce` raises
+naming the phases that do not fit with their terms, and what would make the job fit (the smallest device
+count at which every phase fits, checkpointing, shorter sequences, micro-batch 1).
+
+``train.method: lora`` (settings ``train.lora``, see moeflow.model.lora): the base weights are frozen (weights
+only, no gradients or optimizer states); the adapters get all three (16 bytes per parameter, as above),
+and so do the routers' weights with ``router: trainable``. Adapter parameters are counted from the config:
+``rank x (in + out)`` for every adapted matrix (:func:`lora_matrices`), i.e. per layer q/k/v/o (plus
+step3p5's head gate; MLA: its down/up projections), the dense or shared SwiGLU's gate/up/down, a router
+adapter ``rank x (hidden + experts)``, and per routed expert gate/up/down on transformers 4.57 (separate
+linear layers) or its fused gate_up ``rank x (hidden + 2 I_e)`` and down projection on transformers 5
+(``target_parameters``; GPT-OSS fuses on both), so the same config plans slightly differently per stack.
+Activations add, per adapted matrix a token passes through (k of the routed experts), the rank-r
+intermediate and, with dropout, a copy of the matrix's input. A full fine-tune that does not fit is
+offered LoRA (the ``train.lora`` settings) among the suggestions, with the devices it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from moeflow.plan.counts import ParamCount, count_parameters, lora_activation_elements, lora_count
+from moeflow.plan.shapes import PlanError, Shape
+from moeflow.runtime import compat
+from moeflow.runtime.env import device_memory_bytes
+from moeflow.settings import typed
+from moeflow.train.settings import LoraSettings
+
+GIB = 2**30
+
+
+HEADROOM = 0.10
+
+
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+ADAM_MOMENT_BYTES = 8  # two fp32 moments
+
+
+MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the weights are bf16
+
+
+# What a rank holds before its model: the CUDA context (with NCCL's and cuBLAS's buffers) on CUDA; on CPU the
+# resident set of a training rank's process, by transformers major version (the stack), measured as
+# /proc/self/status VmRSS after importing torch, transformers, moeflow.train.trainer/distributed/checkpoint/modeling
+# and the qwen3_moe modelling module and initialising a gloo group (docs/memory-plan.md): 597 MiB on the
+# pinned stack (torch 2.3.1+cu121, transformers 4.57.1), 403 MiB on the current one (torch 2.13 CPU, 5.24).
+CPU_RANK_RUNTIME_BYTES = {4: 600 * 2**20, 5: 405 * 2**20}
+
+
+CUDA_RUNTIME_BYTES = 1 * GIB
+
+
+FP32_BYTES = 4  # FSDP's gradient reduce-scatter (reduce_dtype fp32), and the residual stream with fp32 weights
+
+
+LOSS_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, which become their gradient in place (moeflow.model.chunked_loss)
+
+
+# What torch.cuda reports as a card's total memory, by the nominal size configs and profiles name
+# (hardware.memory_gib_per_device): "GPU 0 has a total capacity of 79.11 GiB" on an H100 80GB.
+VISIBLE_GIB = {80: 79.11, 24: 23.68}  # H100 / A100 80GB; RTX 4090
+
+
+# The parameters moeflow holds are fp32 in every layout (loaded in fp32; bf16 is autocast on one device and
+# FSDP mixed precision's gathers): the width of the resident state in the load, checkpoint, resume and export phases.
+PARAM_BYTES = 4
+
+
+CUDA_HOST_RUNTIME_BYTES = 3 * GIB  # per rank on a GPU node: interpreter, torch, CUDA's host libraries
+
+
+PHASES = ("load", "step", "checkpoint", "resume", "export")
+
+
+@dataclass(frozen=True)
+class Job:
+    """The training settings memory depends on, per rank.
+
+    :meth:`from_settings` reads them from ``moeflow.workflow.keys.plan_settings``. A job outside a config (a
+    benchmark's worker) is constructed with every field, e.g. ``fsdp`` over 2 gloo ranks of one node in fp32::
+
+        shape, params, _ = plan.count_parameters(model_cfg, vocab_size)  # model_cfg: the run's model section
+        job = plan.Job(precision="fp32", method="full", micro_batch_size=1, seq_len=256,
+                       gradient_checkpointing=False, attn_implementation="sdpa", device="cpu", num_devices=2,
+                       expert_parallel=False, lora=config.settings(config.LoraSettings, {}),
+                       loss_chunk_tokens=1024, ranks_per_node=2, replicated=False, fsdp_size=None)
+        phases = plan.phase_memory(shape, params, job)  # phases["load"]["device"]["total"], ...
+
+    ``num_devices`` is the world size; ``replicated=True`` is ``parallel.strategy: none`` (every rank holds the
+    whole model), ``expert_parallel=True`` is ``strategy: ep``, neither is ``fsdp``; ``model.loss_chunk_tokens``
+    and ``model.attn_implementation`` as the model section has them (the schema's defaults: 1024, sdpa).
+    """
+
+    precision: str
+    method: str
+    micro_batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+    attn_implementation: str
+    device: str
+    num_devices: int
+    expert_parallel: bool  # experts split over the devices (transformers 5's DistributedConfig)
+    lora: LoraSettings  # train.lora: used when method is lora (and for the LoRA suggestion)
+    loss_chunk_tokens: int  # model.loss_chunk_tokens: the cross-entropy's tokens per chunk
+    ranks_per_node: int  # the ranks of one host (host memory per node = ranks_per_node x per rank)
+    replicated: bool = False  # parallel.strategy: none on several ranks: every rank holds the whole model
+    fsdp_size: int | None = None  # parallel.fsdp_size: the ranks that shard the states (None: all of them)
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> Job:
+        """The job of ``moeflow.workflow.keys.plan_settings``: its ``parallel`` section's layout. A config that names
+        no ranks (``parallel`` of one process) but several ``hardware.num_devices`` is a plan on paper: FSDP
+        over that many devices of one node."""
+        train, hardware, parallel = settings["train"], settings["hardware"], settings["parallel"]
+        if train["optimizer"] != "adamw":
+            raise PlanError(f"config key 'train.optimizer': the planner knows adamw, got {train['optimizer']!r}")
+        on_paper = parallel["nproc_per_node"] * parallel["nnodes"] == 1
+        return cls(
+            precision=settings["precision"],
+            method=train["method"],
+            micro_batch_size=int(train["micro_batch_size"]),
+            seq_len=int(settings["seq_len"]),
+            gradient_checkpointing=bool(train["gradient_checkpointing"]),
+            attn_implementation=settings["model"]["attn_implementation"],
+            device=hardware["device"],
+            num_devices=int(hardware["num_devices"]),
+            expert_parallel=parallel["strategy"] == "ep",
+            # a full run's settings carry no train.lora: the LoRA suggestion uses the defaults
+            lora=typed(LoraSettings, train["lora"] or {}),
+            loss_chunk_tokens=int(settings["model"]["loss_chunk_tokens"]),
+            ranks_per_node=int(hardware["num_devices"] if on_paper else parallel["nproc_per_node"]),
+            replicated=parallel["strategy"] == "none" and not on_paper,
+            fsdp_size=parallel["fsdp_size"],
+        )
+
+    @property
+    def strategy(self) -> str:
+        """The layout as ``parallel.strategy`` names it."""
+        if self.expert_parallel:
+            return "ep"
+        return "none" if self.replicated or self.num_devices == 1 else "fsdp"
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks the weights, gradients and AdamW states are split over (1: every rank holds them whole)."""
+        return 1 if self.strategy == "none" else (self.fsdp_size or self.num_devices)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP over the devices: one decoder layer (and the root unit) gathered at a time."""
+        return self.shard_ranks > 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"strategy": self.strategy, "shard_ranks": self.shard_ranks}
+
+    @property
+    def mixed_precision(self) -> bool:
+        """FSDP mixed precision (moeflow.distributed with precision bf16): bf16 parameters gathered and
+        computed with, fp32 sharded master weights and an fp32 gradient reduce-scatter. On one device bf16
+        is autocast over fp32 weights."""
+        return self.sharded and self.precision == "bf16"
+
+
+def layer_activation_elements(s: Shape, seq_len: int, eager: bool, moe: bool, lora: LoraSettings | None = None) -> int:
+    """Elements kept for the backward pass per token by one decoder layer (module docstring)."""
+    h = s.hidden_size
+    if s.attention == "mla":
+        qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
+        qkv = (s.q_lora_rank or 0) + s.kv_lora_rank + s.qk_rope_head_dim
+        qkv += s.num_heads * (2 * qk_head + s.qk_nope_head_dim + s.v_head_dim)
+        attn_out = s.num_heads * s.v_head_dim
+    else:
+        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        attn_out = s.num_heads * s.head_dim
+    attention = 2 * h + qkv + attn_out + s.num_heads + s.head_gate + (s.num_heads * seq_len if eager else 0)
+    ffn_in = 2 * h  # residual into the second norm, and the norm's output
+    if moe:
+        ffn = 2 * s.num_experts + s.top_k * (2 * h + 3 * s.expert_ffn) + (3 * s.shared_ffn + h if s.shared_ffn else 0)
+    else:
+        ffn = 3 * s.dense_ffn
+    return attention + ffn_in + ffn + (lora_activation_elements(s, lora, moe) if lora else 0)
+
+
+def kept_layer_inputs(s: Shape, job: Job) -> int:
+    """Residual-stream tensors kept per token for the backward pass: each layer's input with gradient
+    checkpointing (what the recomputation starts from), its input and its residual after attention without."""
+    return s.num_layers * s.hidden_size * (1 if job.gradient_checkpointing else 2)
+
+
+def residual_stream_bytes(s: Shape, job: Job) -> int:
+    """The kept residual stream, in fp32 where the weights are fp32 (fp32, or bf16 autocast on one device:
+    the embedding's output and the residual additions stay fp32), in bf16 under FSDP mixed precision."""
+    width = WEIGHT_BYTES[job.precision] if job.mixed_precision else FP32_BYTES
+    return job.micro_batch_size * job.seq_len * kept_layer_inputs(s, job) * width
+
+
+def activation_bytes(s: Shape, job: Job) -> int:
+    """The decoder layers' other kept tensors, in the compute width (the residual stream and the loss
+    are their own terms)."""
+    tokens = job.micro_batch_size * job.seq_len
+    width = WEIGHT_BYTES[job.precision]
+    eager = job.attn_implementation == "eager"
+    lora = job.lora if job.method == "lora" else None
+    moe_layer = layer_activation_elements(s, job.seq_len, eager, True, lora) if s.moe_layers else 0
+    dense_layer = layer_activation_elements(s, job.seq_len, eager, False, lora) if s.dense_layers else 0
+    if job.gradient_checkpointing:  # one layer recomputed at a time, from its kept input
+        per_token = max(moe_layer, dense_layer) - s.hidden_size
+    else:
+        per_token = len(s.moe_layers) * moe_layer + len(s.dense_layers) * dense_layer - kept_layer_inputs(s, job)
+    per_token += 2 * s.hidden_size  # final norm
+    return tokens * per_token * width
+
+
+def loss_bytes(s: Shape, job: Job) -> int:
+    """The chunked cross-entropy (moeflow.model.chunked_loss): one chunk's logits, ``LOSS_BYTES_PER_LOGIT`` per
+    token and vocabulary entry plus, with bf16, the product before its fp32 copy and the gradient's bf16
+    copy; and the fp32 gradients it computes in the forward pass and keeps for the backward pass."""
+    tokens = job.micro_batch_size * job.seq_len
+    chunk = min(job.loss_chunk_tokens, tokens)
+    width = WEIGHT_BYTES[job.precision]
+    per_logit = LOSS_BYTES_PER_LOGIT + (width if width < FP32_BYTES else 0)
+    output_trains = job.method != "lora"
+    kept = tokens * (s.hidden_size + 1) + (s.vocab_size * s.hidden_size if output_trains else 0)
+    return chunk * s.vocab_size * per_logit + kept * FP32_BYTES
+
+
+def root_unit_parameters(s: Shape, params: ParamCount) -> int:
+    """The FSDP root unit: what no decoder layer holds (the embedding, the LM head, the final norm)."""
+    return params.embeddings + s.hidden_size
+
+
+def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
+    """Bytes per device by component (module docstring); ``total`` is their sum."""
+    width = WEIGHT_BYTES[job.precision]
+    shards = job.shard_ranks
+    # FSDP gathers one layer at a time (and holds its full gradient until the reduce-scatter); under
+    # expert parallelism each device keeps its own experts whole, so only the rest of a layer is gathered.
+    unit = params.largest_layer_without_routed if job.expert_parallel else params.largest_layer
+    root = root_unit_parameters(s, params)
+    if job.method == "lora":  # frozen base: weights only; adapters (and a trainable router) get everything
+        adapters = lora_count(s, job.lora)
+        added, trainable = adapters.added, adapters.trainable
+        unit_added, unit_trainable = adapters.largest_layer(job.expert_parallel)
+        root_trainable = 0  # no adapters on the embedding or the LM head
+    else:
+        added, trainable, unit_added, unit_trainable, root_trainable = 0, params.total, 0, unit, root
+    gathered = unit + unit_added
+    out = {
+        "weights": math.ceil((params.total + added) * width / shards),
+        "gradients": math.ceil(trainable * width / shards),
+        "optimizer": math.ceil(trainable * (ADAM_MOMENT_BYTES + MASTER_WEIGHT_BYTES[job.precision]) / shards),
+        "unsharded_layer": (gathered * width + unit_trainable * width) if job.sharded else 0,
+        "prefetched_layer": gathered * width if job.sharded else 0,
+        "layer_gradient_reduce": unit_trainable * FP32_BYTES if job.sharded else 0,
+        "root_unit": (root + root_trainable) * width if job.sharded else 0,
+        "residual_stream": residual_stream_bytes(s, job),
+        "activations": activation_bytes(s, job),
+        "loss": loss_bytes(s, job),
+        "runtime": runtime_bytes(job.device),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def runtime_bytes(device: str) -> int:
+    """A rank's fixed overhead: the CUDA context, or on CPU the measured resident set of a training rank's
+    imports and gloo group on this stack (``CPU_RANK_RUNTIME_BYTES``)."""
+    return CUDA_RUNTIME_BYTES if device == "cuda" else CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
+
+
+def trained_parameters(s: Shape, params: ParamCount, job: Job) -> tuple[int, int]:
+    """(parameters added to the model, parameters trained): LoRA's adapters and what they train, else (0, all)."""
+    if job.method != "lora":
+        return 0, params.total
+    adapters = lora_count(s, job.lora)
+    return adapters.added, adapters.trainable
+
+
+def resident_state(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
+    """What a rank keeps between steps: its share of the parameters (fp32, frozen ones included) and of
+    AdamW's two moments of the trained ones. The gradients are freed after each step."""
+    added, trained = trained_parameters(s, params, job)
+    return {
+        "weights": math.ceil((params.total + added) * PARAM_BYTES / job.shard_ranks),
+        "optimizer": math.ceil(trained * ADAM_MOMENT_BYTES / job.shard_ranks),
+    }
+
+
+def uses_fsdp1() -> bool:
+    """torch before 2.6 (the pinned stack): moeflow.distributed wraps with FSDP1 (FSDP2's ``fully_shard`` there)."""
+    return compat.version_of("torch").release[:2] < (2, 6)
+
+
+def wrapping_unit_bytes(s: Shape, params: ParamCount, job: Job) -> int:
+    """FSDP1 materialises each unit whole (fp32) while it wraps it, before keeping this rank's shard: the
+    largest unit (a decoder layer, or the root unit). FSDP2 and transformers 5's expert parallelism
+    allocate the shards only."""
+    if not job.sharded or job.expert_parallel or not uses_fsdp1():
+        return 0
+    return max(params.largest_layer, root_unit_parameters(s, params)) * PARAM_BYTES
+
+
+def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, dict[str, int]]]:
+    """Bytes per rank in each phase (``PHASES``): ``{phase: {"device": {term: bytes, "total": n}, "host":
+    {term: bytes, "total": n}}}``, for the job's layout (``Job.strategy``; the module docstring says what each
+    phase holds).
+
+    * load: the rank's share of the weights (read from the safetensors rows it owns), FSDP1's unit while it
+      wraps (pinned stack), one tensor's owned rows read into a host buffer on CUDA;
+    * step: :func:`memory_per_device`;
+    * checkpoint: the resident state (:func:`resident_state`) and, on CUDA, one tensor's shard staged on the host;
+    * resume: the resident state (the loaded weights, the optimizer's shards read into), the zero gradients of
+      the step that initialises a fresh optimizer's state (``distributed.state_pieces``), one tensor's read buffer;
+    * export: the resident state and one whole parameter gathered (all ranks take part), staged on the host on CUDA;
+      rank 0 streams each tensor to its shard file (no buffer of ``export.max_shard_size``).
+
+    On CUDA the host side holds the staging buffers and the host runtime (``CUDA_HOST_RUNTIME_BYTES``).
+    With ``hardware.device: cpu`` there is one memory: everything is on the device side (the runtime once,
+    the measured resident set of a rank), the host side is empty, and a rank's figure is
+    :func:`rank_bytes` (device + host: what its peak RSS should be)."""
+    state = resident_state(s, params, job)
+    # a fresh optimizer's state is initialised by a step on zero gradients (torch.distributed.checkpoint's
+    # _init_optim_state, in distributed.state_pieces) before the checkpoint's moments are read into it
+    _, trained = trained_parameters(s, params, job)
+    zero_gradients = math.ceil(trained * PARAM_BYTES / job.shard_ranks)
+    whole = params.largest_tensor * PARAM_BYTES
+    owned = math.ceil(whole / job.shard_ranks)
+    runtime = {"runtime": runtime_bytes(job.device)}
+    step = {k: v for k, v in memory_per_device(s, params, job).items() if k != "total"}
+    # phase: (device terms, host copies of device memory: only on CUDA)
+    terms = {
+        "load": (
+            {"weights": state["weights"], "wrapping_unit": wrapping_unit_bytes(s, params, job)},
+            {"read_buffer": owned},
+        ),
+        "step": (step, {}),
+        "checkpoint": (state, {"staging_copy": owned}),
+        "resume": (state | {"initial_gradients": zero_gradients}, {"read_buffer": owned}),
+        "export": (state | {"gathered_tensor": whole}, {"staging_copy": whole}),
+    }
+    on_cuda = job.device == "cuda"
+    out = {}
+    for phase, (device, copies) in terms.items():
+        device = device if phase == "step" else device | runtime
+        host = copies | {"runtime": CUDA_HOST_RUNTIME_BYTES} if on_cuda else {}
+        out[phase] = {"device": _with_total(device), "host": _with_total(host)}
+    return out
+
+
+def _with_total(terms: Mapping[str, int]) -> dict[str, int]:
+    return dict(terms) | {"total": sum(terms.values())}
+
+
+def rank_bytes(phase: Mapping[str, Mapping[str, int]]) -> int:
+    """One rank's memory in a phase of :func:`phase_memory`: device + host (on CPU, its resident set)."""
+    return phase["device"]["total"] + phase["host"]["total"]
+
+
+def host_per_node_bytes(phase: Mapping[str, Mapping[str, int]], job: Job) -> int:
+    """A node's host memory in a phase: ``ranks_per_node`` x a rank's host side (on CPU, its whole figure)."""
+    per_rank = rank_bytes(phase) if job.device == "cpu" else phase["host"]["total"]
+    return job.ranks_per_node * per_rank
+
+
+def worst_device_total(s: Shape, params: ParamCount, job: Job) -> int:
+    """The largest per-rank device total over the phases: what must fit on one device."""
+    return max(phase["device"]["total"] for phase in phase_memory(s, params, job).values())
+
+
+def verdict(total: int, memory: int) -> str:
+    if total <= (1 - HEADROOM) * memory:
+        return "fits"
+    return "tight" if total <= memory else "does_not_fit"
+
+
+def device_memory(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> tuple[int, str]:
+    """One device's memory: ``hardware.memory_gib_per_device`` (on CUDA what torch sees of a card of that
+    nominal size, ``VISIBLE_GIB``), else measured by verify_env (torch's total)."""
+    hardware = settings["hardware"]
+    nominal = hardware["memory_gib_per_device"]
+    if nominal and hardware["device"] == "cuda" and nominal in VISIBLE_GIB:
+        return (
+            int(VISIBLE_GIB[nominal] * GIB),
+            f"hardware.memory_gib_per_device: {nominal:g}, {VISIBLE_GIB[nominal]} GiB visible to torch",
+        )
+    if nominal:
+        return int(nominal * GIB), "hardware.memory_gib_per_device"
+    measured, source = device_memory_bytes(env_report, hardware["device"])
+    if measured is None:
+        raise PlanError(
+            f"hardware.device is {hardware['device']!r} but {source}: set hardware.memory_gib_per_device to plan "
+            "for a machine you do not have, or hardware.device: cpu"
+        )
+    if hardware["device"] == "cpu" and hardware["num_devices"] > 1:
+        return measured // hardware["num_devices"], f"{source}, shared by {hardware['num_devices']} CPU ranks"
+    return measured, source
+
+
+def fits(s: Shape, params: ParamCount, job: Job, memory: int) -> bool:
+    """Whether every phase of the job fits on its devices with headroom."""
+    return verdict(worst_device_total(s, params, job), memory) == "fits"
+
+
+def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int = 1_000_000) -> int | None:
+    """The smallest device count at which every phase of the job fits with headroom, or None if no count
+    does. More devices help by sharding: a ``strategy: none`` job is counted as FSDP over them."""
+    job = dataclasses.replace(job, replicated=False, fsdp_size=None)
+    if fits(s, params, dataclasses.replace(job, num_devices=1), memory):
+        return 1
+    # the step's sharded states give the first count to try (no phase fits before the step does)
+    at_two = memory_per_device(s, params, dataclasses.replace(job, num_devices=2))
+    sharded = 2 * (at_two["weights"] + at_two["gradients"] + at_two["optimizer"])
+    replicated = at_two["total"] - sharded / 2
+    room = (1 - HEADROOM) * memory - replicated
+    if room <= 0:
+        return None
+    n = max(2, math.ceil(sharded / room))
+    while n <= limit:  # ceil() of the shards (or another phase) can need more: step up until it really fits
+        if fits(s, params, dataclasses.replace(job, num_devices=n), memory):
+            return n
+        n += 1
+    return None
+
+
+def max_seq_len(s: Shape, params: ParamCount, job: Job, memory: int) -> int | None:
+    """The longest sequence (at most the job's) that fits on the job's devices, or None."""
+    lo, hi = 0, job.seq_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(s, params, dataclasses.replace(job, seq_len=mid), memory):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo or None
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 2)
+
+
+def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dict[str, Any]]:
+    """What would make the job fit: each change with the devices it needs and the per-device total there."""
+    lean = {"gradient_checkpointing": True, "micro_batch_size": 1}
+    candidates = [("shard over more devices (FSDP, one layer gathered at a time)", job)]
+    if job.replicated:
+        candidates.append(("parallel.strategy: fsdp", dataclasses.replace(job, replicated=False)))
+    if s.moe_layers and not job.expert_parallel:
+        ep = dataclasses.replace(job, expert_parallel=True)
+        candidates += [
+            ("FSDP with expert parallelism (transformers 5 only)", ep),
+            ("expert parallelism, gradient checkpointing and micro-batch 1", dataclasses.replace(ep, **lean)),
+        ]
+    if job.method == "full":
+        lora = dataclasses.replace(job, method="lora")
+        what = f"rank {job.lora.rank} on {', '.join(job.lora.targets)}, router {job.lora.router}"
+        candidates += [
+            (f"train.method: lora ({what})", lora),
+            (
+                f"train.method: lora ({what}), gradient checkpointing and micro-batch 1",
+                dataclasses.replace(lora, **lean),
+            ),
+        ]
+        if s.moe_layers and not job.expert_parallel:
+            candidates.append(
+                (
+                    f"train.method: lora ({what}) with expert parallelism, gradient checkpointing and micro-batch 1",
+                    dataclasses.replace(lora, expert_parallel=True, **lean),
+                )
+            )
+    candidates += [
+        ("train.gradient_checkpointing: true", dataclasses.replace(job, gradient_checkpointing=True)),
+        ("train.micro_batch_size: 1", dataclasses.replace(job, micro_batch_size=1)),
+        ("gradient checkpointing and micro-batch 1", dataclasses.replace(job, **lean)),
+        ("model.attn_implementation: sdpa", dataclasses.replace(job, attn_implementation="sdpa")),
+    ]
+    for base, label in (
+        (job, ""),
+        (dataclasses.replace(job, **lean), " with gradient checkpointing and micro-batch 1"),
+    ):
+        longest = max_seq_len(s, params, base, memory)
+        if longest and longest < job.seq_len:
+            candidates.append((f"data.seq_len: {longest}{label}", dataclasses.replace(base, seq_len=longest)))
+    options, seen = [], {job}
+    for change, variant in candidates:
+        if variant in seen and variant != job:
+            continue
+        seen.add(variant)
+        devices = min_devices(s, params, variant, memory)
+        at = dataclasses.replace(variant, num_devices=devices or variant.num_devices, replicated=False)
+        spread = dataclasses.replace(variant, num_devices=max(2, variant.num_devices), replicated=False)
+        sharded = memory_per_device(s, params, spread)
+        states = sharded["weights"] + sharded["gradients"] + sharded["optimizer"]
+        options.append(
+            {
+                "change": change,
+                "unshardable_gib": _gib(sharded["total"] - states),
+                "fits_as_is": fits(s, params, variant, memory),
+                "min_devices": devices,
+                "per_device_gib_at_min_devices": _gib(worst_device_total(s, params, at)) if devices else None,
+            }
+        )
+    return [o for o in options if o["fits_as_is"] or o["min_devices"] or o["change"] == candidates[0][0]]
+
+
+MEM_MB_SOURCE = "the training job's mem_mb"
+
+
+def host_limit(env_report: Mapping[str, Any], mem_mb: int | None) -> tuple[int, str]:
+    """A node's host memory: the training job's ``mem_mb`` (SLURM megabytes: MiB) when known, else this
+    machine's RAM (verify_env report)."""
+    if mem_mb:
+        return int(mem_mb) * 2**20, MEM_MB_SOURCE
+    return device_memory_bytes(env_report, "cpu")
+
+
+def phase_plans(
+    phases: Mapping[str, Mapping[str, Mapping[str, int]]], job: Job, memory: int, host_limit_bytes: int
+) -> dict[str, dict[str, Any]]:
+    """Each phase of :func:`phase_memory` with its sizes in GiB, its node's host memory and both verdicts."""
+    out = {}
+    for name, phase in phases.items():
+        per_node = host_per_node_bytes(phase, job)
+        out[name] = {
+            "device_bytes": dict(phase["device"]),
+            "host_bytes": dict(phase["host"]),
+            "device_gib": {k: _gib(v) for k, v in phase["device"].items()},
+            "host_gib": {k: _gib(v) for k, v in phase["host"].items()},
+            "rank_bytes": rank_bytes(phase),
+            "host_per_node_bytes": per_node,
+            "verdict": verdict(phase["device"]["total"], memory),
+            "host_verdict": verdict(per_node, host_limit_bytes),
+        }
+    return out
+
+
+def worst_phase(phases: Mapping[str, Mapping[str, Any]], key: str) -> str:
+    """The phase with the most of ``key`` (``device_bytes``' total, or ``host_per_node_bytes``); the earliest
+    on a tie."""
+    size = lambda name: phases[name][key]["total"] if key == "device_bytes" else phases[name][key]  # noqa: E731
+    return max(phases, key=size)
+
+
+def host_plan(phases: Mapping[str, Mapping[str, Any]], job: Job, limit: int, source: str) -> dict[str, Any]:
+    """A node's host memory in its worst phase against ``limit``."""
+    worst = worst_phase(phases, "host_per_node_bytes")
+    return {
+        "phase": worst,
+        "ranks_per_node": job.ranks_per_node,
+        "per_node_bytes": {name: phase["host_per_node_bytes"] for name, phase in phases.items()},
+        "per_node_gib": {name: _gib(phase["host_per_node_bytes"]) for name, phase in phases.items()},
+        "limit_bytes": limit,
+        "limit_source": source,
+        "verdict": phases[worst]["host_verdict"],
+    }
+
+
+def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any], mem_mb: int | None = None) -> dict[str, Any]:
+    """The full plan for one run: parameters, memory per rank in every phase, the worst phase and its
+    verdict, what would make it fit, and a node's host memory (against ``mem_mb``, the training job's,
+    when given). ``per_device_bytes`` is the step's."""
+    shape, params, formula = count_parameters(settings["model"], settings["vocab_size"])
+    job = Job.from_settings(settings)
+    memory, source = device_memory(settings, env_report)
+    limit, limit_source = host_limit(env_report, mem_mb)
+    phases = phase_plans(phase_memory(shape, params, job), job, memory, limit)
+    worst = worst_phase(phases, "device_bytes")
+    result = phases[worst]["verdict"]
+    per_device = phases["step"]["device_bytes"]
+    out = {
+        "model_type": shape.model_type,
+        "shape": dataclasses.asdict(shape)
+        | {"moe_layers": list(shape.moe_layers), "dense_layers": list(shape.dense_layers)},
+        "parameters": params.as_dict()
+        | {"formula_total": formula.total, "formula_matches": formula.total == params.total},
+        "job": job.as_dict(),
+        "device_memory_bytes": memory,
+        "device_memory_source": source,
+        "per_device_bytes": per_device,
+        "per_device_gib": {k: _gib(v) for k, v in per_device.items()},
+        "phases": phases,
+        "worst_phase": worst,
+        "usable_fraction": 1 - HEADROOM,
+        "verdict": result,
+        "min_devices": min_devices(shape, params, job, memory),
+        "suggestions": suggestions(shape, params, job, memory) if result != "fits" else [],
+        "host": host_plan(phases, job, limit, limit_source),
+    }
+    if job.method == "lora":
+        out["lora"] = {**job.lora.as_dict(), **lora_count(shape, job.lora).as_dict()}
+    return out

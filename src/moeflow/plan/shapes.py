@@ -1,0 +1,294 @@
+"""A model's shape from its config: per-family readers of ``model.config`` (or a folder's config.json) into
+the layer, attention, expert and vocabulary sizes the planner counts with.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moeflow.runtime import compat
+from moeflow.settings import MODEL_SCHEMA, with_defaults
+
+
+class PlanError(ValueError):
+    """A model config the planner cannot read, or a job that does not fit (with the numbers)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the parameter count and the activation estimate need from a decoder-only MoE config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    tie_word_embeddings: bool
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dense_ffn: int  # FFN width of the dense layers
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int = 0  # width of the always-active shared expert(s); 0 when there is none
+    shared_gate: bool = False  # qwen2_moe: a sigmoid gate (H -> 1) on the shared expert
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # "head": RMSNorm over head_dim; "full": over all heads (olmoe)
+    head_gate: int = 0  # step3p5: outputs of g_proj (one gate per head, or per head dimension)
+    sinks: bool = False  # gpt_oss: one learned attention sink per head
+    expert_bias: bool = False  # gpt_oss: biases on the experts' projections
+    router_bias: bool = False  # gpt_oss
+    # Multi-head latent attention (deepseek_v3); attention == "mla" uses these instead of num_kv_heads/head_dim.
+    attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    attention_bias: bool = False
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        moe = set(self.moe_layers)
+        return tuple(i for i in range(self.num_layers) if i not in moe)
+
+
+_MISSING = object()
+
+
+def _get(fields: Mapping[str, Any], *keys: str, default: Any = _MISSING) -> Any:
+    """The first of ``keys`` present (and not null) in ``fields``; an error naming them if none is."""
+    for key in keys:
+        if fields.get(key) is not None:
+            return fields[key]
+    if default is _MISSING:
+        raise PlanError(
+            f"config key 'model.config.{keys[0]}' is required for model_type {fields.get('model_type')!r}"
+            + (f" (also read as: {', '.join(keys[1:])})" if len(keys) > 1 else "")
+        )
+    return default
+
+
+def _attention_fields(f: Mapping[str, Any]) -> dict[str, Any]:
+    hidden = int(_get(f, "hidden_size"))
+    heads = int(_get(f, "num_attention_heads"))
+    return {
+        "hidden_size": hidden,
+        "num_layers": int(_get(f, "num_hidden_layers")),
+        "num_heads": heads,
+        "num_kv_heads": int(_get(f, "num_key_value_heads", "num_attention_groups", default=heads)),
+        "head_dim": int(_get(f, "head_dim", default=hidden // heads)),
+        "tie_word_embeddings": bool(_get(f, "tie_word_embeddings", default=False)),
+    }
+
+
+def _qwen_moe_layers(f: Mapping[str, Any], num_layers: int, num_experts: int) -> tuple[int, ...]:
+    """qwen2_moe / qwen3_moe: MoE every ``decoder_sparse_step`` layers, except ``mlp_only_layers``."""
+    step = int(_get(f, "decoder_sparse_step", default=1))
+    dense = set(_get(f, "mlp_only_layers", default=[]) or [])
+    return tuple(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+
+
+def _qwen_moe_fields(f: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields qwen2_moe and qwen3_moe share: attention, dense FFN, experts and where they are."""
+    base = _attention_fields(f)
+    experts = int(_get(f, "num_experts"))
+    return base | {
+        "dense_ffn": int(_get(f, "intermediate_size")),
+        "moe_layers": _qwen_moe_layers(f, base["num_layers"], experts),
+        "num_experts": experts,
+        "top_k": int(_get(f, "num_experts_per_tok")),
+        "expert_ffn": int(_get(f, "moe_intermediate_size")),
+    }
+
+
+def _qwen3_moe(f: Mapping[str, Any]) -> dict[str, Any]:
+    return _qwen_moe_fields(f) | {
+        "qkv_bias": bool(_get(f, "attention_bias", default=False)),
+        "o_bias": bool(_get(f, "attention_bias", default=False)),
+        "qk_norm": "head",
+    }
+
+
+def _qwen2_moe(f: Mapping[str, Any]) -> dict[str, Any]:
+    return _qwen_moe_fields(f) | {
+        "shared_ffn": int(_get(f, "shared_expert_intermediate_size")),
+        "shared_gate": True,
+        "qkv_bias": bool(_get(f, "qkv_bias", default=True)),
+    }
+
+
+def _all_moe(f: Mapping[str, Any], experts_key: str) -> dict[str, Any]:
+    """mixtral, granitemoe, olmoe, gpt_oss: every layer is MoE and ``intermediate_size`` is the expert width."""
+    base = _attention_fields(f)
+    return base | {
+        "dense_ffn": 0,
+        "moe_layers": tuple(range(base["num_layers"])),
+        "num_experts": int(_get(f, experts_key)),
+        "top_k": int(_get(f, "num_experts_per_tok")),
+        "expert_ffn": int(_get(f, "intermediate_size")),
+    }
+
+
+def _mixtral(f: Mapping[str, Any]) -> dict[str, Any]:
+    return _all_moe(f, "num_local_experts")
+
+
+def _olmoe(f: Mapping[str, Any]) -> dict[str, Any]:
+    bias = bool(_get(f, "attention_bias", default=False))
+    return _all_moe(f, "num_experts") | {"qk_norm": "full", "qkv_bias": bias, "o_bias": bias}
+
+
+def _gpt_oss(f: Mapping[str, Any]) -> dict[str, Any]:
+    bias = bool(_get(f, "attention_bias", default=True))
+    return _all_moe(f, "num_local_experts") | {
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "sinks": True,
+        "expert_bias": True,
+        "router_bias": True,
+    }
+
+
+def _deepseek_v3(f: Mapping[str, Any]) -> dict[str, Any]:
+    base = _attention_fields(f)
+    first_dense = int(_get(f, "first_k_dense_replace", default=0))
+    expert_ffn = int(_get(f, "moe_intermediate_size"))
+    q_lora = _get(f, "q_lora_rank", default=None)
+    return base | {
+        "attention": "mla",
+        "dense_ffn": int(_get(f, "intermediate_size")),
+        "moe_layers": tuple(range(first_dense, base["num_layers"])),
+        "num_experts": int(_get(f, "n_routed_experts")),
+        "top_k": int(_get(f, "num_experts_per_tok")),
+        "expert_ffn": expert_ffn,
+        "shared_ffn": int(_get(f, "n_shared_experts", default=0)) * expert_ffn,
+        "q_lora_rank": int(q_lora) if q_lora is not None else None,
+        "kv_lora_rank": int(_get(f, "kv_lora_rank")),
+        "qk_nope_head_dim": int(_get(f, "qk_nope_head_dim")),
+        "qk_rope_head_dim": int(_get(f, "qk_rope_head_dim")),
+        "v_head_dim": int(_get(f, "v_head_dim")),
+        "attention_bias": bool(_get(f, "attention_bias", default=False)),
+    }
+
+
+def _step3p5(f: Mapping[str, Any]) -> dict[str, Any]:
+    """Step-3.5-Flash, from transformers 5's Step3p7TextConfig keys or the hub config's legacy ones."""
+    base = _attention_fields(f)
+    n = base["num_layers"]
+    sliding_heads = f.get("num_sliding_attention_heads")
+    if sliding_heads is not None and int(sliding_heads) != base["num_heads"]:
+        raise PlanError(
+            "config key 'model.config.num_sliding_attention_heads': a head count for sliding-window layers "
+            "that differs from num_attention_heads is not supported by the planner"
+        )
+    if f.get("mlp_layer_types"):
+        moe_layers = tuple(i for i, kind in enumerate(f["mlp_layer_types"][:n]) if kind == "sparse")
+    elif f.get("moe_layers_enum") is not None:
+        enum = f["moe_layers_enum"]
+        items = enum.split(",") if isinstance(enum, str) else enum
+        moe_layers = tuple(sorted(i for i in {int(x) for x in items if str(x).strip()} if i < n))
+    else:
+        moe_layers = tuple(range(3, n))  # transformers' default: layers 0-2 dense
+    gating = f.get("gating", True)
+    per_head = gating is True or gating == "per-head"
+    expert_ffn = int(_get(f, "moe_intermediate_size"))
+    return base | {
+        "dense_ffn": int(_get(f, "intermediate_size")),
+        "moe_layers": moe_layers,
+        "num_experts": int(_get(f, "n_routed_experts", "moe_num_experts", "num_local_experts")),
+        "top_k": int(_get(f, "num_experts_per_tok", "moe_top_k")),
+        "expert_ffn": expert_ffn,
+        "shared_ffn": int(_get(f, "share_expert_dim", "share_expert_dims", default=expert_ffn)),
+        "qkv_bias": bool(_get(f, "attention_bias", default=False)),
+        "o_bias": bool(_get(f, "attention_bias", default=False)),
+        "qk_norm": "head",
+        "head_gate": (base["num_heads"] if per_head else base["num_heads"] * base["head_dim"]) if gating else 0,
+    }
+
+
+FAMILIES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+    "granitemoe": _mixtral,  # the same fields and shapes (experts fused as input_linear/output_linear)
+    "olmoe": _olmoe,
+    "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
+    "step3p5": _step3p5,
+}
+
+
+def resolve_vocab_size(config_fields: Mapping[str, Any], tokenizer_vocab: int | None) -> int:
+    """``model.config.vocab_size`` when present (large published configs), else the tokenizer's size."""
+    vocab = config_fields.get("vocab_size") or tokenizer_vocab
+    if not vocab:
+        raise PlanError("no vocabulary size: set model.config.vocab_size or tokenizer.vocab_size")
+    return int(vocab)
+
+
+def model_shape(config_fields: Mapping[str, Any], vocab_size: int) -> Shape:
+    model_type = config_fields.get("model_type")
+    if model_type not in FAMILIES:
+        raise PlanError(
+            f"config key 'model.config.model_type': the planner knows {', '.join(sorted(FAMILIES))}; got {model_type!r}"
+        )
+    fields = FAMILIES[model_type](config_fields)
+    return Shape(model_type=model_type, vocab_size=int(vocab_size), **fields)
+
+
+class ConfigView(Mapping[str, Any]):
+    """A transformers config read by key (its attribute names and aliases, defaults filled in), over the raw mapping."""
+
+    def __init__(self, config: Any, raw: Mapping[str, Any]):
+        self._config, self._raw = config, dict(raw)
+
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self._config, key, None)
+        if value is None and key in self._raw:
+            return self._raw[key]
+        if value is None and not hasattr(self._config, key):
+            raise KeyError(key)
+        return value
+
+    def __iter__(self):
+        return iter(sorted(set(self._raw) | set(self._config.to_dict())))
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+def hf_config_fields(model_cfg: Mapping[str, Any], vocab_size: int) -> tuple[Mapping[str, Any], Any]:
+    """The config as transformers reads it (defaults included) and the config object, if it knows the type."""
+    from moeflow.model.factory import build_config
+    from moeflow.model.folder import ModelError
+
+    raw = dict(model_cfg["config"]) | {"vocab_size": vocab_size}
+    try:
+        config = build_config(model_cfg, vocab_size)
+    except (ModelError, KeyError, ValueError, TypeError):
+        return raw, None
+    return ConfigView(config, raw), config
+
+
+def model_config_fields(model: Mapping[str, Any]) -> dict[str, Any]:
+    """``model.config``, or the ``config.json`` of ``model.pretrained`` when a pretrained folder is used."""
+    pretrained = with_defaults(model, MODEL_SCHEMA)["pretrained"]  # tests give model sections of a few keys
+    if pretrained:
+        path = Path(pretrained) / "config.json"
+        if not path.is_file():
+            raise PlanError(f"config key 'model.pretrained': {path} does not exist")
+        return json.loads(path.read_text(encoding="utf-8"))
+    return dict(model["config"])
+
+
+def experts_fused(model_type: str) -> bool:
+    """Whether the installed transformers keeps a layer's routed experts as fused 3D parameters (gate and
+    up projections in one ``gate_up_proj``): every family on transformers 5, GPT-OSS on both stacks."""
+    return model_type == "gpt_oss" or compat.is_transformers_v5()

@@ -1,0 +1,151 @@
+"""What every stage script shares: threads, seeds, offline mode, logging, provenance, progress.
+
+A stage script reads top to bottom::
+
+    from moeflow.stage import Stage
+    stage = Stage.from_snakemake(snakemake)     # sets threads, seeds, HF offline mode, logging
+    ...                                          # call the library
+    write_json(out, {..., "provenance": stage.provenance()})
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import signal
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from moeflow.runtime import compat
+
+T = TypeVar("T")
+log = logging.getLogger("moeflow")
+
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+
+
+KILL_ENV = "MOEFLOW_KILL_AT"
+
+
+# MOEFLOW_KILL_SCOPE=group kills the whole process group (Snakemake too, when a test starts it in its
+# own session): what a power cut or `kill -9` of the run leaves behind, incomplete markers included.
+KILL_SCOPE_ENV = "MOEFLOW_KILL_SCOPE"
+
+
+def set_offline() -> None:
+    """The pipeline never reaches the network: no hub downloads, no telemetry."""
+    os.environ.update(OFFLINE_ENV)
+
+
+def code_version() -> str:
+    """A hash of the moeflow package sources: which code made an output, independent of git."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def kill_point(name: str) -> None:
+    """Die with SIGKILL here if a test asked for it (``MOEFLOW_KILL_AT=name``): simulates ``kill -9`` of
+    this process, or of its whole process group with ``MOEFLOW_KILL_SCOPE=group``."""
+    if os.environ.get(KILL_ENV) == name:
+        log.warning("killed at %s (%s set)", name, KILL_ENV)
+        logging.shutdown()
+        if os.environ.get(KILL_SCOPE_ENV) == "group":
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def setup_logging(log_file: str | os.PathLike | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file, mode="w", encoding="utf-8"))
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True
+    )
+
+
+def progress(items: Iterable[T], total: int | None = None, desc: str = "", every: float = 10.0) -> Iterator[T]:
+    """A tqdm bar on a terminal; plain progress lines (every ``every`` seconds) in a log."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(items, total=total, desc=desc)
+        return
+    last = time.monotonic()
+    for i, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if now - last >= every:
+            log.info("%s: %d%s", desc, i, f"/{total}" if total else "")
+            last = now
+    log.info("%s: done", desc)
+
+
+@dataclass
+class Stage:
+    """The runtime settings of one stage: threads and precision are recorded in its outputs."""
+
+    name: str
+    threads: int = 1
+    precision: str = "fp32"
+    seed: int = 0
+    stack: str = "pinned"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_offline()
+        import torch
+
+        torch.set_num_threads(max(1, int(self.threads)))
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if self.threads > 1 else "false"
+
+    @classmethod
+    def from_snakemake(cls, smk: Any) -> Stage:
+        """Threads come from the rule's ``threads:``; stack, precision and seed from ``params.runtime``."""
+        runtime = smk.params.runtime  # every rule passes it (common.smk's runtime())
+        log_file = smk.log[0] if len(smk.log) else None
+        setup_logging(log_file)
+        stage = cls(
+            name=smk.rule,
+            threads=int(smk.threads),
+            precision=runtime["precision"],
+            seed=int(runtime["seed"]),
+            stack=runtime["stack"],
+        )
+        log.info("stage %s: threads=%d precision=%s stack=%s", stage.name, stage.threads, stage.precision, stage.stack)
+        return stage
+
+    def provenance(self) -> dict[str, Any]:
+        """Facts that identify how an output was made. No timestamps: same inputs give the same bytes."""
+        import torch
+
+        return {
+            "stage": self.name,
+            "moeflow_code": code_version(),
+            "stack": self.stack,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": str(compat.version_of("transformers")),
+            "threads": torch.get_num_threads(),
+            "precision": self.precision,
+            "seed": self.seed,
+        }

@@ -1,0 +1,96 @@
+"""What training measures and writes: metrics.jsonl plus TensorBoard event files, memory readings, and
+the active parameters per token behind the FLOP rates."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from moeflow.model import parameters as P
+from moeflow.parallel.layouts import original_shape, unwrap
+
+
+class MetricsLog:
+    """metrics.jsonl plus TensorBoard event files (scalars, and per-layer expert-load histograms)."""
+
+    def __init__(self, log_dir: str | os.PathLike):
+        from torch.utils.tensorboard import SummaryWriter  # heavy, and only rank 0 writes
+
+        self.dir = Path(log_dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        self.jsonl = open(self.dir / "metrics.jsonl", "w", encoding="utf-8")
+        self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        self.jsonl.flush()
+        step = int(record["step"])
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self.writer.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+        for layer, health in enumerate(record.get("routing", [])):
+            for key in ("max_over_mean", "cv", "load_entropy", "router_entropy"):
+                if key in health:
+                    self.writer.add_scalar(f"routing/layer{layer}/{key}", health[key], step)
+            self.writer.add_scalar(f"routing/layer{layer}/dead_experts", len(health["dead_experts"]), step)
+            load = health["load"]
+            total = sum(load)
+            if total:
+                self.writer.add_histogram_raw(
+                    f"routing/layer{layer}/expert_load",
+                    min=0,
+                    max=len(load) - 1,
+                    num=total,
+                    sum=sum(i * c for i, c in enumerate(load)),
+                    sum_squares=sum(i * i * c for i, c in enumerate(load)),
+                    bucket_limits=[i + 0.5 for i in range(len(load))],
+                    bucket_counts=load,
+                    global_step=step,
+                )
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.writer.close()
+
+
+def start_step_memory(device: torch.device) -> None:
+    """Begin a step's memory reading: on CUDA, reset the allocator's peak (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def step_memory_mib(device: torch.device) -> float:
+    """A step's memory: on CUDA the allocator's peak since :func:`start_step_memory` (after the update the
+    activations and gradients are freed, so what is allocated then misses them); on CPU the process's
+    resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def active_parameters(model: torch.nn.Module) -> int:
+    """Parameters one token passes through: everything but the experts a token does not use (whole
+    parameters, also of a sharded model). Six times this is the training FLOPs per token."""
+    config = unwrap(model).config
+    experts = (
+        getattr(config, "num_experts", None)
+        or getattr(config, "num_local_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
+    top_k = getattr(config, "num_experts_per_tok", None)
+    sizes = {n: math.prod(original_shape(p)) for n, p in model.named_parameters()}
+    total = sum(sizes.values())
+    if not experts or not top_k:
+        return total
+    expert_params = sum(k for n, k in sizes.items() if P.counted_category(n) == P.ROUTED_EXPERTS)
+    return int(total - expert_params + expert_params * top_k / experts)

@@ -1,0 +1,160 @@
+"""The training settings (``train:`` and ``pretrain:``) and each training stage's settings, typed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.settings import enum, plain
+
+
+@dataclass(frozen=True)
+class BalanceSettings:
+    """``train.balance`` / ``pretrain.balance``: the load-balancing terms of the loss (moeflow.train.losses)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/balance"
+    mode: str
+    coef: float
+    z_loss_coef: float
+    bias_update_rate: float
+
+    @property
+    def balancing(self) -> bool:
+        return self.mode != "off" and self.coef > 0
+
+    @property
+    def needs_router_grad(self) -> bool:
+        """Whether a loss term differentiates through the router (else routing statistics carry no graph)."""
+        return self.balancing or self.z_loss_coef > 0
+
+    @property
+    def needs_counting_forward(self) -> bool:
+        return self.balancing and self.mode == "exact"
+
+
+LORA_ALL = "all"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``train.lora``. ``targets`` keeps what the config names; ``categories`` resolves ``all``."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/lora"
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    router: str
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The module categories that get adapters, in the schema's order."""
+        every = tuple(t for t in enum("#/$defs/lora/properties/targets") if t != LORA_ALL)
+        return every if LORA_ALL in self.targets else tuple(t for t in every if t in self.targets)
+
+    def as_dict(self) -> dict[str, Any]:
+        return plain(self)
+
+
+@dataclass(frozen=True)
+class RoutingThresholds:
+    """``train.routing_guard`` (moeflow.train.guards.RoutingGuard)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/routing_guard"
+    window_steps: int
+    max_load_ratio: float
+    min_load_entropy: float
+    max_dead_experts: int
+    early_steps: int
+    early_loss_drop: float
+    early_entropy_drop: float
+    reference: str
+    max_load_ratio_growth: float
+    max_load_entropy_drop: float
+
+
+@dataclass(frozen=True)
+class MemoryThresholds:
+    """``train.memory_guard`` (moeflow.train.guards.MemoryGuard)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/memory_guard"
+    skip_steps: int
+    window_steps: int
+    max_slope_mib_per_step: float
+    patience: int
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The training loop's settings: a ``train:`` or ``pretrain:`` section after :func:`training`
+    (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/training"
+    method: str
+    optimizer: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    gradient_checkpointing: bool
+    steps: int
+    warmup_steps: int
+    warmup_ratio: float | None
+    lr: float
+    min_lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    max_grad_norm: float
+    router_lr_multiplier: float
+    freeze_router: bool
+    lora: LoraSettings | None
+    balance: BalanceSettings
+    routing_guard: RoutingThresholds
+    memory_guard: MemoryThresholds
+    log_every: int
+    eval_every: int
+    eval_max_sequences: int | None
+    checkpoint_every: int
+    detect_anomaly: bool
+    peak_flops_per_s: float | None
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+@dataclass(frozen=True)
+class PretrainStage:
+    """Rule pretrain_base (:func:`base_model_settings` of a model built from config)."""
+
+    model: dict[str, Any]
+    pretrain: TrainSettings
+    data: str
+    precision: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class WarmupStage:
+    """Rule warmup (:func:`warmup_settings`)."""
+
+    base: str
+    data: str
+    finetune_corpus: str
+    model: dict[str, Any]
+    hardware_device: str
+    parallel: ParallelSettings
+    train: TrainSettings
+    precision: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class TrainModelStage:
+    """Rule train_model (:func:`train_model_settings`)."""
+
+    train: TrainSettings
+    model: dict[str, Any]
+    warmup: str
+    parallel: ParallelSettings
+    hardware_device: str

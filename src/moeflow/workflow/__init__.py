@@ -1,0 +1,3 @@
+"""What only the Snakefile needs: loading and merging the config, its checks, the advice for a copied
+recipe, the stage settings and keys that name cached outputs, and each rule's library inputs.
+"""

@@ -1,0 +1,284 @@
+"""The config's checks: the schema, then what a schema cannot express (each message names the key and
+what to do), per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from moeflow.evaluation.lm_eval_tasks import task_problems
+from moeflow.settings import (
+    REPO_ROOT,
+    SCHEMA_PATH,
+    SOURCE_SCHEMA,
+    ConfigError,
+    _matches,
+    schema,
+    schema_node,
+    with_defaults,
+)
+from moeflow.workflow.merge import merged_run, resolved_precision
+from moeflow.workflow.recipe import copied_recipe_problems
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _key_path(parts: Iterable[Any]) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top level>"
+
+
+def _describe(error: Any) -> str:
+    where = _key_path(error.absolute_path)
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        unknown = sorted(set(error.instance) - set(allowed))
+        return (
+            f"config key '{where}': unknown key(s) {', '.join(repr(k) for k in unknown)}; "
+            f"allowed keys are: {', '.join(allowed)}"
+        )
+    if error.validator == "enum":
+        allowed = ", ".join(repr(v) for v in error.validator_value)
+        return f"config key '{where}': {error.instance!r} is not one of the allowed values ({allowed})"
+    return f"config key '{where}': {error.message}"
+
+
+def validate(cfg: Mapping[str, Any]) -> None:
+    """Validate the base config and every run's merged config (the schema's defaults filled in); raise
+    ConfigError naming each bad key."""
+    check(with_defaults(cfg))
+    for problem in run_problems(cfg):
+        raise ConfigError(f"invalid configuration: {problem}")
+    for name in cfg.get("runs", {}):
+        check({**merged_run(cfg, name), "runs": {}}, f" (run '{name}')")
+
+
+def check(tree: Mapping[str, Any], label: str = "") -> None:
+    """Validate one config tree (the base, or a run's merged config) against the schema and the checks it
+    cannot express."""
+    for problem in copied_recipe_problems(tree):  # before the schema, whose message would be vaguer
+        raise ConfigError(f"invalid configuration{label}: {problem}")
+    validator = jsonschema.validators.validator_for(schema())(schema())
+    errors = sorted(validator.iter_errors(tree), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        lines = "\n".join(f"  - {_describe(e)}" for e in errors)
+        raise ConfigError(f"invalid configuration{label}:\n{lines}\n(schema: {SCHEMA_PATH.relative_to(REPO_ROOT)})")
+    for problem in semantic_problems(tree):
+        raise ConfigError(f"invalid configuration{label}: {problem}")
+
+
+def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Checks a schema cannot express. Each message names the key(s) and what to do."""
+    problems: list[str] = []
+    data = cfg.get("data", {})
+    split = data.get("split", {})
+    if split and split.get("heldout", 0) + split.get("test", 0) >= 1:
+        problems.append("config keys 'data.split.heldout' + 'data.split.test' must sum to less than 1")
+    for corpus, source in data.get("sources", {}).items():  # a corpus name is a folder under results/: no '/', no '..'
+        if not RUN_NAME.match(str(corpus)):
+            problems.append(
+                f"config key 'data.sources.{corpus}': corpus names may use letters, digits, '_', '.', '-' only "
+                "(the name is a folder under results/)"
+            )
+        misplaced = sorted(set(source) - source_keys(source["type"]))
+        if misplaced:
+            problems.append(
+                f"config key 'data.sources.{corpus}': {', '.join(misplaced)} do not apply to a source of type "
+                f"{source['type']}; remove them"
+            )
+    model = cfg.get("model") or {}
+    if model.get("trust_remote_code") and not model.get("pretrained"):
+        problems.append(
+            "config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may only be "
+            "turned on for a named model folder whose code you trust"
+        )
+    if model.get("pretrained") and not Path(model["pretrained"]).is_dir():
+        problems.append(pretrained_folder_problem(model["pretrained"]))
+    elif model.get("pretrained") and not model.get("trust_remote_code"):
+        problems += model_type_problems(Path(model["pretrained"]))
+    if (cfg.get("pretrain") or {}).get("method", "full") != "full":
+        problems.append("config key 'pretrain.method': pretraining trains the whole base model; use method: full")
+    named = data.get("eval_corpora", []) + cfg.get("coverage", {}).get("pool_corpora", [])
+    for corpus in named + [data.get("base_corpus"), data.get("finetune_corpus")]:
+        if corpus is not None and corpus not in data.get("sources", {}):
+            problems.append(
+                f"config key 'data': corpus {corpus!r} is not among 'data.sources' "
+                f"({', '.join(sorted(data.get('sources', {})))})"
+            )
+    for section in ("train", "pretrain"):
+        train = cfg.get(section) or {}
+        if train.get("warmup_steps") is not None and train.get("warmup_ratio") is not None:
+            problems.append(
+                f"config keys '{section}.warmup_steps' and '{section}.warmup_ratio' are both set; give one of them "
+                "(set the other to null), e.g. warmup_steps: 1000 or warmup_ratio: 0.1"
+            )
+        if train.get("warmup_steps") and train.get("steps") and train["warmup_steps"] >= train["steps"]:
+            problems.append(
+                f"config key '{section}.warmup_steps' ({train['warmup_steps']}) "
+                f"must be less than '{section}.steps' ({train['steps']})"
+            )
+        if train.get("min_lr") is not None and train.get("lr") is not None and train["min_lr"] > train["lr"]:
+            problems.append(
+                f"config key '{section}.min_lr' ({train['min_lr']}) must not exceed '{section}.lr' ({train['lr']})"
+            )
+    problems += parallel_problems(cfg)
+    problems += attention_problems(cfg)
+    problems += humaneval_problems(cfg)
+    problems += lm_eval_problems(cfg)
+    return problems
+
+
+def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Every evaluate.tasks entry must resolve (moeflow.evaluation.lm_eval_tasks); moeflow_perplexity's documents are
+    segments of up to data.seq_len tokens, each scored in one window of evaluate.lm_eval.max_length."""
+    evaluate = cfg.get("evaluate") or {}
+    tasks = evaluate.get("tasks") or []
+    data = cfg.get("data") or {}
+    problems = task_problems(tasks, data.get("eval_corpora") or [])
+    max_length = (evaluate.get("lm_eval") or {}).get("max_length")
+    seq_len = data.get("seq_len")
+    if "moeflow_perplexity" in tasks and max_length is not None and seq_len is not None and max_length < seq_len:
+        problems.append(
+            f"config key 'evaluate.lm_eval.max_length' ({max_length}) is below 'data.seq_len' ({seq_len}): "
+            "moeflow_perplexity scores each packed segment in one window; raise it or set null"
+        )
+    return problems
+
+
+def humaneval_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """pass@k estimates from n samples per problem exist for k <= n only."""
+    humaneval = (cfg.get("evaluate") or {}).get("humaneval") or {}
+    n = humaneval.get("n_samples", 1)
+    return [
+        f"config key 'evaluate.humaneval.k[{i}]' ({k}) exceeds 'evaluate.humaneval.n_samples' ({n}): pass@k needs at "
+        "least k sampled completions per problem; raise n_samples or drop that k"
+        for i, k in enumerate(humaneval.get("k", []))
+        if k > n
+    ]
+
+
+def attention_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """flash-attn refuses fp32 inputs (it would fail at the first forward): flash_attention_2 needs bf16."""
+    model = cfg.get("model") or {}
+    if model.get("attn_implementation") != "flash_attention_2" or resolved_precision(cfg) != "fp32":
+        return []
+    return [
+        "config keys 'model.attn_implementation': flash_attention_2 and 'precision': fp32 do not combine: flash-attn "
+        "runs in fp16/bf16 only and refuses fp32 inputs. Set precision: bf16 (or auto with hardware.device: cuda), "
+        "or model.attn_implementation: sdpa"
+    ]
+
+
+def source_keys(kind: str) -> set[str]:
+    """The keys a data source of ``kind`` takes: those of its branch of the schema's source
+    (``if``/``then``/``else``)."""
+    node = schema_node(SOURCE_SCHEMA)
+    branch = node["then"] if _matches(node["if"], {"type": kind}) else node["else"]
+    return {"type", *branch.get("required", []), *branch.get("properties", {})}
+
+
+def pretrained_folder_problem(pretrained: str) -> str:
+    folder = f"models/{Path(pretrained).name.lower()}"
+    return (
+        f"config key 'model.pretrained': {pretrained!r} is not a local model folder "
+        f"(relative to {os.getcwd()}). moeflow "
+        f"never downloads a model: fetch it first, e.g. `huggingface-cli download {pretrained} --local-dir {folder}`, "
+        f"then set model.pretrained: {folder}"
+    )
+
+
+def model_type_problems(folder: Path) -> list[str]:
+    """A pretrained folder whose config.json names a model type this stack's transformers cannot load as a
+    causal LM: refused before any job runs (a folder with its own code is checked when it loads)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return []  # moeflow.modeling names what the folder lacks when a stage loads it
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return []
+    # transformers' model tables, imported only for a pretrained folder (they import torch: seconds at DAG build)
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    where = f"config key 'model.pretrained': {folder}/config.json names model_type {model_type!r}"
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return [
+            f"{where}, which transformers {transformers.__version__} does not have: a model this new needs "
+            "transformers 5 (the 'current' stack, STACK=current) or a newer release"
+        ]
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return [
+            f"{where}: transformers {transformers.__version__} has its config but no causal-LM class for it "
+            "(AutoModelForCausalLM cannot load it), and moeflow fine-tunes causal language models only"
+        ]
+    return []
+
+
+def run_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Checks of the runs table against the base config: names, what a run may change, the paper's runs."""
+    problems = []
+    runs = cfg.get("runs") or {}
+    for name, overlay in runs.items():
+        if not RUN_NAME.match(name):
+            problems.append(f"config key 'runs.{name}': run names may use letters, digits, '_', '.', '-' only")
+            continue
+        changes_model = "config" in ((overlay or {}).get("model") or {})
+        if changes_model and merged_run(cfg, name)["model"]["pretrained"]:
+            problems.append(
+                f"config key 'runs.{name}.model.config': run {name!r} changes model.config, "
+                "but model.pretrained is set: "
+                "the pretrained folder's config.json is the model. Give the run its own model.pretrained folder, or "
+                f"drop it (runs: {{{name}: null}})"
+            )
+    paper = cfg.get("paper") or {}
+    for name in [paper.get("moe_run"), *paper.get("dense_runs", [])]:
+        if name is not None and name not in runs:
+            problems.append(
+                f"config keys 'paper.moe_run' / 'paper.dense_runs': {name!r} is not a run ({', '.join(runs)})"
+            )
+    return problems
+
+
+def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """The ``parallel`` layout must add up: world = nproc_per_node x nnodes = hardware.num_devices, and
+    the FSDP and expert-parallel sizes must tile it the way transformers' DistributedConfig requires."""
+    par = cfg.get("parallel")
+    if not par:
+        return []
+    world = par.get("nproc_per_node", 1) * par.get("nnodes", 1)
+    strategy, ep, fsdp = par.get("strategy", "none"), par.get("ep_size", 1), par.get("fsdp_size")
+    problems = []
+    devices = (cfg.get("hardware") or {}).get("num_devices")
+    if devices is not None and world > 1 and devices != world:
+        problems.append(
+            f"config keys 'parallel.nproc_per_node' x 'parallel.nnodes' ({world} ranks) and 'hardware.num_devices' "
+            f"({devices}) must agree: the memory planner plans for hardware.num_devices"
+        )
+    if (strategy == "ep") != (ep > 1):
+        problems.append(
+            f"config keys 'parallel.strategy' ({strategy!r}) and 'parallel.ep_size' ({ep}): expert parallelism is "
+            "strategy: ep with ep_size > 1 (and ep_size: 1 otherwise)"
+        )
+    if fsdp is not None and (world % fsdp or fsdp > world):
+        problems.append(f"config key 'parallel.fsdp_size' ({fsdp}) must divide the {world} ranks (null: all of them)")
+    if ep > 1 and (fsdp or world) % ep:
+        problems.append(
+            f"config key 'parallel.ep_size' ({ep}) must divide parallel.fsdp_size ({fsdp or world}): transformers' "
+            "DistributedConfig lays the expert-parallel groups over the FSDP ranks"
+        )
+    if fsdp is not None and fsdp > 1 and strategy == "none":
+        problems.append(
+            "config key 'parallel.fsdp_size' is set but parallel.strategy is 'none': use strategy: fsdp or ep"
+        )
+    return problems

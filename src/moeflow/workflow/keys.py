@@ -1,0 +1,222 @@
+"""Stage settings and keys: exactly the settings each stage depends on (a rule's ``params``), and the hash of
+them that names its cached output, so runs that agree on a stage's settings share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from moeflow.settings import schema_node, with_defaults
+
+
+def stable_hash(obj: Any, length: int = 12) -> str:
+    """A hash of a JSON-able object that is the same in every process (unlike ``hash()``)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
+def settings_key(
+    prefix: str, settings: Callable[[Mapping[str, Any]], Mapping[str, Any]]
+) -> Callable[[Mapping[str, Any]], str]:
+    """The key function of a stage's output folder (results/<stage>/<key>): ``prefix-`` and the hash of what
+    ``settings`` says the stage depends on."""
+
+    def key(cfg: Mapping[str, Any]) -> str:
+        return f"{prefix}-{stable_hash(settings(cfg))}"
+
+    return key
+
+
+def tokenizer_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything the tokenizer depends on: its own settings, the sources and split it is trained on."""
+    data = cfg["data"]
+    return {
+        "tokenizer": cfg["tokenizer"],
+        "pretrained_model": cfg["model"].get("pretrained"),
+        "sources": data["sources"],
+        "split": data["split"],
+        "on_bad_record": data["on_bad_record"],
+    }
+
+
+def data_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything the tokenized shards depend on."""
+    return {"tokenizer": tokenizer_settings(cfg), "data": cfg["data"]}
+
+
+tokenizer_key = settings_key("t", tokenizer_settings)
+
+
+data_key = settings_key("d", data_settings)
+
+
+def base_model_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What the base model depends on: a user's pretrained folder, or the embedded default's pretraining
+    (then also rule pretrain_base's settings, :class:`PretrainStage`)."""
+    model = cfg["model"]
+    if model["pretrained"]:
+        return {"pretrained": model["pretrained"]}
+    return {
+        "model": model,
+        "pretrain": training(cfg["pretrain"]),
+        "data": data_key(cfg),
+        "precision": cfg["precision"],
+        "seed": cfg["seed"],
+    }
+
+
+base_key = settings_key("b", base_model_settings)
+
+
+def coverage_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "base": base_key(cfg),
+        "data": data_key(cfg),
+        "coverage": cfg["coverage"],
+        "seed": cfg["seed"],
+        "model": cfg["model"],
+    }
+
+
+coverage_key = settings_key("c", coverage_settings)
+
+
+# The training section whose micro-batch sizes the experts choice: fine-tuning's for the fine-tuning stages and
+# evaluation, pretraining's for the base model's stages (pretrain_base, coverage_valset), whose keys hold no train:.
+EXPERTS_PARTS = ("train", "pretrain")
+
+
+def experts_settings(cfg: Mapping[str, Any], part: str = "train") -> dict[str, Any]:
+    """What the experts choice depends on (rule choose_experts, moeflow.model.experts_choice): the model, one
+    micro-batch of ``part`` (one of EXPERTS_PARTS), the device and the precision."""
+    model = cfg["model"]
+    return {
+        "model": {k: model[k] for k in ("pretrained", "trust_remote_code", "config", "experts_implementation")},
+        "micro_batch_size": cfg[part]["micro_batch_size"],
+        "seq_len": cfg["data"]["seq_len"],
+        "device": cfg["hardware"]["device"],
+        "precision": cfg["precision"],
+    }
+
+
+def experts_key(cfg: Mapping[str, Any], part: str = "train") -> str:
+    return f"e-{stable_hash(experts_settings(cfg, part))}"
+
+
+def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """How the evaluation sets are batched (``moeflow.evaluation.loop.batches``): what rules evaluate_run and
+    routing_drift take from the ``evaluate`` section, so that a change to lm-eval or HumanEval settings does
+    not rerun them."""
+    return {key: cfg["evaluate"][key] for key in ("batch_size", "max_sequences")}
+
+
+HUMANEVAL_GENERATION_KEYS = ("problems", "n_samples", "temperature", "top_p", "max_new_tokens", "batch_size")
+
+
+HUMANEVAL_EXECUTION_KEYS = ("k", "timeout_s", "memory_mb")
+
+
+def humaneval_generation_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What rule humaneval_generate depends on (:class:`HumanEvalGeneration`): the sampling settings, with
+    ``seed`` null resolved to the run's. Execution's keys are left out: changing one generates nothing again."""
+    humaneval = cfg["evaluate"]["humaneval"]
+    seed = cfg["seed"] if humaneval["seed"] is None else humaneval["seed"]
+    return {key: humaneval[key] for key in HUMANEVAL_GENERATION_KEYS} | {"seed": seed}
+
+
+def humaneval_execution_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What rule humaneval_execute depends on besides the samples (:class:`HumanEvalExecution`)."""
+    return {key: cfg["evaluate"]["humaneval"][key] for key in HUMANEVAL_EXECUTION_KEYS}
+
+
+def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What the memory planner depends on: the model, the hardware and the training shape."""
+    return {
+        "model": cfg["model"],
+        "vocab_size": cfg["tokenizer"].get("vocab_size"),
+        "hardware": cfg["hardware"],
+        "parallel": cfg["parallel"],
+        "train": train_settings(cfg),
+        "seq_len": cfg["data"]["seq_len"],
+        "precision": cfg["precision"],
+    }
+
+
+# Settings that only affect the part after warmup: changing them reruns train_model, not warmup.
+AFTER_WARMUP_KEYS = (
+    "steps",
+    "warmup_ratio",
+    "min_lr",
+    "eval_every",
+    "eval_max_sequences",
+    "log_every",
+    "peak_flops_per_s",
+)
+
+
+def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
+    """``warmup_steps``, or ``warmup_ratio`` times ``steps`` (never both: see semantic_problems); 0 without either."""
+    if train["warmup_ratio"] is not None:
+        return max(1, int(round(float(train["warmup_ratio"]) * int(train["steps"]))))
+    return int(train["warmup_steps"] or 0)
+
+
+def training(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``train:`` or ``pretrain:`` section as :class:`TrainSettings` takes it: the schema's defaults
+    filled in, the warmup length resolved, ``balance.mode`` off for YAML's unquoted ``off`` (false), and
+    ``lora`` only with ``method: lora`` (null otherwise, so that LoRA settings never rerun a full run)."""
+    train = with_defaults(section, "#/$defs/training")
+    return train | {
+        "warmup_steps": resolve_warmup_steps(train),
+        "balance": train["balance"] | {"mode": train["balance"]["mode"] or "off"},
+        "lora": train["lora"] if train["method"] == "lora" else None,
+    }
+
+
+def train_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``train:`` section as the training stages and the planner see it (:func:`training`)."""
+    return training(cfg["train"])
+
+
+def warmup_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What the warmup stage depends on (:class:`WarmupStage`): base model, data, model/runtime settings
+    and the training settings of the warmup part: ``train.warmup_steps`` steps, with the settings of the
+    rest (AFTER_WARMUP_KEYS) at their defaults."""
+    train = train_settings(cfg)
+    defaults = schema_node("#/$defs/training")["properties"]
+    after = {k: defaults[k]["default"] for k in AFTER_WARMUP_KEYS if k != "steps"}
+    return {
+        "base": base_key(cfg),
+        "data": data_key(cfg),
+        "finetune_corpus": cfg["data"]["finetune_corpus"],
+        "model": cfg["model"],
+        "hardware_device": cfg["hardware"]["device"],
+        "parallel": cfg["parallel"],  # the ranks and their layout change the global batch and the sums
+        "train": train | after | {"steps": train["warmup_steps"]},
+        "precision": cfg["precision"],
+        "seed": cfg["seed"],
+    }
+
+
+def train_model_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What train_model depends on (:class:`TrainModelStage`): the whole training settings, the model, the
+    warmup it continues from, the layout."""
+    return {
+        "train": train_settings(cfg),
+        "model": cfg["model"],
+        "warmup": warmup_key(cfg),
+        "parallel": cfg["parallel"],
+        "hardware_device": cfg["hardware"]["device"],
+    }
+
+
+def export_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """How train_model writes the final model folder (:class:`ExportSettings`): a rule param of its own,
+    outside the training settings and the checkpoints' key."""
+    return dict(cfg["export"])
+
+
+warmup_key = settings_key("w", warmup_settings)
