@@ -67,7 +67,7 @@ def metrics_for(run: str, moe: bool, seed: int) -> dict:
 
 def train_log(path: Path, moe: bool, steps: int = 12) -> Path:
     """A metrics.jsonl as training writes it (``moeflow.train.metrics.MetricsLog``)."""
-    from moeflow.train.guards import layer_health
+    from moeflow.model.routing_stats import layer_health
     from moeflow.train.metrics import MetricsLog
 
     log = MetricsLog(path)

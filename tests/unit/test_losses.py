@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_model_cfg
 
-from moeflow.data.collate import collate
+from moeflow.data.collate import collate, token_mask
 from moeflow.model.chunked_loss import count_label_tokens, install
 from moeflow.model.factory import build_model
 from moeflow.model.routing import adapter_or_none
@@ -23,7 +23,6 @@ from moeflow.train.losses import (
     StepLoss,
     balance_from_sums,
     expert_counts,
-    token_mask,
     update_correction_bias,
 )
 from moeflow.train.settings import BalanceSettings

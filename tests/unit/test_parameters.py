@@ -101,3 +101,22 @@ def test_weight_decay_rule_uses_the_shape_in_the_model():
     assert not P.takes_weight_decay("model.layers.0.self_attn.q_proj.bias", (16,))
     assert not P.takes_weight_decay("model.layers.0.self_attn.sinks", (2,))
     assert not P.takes_weight_decay("model.layers.0.mlp.experts.gate_up_proj_bias", (4, 64))
+
+
+def test_active_parameters_count_top_k_of_the_routed_experts_and_every_other_parameter():
+    from tiny_models import tiny_dense_cfg, tiny_model_cfg
+
+    from moeflow.model.factory import build_model
+    from moeflow.train.metrics import active_parameters
+
+    moe = build_model(tiny_model_cfg(), vocab_size=64, seed=0)
+    sizes = {name: p.numel() for name, p in moe.named_parameters()}
+    experts = sum(n for name, n in sizes.items() if P.counted_category(name) == P.ROUTED_EXPERTS)
+    config = moe.config
+    assert experts and config.num_experts_per_tok < config.num_experts
+    want = sum(sizes.values()) - experts + experts * config.num_experts_per_tok // config.num_experts
+    assert P.active_per_token(config, sizes) == want == active_parameters(moe)  # the Trainer's door, same count
+    dense = build_model(tiny_dense_cfg(), vocab_size=64, seed=0)
+    assert P.active_per_token(dense.config, {n: p.numel() for n, p in dense.named_parameters()}) == sum(
+        p.numel() for p in dense.parameters()
+    )

@@ -9,10 +9,10 @@ from moeflow.data.valset import open_valset
 from moeflow.evaluation import run_metrics as ev
 from moeflow.model.factory import load_model, resolve_experts
 from moeflow.model.folder import check_vocabulary
+from moeflow.model.parameters import active_per_token
 from moeflow.runtime.files import write_json, write_text
 from moeflow.runtime.hardware import compute_device, compute_dtype
 from moeflow.runtime.stage import Stage, kill_point
-from moeflow.train.metrics import active_parameters
 
 stage = Stage.from_snakemake(snakemake)
 params = snakemake.params
@@ -30,7 +30,8 @@ for label in ("base", "finetuned"):
     check_vocabulary(model, list(snakemake.input.eval_data), snakemake.input[label])
     stats[label] = ev.evaluate_model(model, sets, params.settings, stage.precision)
     coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision)
-    parameters = {"total": sum(p.numel() for p in model.parameters()), "active_per_token": active_parameters(model)}
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    parameters = {"total": sum(sizes.values()), "active_per_token": active_per_token(model.config, sizes)}
     speed[label] = ev.speed_record(stats[label].values())
     del model
     gc.collect()

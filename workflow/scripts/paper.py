@@ -2,7 +2,6 @@
 every run (training logs, evaluation metrics, lm-eval tasks, HumanEval, routing drift, coverage,
 environment), each carrying its provenance."""
 
-from moeflow.model.lora import REPORT_FILE
 from moeflow.paper.build import write_paper
 from moeflow.paper.eval_results import read_run_results, stage_documents
 from moeflow.paper.inputs import RunRecord, read_benchmark, read_train_log
@@ -19,7 +18,7 @@ records = {
         speed=read_json(speed),
         log=read_train_log(f"{logs}/metrics.jsonl"),
         benchmark=read_benchmark(bench),
-        training=read_json(f"{adapter}/{REPORT_FILE}"),
+        training=read_json(f"{adapter}/trainable_parameters.json"),  # moeflow.model.lora.REPORT_FILE
         results=read_run_results(
             params.corpora[run]["general"], params.corpora[run]["target"], **params.eval_files[run]
         ),

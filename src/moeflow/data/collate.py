@@ -24,12 +24,15 @@ positions restarting at 0 (a block of their own). Causal attention means real to
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.runtime import compat
+
+if TYPE_CHECKING:
+    import torch
 
 SLIDING = "sliding_attention"  # transformers' layer type of a sliding-window attention layer
 
@@ -74,6 +77,22 @@ def collate(rows: Sequence[Mapping[str, Any]], *, pad_id: int = 0) -> dict[str, 
         "position_ids": torch.from_numpy(position_ids),
         "doc_ids": torch.from_numpy(doc_ids),
     }
+
+
+def token_mask(batch: Mapping[str, Any]) -> torch.Tensor:
+    """(B, L) bool: the positions that hold a real token (padding excluded from routing statistics).
+
+    The collator marks padding with a negative ``doc_ids``; a batch without it may carry a 2D
+    ``attention_mask`` (1 = token); otherwise every position counts.
+    """
+    import torch
+
+    if "doc_ids" in batch:
+        return torch.as_tensor(batch["doc_ids"]) >= 0
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        return mask.bool()
+    return torch.ones_like(torch.as_tensor(batch["input_ids"]), dtype=torch.bool)
 
 
 def model_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,11 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeflow.data.collate import model_inputs
+from moeflow.data.collate import model_inputs, token_mask
 from moeflow.evaluation.loop import batches
 from moeflow.model.routing import NoMoELayers, RoutingAdapter, adapter_or_none, capture
 from moeflow.runtime.stage import progress
-from moeflow.train.losses import token_mask
 
 LOAD_CHANGE = 0.5  # an expert gained or lost load: its share moved by more than half the base's share
 

@@ -18,11 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeflow.data.collate import collate, model_inputs
+from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import count_label_tokens, next_token_targets, token_losses
 from moeflow.model.routing import capture
-from moeflow.train.losses import token_mask
 
 FILLER = "filler"  # key of a batch a rank runs only to keep step with the others (see batches): not counted
 
@@ -87,7 +86,7 @@ def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, 
     """Run ``model`` over collated batches (``moeflow.data.collate.collate`` output) and sum loss and routing.
 
     ``adapter``: the model's ``moeflow.model.routing`` adapter, or None for a dense model (no expert statistics).
-    Padding (negative ``doc_ids``, see ``moeflow.train.losses.token_mask``) is routed but not counted.
+    Padding (negative ``doc_ids``, see ``moeflow.data.collate.token_mask``) is routed but not counted.
     """
     stats = SetStats()
     device = next(model.parameters()).device

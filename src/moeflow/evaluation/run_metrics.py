@@ -29,9 +29,8 @@ import torch
 from moeflow.data.shards import iter_rows
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches
 from moeflow.model.routing import adapter_or_none
-from moeflow.model.routing_stats import cell_table, route_pool
+from moeflow.model.routing_stats import cell_table, layer_health, route_pool
 from moeflow.runtime.stage import progress
-from moeflow.train.guards import layer_health
 
 
 def _finite(x: float) -> float | None:
@@ -39,7 +38,7 @@ def _finite(x: float) -> float | None:
 
 
 def balance(counts: Sequence[int]) -> dict[str, Any]:
-    """Load balance of one layer (``moeflow.train.guards.layer_health``, the training guard's definition):
+    """Load balance of one layer (``moeflow.model.routing_stats.layer_health``, the training guard's definition):
     max/mean, coefficient of variation, normalised load entropy (1 = uniform), dead experts."""
     health = layer_health([int(c) for c in counts])
     return {k: health[k] for k in ("max_over_mean", "cv", "load_entropy", "dead_experts")}

@@ -13,6 +13,8 @@ A module's category is the category of its ``weight``.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 ROUTER = "router"
 
@@ -128,3 +130,19 @@ def clean_name(name: str) -> str:
     """A parameter's name as the model names it, without the FSDP1 and activation-checkpointing wrappers'
     prefixes."""
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def active_per_token(config: Any, sizes: Mapping[str, int]) -> int:
+    """Parameters one token passes through, from the model's config and each parameter's whole size by name:
+    everything but the routed experts a token does not use. Six times this is the training FLOPs per token."""
+    experts = (
+        getattr(config, "num_experts", None)
+        or getattr(config, "num_local_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
+    top_k = getattr(config, "num_experts_per_tok", None)
+    total = sum(sizes.values())
+    if not experts or not top_k:
+        return total
+    expert_params = sum(k for n, k in sizes.items() if counted_category(n) == ROUTED_EXPERTS)
+    return int(total - expert_params + expert_params * top_k / experts)

@@ -6,11 +6,15 @@ token's chosen experts and the row column ``doc_ids`` attributes it to its docum
 sparse: tokens routed to each (layer, expert) and tokens on which each pair of experts was chosen
 together (``PoolStats``). Memory grows with the number of distinct (document, layer, expert) and
 (document, layer, pair) entries, never with tokens x experts.
+
+``layer_health`` is the balance of one layer's expert load, as the training guards, the Trainer's log and
+the evaluation report it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,3 +237,25 @@ def cell_table(stats: PoolStats, docs_mask: np.ndarray, min_tokens: int) -> tupl
     meets = keep & (stats.cells.count >= min_tokens)
     docs = np.bincount(stats.cells.code[meets], minlength=L * E)
     return docs.reshape(L, E).astype(np.int64), tokens.reshape(L, E).astype(np.int64)
+
+
+def layer_health(load: Sequence[float], router_entropy: float | None = None) -> dict[str, Any]:
+    """Balance statistics of one layer's expert load (top-k assignment counts)."""
+    n = len(load)
+    total = float(sum(load))
+    mean = total / n if n else 0.0
+    out: dict[str, Any] = {"load": [int(x) for x in load], "dead_experts": [i for i, x in enumerate(load) if x == 0]}
+    if total <= 0:
+        out.update(max_over_mean=0.0, cv=0.0, load_entropy=0.0)
+    else:
+        var = sum((x - mean) ** 2 for x in load) / n
+        shares = [x / total for x in load if x > 0]
+        entropy = -sum(p * math.log(p) for p in shares)
+        out.update(
+            max_over_mean=max(load) / mean,
+            cv=math.sqrt(var) / mean,
+            load_entropy=entropy / math.log(n) if n > 1 else 1.0,
+        )
+    if router_entropy is not None:
+        out["router_entropy"] = float(router_entropy)
+    return out

@@ -25,7 +25,7 @@ from typing import Any
 
 from moeflow.data.order import DataOrder
 from moeflow.model.routing import adapter_or_none
-from moeflow.model.routing_stats import expert_load
+from moeflow.model.routing_stats import expert_load, layer_health
 from moeflow.parallel.layouts import unwrap
 from moeflow.train.settings import MemoryThresholds, RoutingThresholds, TrainSettings
 
@@ -60,28 +60,6 @@ def check_finite(values: Mapping[str, float], step: int) -> None:
             "the last good checkpoint is kept (lower train.lr, check the data, or set train.detect_anomaly)",
             {"step": step, "values": {k: str(v) for k, v in bad.items()}},
         )
-
-
-def layer_health(load: Sequence[float], router_entropy: float | None = None) -> dict[str, Any]:
-    """Balance statistics of one layer's expert load (top-k assignment counts)."""
-    n = len(load)
-    total = float(sum(load))
-    mean = total / n if n else 0.0
-    out: dict[str, Any] = {"load": [int(x) for x in load], "dead_experts": [i for i, x in enumerate(load) if x == 0]}
-    if total <= 0:
-        out.update(max_over_mean=0.0, cv=0.0, load_entropy=0.0)
-    else:
-        var = sum((x - mean) ** 2 for x in load) / n
-        shares = [x / total for x in load if x > 0]
-        entropy = -sum(p * math.log(p) for p in shares)
-        out.update(
-            max_over_mean=max(load) / mean,
-            cv=math.sqrt(var) / mean,
-            load_entropy=entropy / math.log(n) if n > 1 else 1.0,
-        )
-    if router_entropy is not None:
-        out["router_entropy"] = float(router_entropy)
-    return out
 
 
 class RoutingGuard:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from moeflow.data.collate import token_mask
 from moeflow.parallel.process_group import all_reduce_sum, world_size
 from moeflow.train.settings import BalanceSettings
 
@@ -56,20 +57,6 @@ class LayerRouter:
     @property
     def num_experts(self) -> int:
         return self.probs.shape[-1]
-
-
-def token_mask(batch: Mapping[str, Any]) -> torch.Tensor:
-    """(B, L) bool: the positions that hold a real token (padding excluded from routing statistics).
-
-    The collator marks padding with a negative ``doc_ids``; a batch without it may carry a 2D
-    ``attention_mask`` (1 = token); otherwise every position counts.
-    """
-    if "doc_ids" in batch:
-        return torch.as_tensor(batch["doc_ids"]) >= 0
-    mask = batch.get("attention_mask")
-    if mask is not None and mask.dim() == 2:
-        return mask.bool()
-    return torch.ones_like(torch.as_tensor(batch["input_ids"]), dtype=torch.bool)
 
 
 def real_token_positions(batch: Mapping[str, Any]) -> torch.Tensor | None:

@@ -79,18 +79,7 @@ def step_memory_mib(device: torch.device) -> float:
 
 
 def active_parameters(model: torch.nn.Module) -> int:
-    """Parameters one token passes through: everything but the experts a token does not use (whole
-    parameters, also of a sharded model). Six times this is the training FLOPs per token."""
-    config = unwrap(model).config
-    experts = (
-        getattr(config, "num_experts", None)
-        or getattr(config, "num_local_experts", None)
-        or getattr(config, "n_routed_experts", None)
-    )
-    top_k = getattr(config, "num_experts_per_tok", None)
+    """``moeflow.model.parameters.active_per_token`` of a model in any layout (whole parameters, also of a
+    sharded model)."""
     sizes = {n: math.prod(original_shape(p)) for n, p in model.named_parameters()}
-    total = sum(sizes.values())
-    if not experts or not top_k:
-        return total
-    expert_params = sum(k for n, k in sizes.items() if P.counted_category(n) == P.ROUTED_EXPERTS)
-    return int(total - expert_params + expert_params * top_k / experts)
+    return P.active_per_token(unwrap(model).config, sizes)

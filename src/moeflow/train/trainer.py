@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from moeflow.checkpoint import state as C
-from moeflow.data.collate import collate, model_inputs
+from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.order import DataOrder
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
 from moeflow.model.chunked_loss import count_label_tokens, token_losses
 from moeflow.model.routing import adapter_or_none, capture
+from moeflow.model.routing_stats import layer_health
 from moeflow.parallel.gradients import clip_grad_norm, reduce_gradients, release_gradients
 from moeflow.parallel.layouts import reshard, unwrap
 from moeflow.parallel.process_group import gather_objects, rank, world_size
@@ -47,7 +48,6 @@ from moeflow.train.losses import (
     StepLoss,
     expert_counts,
     real_token_positions,
-    token_mask,
     update_correction_bias,
 )
 from moeflow.train.metrics import MetricsLog, active_parameters, start_step_memory, step_memory_mib
@@ -295,7 +295,7 @@ class Trainer:
             # model-FLOP utilisation per device against train.peak_flops_per_s (None when unknown)
             "mfu": flops_per_s / (s.peak_flops_per_s * self.world) if s.peak_flops_per_s else None,
             "memory_mib": step_memory_mib(self.device),
-            "routing": [G.layer_health(load, e) for load, e in zip(summary.get("counts", []), entropy)],
+            "routing": [layer_health(load, e) for load, e in zip(summary.get("counts", []), entropy)],
         }
         record["alarms"] = self.routing_guard.observe(self.step, summary.get("counts", []), entropy, summary["ce"])
         return record
