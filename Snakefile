@@ -1,10 +1,14 @@
 # moeflow: fine-tune mixture-of-experts language models, reproducibly.
 #
-#   snakemake --cores 8 train     environment -> tokenizer -> shards -> base model -> coverage set -> plan
+#   snakemake --cores 8 train     environment -> tokenizer -> shards -> base model -> coverage set, memory plan
+#                                 -> warmup -> fine-tuned model, for every run
+#   snakemake --cores 8 paper     and each run evaluated (losses, lm-eval tasks, HumanEval, routing drift)
+#                                 -> the paper's figures and tables
 #   snakemake --cores 2 verify_env
 #
 # Outputs live under results/{stack}/; each stage is one file in workflow/rules/, a thin script in
-# workflow/scripts/, over the moeflow package in src/moeflow/.
+# workflow/scripts/, over the moeflow package in src/moeflow/. A stage reruns when its params, its input files
+# or the library code it declares (moeflow.workflow.rule_code) change, and nothing else: docs/reruns.md.
 
 from snakemake.utils import min_version
 

@@ -1,67 +1,139 @@
-"""Editing any moeflow module reruns exactly the rules whose scripts import it (directly or through other
-package modules) and the rules downstream of them: the rules' library inputs come from the imports."""
+"""Editing library code reruns what the code means, never what merely imports it: every file of src/moeflow and
+workflow/tasks, edited in a finished smoke pipeline, reruns exactly its row of tests/rerun_expectations.py (the
+table of docs/reruns.md), target ``paper``.
+
+Editing each file in turn would take one dry run per file (about 80). Instead every file is edited at once, and
+Snakemake says which jobs each file reruns directly: a job's dry-run reason lists every updated input file
+("Updated input files: ..."), but only for a job that no job upstream of it reruns (Snakemake 9.27.1 marks the
+jobs below a rerun job "Input files updated by another job" without checking their own inputs). So there is one
+dry run per level of the rule graph (no rule of a level is upstream of another), whose DAG holds only that
+level's rules (``--allowed-rules``; their jobs' outputs, from ``--summary``, are the targets): no job in it is
+upstream of another, so each lists its own updated inputs. What a file reruns is then the rules whose jobs list
+it and everything downstream of them in the rule graph, which is what a dry run after editing that file alone
+schedules (checked for two files).
+"""
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import rerun_expectations as E
 from conftest import SMOKE, active_stack, scheduled_rules, snakemake
 
-from moeflow.workflow.imports import PACKAGE_DIR, transitive_imports
-
-pytestmark = pytest.mark.pipeline
-MODULES = sorted(p.stem for p in PACKAGE_DIR.glob("*.py"))
-
-
-def rule_scripts(workdir: Path) -> dict[str, Path]:
-    """Each rule's stage script, read from the rule files (``script:`` rules and torchrun ``shell:`` rules)."""
-    scripts = {}
-    for smk in sorted((workdir / "workflow" / "rules").glob("*.smk")):
-        for block in re.split(r"^rule ", smk.read_text(), flags=re.M)[1:]:
-            name = block.split(":", 1)[0]
-            found = re.search(r"scripts/(\w+\.py)", block)
-            if found:
-                scripts[name] = workdir / "workflow" / "scripts" / found.group(1)
-    return scripts
+pytestmark = [
+    pytest.mark.pipeline,
+    pytest.mark.skipif(
+        active_stack() != "pinned", reason="the rule graph and the rules' inputs are the same on both stacks"
+    ),
+]
+UPDATED = "Updated input files: "
 
 
-def downstream(workdir: Path) -> dict[str, set[str]]:
-    """Every rule of the smoke DAG (target paper) and the rules that depend on it, directly or not."""
-    dot = snakemake(workdir, "paper", "--rulegraph", *SMOKE).stdout
+def rule_graph(workdir: Path) -> dict[str, set[str]]:
+    """Each rule of the smoke DAG (target paper) and the rules that read its outputs."""
+    dot = snakemake(workdir, "paper", "--rulegraph", "--nolock", *SMOKE).stdout
     names = dict(re.findall(r'(\d+)\[label = "(\w+)"', dot))
     children: dict[str, set[str]] = {name: set() for name in names.values()}
-    for a, b in re.findall(r"(\d+) -> (\d+)", dot):
+    for a, b in re.findall(r"^\s*(\d+) -> (\d+)$", dot, flags=re.M):
         children[names[a]].add(names[b])
-    closure = {}
-    for rule in children:
-        seen, todo = set(), [rule]
-        while todo:
-            for child in children[todo.pop()] - seen:
-                seen.add(child)
-                todo.append(child)
-        closure[rule] = seen
-    return closure
+    return children
 
 
-@pytest.mark.skipif(active_stack() != "pinned", reason="the rule graph and the imports are the same on both stacks")
-def test_editing_any_module_reruns_exactly_its_importers_and_their_dependants(pipeline_copy):
-    scripts, after = rule_scripts(pipeline_copy), downstream(pipeline_copy)
-    assert set(scripts) >= set(after), "every rule of the DAG runs a stage script"
-    importers = {
-        m: {r for r, s in scripts.items() if r in after and f"moeflow.{m}" in transitive_imports(s)} for m in MODULES
-    }
-    importers["__init__"] = {r for r in after if r in scripts}
-    assert importers["files"] and importers["train"] == {"pretrain_base", "warmup", "train_model"}
-    for module in MODULES:
-        path = pipeline_copy / "src" / "moeflow" / f"{module}.py"
-        original = path.read_bytes()
-        path.write_bytes(
-            original + f"\n# an edit to {module}\n".encode()
-        )  # a content change: Snakemake checksums small files
-        try:
-            expected = importers[module] | {d for r in importers[module] for d in after[r]}
-            assert scheduled_rules(pipeline_copy, target="paper") == expected, module
-        finally:
-            path.write_bytes(original)
+def downstream(children: dict[str, set[str]], rules: set[str]) -> set[str]:
+    """``rules`` and every rule below them."""
+    seen, todo = set(rules), list(rules)
+    while todo:
+        for child in children[todo.pop()] - seen:
+            seen.add(child)
+            todo.append(child)
+    return seen
+
+
+def levels(children: dict[str, set[str]]) -> list[list[str]]:
+    """The rules by their longest path from a rule with no inputs from others: no rule of a level is upstream
+    of another one of it."""
+    parents = {rule: {p for p, kids in children.items() if rule in kids} for rule in children}
+    depth: dict[str, int] = {}
+
+    def level(rule: str) -> int:
+        if rule not in depth:
+            depth[rule] = 1 + max((level(p) for p in parents[rule]), default=-1)
+        return depth[rule]
+
+    by_level: dict[int, list[str]] = {}
+    for rule in sorted(children):
+        by_level.setdefault(level(rule), []).append(rule)
+    return [by_level[i] for i in sorted(by_level)]
+
+
+def rule_outputs(workdir: Path) -> dict[str, list[str]]:
+    """Each rule's output files in the smoke DAG (target paper)."""
+    out = snakemake(workdir, "paper", "--summary", "--nolock", *SMOKE).stdout
+    outputs: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        fields = line.split("\t")
+        if len(fields) == 6 and fields[0] != "output_file":
+            outputs.setdefault(fields[2], []).append(fields[0])
+    return outputs
+
+
+def own_updated_inputs(workdir: Path, rules: list[str], outputs: dict[str, list[str]]) -> dict[str, set[str]]:
+    """File -> the rules (of ``rules``, none upstream of another) with a job whose dry-run reason lists it as an
+    updated input."""
+    targets = [path for rule in rules for path in outputs[rule]]
+    out = snakemake(
+        workdir, *targets, "--dry-run", "--nolock", "--cores", "2", *SMOKE, "--allowed-rules", *rules
+    ).stdout
+    found: dict[str, set[str]] = {}
+    for block in re.split(r"^(?:local)?rule ", out, flags=re.M)[1:]:
+        rule = block.split(":", 1)[0]
+        reason = re.search(r"^\s+reason: (.*)$", block, flags=re.M)
+        assert rule in rules and reason, block
+        for part in reason.group(1).split("; "):
+            if part.startswith(UPDATED):
+                for path in part.removeprefix(UPDATED).split(", "):
+                    found.setdefault(path, set()).add(rule)
+    return found
+
+
+def edit(workdir: Path, path: str) -> bytes:
+    """Append a comment (a content change: Snakemake checksums files under 1 MB); returns the old bytes."""
+    file = workdir / path
+    original = file.read_bytes()
+    file.write_bytes(original + b"\n# an edit\n")
+    return original
+
+
+def test_editing_library_code_reruns_its_rows_rules(pipeline_copy):
+    with ThreadPoolExecutor(2) as pool:  # independent Snakemake calls (--nolock)
+        graph, outputs = pool.submit(rule_graph, pipeline_copy), pool.submit(rule_outputs, pipeline_copy)
+        children, outputs = graph.result(), outputs.result()
+        assert set(children) == set(outputs) == set(E.RULE_ORDER)
+        files = E.edited_files(pipeline_copy)
+        assert len(files) > 80
+        for path in files:
+            edit(pipeline_copy, path)
+        direct: dict[str, set[str]] = {}
+        for found in pool.map(lambda rules: own_updated_inputs(pipeline_copy, rules, outputs), levels(children)):
+            for path, rules in found.items():
+                direct.setdefault(path, set()).update(rules)
+    assert set(direct) <= set(files), "a job reruns for a file this test did not edit"
+    reruns = {path: downstream(children, direct.get(path, set())) for path in files}
+    wrong = [
+        f"{path}: {E.in_order(reruns[path])}, expected {E.in_order(E.row_of(path).reruns)}"
+        for path in files
+        if reruns[path] != E.row_of(path).reruns
+    ]
+    assert not wrong, "a file reruns other rules than its row of tests/rerun_expectations.py:\n" + "\n".join(wrong)
+
+
+def test_one_edit_reruns_what_its_row_says(pipeline_copy):
+    # The level-by-level reading above, against Snakemake's own schedule for a single edit.
+    for path in ("src/moeflow/paper/tables.py", "src/moeflow/train/trainer.py"):
+        original = edit(pipeline_copy, path)
+        assert scheduled_rules(pipeline_copy, target="paper") == E.row_of(path).reruns, path
+        (pipeline_copy / path).write_bytes(original)  # same content again: Snakemake's checksum reruns nothing
+    assert scheduled_rules(pipeline_copy, target="paper") == set()

@@ -1,5 +1,5 @@
 # Shared by all stage files: config validation, the stack, the runs, result paths, and the library
-# modules each stage lists as inputs (Snakemake does not track code imported by a script otherwise).
+# code each stage lists as inputs (Snakemake does not track code imported by a script otherwise).
 # Functions live here only; workflow/rules/<stage>.smk hold rules only.
 
 import json
@@ -27,7 +27,7 @@ from moeflow.workflow import keys as stage_keys
 from moeflow.workflow.load import load as load_config, resolve_stack, run_config
 from moeflow.workflow.merge import run_names
 from moeflow.runtime.env import fingerprint as environment_fingerprint
-from moeflow.workflow.imports import library_files
+from moeflow.workflow.rule_code import code_files
 
 try:
     # The config again from config/config.yaml and the --configfile overlays, merged by moeflow's rules (null
@@ -52,10 +52,10 @@ TOKENIZERS = {stage_keys.tokenizer_key(cfg): stage_keys.tokenizer_settings(cfg) 
 DATASETS = {stage_keys.data_key(cfg): stage_keys.data_settings(cfg) for cfg in RUNS.values()}
 
 
-def lib(script):
-    """The package modules a stage script imports, directly or through other package modules, as inputs:
-    editing one reruns the rule (moeflow.workflow.imports walks the imports; nothing is listed by hand)."""
-    return library_files(Path(workflow.basedir) / "workflow" / "scripts" / script, SRC / "moeflow")
+def code(rule):
+    """The library code that can change ``rule``'s outputs, declared by concern in moeflow.workflow.rule_code, as
+    the rule's ``lib`` input: editing one of those files reruns the rule (docs/reruns.md)."""
+    return code_files(rule, SRC / "moeflow")
 
 
 def runtime(run=None):

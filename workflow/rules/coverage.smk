@@ -6,7 +6,7 @@ rule coverage_valset:
         model=lambda wc: base_model_dir(COVERAGES[wc.covkey]),
         experts=lambda wc: experts_choice(COVERAGES[wc.covkey], "pretrain"),
         pool=lambda wc: [data_dir(COVERAGES[wc.covkey], c) for c in COVERAGES[wc.covkey]["coverage"]["pool_corpora"]],
-        lib=lib("coverage_valset.py"),
+        lib=code("coverage_valset"),
     output:
         valset=directory(f"{RESULTS}/coverage/{{covkey}}/valset"),
         json=f"{RESULTS}/coverage/{{covkey}}/coverage.json",

@@ -4,7 +4,7 @@
 
 rule train_tokenizer:
     input:
-        lib=lib("train_tokenizer.py"),
+        lib=code("train_tokenizer"),
     output:
         directory(f"{RESULTS}/tokenizer/{{tokkey}}"),
     params:
@@ -25,7 +25,7 @@ rule tokenize:
     input:
         tokenizer=lambda wc: tokenizer_dir(DATASETS[wc.datakey]["tokenizer"]),
         sources=corpus_files,
-        lib=lib("tokenize_corpus.py"),
+        lib=code("tokenize"),
     output:
         directory(f"{RESULTS}/data/{{datakey}}/{{corpus}}"),
     params:

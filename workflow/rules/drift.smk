@@ -9,7 +9,7 @@ rule routing_drift:
         finetuned=lambda wc: final_model_dir(wc.run),
         experts=lambda wc: experts_choice(RUNS[wc.run]),
         valset=lambda wc: f"{coverage_dir(RUNS[wc.run])}/valset",
-        lib=lib("routing_drift.py"),
+        lib=code("routing_drift"),
     output:
         json=f"{RESULTS}/runs/{{run}}/eval/drift.json",
     params:

@@ -7,7 +7,7 @@ from moeflow.runtime.gpu_node import layout as gpu_layout
 rule verify_env:
     input:
         env_file=f"envs/{STACK}.yaml",
-        lib=lib("verify_env.py"),
+        lib=code("verify_env"),
     output:
         json=f"{RESULTS}/env/report.json",
         md=report(f"{RESULTS}/env/report.md", caption="../report/verify_env.rst", category="Environment"),
@@ -36,7 +36,7 @@ rule verify_env:
 rule choose_experts:
     input:
         model_config=lambda wc: [f"{p}/config.json" for p in [EXPERTS[wc.expkey]["model"]["pretrained"]] if p],
-        lib=lib("choose_experts.py"),
+        lib=code("choose_experts"),
     output:
         choice=f"{RESULTS}/experts/{{expkey}}/choice.json",
         timings=f"{RESULTS}/experts/{{expkey}}/timings.json",

@@ -10,7 +10,7 @@ rule evaluate_run:
         experts=lambda wc: experts_choice(RUNS[wc.run]),
         valset=lambda wc: f"{coverage_dir(RUNS[wc.run])}/valset",
         eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]],
-        lib=lib("evaluate.py"),
+        lib=code("evaluate_run"),
     output:
         metrics=f"{RESULTS}/runs/{{run}}/eval/metrics.json",
         speed=f"{RESULTS}/runs/{{run}}/eval/speed.json",

@@ -7,7 +7,7 @@ rule humaneval_generate:
     input:
         model=evaluated_model_dir,
         experts=lambda wc: experts_choice(RUNS[wc.run]),
-        lib=lib("humaneval_generate.py"),
+        lib=code("humaneval_generate"),
     output:
         samples=f"{RESULTS}/runs/{{run}}/eval/humaneval/{{model}}/samples.jsonl",
     wildcard_constraints:
@@ -31,7 +31,7 @@ rule humaneval_generate:
 rule humaneval_execute:
     input:
         samples=rules.humaneval_generate.output.samples,
-        lib=lib("humaneval_execute.py"),
+        lib=code("humaneval_execute"),
     output:
         results=f"{RESULTS}/runs/{{run}}/eval/humaneval/{{model}}/results.json",
         summary=report(f"{RESULTS}/runs/{{run}}/eval/humaneval/{{model}}/summary.md", caption="../report/humaneval.rst", category="Evaluation", subcategory="{run}"),

@@ -14,7 +14,7 @@ rule lm_eval_task:
         eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]]
         if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
         else [],
-        lib=lib("lm_eval_task.py"),
+        lib=code("lm_eval_task"),
     output:
         json=report(
             f"{RESULTS}/runs/{{run}}/eval/lm_eval/{{model}}/{{task}}.json",

@@ -8,7 +8,7 @@ rule pretrain_base:
         data=lambda wc: data_dir(BASES[wc.basekey], BASES[wc.basekey]["data"]["base_corpus"]),
         experts=lambda wc: experts_choice(BASES[wc.basekey], "pretrain"),
         script="workflow/scripts/pretrain_base.py",
-        lib=lib("pretrain_base.py"),
+        lib=code("pretrain_base"),
     output:
         model=directory(f"{RESULTS}/base/{{basekey}}"),
     params:

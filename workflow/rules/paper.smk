@@ -1,5 +1,6 @@
 # The paper artifacts: figures (PNG and PDF), tables (CSV, Markdown, LaTeX) and provenance.json from the
-# cached results of every run. Never retrains: a change to a figure's code reruns this rule only.
+# cached results of every run. Never retrains: a change to the paper's code (src/moeflow/paper, the script)
+# or to a paper setting reruns this rule only (docs/reruns.md).
 
 
 rule paper:
@@ -14,7 +15,7 @@ rule paper:
         env=rules.verify_env.output.json,
         experts=[experts_timings(RUNS[run]) for run in RUNS],  # the environment table's experts choice per run (rule choose_experts)
         data=list(paper_data().values()),
-        lib=lib("paper.py"),
+        lib=code("paper"),
     output:
         **paper_output_files(),
     params:

@@ -5,7 +5,7 @@
 rule plan_memory:
     input:
         env=rules.verify_env.output.json,
-        lib=lib("plan_memory.py"),
+        lib=code("plan_memory"),
     output:
         json=f"{RESULTS}/runs/{{run}}/plan.json",
         md=report(f"{RESULTS}/runs/{{run}}/plan.md", caption="../report/plan_memory.rst", category="Memory plan", subcategory="{run}"),

@@ -12,7 +12,7 @@ rule warmup:
         data=lambda wc: data_dir(RUNS[WARMUPS[wc.warmkey]], RUNS[WARMUPS[wc.warmkey]]["data"]["finetune_corpus"]),
         experts=lambda wc: experts_choice(RUNS[WARMUPS[wc.warmkey]]),
         script="workflow/scripts/warmup.py",
-        lib=lib("warmup.py"),
+        lib=code("warmup"),
     output:
         checkpoint=directory(f"{RESULTS}/warmup/{{warmkey}}"),
     params:
@@ -46,7 +46,7 @@ rule train_model:
         # warmup input it would rerun warmup on a second-part change (train.steps).
         plan=lambda wc: f"{RESULTS}/runs/{wc.run}/plan.json",
         script="workflow/scripts/train_model.py",
-        lib=lib("train_model.py"),
+        lib=code("train_model"),
     output:
         model=directory(f"{RESULTS}/runs/{{run}}/model"),
         logs=directory(f"{RESULTS}/runs/{{run}}/train"),

@@ -1,9 +1,9 @@
 """Which moeflow modules a file imports, directly or through other moeflow modules.
 
-Snakemake does not track code a script imports, so each rule lists the package modules its script
-reaches as inputs (``workflow/rules/common.smk``): editing one reruns exactly the rules that import it.
-The same graph lets a test refuse import cycles inside the package. Files are parsed, never imported:
-this runs at DAG build time, in Snakemake's own interpreter, without torch.
+Rules do not take their library inputs from this graph (they declare them by concern:
+``moeflow.workflow.rule_code``); tests use it to check that every module a rule's script reaches is declared
+for that rule or infrastructure, and to refuse import cycles inside the package. Files are parsed, never
+imported (no torch needed).
 """
 
 from __future__ import annotations
@@ -83,14 +83,6 @@ def transitive_imports(path: str | os.PathLike, package_dir: Path = PACKAGE_DIR)
         seen.add(module)
         todo.extend(sorted(direct_imports(module_path(module, package_dir), package_dir) - seen))
     return sorted(seen | {PACKAGE}) if seen else []
-
-
-def library_files(script: str | os.PathLike, package_dir: Path = PACKAGE_DIR) -> list[str]:
-    """The source files of the modules ``script`` reaches, as paths relative to the working directory
-    when they lie below it (Snakemake inputs)."""
-    files = [module_path(m, package_dir) for m in transitive_imports(script, package_dir)]
-    cwd = Path.cwd().resolve()
-    return [str(f.resolve().relative_to(cwd)) if f.resolve().is_relative_to(cwd) else str(f) for f in files]
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -1,0 +1,124 @@
+"""The library code that can change each rule's outputs: every rule's ``input: lib=code("<rule>")``.
+
+Snakemake reruns a rule when one of its input files changes, but it does not see what a stage script
+imports. So each rule lists the library code its outputs depend on, declared here by concern (what the
+code does for that rule), not derived from the imports: a module that imports another one for a helper
+does not make their stages rerun together. docs/reruns.md says what editing each part reruns.
+
+- A name is a package (``paper``: every module under ``src/moeflow/paper``) or one module
+  (``model.factory``); a package's ``__init__`` comes with any of its modules (Python runs it first).
+- ``INFRASTRUCTURE`` is no rule's input: the package root, ``runtime`` (how a stage runs: threads, seeds,
+  logging, atomic writes, the device, the torchrun job, the environment report), ``settings`` (reading
+  config sections into typed settings) and ``workflow`` (what only the Snakefile reads; the params it
+  computes rerun what a setting changes). An edit there that changes outputs is a format change: rerun
+  what it affects with ``--forcerun``.
+- tests/unit/test_rule_code.py checks that every moeflow module a rule's script reaches through its
+  imports is declared here for that rule or is infrastructure, so an import never goes silently stale;
+  tests/pipeline/test_library_reruns.py edits every module of a finished pipeline and checks what reruns.
+
+Standard library only: the Snakefile reads this at DAG build time, in Snakemake's own interpreter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeflow.workflow.imports import PACKAGE_DIR, module_name
+
+# With the package root (moeflow/__init__.py): how a stage runs, not what it computes.
+INFRASTRUCTURE = ("runtime", "settings", "workflow")
+
+
+# --- concerns, each the code that does one thing for the rules that list it
+
+# Packed rows as stages read them: the Arrow shards, and rows to model inputs.
+ROWS = ("data.shards", "data.collate")
+
+# The coverage validation set's format (it packs the documents it picked).
+VALSET = ("data.valset", "data.packing")
+
+# Building or loading a model, with the chunked loss it computes (which skips the rows' IGNORE_INDEX labels).
+MODEL = ("model.factory", "model.folder", "model.chunked_loss", "data.shards")
+
+# Reading the routers per family, and routing statistics over a set of rows (expert load, layer health).
+ROUTING = ("model.routing", "model.routing_stats")
+
+# The tokenizer and the sources it reads.
+TOKENIZER = ("data.tokenizer", "data.corpus", "data.shards")
+
+# The training loop and what it runs: the model in every layout (LoRA included), sharding and gradient
+# reduction, checkpoints and the export, the rows in their order, and the evaluation loop of its evals.
+TRAINING = ("train", "model", "parallel", "checkpoint", *ROWS, "data.order", "evaluation.loop")
+
+# Loss, perplexity and per-expert tables of a model on sets of rows, with the batch loop behind them.
+SET_EVALUATION = ("evaluation.run_metrics", "evaluation.loop")
+
+# lm-evaluation-harness: the run, moeflow's corpus documents as lm-eval requests, the task resolver. The task
+# YAMLs and their code (workflow/tasks) are the rule's own ``task_files`` input, per task.
+LM_EVAL = ("evaluation.lm_eval_run", "evaluation.lm_eval_docs", "evaluation.lm_eval_tasks")
+
+# HumanEval: problems, samples, pass@k and the sandbox the programs run in (one module holds both halves),
+# and the generation loop.
+HUMANEVAL = ("evaluation.humaneval", "evaluation.generation", "evaluation.sandbox", "evaluation.sandbox_launcher")
+
+
+RULES: dict[str, tuple[str, ...]] = {
+    "verify_env": (),  # its script runs infrastructure only; its fingerprint param reruns it when packages change
+    "choose_experts": ("model.experts_choice", *MODEL, "model.routing"),
+    "train_tokenizer": TOKENIZER,
+    "tokenize": ("data.tokenize", "data.packing", *TOKENIZER),
+    "pretrain_base": TRAINING,
+    "coverage_valset": ("coverage", *ROUTING, *MODEL, *ROWS, *VALSET),
+    # the plan reads the model's shapes from the config the factory builds, and the typed training settings
+    "plan_memory": ("plan", *MODEL, "model.parameters", "train.settings", "parallel.settings"),
+    "warmup": TRAINING,
+    "train_model": (*TRAINING, *VALSET),
+    "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters"),
+    # the set evaluation: each result carries its cross-check against moeflow's own loss
+    "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS),
+    "humaneval_generate": (*HUMANEVAL, *MODEL),
+    "humaneval_execute": HUMANEVAL,
+    "routing_drift": ("evaluation.drift", "evaluation.loop", "model.routing", *MODEL, *ROWS, *VALSET),
+    "paper": ("paper",),
+}
+
+
+def module_files(name: str, package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """The source files of ``name`` (a package: all its modules, nested ones too; a module: itself) and the
+    ``__init__.py`` of every package above it but the root (infrastructure)."""
+    parts = name.split(".")
+    base = package_dir.joinpath(*parts)
+    if base.is_dir():
+        files = set(base.rglob("*.py"))
+    elif base.with_suffix(".py").is_file():
+        files = {base.with_suffix(".py")}
+    else:
+        raise ValueError(f"moeflow.workflow.rule_code: {name!r} is neither a package nor a module under {package_dir}")
+    return sorted(files | {package_dir.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts))})
+
+
+def declared_files(rule: str, package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """The source files of the code declared for ``rule``."""
+    if rule not in RULES:
+        raise KeyError(f"moeflow.workflow.rule_code: no code is declared for rule {rule!r}; add it to RULES")
+    return sorted({f for name in RULES[rule] for f in module_files(name, package_dir)})
+
+
+def declared_modules(rule: str, package_dir: Path = PACKAGE_DIR) -> set[str]:
+    """The dotted moeflow modules declared for ``rule``."""
+    return {module_name(f, package_dir) for f in declared_files(rule, package_dir)}
+
+
+def is_infrastructure(module: str) -> bool:
+    """Whether a dotted moeflow module is infrastructure (never a rule's input): the package root or a module
+    of ``INFRASTRUCTURE``."""
+    inside = module.split(".")[1:]
+    return not inside or inside[0] in INFRASTRUCTURE
+
+
+def code_files(rule: str, package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """``declared_files`` as Snakemake inputs: relative to the working directory when they lie below it (an
+    absolute path would change, and rerun the rule, in a moved copy)."""
+    cwd = Path.cwd().resolve()
+    files = [f.resolve() for f in declared_files(rule, package_dir)]
+    return [str(f.relative_to(cwd)) if f.is_relative_to(cwd) else str(f) for f in files]

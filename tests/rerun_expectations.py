@@ -1,0 +1,207 @@
+"""What editing library code must rerun, by what the code means: the table of docs/reruns.md.
+
+tests/pipeline/test_library_reruns.py edits every file these rows cover in a finished smoke pipeline and
+checks that Snakemake reruns exactly a file's row (target ``paper``); tests/unit/test_rule_code.py checks
+that the rows cover every file and that docs/reruns.md shows them. The rows are written from the code's
+meaning, not from moeflow.workflow.rule_code's declarations, which they check.
+
+Rewrite the docs' table after changing a row: ``python tests/rerun_expectations.py``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "reruns.md"
+TABLE_START = "<!-- code rerun table: written by tests/rerun_expectations.py -->"
+TABLE_END = "<!-- end of the code rerun table -->"
+EDITED = ("src/moeflow/**/*.py", "workflow/tasks/*")  # every file a row must cover
+
+# The smoke pipeline's rules (target paper) in the order the docs list them.
+RULE_ORDER = (
+    "verify_env",
+    "choose_experts",
+    "train_tokenizer",
+    "tokenize",
+    "plan_memory",
+    "pretrain_base",
+    "coverage_valset",
+    "warmup",
+    "train_model",
+    "evaluate_run",
+    "lm_eval_task",
+    "humaneval_generate",
+    "humaneval_execute",
+    "routing_drift",
+    "paper",
+)
+EVALUATION = frozenset({"evaluate_run", "lm_eval_task", "humaneval_generate", "humaneval_execute", "routing_drift"})
+AFTER_FINE_TUNING = frozenset({"train_model", *EVALUATION, "paper"})  # what follows train_model
+AFTER_BASE_MODEL = frozenset({"pretrain_base", "coverage_valset", "warmup", *AFTER_FINE_TUNING})
+
+
+@dataclass(frozen=True)
+class Row:
+    code: str  # what the code does
+    patterns: tuple[str, ...]  # files, relative to the repository root (fnmatch: * also crosses /)
+    reruns: frozenset[str]
+
+
+# The first row whose pattern matches a file is that file's expectation.
+ROWS = (
+    Row("the paper's figures, tables and provenance", ("src/moeflow/paper/*",), frozenset({"paper"})),
+    Row(
+        "lm-eval: the run, moeflow's documents as requests, the task resolver; the task YAMLs and their code",
+        ("src/moeflow/evaluation/lm_eval_*.py", "workflow/tasks/*"),
+        frozenset({"lm_eval_task", "paper"}),
+    ),
+    Row(
+        "the evaluation on sets (loss, perplexity, per-expert tables; lm-eval's cross-check uses it)",
+        ("src/moeflow/evaluation/run_metrics.py",),
+        frozenset({"evaluate_run", "lm_eval_task", "paper"}),
+    ),
+    Row("routing drift", ("src/moeflow/evaluation/drift.py",), frozenset({"routing_drift", "paper"})),
+    Row(
+        "HumanEval: problems, pass@k, the sandbox, the generation loop",
+        (
+            "src/moeflow/evaluation/humaneval.py",
+            "src/moeflow/evaluation/sandbox*.py",
+            "src/moeflow/evaluation/generation.py",
+        ),
+        frozenset({"humaneval_generate", "humaneval_execute", "paper"}),
+    ),
+    Row(
+        "the coverage validation set and its format",
+        ("src/moeflow/coverage/*", "src/moeflow/data/valset.py"),
+        frozenset({"coverage_valset", *AFTER_FINE_TUNING}),
+    ),
+    Row("the memory planner", ("src/moeflow/plan/*",), frozenset({"plan_memory", *AFTER_FINE_TUNING})),
+    Row(
+        "the experts implementation's timing",
+        ("src/moeflow/model/experts_choice.py",),
+        frozenset({"choose_experts", *AFTER_BASE_MODEL}),
+    ),
+    Row(
+        "the typed training and parallel settings, parameter categories (the planner reads them too)",
+        (
+            "src/moeflow/train/__init__.py",
+            "src/moeflow/train/settings.py",
+            "src/moeflow/parallel/__init__.py",
+            "src/moeflow/parallel/settings.py",
+            "src/moeflow/model/parameters.py",
+        ),
+        frozenset({"plan_memory", *AFTER_BASE_MODEL}),
+    ),
+    Row(
+        "the training loop, its losses, optimizer, guards and metrics; sharding, gradients, ranks; checkpoints "
+        "and the export; LoRA and fine-tuning's model loading; the data order; the evaluation loop",
+        (
+            "src/moeflow/train/*",
+            "src/moeflow/parallel/*",
+            "src/moeflow/checkpoint/*",
+            "src/moeflow/model/loading.py",
+            "src/moeflow/model/lora.py",
+            "src/moeflow/model/saved_names.py",
+            "src/moeflow/data/order.py",
+            "src/moeflow/evaluation/loop.py",
+            "src/moeflow/evaluation/__init__.py",
+        ),
+        AFTER_BASE_MODEL,
+    ),
+    Row(
+        "building and loading a model, its chunked loss",
+        (
+            "src/moeflow/model/__init__.py",
+            "src/moeflow/model/factory.py",
+            "src/moeflow/model/folder.py",
+            "src/moeflow/model/chunked_loss.py",
+        ),
+        frozenset({"choose_experts", "plan_memory", *AFTER_BASE_MODEL}),
+    ),
+    Row(
+        "reading routers per family",
+        ("src/moeflow/model/routing.py",),
+        frozenset({"choose_experts", *AFTER_BASE_MODEL}),
+    ),
+    Row(
+        "routing statistics (expert load, layer health); rows to model inputs",
+        ("src/moeflow/model/routing_stats.py", "src/moeflow/data/collate.py"),
+        AFTER_BASE_MODEL,
+    ),
+    Row(
+        "the shard format every stage reads or writes",
+        ("src/moeflow/data/__init__.py", "src/moeflow/data/shards.py"),
+        frozenset({"train_tokenizer", "tokenize", "choose_experts", "plan_memory", *AFTER_BASE_MODEL}),
+    ),
+    Row(
+        "the tokenizer and the corpus sources",
+        ("src/moeflow/data/tokenizer.py", "src/moeflow/data/corpus.py"),
+        frozenset({"train_tokenizer", "tokenize", *AFTER_BASE_MODEL}),
+    ),
+    Row(
+        "tokenizing a corpus, packing documents into rows",
+        ("src/moeflow/data/tokenize.py", "src/moeflow/data/packing.py"),
+        frozenset({"tokenize", *AFTER_BASE_MODEL}),
+    ),
+    Row(
+        "infrastructure: the package root, how a stage runs, typed-settings reading, the Snakefile's side",
+        ("src/moeflow/__init__.py", "src/moeflow/runtime/*", "src/moeflow/settings.py", "src/moeflow/workflow/*"),
+        frozenset(),
+    ),
+)
+
+
+def edited_files(root: Path = ROOT) -> list[str]:
+    """Every file the rows must cover, relative to ``root``."""
+    found = {p for pattern in EDITED for p in root.glob(pattern) if p.is_file() and "__pycache__" not in p.parts}
+    return sorted(p.relative_to(root).as_posix() for p in found)
+
+
+def row_of(path: str) -> Row | None:
+    return next((row for row in ROWS if any(fnmatch.fnmatchcase(path, p) for p in row.patterns)), None)
+
+
+def in_order(rules) -> list[str]:
+    return sorted(rules, key=RULE_ORDER.index)
+
+
+# Named sets the table prints by name (the largest first), with their legend.
+NAMED = (
+    (AFTER_BASE_MODEL, "*after the base model*"),
+    (AFTER_FINE_TUNING, "*after fine-tuning*"),
+)
+LEGEND = (
+    "*after the base model*: `pretrain_base`, `coverage_valset`, `warmup` and what is after fine-tuning; "
+    "*after fine-tuning*: `train_model`, the evaluation stages (`evaluate_run`, `lm_eval_task`, "
+    "`humaneval_generate`, `humaneval_execute`, `routing_drift`) and `paper`."
+)
+
+
+def reruns_text(rules: frozenset[str]) -> str:
+    named = next(((group, name) for group, name in NAMED if group <= rules), None)
+    rest = rules - named[0] if named else rules
+    words = [f"`{r}`" for r in in_order(rest)] + ([named[1]] if named else [])
+    return ", ".join(words) or "nothing"
+
+
+def table() -> str:
+    """The Markdown table of docs/reruns.md, with its legend."""
+    lines = ["| code | files (under `src/moeflow/` unless named) | reruns (target `paper`) |", "|---|---|---|"]
+    for row in ROWS:
+        files = ", ".join(f"`{p.removeprefix('src/moeflow/')}`" for p in row.patterns)
+        lines.append(f"| {row.code} | {files} | {reruns_text(row.reruns)} |")
+    return "\n".join(lines) + "\n\n" + LEGEND
+
+
+def with_table(doc: str) -> str:
+    """``doc`` with the text between the table's markers replaced by :func:`table`."""
+    head, rest = doc.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_START}\n{table()}\n{TABLE_END}{tail}"
+
+
+if __name__ == "__main__":
+    DOCS.write_text(with_table(DOCS.read_text()))
