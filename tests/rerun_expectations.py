@@ -65,13 +65,14 @@ ROWS = (
     ),
     Row("routing drift", ("src/moeflow/evaluation/drift.py",), frozenset({"routing_drift", "paper"})),
     Row(
-        "HumanEval: problems, pass@k, the sandbox, the generation loop",
-        (
-            "src/moeflow/evaluation/humaneval.py",
-            "src/moeflow/evaluation/sandbox*.py",
-            "src/moeflow/evaluation/generation.py",
-        ),
+        "HumanEval: problems, samples, pass@k; the generation loop",
+        ("src/moeflow/evaluation/humaneval.py", "src/moeflow/evaluation/generation.py"),
         frozenset({"humaneval_generate", "humaneval_execute", "paper"}),
+    ),
+    Row(
+        "HumanEval's programs run in the sandbox",
+        ("src/moeflow/evaluation/humaneval_execution.py", "src/moeflow/evaluation/sandbox*.py"),
+        frozenset({"humaneval_execute", "paper"}),
     ),
     Row(
         "the coverage validation set and its format",

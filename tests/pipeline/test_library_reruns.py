@@ -4,13 +4,13 @@ table of docs/reruns.md), target ``paper``.
 
 Editing each file in turn would take one dry run per file (about 80). Instead every file is edited at once, and
 Snakemake says which jobs each file reruns directly: a job's dry-run reason lists every updated input file
-("Updated input files: ..."), but only for a job that no job upstream of it reruns (Snakemake 9.27.1 marks the
-jobs below a rerun job "Input files updated by another job" without checking their own inputs). So there is one
-dry run per level of the rule graph (no rule of a level is upstream of another), whose DAG holds only that
-level's rules (``--allowed-rules``; their jobs' outputs, from ``--summary``, are the targets): no job in it is
-upstream of another, so each lists its own updated inputs. What a file reruns is then the rules whose jobs list
-it and everything downstream of them in the rule graph, which is what a dry run after editing that file alone
-schedules (checked for two files).
+("Updated input files: ..."), but only for a job that no job upstream of it in the DAG reruns (Snakemake 9.27.1
+marks the jobs below a rerun job "Input files updated by another job" without checking their own inputs). So
+each dry run's DAG holds only a group of rules no two of which the rule graph connects (``--allowed-rules``,
+with their jobs' outputs, from ``--summary``, as the targets): the other rules' outputs are plain files there,
+no job is upstream of another, and each lists its own updated inputs. Five groups cover the smoke pipeline's
+rules. What a file reruns is then the rules whose jobs list it and everything downstream of them in the rule
+graph, which is what a dry run after editing that file alone schedules (checked for two files).
 """
 
 from __future__ import annotations
@@ -52,21 +52,19 @@ def downstream(children: dict[str, set[str]], rules: set[str]) -> set[str]:
     return seen
 
 
-def levels(children: dict[str, set[str]]) -> list[list[str]]:
-    """The rules by their longest path from a rule with no inputs from others: no rule of a level is upstream
-    of another one of it."""
-    parents = {rule: {p for p, kids in children.items() if rule in kids} for rule in children}
-    depth: dict[str, int] = {}
-
-    def level(rule: str) -> int:
-        if rule not in depth:
-            depth[rule] = 1 + max((level(p) for p in parents[rule]), default=-1)
-        return depth[rule]
-
-    by_level: dict[int, list[str]] = {}
-    for rule in sorted(children):
-        by_level.setdefault(level(rule), []).append(rule)
-    return [by_level[i] for i in sorted(by_level)]
+def unconnected_groups(children: dict[str, set[str]]) -> list[list[str]]:
+    """The rules in groups with no rule-graph edge inside a group (greedy colouring, most connected first)."""
+    neighbours = {rule: set(kids) for rule, kids in children.items()}
+    for rule, kids in children.items():
+        for kid in kids:
+            neighbours[kid].add(rule)
+    groups: list[list[str]] = []
+    for rule in sorted(neighbours, key=lambda r: (-len(neighbours[r]), r)):
+        group = next((g for g in groups if not neighbours[rule] & set(g)), None)
+        if group is None:
+            groups.append(group := [])
+        group.append(rule)
+    return groups
 
 
 def rule_outputs(workdir: Path) -> dict[str, list[str]]:
@@ -81,8 +79,8 @@ def rule_outputs(workdir: Path) -> dict[str, list[str]]:
 
 
 def own_updated_inputs(workdir: Path, rules: list[str], outputs: dict[str, list[str]]) -> dict[str, set[str]]:
-    """File -> the rules (of ``rules``, none upstream of another) with a job whose dry-run reason lists it as an
-    updated input."""
+    """File -> the rules (of ``rules``, no two connected) with a job whose dry-run reason lists it as an updated
+    input."""
     targets = [path for rule in rules for path in outputs[rule]]
     out = snakemake(
         workdir, *targets, "--dry-run", "--nolock", "--cores", "2", *SMOKE, "--allowed-rules", *rules
@@ -117,7 +115,8 @@ def test_editing_library_code_reruns_its_rows_rules(pipeline_copy):
         for path in files:
             edit(pipeline_copy, path)
         direct: dict[str, set[str]] = {}
-        for found in pool.map(lambda rules: own_updated_inputs(pipeline_copy, rules, outputs), levels(children)):
+        groups = unconnected_groups(children)
+        for found in pool.map(lambda rules: own_updated_inputs(pipeline_copy, rules, outputs), groups):
             for path, rules in found.items():
                 direct.setdefault(path, set()).update(rules)
     assert set(direct) <= set(files), "a job reruns for a file this test did not edit"
@@ -131,9 +130,8 @@ def test_editing_library_code_reruns_its_rows_rules(pipeline_copy):
 
 
 def test_one_edit_reruns_what_its_row_says(pipeline_copy):
-    # The level-by-level reading above, against Snakemake's own schedule for a single edit.
+    # The group-by-group reading above, against Snakemake's own schedule for a single edit.
     for path in ("src/moeflow/paper/tables.py", "src/moeflow/train/trainer.py"):
         original = edit(pipeline_copy, path)
         assert scheduled_rules(pipeline_copy, target="paper") == E.row_of(path).reruns, path
         (pipeline_copy / path).write_bytes(original)  # same content again: Snakemake's checksum reruns nothing
-    assert scheduled_rules(pipeline_copy, target="paper") == set()

@@ -1,4 +1,4 @@
-"""moeflow.evaluation.humaneval and moeflow.evaluation.generation: the package's problems, programs that pass only
+"""moeflow.evaluation.humaneval, humaneval_execution and generation: the package's problems, programs that pass only
 when the check
 ran, pass@k by the unbiased estimator, per-problem results, the config checks, and batched generation
 (left padding, stop sequences, determinism for a seed) with a tiny model and tokenizer built here."""
@@ -19,6 +19,7 @@ from moeflow.data.tokenizer import train_tokenizer
 from moeflow.evaluation import humaneval as he
 from moeflow.evaluation.generation import Completion, Decoding, GenerationError, StopOnSequences, cut_at_stop, generate
 from moeflow.evaluation.humaneval import HumanEvalExecution, HumanEvalGeneration
+from moeflow.evaluation.humaneval_execution import execute
 from moeflow.evaluation.sandbox import Limits
 from moeflow.model.factory import build_model
 from moeflow.settings import REPO_ROOT, ConfigError, typed
@@ -57,7 +58,7 @@ def test_canonical_solutions_pass_in_the_sandbox_and_wrong_ones_do_not(problems,
         for p in chosen
         for mode, completion in [("greedy", canonical[p.task_id]), ("sampled", "    return None\n")]
     ]
-    executed = he.execute(chosen, samples, LIMITS, threads=2)
+    executed = execute(chosen, samples, LIMITS, threads=2)
     assert [s["status"] for s in executed] == ["passed", "failed"] * len(chosen)
     assert executed[1]["error"] == "AssertionError"
 
@@ -76,7 +77,7 @@ def test_canonical_solutions_pass_in_the_sandbox_and_wrong_ones_do_not(problems,
 )
 def test_a_sample_that_does_not_pass_says_how_it_ended(problems, completion, status, tmp_path):
     sample = {"task_id": "HumanEval/0", "mode": "sampled", "index": 0, "completion": completion}
-    [executed] = he.execute(problems[:1], [sample], Limits(wall_s=2.0), threads=1)
+    [executed] = execute(problems[:1], [sample], Limits(wall_s=2.0), threads=1)
     assert executed["status"] == status
     assert (executed["error"] is None) == (status == "timeout" or "exit" in completion)
 

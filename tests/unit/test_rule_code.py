@@ -67,7 +67,7 @@ def undeclared(rule: str, script: Path, graph: dict[str, set[str]]) -> list[str]
 
 def test_every_rule_with_a_stage_script_declares_its_own_code():
     scripts, blocks = rule_scripts(), rule_blocks()
-    assert len(scripts) == 15 and set(scripts) == set(R.RULES)
+    assert scripts and set(scripts) == set(R.RULES)
     for rule in scripts:
         assert re.search(rf'^\s+lib=code\("{rule}"\),$', blocks[rule], flags=re.M), f"rule {rule}: lib=code({rule!r})"
 

@@ -3,6 +3,7 @@ never in this process), the greedy pass@1 and the sampled pass@k, per problem an
 
 from moeflow.evaluation import humaneval as he
 from moeflow.evaluation.humaneval import HumanEvalExecution
+from moeflow.evaluation.humaneval_execution import execute
 from moeflow.evaluation.sandbox import Limits, namespaces_available
 from moeflow.runtime.files import write_json, write_text
 from moeflow.runtime.stage import Stage
@@ -14,7 +15,7 @@ cfg = typed(HumanEvalExecution, params.settings)
 samples = he.read_samples(snakemake.input.samples)
 problems = he.load_problems(params.generation["problems"])
 
-executed = he.execute(problems, samples, Limits(wall_s=cfg.timeout_s, memory_mb=cfg.memory_mb), stage.threads)
+executed = execute(problems, samples, Limits(wall_s=cfg.timeout_s, memory_mb=cfg.memory_mb), stage.threads)
 record = he.results(problems, executed, cfg.k)
 isolation = "namespaces" if namespaces_available() else "audit_hook"
 record["settings"] = {"execution": params.settings, "generation": params.generation, "isolation": isolation}

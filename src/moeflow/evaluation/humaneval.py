@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moeflow.evaluation.sandbox import Limits, Outcome, run_many
 from moeflow.runtime.files import atomic_file
 
 if TYPE_CHECKING:  # generation imports torch and transformers, which execution does not need
@@ -119,38 +118,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         remaining *= 1.0 - k / i
     return 1.0 - remaining
-
-
-def sample_status(outcome: Outcome) -> str:
-    """passed; failed (an exception, a failed assertion, or an exit before the check ran); or how the sandbox
-    ended it (timeout, cpu_limit, memory, output_limit, fork, write_outside, network, forbidden, killed)."""
-    if outcome.status == "ok":
-        return "passed" if PASSED_MARKER in outcome.stdout.splitlines()[-1:] else "failed"
-    return "failed" if outcome.status == "error" else outcome.status
-
-
-def error_line(outcome: Outcome) -> str | None:
-    """The last line of stderr (the exception, or what the sandbox refused), at most 200 characters."""
-    lines = [line for line in outcome.stderr.splitlines() if line.strip()]
-    return lines[-1][:200] if lines else None
-
-
-def execute(
-    problems: Sequence[Problem], samples: Sequence[Mapping[str, Any]], limits: Limits, threads: int
-) -> list[dict[str, Any]]:
-    """Run every sample's program in the sandbox, ``threads`` at a time: the samples with status and error."""
-    by_id = {p.task_id: p for p in problems}
-    unknown = sorted({s["task_id"] for s in samples} - set(by_id))
-    if unknown:
-        raise HumanEvalError(f"samples of unknown problems: {', '.join(unknown[:5])}")
-    outcomes = run_many(
-        [program(by_id[s["task_id"]], s["completion"]) for s in samples], limits, threads, desc="humaneval execute"
-    )
-    out = []
-    for sample, outcome in zip(samples, outcomes):
-        status = sample_status(outcome)
-        out.append({**sample, "status": status, "error": None if status == "passed" else error_line(outcome)})
-    return out
 
 
 def results(problems: Sequence[Problem], executed: Sequence[Mapping[str, Any]], ks: Sequence[int]) -> dict[str, Any]:

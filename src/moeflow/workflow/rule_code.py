@@ -57,9 +57,11 @@ SET_EVALUATION = ("evaluation.run_metrics", "evaluation.loop")
 # YAMLs and their code (workflow/tasks) are the rule's own ``task_files`` input, per task.
 LM_EVAL = ("evaluation.lm_eval_run", "evaluation.lm_eval_docs", "evaluation.lm_eval_tasks")
 
-# HumanEval: problems, samples, pass@k and the sandbox the programs run in (one module holds both halves),
-# and the generation loop.
-HUMANEVAL = ("evaluation.humaneval", "evaluation.generation", "evaluation.sandbox", "evaluation.sandbox_launcher")
+# HumanEval: problems, samples and pass@k, and the generation loop.
+HUMANEVAL = ("evaluation.humaneval", "evaluation.generation")
+
+# Running HumanEval's programs in the sandbox.
+SANDBOX = ("evaluation.humaneval_execution", "evaluation.sandbox", "evaluation.sandbox_launcher")
 
 
 RULES: dict[str, tuple[str, ...]] = {
@@ -77,7 +79,7 @@ RULES: dict[str, tuple[str, ...]] = {
     # the set evaluation: each result carries its cross-check against moeflow's own loss
     "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS),
     "humaneval_generate": (*HUMANEVAL, *MODEL),
-    "humaneval_execute": HUMANEVAL,
+    "humaneval_execute": (*HUMANEVAL, *SANDBOX),
     "routing_drift": ("evaluation.drift", "evaluation.loop", "model.routing", *MODEL, *ROWS, *VALSET),
     "paper": ("paper",),
 }
