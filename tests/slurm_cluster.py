@@ -3,7 +3,8 @@
 One munged, one slurmctld and one slurmd per node, all in one folder with their own ports, munge socket,
 state and logs, so two clusters (two test sessions, or `make slurm-up` next to the tests) never meet.
 Stopped by the PIDs this module started: the daemons, then whatever the cluster's jobs left behind
-(found by the marker every daemon and client of this cluster carries in its environment).
+(found by the marker every daemon and client of this cluster carries in its environment); a test session
+that dies before its teardown takes its daemons with it.
 
 - ``Cluster.single_node(root)``: this machine as one node, its real cores and (less than) its memory,
   in the partitions the profiles name (``cpu`` and ``gpu``).
@@ -26,6 +27,7 @@ Standard library only: ``make slurm-up`` / ``make slurm-down`` run it as a scrip
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -121,6 +123,9 @@ class Cluster:
     emulated: bool
     name: str = ""
     pids: dict[str, int] = field(default_factory=dict)
+    # the daemons end with the process that started them (a test session killed before its teardown
+    # leaves none behind); `slurm_cluster.py up` keeps them running for slurm-down
+    outlive_starter: bool = False
 
     # ------------------------------------------------------------------ the two kinds
 
@@ -259,7 +264,13 @@ class Cluster:
         log = open(self.root / "log" / f"{key}.out", "ab")
         env = {**os.environ, MARKER: str(self.root), "SLURM_CONF": str(self.conf)}
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=None if self.outlive_starter else _end_with_parent,
         )
         self.pids[key] = proc.pid
         self._save()
@@ -373,6 +384,11 @@ class Cluster:
         return cls(Path(root), nodes, state["emulated"], state["name"], state["pids"])
 
 
+def _end_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux's PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
 def _alive(pid: int) -> bool:
     try:
         waited, _ = os.waitpid(pid, os.WNOHANG)
@@ -438,7 +454,9 @@ def main(argv: list[str]) -> int:
         if (root / "cluster.json").exists() and any(_alive(p) for p in Cluster.attach(root).pids.values()):
             print(f"a cluster already runs in {root} (make slurm-down first)", file=sys.stderr)
             return 1
-        cluster = Cluster.single_node(root).start()
+        cluster = Cluster.single_node(root)
+        cluster.outlive_starter = True
+        cluster.start()
         print(f"SLURM cluster {cluster.name} up in {root}: partitions {', '.join(PARTITIONS)} on this machine.")
         print(f'Use it with: export PATH="{cluster.bin}:$PATH"')
     else:
