@@ -140,7 +140,8 @@ def through_slurm(local_cluster: Cluster, smoke_pipeline: Path, tmp_path_factory
     log = workdir / outputs["base"].parent.parent / "logs" / "pretrain_base" / f"{outputs['base'].name}.log"
     args = (str(outputs["base"]), *SMOKE, "--workflow-profile", str(profile), *FAST_STATUS)
 
-    env = snakemake_env(local_cluster, **{KILL_ENV: f"pretrain_base.step{STEP_KILLED}", KILL_SCOPE_ENV: "stop"})
+    kill = {KILL_ENV: f"pretrain_base.step{STEP_KILLED}", KILL_SCOPE_ENV: "stop"}
+    env = snakemake_env(local_cluster, **kill, PYTHONUNBUFFERED="1")  # its output is read while it runs
     output = workdir.parent / "first-run.out"
     with open(output, "w") as out:
         first = subprocess.Popen(
