@@ -74,6 +74,8 @@ def run_snakemake(workdir: Path, cluster: Cluster, *args: str, env: dict | None 
 
 
 def started(cluster: Cluster) -> Cluster:
+    """The cluster, started; where SLURM cannot run (not root, no apt-get) a skip, except in CI, whose
+    machine runs them (as root, with Debian's registry)."""
     try:
         return cluster.start()
     except Unavailable as exc:
@@ -239,15 +241,13 @@ class Resources(dict):
 
 
 class PlannedJob:
-    """One job of Snakemake's dry run: what the plugin's sbatch-line functions read of a job."""
+    """One job of Snakemake's dry run, with what the plugin's sbatch-line functions read of a job (``name``,
+    ``wildcards`` as values, ``threads``, ``resources``)."""
 
     def __init__(self, rule: str, wildcards: dict[str, str], outputs: list[str], threads: int, resources: Resources):
-        self.name, self.rule_name, self.outputs, self.threads, self.resources = rule, rule, outputs, threads, resources
+        self.name, self.outputs, self.threads, self.resources = rule, outputs, threads, resources
         self.wildcards = list(wildcards.values())
         self.wildcards_dict = wildcards
-
-    def is_group(self) -> bool:
-        return False
 
 
 def planned_jobs(workdir: Path, profile: str) -> list[PlannedJob]:

@@ -242,7 +242,8 @@ def training_python():
 
 def torchrun_launcher(cfg_of=None):
     """``params.launcher`` of the training rules, from moeflow.parallel.launch.torchrun_command. One rank per GPU
-    of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile); without
+    of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile; on several nodes,
+    each node's torchrun gets the rule's threads); without
     that resource, ``parallel.nproc_per_node`` ranks of the run config ``cfg_of(wildcards)`` (GPUs with
     hardware.device cuda, gloo CPU ranks with cpu), or one rank without ``cfg_of``. The script checks
     that the ranks it finds are what the config's parallel section asks for."""
