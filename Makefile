@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: env train test lint format clean gpu-check
+.PHONY: env train test lint format clean gpu-check slurm-up slurm-down
 
 $(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/runtime/pins.py
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ format: env
 # Qwen3-30B-A3B-shaped slice -> results/bench/gpu_acceptance.json (benchmarks/gpu_acceptance.sh)
 gpu-check:
 	STACK=$(STACK) benchmarks/gpu_acceptance.sh
+
+# A real SLURM on this machine (as root; Debian's packages installed if missing): this machine as one node, in the
+# profiles' partitions (cpu, gpu), daemons in .slurm/ (tests/slurm_cluster.py, what tests/pipeline/test_slurm.py uses).
+slurm-up:
+	$(PYTHON) tests/slurm_cluster.py up .slurm
+
+slurm-down:
+	$(PYTHON) tests/slurm_cluster.py down .slurm
 
 clean:
 	rm -rf results/pinned results/current .snakemake

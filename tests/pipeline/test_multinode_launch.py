@@ -1,7 +1,11 @@
-"""The multi-node launcher on one machine: ``moeflow.parallel.launch.torchrun_command(python, nodes=2, cpu_ranks=1)``
-run through bash as a SLURM job step would run it, with stand-in ``srun`` (one copy of its command line per
-node, each with its SLURM_NODEID / SLURM_PROCID) and ``scontrol`` (the job's first host: 127.0.0.1). Two
+"""The multi-node launcher's rendezvous on one machine: ``moeflow.parallel.launch.torchrun_command(python, nodes=2,
+cpu_ranks=1)`` run through bash as a SLURM job step would run it, with stand-in ``srun`` (one copy of its command
+line per node, each with its SLURM_NODEID / SLURM_PROCID) and ``scontrol`` (the job's first host: 127.0.0.1). Two
 torchrun agents meet at a c10d rendezvous on 127.0.0.1 and start one gloo rank each: 2 nodes x 1 rank.
+
+What a real SLURM does with the command (one agent per node of the allocation, their GPUs, the node list from
+squeue inside the executor plugin's jobstep) is tests/pipeline/test_slurm.py's; its emulated nodes share one host
+under names that do not resolve, so the rendezvous and the training across agents are checked here.
 
 They resume a tiny model's FSDP training from a checkpoint written on 1 node x 2 ranks (``torchrun
 --standalone``) through ``Trainer.save`` / ``Trainer.load`` (whatever checkpoint format moeflow writes), and
@@ -52,6 +56,8 @@ while args and args[0].startswith("--"):
         nodes = int(args.pop(0))
     elif flag == "--ntasks-per-node":
         assert args.pop(0) == "1", "one task (one torchrun agent) per node"
+    elif flag == "--cpus-per-task":
+        args.pop(0)
     elif flag != "--overlap":
         sys.exit(f"stand-in srun: unexpected option {{flag}}")
 env = lambda node: {{**os.environ, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LOCALID": "0"}}
@@ -100,7 +106,8 @@ def test_two_nodes_of_one_rank_resume_a_one_node_two_rank_checkpoint(tmp_path):
     launch(one_node, "straight", model_dir, tmp_path)
 
     two_nodes = torchrun_command(sys.executable, nodes=2, cpu_ranks=1, port=free_port())
-    assert two_nodes.startswith("srun --overlap --nodes 2 --ntasks-per-node 1 ") and "--nproc_per_node 1" in two_nodes
+    assert two_nodes.startswith("srun --overlap --nodes 2 --ntasks-per-node 1 --cpus-per-task 1 ")
+    assert "--nproc_per_node 1" in two_nodes
     slurm = {
         "PATH": f"{stand_in_slurm(tmp_path / 'slurm-bin')}{os.pathsep}{os.environ['PATH']}",
         "SLURM_JOB_NODELIST": "node[01-02]",

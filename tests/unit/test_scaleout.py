@@ -3,7 +3,10 @@ copied recipe's expert-parallel flags."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import yaml
 
 from moeflow.parallel.launch import torchrun_command
 from moeflow.plan import counts
@@ -211,12 +214,16 @@ def test_launcher_starts_one_rank_per_gpu_or_the_cpu_ranks():
     )
     assert torchrun_command("python", gpus=8).endswith("--nproc_per_node 8")
     request = profile_request("slurm-multinode")
-    multi = torchrun_command("python", gpus=request.gpus, nodes=request.nodes)
+    multi = torchrun_command("python", gpus=request.gpus, nodes=request.nodes, threads=32)
     assert multi.startswith(
-        f"srun --overlap --nodes {request.nodes} --ntasks-per-node 1 python -m torch.distributed.run"
+        f"srun --overlap --nodes {request.nodes} --ntasks-per-node 1 --cpus-per-task 32 "
+        f"--gpus-per-node {request.gpus_per_node} python -m torch.distributed.run"
     )
     assert f"--nproc_per_node {request.gpus_per_node} --nnodes {request.nodes} --rdzv-backend c10d" in multi
-    assert "--standalone" not in multi and "$SLURM_JOB_NODELIST" in multi
+    assert "--standalone" not in multi and "--gpus-per-node" not in torchrun_command("python", nodes=2)
+    # the nodes from SLURM_JOB_NODELIST, or from squeue where the executor plugin's jobstep removed it
+    # (tests/pipeline/test_slurm.py runs both profiles' training jobs on a real SLURM)
+    assert '${SLURM_JOB_NODELIST:-$(squeue --noheader --jobs "$SLURM_JOB_ID" --format %N)}' in multi
     with pytest.raises(ScaleoutError, match="evenly"):
         torchrun_command("python", gpus=12, nodes=8)
 
@@ -266,3 +273,32 @@ def test_phase_table_rows_use_each_models_layout(monkeypatch):
     # strategy none: every GPU holds the whole model, on one node or eight
     lora_one, lora_eight = by[("Qwen3-30B-A3B", "lora", 1)], by[("Qwen3-30B-A3B", "lora", 8)]
     assert lora_one["device_gib"] == lora_eight["device_gib"] and lora_one["device_gib"]["load"] > 80
+
+
+# --------------------------------------------------------------------------- the profiles' rules
+
+
+def test_default_profile_is_minimal_and_local():
+    cfg = yaml.safe_load((REPO_ROOT / "profiles" / "default" / "config.yaml").read_text())
+    assert cfg == {"printshellcmds": True}
+
+
+def rules_on_the_device() -> set[str]:
+    """The rules whose stage runs a model on ``hardware.device``: a script calling compute_device, or torchrun."""
+    rules = set()
+    for smk in sorted((REPO_ROOT / "workflow" / "rules").glob("*.smk")):
+        for block in re.split(r"^rule ", smk.read_text(), flags=re.M)[1:]:
+            name = block.split(":", 1)[0]
+            script = re.search(r'script:\s*"\.\./scripts/(\w+\.py)"', block)
+            on_device = script and "compute_device(" in (REPO_ROOT / "workflow" / "scripts" / script[1]).read_text()
+            if on_device or "TRAIN_SHELL" in block:
+                rules.add(name)
+    return rules
+
+
+@pytest.mark.parametrize("profile", ["slurm", "slurm-multinode"])
+def test_every_rule_that_runs_a_model_on_the_device_gets_a_gpu(profile):
+    cfg = yaml.safe_load((REPO_ROOT / "profiles" / profile / "config.yaml").read_text())
+    on_gpu = {rule for rule, res in cfg["set-resources"].items() if res.get("gpu") and res["slurm_partition"] == "gpu"}
+    assert {"choose_experts", "pretrain_base", "warmup", "train_model", "lm_eval_task"} <= rules_on_the_device()
+    assert rules_on_the_device() - on_gpu == set()

@@ -242,18 +242,20 @@ def training_python():
 
 def torchrun_launcher(cfg_of=None):
     """``params.launcher`` of the training rules, from moeflow.parallel.launch.torchrun_command. One rank per GPU
-    of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile); without
+    of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile; on several nodes,
+    each node's torchrun gets the rule's threads); without
     that resource, ``parallel.nproc_per_node`` ranks of the run config ``cfg_of(wildcards)`` (GPUs with
     hardware.device cuda, gloo CPU ranks with cpu), or one rank without ``cfg_of``. The script checks
     that the ranks it finds are what the config's parallel section asks for."""
     from moeflow.parallel.launch import torchrun_command
 
-    def launcher(wildcards, resources):
+    def launcher(wildcards, resources, threads):
         cfg = cfg_of(wildcards) if cfg_of else None
         per_node = cfg["parallel"]["nproc_per_node"] if cfg else 1
         gpus = int(getattr(resources, "gpu", 0) or 0)
         if gpus:
-            return torchrun_command(training_python(), gpus=gpus, nodes=int(getattr(resources, "nodes", 1) or 1))
+            nodes = int(getattr(resources, "nodes", 1) or 1)
+            return torchrun_command(training_python(), gpus=gpus, nodes=nodes, threads=threads)
         if cfg is not None and cfg["hardware"]["device"] == "cuda":
             return torchrun_command(training_python(), gpus=per_node)
         return torchrun_command(training_python(), cpu_ranks=per_node)

@@ -44,6 +44,8 @@ KILL_ENV = "MOEFLOW_KILL_AT"
 
 # MOEFLOW_KILL_SCOPE=group kills the whole process group (Snakemake too, when a test starts it in its
 # own session): what a power cut or `kill -9` of the run leaves behind, incomplete markers included.
+# MOEFLOW_KILL_SCOPE=stop freezes the process there (SIGSTOP) for a kill from outside, such as SLURM's
+# `scancel --signal=KILL`, at a known point.
 KILL_SCOPE_ENV = "MOEFLOW_KILL_SCOPE"
 
 
@@ -63,11 +65,15 @@ def code_version() -> str:
 
 def kill_point(name: str) -> None:
     """Die with SIGKILL here if a test asked for it (``MOEFLOW_KILL_AT=name``): simulates ``kill -9`` of
-    this process, or of its whole process group with ``MOEFLOW_KILL_SCOPE=group``."""
+    this process, or of its whole process group with ``MOEFLOW_KILL_SCOPE=group``; with
+    ``MOEFLOW_KILL_SCOPE=stop``, wait here stopped until something else kills it."""
     if os.environ.get(KILL_ENV) == name:
-        log.warning("killed at %s (%s set)", name, KILL_ENV)
+        scope = os.environ.get(KILL_SCOPE_ENV)
+        log.warning("%s at %s (%s set)", "stopped" if scope == "stop" else "killed", name, KILL_ENV)
         logging.shutdown()
-        if os.environ.get(KILL_SCOPE_ENV) == "group":
+        if scope == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if scope == "group":
             os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
