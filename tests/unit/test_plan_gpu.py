@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 from conftest import active_stack
 
+from moeflow.plan import counts
 from moeflow.plan.counts import count_parameters
 from moeflow.plan.memory import (
     CPU_RANK_RUNTIME_BYTES,
@@ -65,7 +66,7 @@ def formula_counts():
     """Count with the closed form: building Qwen3-30B-A3B's 6,144 experts on the meta device takes ~40 s on
     this machine, and tests/unit/test_plan.py checks the formula against the meta count for every family."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan, "meta_count", lambda config, shape: None)
+        patch.setattr(counts, "meta_count", lambda config, shape: None)
         yield
 
 
