@@ -17,10 +17,16 @@ import torch.multiprocessing as mp
 from tiny_models import tiny_model_cfg
 
 from moeflow.model.factory import build_model
-from moeflow.parallel import gradients
+from moeflow.parallel import gradients, process_group
 from moeflow.parallel.gradients import GRADIENT_BUCKET_BYTES, reduce_gradients
 
 VOCAB = 97
+
+
+def two_ranks_here(monkeypatch) -> None:
+    """This process as one of two ranks: the gradient reduction and the collectives it calls both ask."""
+    for module in (gradients, process_group):
+        monkeypatch.setattr(module, "world_size", lambda: 2)
 
 
 def model_with_gradients(seed: int = 0) -> torch.nn.Module:
@@ -41,7 +47,7 @@ def test_one_all_reduce_per_bucket_and_the_per_parameter_result(monkeypatch, buc
         calls.append(tensor.numel())
         tensor.mul_(2)
 
-    monkeypatch.setattr(gradients, "world_size", lambda: 2)
+    two_ranks_here(monkeypatch)
     monkeypatch.setattr(dist, "all_reduce", two_equal_ranks)
     reduce_gradients(model, bucket_bytes)
 
@@ -66,7 +72,7 @@ def test_a_gradient_missing_on_this_rank_is_reduced_as_zeros_and_one_missing_eve
         else:
             tensor.mul_(2)
 
-    monkeypatch.setattr(gradients, "world_size", lambda: 2)
+    two_ranks_here(monkeypatch)
     monkeypatch.setattr(dist, "all_reduce", two_ranks)
     reduce_gradients(model, 1000)
     assert params[3].grad is not None and torch.equal(params[3].grad, torch.zeros_like(params[3]))
