@@ -55,7 +55,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_absolute_routing_guard_flags_collapse_and_dead_experts():
     guard = G.RoutingGuard(
-        settings(
+        typed(
             RoutingThresholds,
             {
                 "window_steps": 2,
