@@ -58,7 +58,10 @@ def stage_inputs(tmp_path_factory):
         r["labels"] = [t if t == -100 else min(t, len(tokenizer) - 1) for t in r["labels"]]
     write_split(root / "data" / "train", rows)
     write_split(root / "valset" / "heldout", rows[:4])
-    write_json(root / "experts.json", choice_record(measure(fine_tune_model(), 2, 64, torch.device("cpu"), "fp32")))
+    write_json(
+        root / "experts.json",
+        choice_record(measure(typed(ModelSettings, fine_tune_model()), 2, 64, torch.device("cpu"), "fp32")),
+    )
     return root
 
 
