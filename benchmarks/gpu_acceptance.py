@@ -3,8 +3,8 @@
 The slice is config/models/qwen3-30b-a3b.yaml's qwen3_moe with its real layer dimensions (hidden 2048,
 128 experts of width 768, top-8, vocabulary 151,936) and ``--layers`` decoder layers, built from config
 on the GPU (no weights are downloaded). Both trainers take the same synthetic packed rows (2 documents a
-row), micro-batch 2 x 2048 tokens, no accumulation, AdamW at benchmarks/train.py's learning rate, bf16
-autocast over fp32 weights, 20 steps after one untimed warm-up forward and backward (benchmarks/train.py's
+row), micro-batch 2 x 2048 tokens, no accumulation, AdamW at benchmarks/compared_trainers.py's learning rate, bf16
+autocast over fp32 weights, 20 steps after one untimed warm-up forward and backward (benchmarks/compared_trainers.py's
 ``warm_up``); moeflow's balancing loss is off, as the HF Trainer has none without router logits.
 
 Per trainer, written to results/bench/gpu_acceptance.json: tokens/s (from the median step time), MFU
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import resource
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,18 +41,17 @@ sys.path[:0] = [str(REPO / "src"), str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
+from benchmarks.compared_trainers import hf_train, moeflow_settings, packed_hf_batch, step_intervals, warm_up  # noqa: E402
 from benchmarks.synthetic_rows import two_document_rows  # noqa: E402
-from benchmarks.train import LR, step_intervals, warm_up  # noqa: E402
-from moeflow.data.collate import collate, model_inputs  # noqa: E402
+from moeflow.data.collate import collate  # noqa: E402
 from moeflow.model.experts_choice import measure as time_experts  # noqa: E402
-from moeflow.model.factory import build_model  # noqa: E402
+from moeflow.model.factory import make_model  # noqa: E402
+from moeflow.model.settings import ModelSettings  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
 from moeflow.runtime.files import write_json  # noqa: E402
 from moeflow.settings import typed  # noqa: E402
 from moeflow.train.metrics import active_parameters  # noqa: E402
-from moeflow.train.settings import TrainSettings  # noqa: E402
 from moeflow.train.trainer import Trainer  # noqa: E402
-from moeflow.workflow.keys import training  # noqa: E402
 from moeflow.workflow.load import load  # noqa: E402
 
 # Dense bf16 tensor-core peak per GPU (vendor data sheets, without sparsity), by a word of its name.
@@ -95,10 +94,10 @@ FULL = Shape(layers=2, seq_len=2048, micro_batch_size=2, steps=20)
 DRY = Shape(layers=2, seq_len=64, micro_batch_size=2, steps=3)
 
 
-def slice_model_cfg(layers: int, dry: bool) -> dict:
+def slice_model_settings(layers: int, dry: bool) -> ModelSettings:
     """The model section of the Qwen3-30B-A3B config with ``layers`` decoder layers (tiny sizes if dry)."""
     slice_config = {"num_hidden_layers": layers, **(TINY_SLICE if dry else {})}
-    return load(SLICE_CONFIG, overrides={"model": {"config": slice_config}})["model"]
+    return typed(ModelSettings, load(SLICE_CONFIG, overrides={"model": {"config": slice_config}})["model"])
 
 
 def peak_flops_per_s(device: torch.device) -> tuple[float | None, str]:
@@ -134,22 +133,7 @@ def host_syncs(model: torch.nn.Module) -> Iterator[list]:
 
 
 def run_moeflow(model, rows, shape: Shape, mark: Callable[[], None]) -> None:
-    settings = typed(
-        TrainSettings,
-        training(
-            {
-                "steps": shape.steps,
-                "lr": LR,
-                "warmup_steps": 1,
-                "micro_batch_size": shape.micro_batch_size,
-                "grad_accum_steps": 1,
-                "weight_decay": 0.1,
-                "max_grad_norm": 1.0,
-                "balance": {"mode": "off"},
-                "memory_guard": {"skip_steps": 10**6},
-            }
-        ),
-    )
+    settings = moeflow_settings(shape.steps, shape.micro_batch_size, 1)
     trainer = Trainer(
         model, settings, rows, collate_fn=collate, seed=0, precision="bf16", step_hook=lambda step, m: mark()
     )
@@ -159,54 +143,20 @@ def run_moeflow(model, rows, shape: Shape, mark: Callable[[], None]) -> None:
 
 def run_hf_trainer(model, rows, shape: Shape, mark: Callable[[], None]) -> None:
     """The HF Trainer on moeflow's packed rows (benchmarks/train.py's ``tuned`` setup), in bf16."""
-    from transformers import Trainer as HFTrainer
-    from transformers import TrainerCallback, TrainingArguments
-
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == 0:
-                mark()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            mark()
-
-    def hf_batch(batch):
-        collated = collate(batch)
-        return {**model_inputs(model, collated), "labels": collated["labels"]}
-
-    with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(
-            output_dir=tmp,
-            per_device_train_batch_size=shape.micro_batch_size,
-            gradient_accumulation_steps=1,
-            learning_rate=LR,
-            max_grad_norm=1.0,
-            weight_decay=0.1,
-            adam_beta2=0.95,
-            max_steps=shape.steps,
-            lr_scheduler_type="cosine",
-            warmup_steps=1,
-            report_to=[],
-            save_strategy="no",
-            logging_steps=10**6,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            use_cpu=next(model.parameters()).device.type == "cpu",
-            bf16=True,
-            seed=0,
-            remove_unused_columns=False,
-            optim="adamw_torch",
-        )
-        HFTrainer(model=model, args=args, train_dataset=rows, data_collator=hf_batch, callbacks=[StepClock()]).train()
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    collator = packed_hf_batch(model)
+    hf_train(
+        model, rows, collator, mark, micro=shape.micro_batch_size, accum=1, steps=shape.steps, bf16=True, use_cpu=on_cpu
+    )
 
 
 SETUPS = {"moeflow": run_moeflow, "hf_trainer": run_hf_trainer}
 
 
-def measure(setup: str, model_cfg: dict, rows: list[dict], shape: Shape, device: torch.device, peak) -> dict:
-    """One trainer on a freshly built slice (the same weights for every setup)."""
+def measure(setup: str, settings: ModelSettings, rows: list[dict], shape: Shape, device: torch.device, peak) -> dict:
+    """One trainer on a freshly built slice (the same weights for every setup), built on the device."""
     with device:
-        model = build_model(model_cfg, int(model_cfg["config"]["vocab_size"]), seed=0)
+        model = make_model(settings, vocab_size=int(settings.config["vocab_size"]), seed=0, device=device)
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
     warm_up(model, collate(rows[: shape.micro_batch_size]), autocast)
     if device.type == "cuda":
@@ -262,16 +212,16 @@ def main() -> None:
         raise SystemExit("no CUDA device: run on a machine with a GPU, or use --dry")
     device = torch.device("cpu") if args.dry else torch.device("cuda", 0)
     torch.manual_seed(0)
-    model_cfg = slice_model_cfg(shape.layers, args.dry)
-    experts = time_experts(model_cfg, shape.micro_batch_size, shape.seq_len, device, "bf16")
+    settings = slice_model_settings(shape.layers, args.dry)
+    experts = time_experts(settings, shape.micro_batch_size, shape.seq_len, device, "bf16")
     print(f"experts implementation: {experts['chosen']} ({experts['reason']})", flush=True)
-    model_cfg = {**model_cfg, "experts_implementation": experts["chosen"]}
-    vocab = int(model_cfg["config"]["vocab_size"])
+    settings = dataclasses.replace(settings, experts_implementation=experts["chosen"])  # as the stages resolve auto
+    vocab = int(settings.config["vocab_size"])
     rows = two_document_rows(shape.micro_batch_size * (shape.steps + 1), shape.seq_len, vocab)
     peak, peak_source = peak_flops_per_s(device)
     setups = {}
     for setup in SETUPS:
-        setups[setup] = measure(setup, model_cfg, rows, shape, device, peak)
+        setups[setup] = measure(setup, settings, rows, shape, device, peak)
         print(f"{setup}: {setups[setup]}", flush=True)
     report = {
         "dry": args.dry,
@@ -279,8 +229,8 @@ def main() -> None:
         "peak_flops_per_s": peak,
         "peak_flops_source": peak_source,
         "shape": asdict(shape),
-        "model": {k: model_cfg["config"][k] for k in ("hidden_size", "num_experts", "moe_intermediate_size")}
-        | {"num_experts_per_tok": model_cfg["config"]["num_experts_per_tok"], "vocab_size": vocab},
+        "model": {k: settings.config[k] for k in ("hidden_size", "num_experts", "moe_intermediate_size")}
+        | {"num_experts_per_tok": settings.config["num_experts_per_tok"], "vocab_size": vocab},
         "setups": setups,
         "experts_choice": experts,
         "moeflow_over_hf_tokens_per_s": setups["moeflow"]["tokens_per_s"] / setups["hf_trainer"]["tokens_per_s"],

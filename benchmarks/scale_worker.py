@@ -8,7 +8,8 @@ training state, each measured on this rank.
         MODEL_DIR OUT_DIR --strategy fsdp|ep [--export-shard-size 200MB]
         the phases in order on gloo ranks, one thread each; rank 0 writes OUT_DIR/phases.json
 
-The phases: ``load`` (``distributed.load_for_training`` of MODEL_DIR); ``step`` (a Trainer's second
+The phases: ``load`` (the training load of MODEL_DIR: ``moeflow.model.factory.make_model`` for the layout, or the
+baseline's ``distributed.load_for_training``); ``step`` (a Trainer's second
 ``train_step``, the steady state the planner plans: AdamW's moments, which the unmeasured first step creates,
 are alive through the backward pass); ``checkpoint`` (``Trainer.save``); ``resume`` (the first model and
 Trainer freed, then a fresh ``load_for_training``, Trainer and ``Trainer.load``; without reading the base
@@ -97,13 +98,12 @@ def packages() -> bool:
 
 
 def distributed():
-    """The process group and training load: ``moeflow.parallel``/``moeflow.model.loading``, or the baseline's
-    ``moeflow.distributed``."""
+    """The process group and training load: ``moeflow.parallel`` and ``moeflow.model.factory.make_model``, or the
+    baseline's ``moeflow.distributed``."""
     if not packages():
         from moeflow import distributed as D
 
         return D
-    from moeflow.model import loading
     from moeflow.parallel import process_group
 
     return argparse.Namespace(
@@ -112,8 +112,19 @@ def distributed():
         barrier=process_group.barrier,
         gather_objects=process_group.gather_objects,
         teardown=process_group.teardown,
-        load_for_training=loading.load_for_training,
+        load_for_training=load_for_training,
     )
+
+
+def load_for_training(model_dir, model_cfg, train, parallel, ranks, precision: str, weights: bool = True):
+    """The baseline's ``load_for_training`` through this tree's factory: the model for the layout, as the
+    warmup and train_model stages make it."""
+    from moeflow.model.factory import Layout, make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
+
+    layout = Layout(ranks, parallel, train, precision)
+    return make_model(typed(ModelSettings, model_cfg), folder=model_dir, layout=layout, weights=weights)
 
 
 def train_settings():
@@ -299,11 +310,15 @@ def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
 def build(model_dir: Path) -> None:
     """The benchmark model, saved once (HF-sharded) for every run on this stack."""
     if packages():
-        from moeflow.model.factory import build_model
+        from moeflow.model.factory import make_model
+        from moeflow.model.settings import ModelSettings
+        from moeflow.settings import typed
+
+        model = make_model(typed(ModelSettings, model_section()), vocab_size=VOCAB, seed=0)
     else:
         from moeflow.modeling import build_model
 
-    model = build_model(model_section(), VOCAB, seed=0)
+        model = build_model(model_section(), VOCAB, seed=0)
     # At the config's initializer_range (0.02) the attention's average over positions outweighs the embedding and
     # the routers send most tokens to a few experts: an expert no token reaches has no gradient and, on
     # transformers 4.57, no AdamW state. Unit-variance embeddings route every step's tokens to every expert.

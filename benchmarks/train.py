@@ -49,6 +49,10 @@ the stack's entry as ``balance_modes``.
 Both stacks can take the same model folder and corpus (safetensors and Arrow), so they compare on
 the same weights and rows. Writes this stack's entry of results/bench/train.json (``stacks.<stack>``;
 the other stack's entry is kept).
+
+Over 600 lines on purpose: the driver starts each measured run as this same file in a fresh process
+(``--worker``), so the setups, the worker and the report stay in one script; the trainers it compares are
+benchmarks/compared_trainers.py's.
 """
 
 from __future__ import annotations
@@ -60,23 +64,33 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from moeflow.settings import typed
 from moeflow.train.settings import TrainSettings
-from moeflow.workflow.keys import train_settings, training
+from moeflow.workflow.keys import train_settings
 from moeflow.workflow.load import load
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path[:0] = [str(REPO / "src"), str(REPO)]  # moeflow, and benchmarks.* (the real shape)
 
+from benchmarks.compared_trainers import (  # noqa: E402
+    LR,
+    chunked_loss,
+    hf_loss,
+    hf_train,
+    moeflow_settings,
+    packed_hf_batch,
+    step_intervals,
+    warm_up,
+)
+
 CORE_SETUPS = ("recipe", "tuned", "moeflow", "moeflow_bf16")
 BALANCE_SETUPS = ("moeflow_running", "moeflow_exact", "moeflow_micro_batch")
 LORA_SETUPS = ("moeflow_lora",)  # train.method: lora with the config's train.lora settings
-MICRO, ACCUM, LR, RECIPE_MAX_LENGTH, BALANCE_COEF = 2, 8, 6e-5, 2048, 0.01
+MICRO, ACCUM, RECIPE_MAX_LENGTH = 2, 8, 2048
 MATMUL_SIZE = 2048
 
 
@@ -151,42 +165,6 @@ def matmul_peak(threads: int, dtype_name: str) -> dict[str, float]:
     return best
 
 
-def step_intervals(marks: list[float]) -> list[float]:
-    """Seconds of each step: from the first step's start, then between consecutive step ends."""
-    return [b - a for a, b in zip(marks, marks[1:])]
-
-
-def logits_mean(model, batch):
-    """A warm-up loss from the full logits of a collated batch (any setup can take it)."""
-    from moeflow.data.collate import model_inputs
-
-    return model(**model_inputs(model, batch), use_cache=False).logits.float().mean()
-
-
-def chunked_loss(model, batch):
-    """moeflow's loss of a collated batch: the chunked cross-entropy, no full logits."""
-    from moeflow.data.collate import model_inputs
-    from moeflow.model.chunked_loss import token_losses
-
-    return token_losses(model, model_inputs(model, batch), batch["labels"]).loss
-
-
-def hf_loss(model, batch):
-    """The HF Trainer's loss of its batch (inputs and labels): the model's own, from the full logits."""
-    return model(**batch, use_cache=False).loss
-
-
-def warm_up(model, batch, autocast, loss=logits_mean) -> None:
-    """One micro-batch forward and backward of ``loss`` before the clock starts (first-call allocations and
-    kernel choices); gradients are dropped. The compared setups each warm up with the loss they train on,
-    so that a warm-up never holds memory its setup's steps do not (the full logits, for moeflow)."""
-    model.train()
-    with autocast():
-        value = loss(model, batch)
-    value.backward()
-    model.zero_grad(set_to_none=True)
-
-
 def batch_shape(args) -> tuple[int, int]:
     """Micro-batch size and accumulation steps of this run: the real shape's, or the embedded default's."""
     if not args.shape:
@@ -199,17 +177,31 @@ def batch_shape(args) -> tuple[int, int]:
 
 def model_and_examples(setup: str, args, timed: int):
     """The setup's model and training examples: the real shape's built from config (the same weights in every
-    setup) and enough of its synthetic rows for ``timed`` steps, or the base model folder and the corpus."""
-    from moeflow.model.factory import build_model, load_model
+    setup) and enough of its synthetic rows for ``timed`` steps, or the base model folder (with LoRA adapters
+    for the LoRA setup: config/config.yaml's ``train.lora``) and the corpus."""
+    from moeflow.model.factory import Layout, make_model
     from moeflow.model.folder import load_tokenizer
+    from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 
     if args.shape:
         from benchmarks.real_shape import SHAPES, model_section, synthetic_rows
 
         shape = SHAPES[args.shape]
         rows = synthetic_rows(shape, args.vocab, timed * shape.micro_batch_size * shape.grad_accum_steps)
-        return build_model(model_section(shape, args.vocab), args.vocab), rows
-    model = load_model(args.model, {"attn_implementation": "eager" if setup == "recipe" else "sdpa"})
+        return make_model(typed(ModelSettings, model_section(shape, args.vocab)), vocab_size=args.vocab), rows
+    model_settings = {
+        "pretrained": args.model,
+        "config": {},  # not read for a folder
+        "attn_implementation": "eager" if setup == "recipe" else "sdpa",
+        "experts_implementation": STACK_DEFAULT_EXPERTS,  # what from_pretrained runs on this stack
+    }
+    train = (
+        typed(TrainSettings, train_settings(load(overrides={"train": {"method": "lora"}})))
+        if setup in LORA_SETUPS
+        else None
+    )
+    layout = Layout.single("cpu", train)
+    model = make_model(typed(ModelSettings, model_settings), folder=args.model, layout=layout)
     if setup == "recipe":
         return model, recipe_examples(documents(args.data), load_tokenizer(args.model).pad_token_id or 0)
     return model, packed_rows(args.data)
@@ -218,7 +210,7 @@ def model_and_examples(setup: str, args, timed: int):
 def worker(setup: str, args) -> dict:
     import torch
 
-    from moeflow.data.collate import collate, model_inputs
+    from moeflow.data.collate import collate
     from moeflow.runtime.stage import set_offline
     from moeflow.train.metrics import active_parameters
     from moeflow.train.trainer import Trainer
@@ -238,29 +230,8 @@ def worker(setup: str, args) -> dict:
         cpu_ends.append(time.process_time())
 
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision_of(setup) == "bf16")  # noqa: E731
-    if setup in LORA_SETUPS:
-        from moeflow.model.lora import prepare_model
-
-        lora_run = load(overrides={"train": {"method": "lora"}})
-        model = prepare_model(model, typed(TrainSettings, train_settings(lora_run)))
     if setup.startswith("moeflow"):
-        mode = balance_mode_of(setup)
-        settings = typed(
-            TrainSettings,
-            training(
-                {
-                    "steps": timed,
-                    "lr": LR,
-                    "warmup_steps": 1,
-                    "micro_batch_size": micro,
-                    "grad_accum_steps": accum,
-                    "weight_decay": 0.1,
-                    "max_grad_norm": 1.0,
-                    "balance": {"mode": mode, "coef": BALANCE_COEF},
-                    "memory_guard": {"skip_steps": 10**6},
-                }
-            ),
-        )
+        settings = moeflow_settings(timed, micro, accum, balance_mode_of(setup))
         warm_up(model, collate(examples[:micro]), autocast, chunked_loss)
         trainer = Trainer(
             model,
@@ -281,27 +252,12 @@ def worker(setup: str, args) -> dict:
         trainer.train_step = first_step_begins
         trainer.run()
     else:
-        from transformers import Trainer as HFTrainer
-        from transformers import TrainerCallback, TrainingArguments
-
-        class StepClock(TrainerCallback):
-            def on_step_begin(self, a, state, control, **kw):
-                if not ends:
-                    mark()
-
-            def on_step_end(self, a, state, control, **kw):
-                mark()
-
         if setup == "recipe":
 
             def hf_batch(batch):
                 return {k: torch.tensor([b[k] for b in batch]) for k in ("input_ids", "attention_mask", "labels")}
         else:
-
-            def hf_batch(batch):  # what the model takes, with the labels
-                rows = collate(batch)
-                return {**model_inputs(model, rows), "labels": rows["labels"]}
-
+            hf_batch = packed_hf_batch(model)
         # The Trainer calls the model without use_cache: with the config's True, transformers 5 builds a cache and
         # then drops the per-document attention it reads from the restarting positions (moeflow's loop sets it off).
         model.config.use_cache = False
@@ -309,33 +265,7 @@ def worker(setup: str, args) -> dict:
         if checkpointing:  # before the warm-up, so that its memory is the recipe's (the Trainer enables it again)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         warm_up(model, hf_batch(examples[:micro]), autocast, hf_loss)
-        with tempfile.TemporaryDirectory() as tmp:
-            hf_args = TrainingArguments(
-                output_dir=tmp,
-                per_device_train_batch_size=micro,
-                gradient_accumulation_steps=accum,
-                learning_rate=LR,
-                max_grad_norm=1.0,
-                weight_decay=0.1,
-                adam_beta2=0.95,
-                max_steps=timed,
-                lr_scheduler_type="cosine",
-                warmup_steps=1,
-                gradient_checkpointing=checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
-                report_to=[],
-                save_strategy="no",
-                logging_steps=10**6,
-                disable_tqdm=True,
-                dataloader_num_workers=0,
-                use_cpu=True,
-                seed=0,
-                remove_unused_columns=False,
-                optim="adamw_torch",
-            )
-            HFTrainer(
-                model=model, args=hf_args, train_dataset=examples, data_collator=hf_batch, callbacks=[StepClock()]
-            ).train()
+        hf_train(model, examples, hf_batch, mark, micro=micro, accum=accum, steps=timed, checkpointing=checkpointing)
 
     seconds = statistics.median(step_intervals(ends))
     tokens_per_step = statistics.fmean(label_tokens(e) for e in examples) * micro * accum

@@ -17,6 +17,7 @@ of the default shape on random tokens. Writes results/bench/training_maths.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -31,8 +32,9 @@ import torch  # noqa: E402
 
 from moeflow.data.collate import collate  # noqa: E402
 from moeflow.model.experts_choice import measure as time_experts  # noqa: E402
-from moeflow.model.factory import build_model, load_model  # noqa: E402
+from moeflow.model.factory import make_model  # noqa: E402
 from moeflow.model.routing import adapter_or_none  # noqa: E402
+from moeflow.model.settings import ModelSettings  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
 from moeflow.settings import typed  # noqa: E402
 from moeflow.train.settings import BalanceSettings  # noqa: E402
@@ -73,9 +75,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = run_config(load(), "moe")
     train, seq_len = cfg["train"], cfg["data"]["seq_len"]
-    experts = time_experts(cfg["model"], train["micro_batch_size"], seq_len, torch.device("cpu"), "fp32")["chosen"]
-    model_cfg = cfg["model"] | {"experts_implementation": experts}  # as rule choose_experts resolves auto
-    model = build_model(model_cfg, cfg["tokenizer"]["vocab_size"], seed=0)
+    model_settings = typed(ModelSettings, cfg["model"])
+    experts = time_experts(model_settings, train["micro_batch_size"], seq_len, torch.device("cpu"), "fp32")["chosen"]
+    # as make_model resolves auto from rule choose_experts's choice
+    model_settings = dataclasses.replace(model_settings, experts_implementation=experts)
+    model = make_model(model_settings, vocab_size=cfg["tokenizer"]["vocab_size"], seed=0)
     adapter = adapter_or_none(model)
     micro = train["micro_batch_size"]
 
@@ -107,7 +111,7 @@ def main() -> None:
     if args.model:
         from moeflow.data.shards import open_split
 
-        model = load_model(args.model, model_cfg)
+        model = make_model(model_settings, folder=args.model)
         adapter = adapter_or_none(model)
         split = open_split(args.data, "train")
         rows = [split[i] for i in range(min(len(split), 8 * micro))]

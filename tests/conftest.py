@@ -149,7 +149,9 @@ def coverage_inputs(tmp_path_factory):
 
     from moeflow.data.tokenize import tokenize_corpus
     from moeflow.data.tokenizer import load_fast_tokenizer, train_tokenizer_stage
-    from moeflow.model.factory import build_model
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
 
     root = tmp_path_factory.mktemp("coverage_stage")
     rng = np.random.default_rng(0)
@@ -175,14 +177,16 @@ def coverage_inputs(tmp_path_factory):
     tokenize_corpus("code", {"tokenizer": tok, "data": data}, root / "tokenizer", root / "code")
     tokenizer = load_fast_tokenizer(root / "tokenizer")
     model_cfg = tiny_model_cfg(tie_word_embeddings=False)
-    model = build_model(model_cfg, vocab_size=len(tokenizer), seed=0)
+    model = make_model(typed(ModelSettings, model_cfg), vocab_size=len(tokenizer), seed=0)
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
     return root, model_cfg
 
 
 def run_coverage_stage(root: Path, model_cfg, out: Path, **overrides):
-    from moeflow.model.factory import load_model
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
 
     settings = {
         "pool_corpora": ["code"],
@@ -195,7 +199,7 @@ def run_coverage_stage(root: Path, model_cfg, out: Path, **overrides):
         "random_draws": 3,
     } | overrides
     outputs = StageOutputs(out / "valset", out / "coverage.json", out / "heatmap.png")
-    model = load_model(root / "base", model_cfg)
+    model = make_model(typed(ModelSettings, model_cfg), folder=root / "base")
     return build_valset(
         model,
         [root / "code"],

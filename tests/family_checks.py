@@ -24,8 +24,9 @@ from tiny_models import (
 from moeflow.data.collate import collate, model_inputs
 from moeflow.model import parameters as P
 from moeflow.model.chunked_loss import next_token_targets
-from moeflow.model.factory import build_model, load_model
+from moeflow.model.factory import make_model
 from moeflow.model.routing import SIGMOID, UnsupportedModel, adapter_for, capture
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
 from moeflow.settings import typed
 from moeflow.train.settings import BalanceSettings, TrainSettings
@@ -248,7 +249,9 @@ def full_batch_grads(model, batch) -> torch.Tensor:
 
 def check_accumulation(model_type: str) -> None:
     """Micro-batches accumulated with ``exact`` balancing give the full batch's gradient."""
-    model = build_model(causal_lm_config(model_type), VOCAB, seed=0).to(dtype_for(model_type))
+    model = make_model(typed(ModelSettings, causal_lm_config(model_type)), vocab_size=VOCAB, seed=0).to(
+        dtype_for(model_type)
+    )
     spread_routers(model)
     rows = packed_rows()[:2] * 2
     reference = full_batch_grads(model, collate(rows))
@@ -289,10 +292,10 @@ def check_parameter_categories(model_type: str) -> None:
 
 
 def check_train_and_reload(model_type: str) -> None:
-    """Two training steps, then save_pretrained and moeflow's load_model give the same outputs."""
+    """Two training steps, then save_pretrained and moeflow's make_model (loading the folder) give the same outputs."""
     model_cfg = causal_lm_config(model_type)
     dtype = dtype_for(model_type)
-    model = build_model(model_cfg, VOCAB, seed=0).to(dtype)
+    model = make_model(typed(ModelSettings, model_cfg), vocab_size=VOCAB, seed=0).to(dtype)
     spread_routers(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     settings = typed(
@@ -319,7 +322,7 @@ def check_train_and_reload(model_type: str) -> None:
     model.eval()
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
         model.save_pretrained(folder, safe_serialization=True)
-        reloaded = load_model(folder, model_cfg, dtype).eval()
+        reloaded = make_model(typed(ModelSettings, model_cfg), folder=folder, dtype=dtype).eval()
         assert reloaded.config.tie_word_embeddings == model.config.tie_word_embeddings
         again = forward(reloaded, model_inputs(reloaded, batch))
         torch.testing.assert_close(again, forward(model, model_inputs(model, batch)), rtol=0, atol=0)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
 from moeflow.model.routing import adapter_for
+from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat
+from moeflow.settings import typed
 
 VOCAB = 128
 SEQ = 32
@@ -111,12 +113,24 @@ MOE_LAYERS = {"deepseek_v3": [1, 2], "step3p5": [1, 2]}  # the others: [0, 1]
 TRANSFORMERS_5_ONLY = ("step3p5",)
 
 
+# Tests build models outside a stage, without a measured choice: eager experts (transformers 4.57's only loop;
+# on transformers 5, grouped_mm rejects float64 on the CPU).
+TEST_EXPERTS = "eager"
+
+
 def model_config(model_type: str, attn: str = "eager") -> dict:
-    """The ``model`` config section (``moeflow.model.factory.build_model``) of a family's tiny model."""
-    cfg = {"attn_implementation": attn, "config": {"model_type": model_type, **COMMON, **FAMILY_CONFIGS[model_type]}}
-    if compat.is_transformers_v5():
-        cfg["experts_implementation"] = "eager"  # grouped_mm rejects float64 on the CPU
-    return cfg
+    """The ``model`` config section (``moeflow.model.settings.ModelSettings``) of a family's tiny model."""
+    return {
+        "attn_implementation": attn,
+        "experts_implementation": TEST_EXPERTS,
+        "config": {"model_type": model_type, **COMMON, **FAMILY_CONFIGS[model_type]},
+    }
+
+
+def folder_settings(**keys) -> ModelSettings:
+    """The model settings a test loads a saved folder with, as from_pretrained would: the stack's own experts
+    implementation, the schema's defaults for the rest (``model.config`` is not read for a folder)."""
+    return typed(ModelSettings, {"config": {}, "experts_implementation": STACK_DEFAULT_EXPERTS, **keys})
 
 
 def build_family(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -124,7 +138,7 @@ def build_family(model_type: str, attn: str = "eager", dtype: torch.dtype = torc
     if model_type == "step3p5":
         model = _step3p5_text_model(attn, seed)
     else:
-        model = build_model(model_config(model_type, attn), vocab_size=VOCAB, seed=seed)
+        model = make_model(typed(ModelSettings, model_config(model_type, attn)), vocab_size=VOCAB, seed=seed)
     model = model.to(dtype)
     spread_routers(model, seed)
     return model.eval()
@@ -159,8 +173,9 @@ def spread_routers(model, seed: int = 0) -> None:
 def tiny_model_cfg(attn: str = "sdpa", **config):
     """The model section of a tiny qwen3_moe (2 layers, 4 experts, top-2) that the training tests share;
     ``config`` overrides its ``model.config`` keys."""
-    cfg = {
+    return {
         "attn_implementation": attn,
+        "experts_implementation": TEST_EXPERTS,
         "config": {
             "model_type": "qwen3_moe",
             "hidden_size": 32,
@@ -179,9 +194,6 @@ def tiny_model_cfg(attn: str = "sdpa", **config):
             **config,
         },
     }
-    if compat.is_transformers_v5():
-        cfg["experts_implementation"] = "eager"  # grouped_mm rejects float64 on CPU
-    return cfg
 
 
 def tiny_dense_cfg(attn: str = "sdpa", **config):

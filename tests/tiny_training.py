@@ -12,7 +12,8 @@ import torch
 from tiny_models import tiny_model_cfg
 
 from moeflow.data.collate import collate
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime.stage import KILL_ENV
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.train.settings import TrainSettings
@@ -59,7 +60,7 @@ def settings(**overrides):
 
 
 def make_trainer(tmp=None, seed=0, **kwargs):
-    model = build_model(tiny_model_cfg(), VOCAB, seed=seed)
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=seed)
     s = kwargs.pop("train_settings", None) or settings()
     return Trainer(model, s, packed_rows(), collate_fn=collate, seed=seed, **kwargs)
 

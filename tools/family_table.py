@@ -42,7 +42,7 @@ of both signs, GPT-OSS's expert and router biases, tied and untied embeddings; f
 - exact accumulation: micro-batches accumulated with `exact` balancing give the full batch's gradient.
 - parameter categories: `moeflow.model.parameters` finds the routers, routed experts, expert biases, shared
   experts and norms of the model.
-- train + reload: two training steps, then `save_pretrained` and `moeflow.model.factory.load_model` give the
+- train + reload: two training steps, then `save_pretrained` and `moeflow.model.factory.make_model` give the
   same outputs.
 
 "refused" means the code stops that combination with the error quoted.

@@ -53,10 +53,10 @@ def schema_node(pointer: str = "#") -> dict[str, Any]:
     node: Any = schema()
     for part in pointer.lstrip("#").strip("/").split("/") if pointer.strip("#/") else []:
         node = node[part]
-    return _resolved(node)
+    return resolved(node)
 
 
-def _resolved(node: Mapping[str, Any]) -> dict[str, Any]:
+def resolved(node: Mapping[str, Any]) -> dict[str, Any]:
     """``node`` with its ``$ref`` (within this schema) replaced by the target; keys beside the ``$ref``
     (a ``default``, a ``description``) win."""
     if "$ref" not in node:
@@ -65,7 +65,7 @@ def _resolved(node: Mapping[str, Any]) -> dict[str, Any]:
     return {**target, **{k: v for k, v in node.items() if k != "$ref"}}
 
 
-def _matches(subschema: Mapping[str, Any], instance: Any) -> bool:
+def matches(subschema: Mapping[str, Any], instance: Any) -> bool:
     return jsonschema.validators.validator_for(schema())(subschema).is_valid(instance)
 
 
@@ -73,16 +73,16 @@ def with_defaults(tree: Any, node: Mapping[str, Any] | str = "#") -> Any:
     """``tree`` with every key the schema gives a ``default`` and the tree leaves out filled in, at every
     depth (through ``$ref`` and per data source, by its kind: ``if``/``then``/``else``). Keys present
     (``null`` included) are kept. The schema is the only place a default is written."""
-    node = schema_node(node) if isinstance(node, str) else _resolved(node)
+    node = schema_node(node) if isinstance(node, str) else resolved(node)
     if not isinstance(tree, Mapping):
         return copy.deepcopy(tree)
     out = dict(tree)
     branches = [node]
     if "if" in node:
-        branches.append(node.get("then" if _matches(node["if"], out) else "else") or {})
+        branches.append(node.get("then" if matches(node["if"], out) else "else") or {})
     for branch in branches:
         for key, sub in (branch.get("properties") or {}).items():
-            sub = _resolved(sub)
+            sub = resolved(sub)
             if key not in out and "default" in sub:
                 out[key] = copy.deepcopy(sub["default"])
     properties = node.get("properties") or {}
@@ -102,7 +102,7 @@ def with_defaults(tree: Any, node: Mapping[str, Any] | str = "#") -> Any:
 def enum(pointer: str) -> tuple[Any, ...]:
     """The allowed values the schema lists at ``pointer`` (an enumeration is written only there)."""
     node = schema_node(pointer)
-    return tuple(node["enum"] if "enum" in node else _resolved(node["items"])["enum"])
+    return tuple(node["enum"] if "enum" in node else resolved(node["items"])["enum"])
 
 
 def typed(cls: type, data: Mapping[str, Any]) -> Any:
@@ -137,5 +137,5 @@ def _typed(hint: Any, value: Any) -> Any:
 
 
 def plain(typed: Any) -> dict[str, Any]:
-    """Typed settings as plain JSON-able data (the inverse of :func:`settings`)."""
+    """Typed settings as plain JSON-able data (the inverse of :func:`typed`)."""
     return json.loads(json.dumps(dataclasses.asdict(typed)))

@@ -32,7 +32,8 @@ from tiny_training import VOCAB, packed_rows  # noqa: E402
 from tiny_training import settings as train_settings  # noqa: E402
 
 from moeflow.data.collate import collate
-from moeflow.model.loading import load_for_training
+from moeflow.model.factory import Layout, make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.layouts import is_sharded
 from moeflow.parallel.process_group import check_ranks, gather_objects, init, teardown
@@ -98,10 +99,11 @@ def launch(command: str, mode: str, model_dir: Path, out: Path, extra_env: dict 
 
 
 def test_two_nodes_of_one_rank_resume_a_one_node_two_rank_checkpoint(tmp_path):
-    from moeflow.model.factory import build_model
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
 
     model_dir = tmp_path / "model"
-    build_model(tiny_model_cfg(), VOCAB, seed=5).save_pretrained(model_dir)
+    make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=5).save_pretrained(model_dir)
     one_node = torchrun_command(sys.executable, cpu_ranks=RANKS)
     launch(one_node, "straight", model_dir, tmp_path)
 
@@ -142,7 +144,7 @@ def _main(mode: str, model_dir: str, out: str) -> None:
     parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": RANKS // nodes, "nnodes": nodes})
     layout = check_ranks(parallel, ranks)
     settings = train_settings(steps=STEPS)
-    model = load_for_training(model_dir, tiny_model_cfg(), settings, layout, ranks, precision="fp32")
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), folder=model_dir, layout=Layout(ranks, layout, settings))
     trainer = Trainer(model, settings, packed_rows(), collate_fn=collate, seed=0)
     checkpoint = Path(out) / "checkpoint"
     if mode == "straight":

@@ -30,7 +30,8 @@ from tiny_training import VOCAB, packed_rows, settings  # noqa: E402
 from moeflow.checkpoint.safetensors_files import read_header  # noqa: E402
 from moeflow.checkpoint.state import latest_checkpoint, partial_folder, step_folder  # noqa: E402
 from moeflow.data.collate import collate  # noqa: E402
-from moeflow.model.loading import load_for_training
+from moeflow.model.factory import Layout, make_model  # noqa: E402
+from moeflow.model.settings import ModelSettings  # noqa: E402
 from moeflow.parallel.launch import torchrun_command  # noqa: E402
 from moeflow.parallel.layouts import full_state_dict
 from moeflow.parallel.process_group import Ranks, init, teardown
@@ -67,8 +68,8 @@ def make_trainer(model_dir: Path, layout: str, ranks: Ranks, checkpoint_dir: str
         | ({"ep_size": ranks.world_size} if layout == "ep" else {}),
     )
     s = train_settings(ranks.world_size, **extra)
-    model_cfg = {**tiny_model_cfg(), "loss_chunk_tokens": CHUNK_TOKENS}
-    model = load_for_training(model_dir, model_cfg, s, parallel, ranks, precision="fp32")
+    model_settings = typed(ModelSettings, {**tiny_model_cfg(), "loss_chunk_tokens": CHUNK_TOKENS})
+    model = make_model(model_settings, folder=model_dir, layout=Layout(ranks, parallel, s))
     return Trainer(model, s, packed_rows(), collate_fn=collate, seed=0, checkpoint_dir=checkpoint_dir)
 
 
@@ -105,7 +106,9 @@ def run_ok(world: int, out: Path, models: dict[str, Path], ops: list[dict]) -> N
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    from moeflow.model.factory import build_model
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
 
     root = tmp_path_factory.mktemp("reshard-models")
     folders = {}
@@ -113,7 +116,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
         cfg = tiny_model_cfg()
         cfg["config"]["tie_word_embeddings"] = kind == "tied"
         folders[kind] = root / kind
-        build_model(cfg, VOCAB, seed=5).save_pretrained(folders[kind])
+        make_model(typed(ModelSettings, cfg), vocab_size=VOCAB, seed=5).save_pretrained(folders[kind])
     return folders
 
 

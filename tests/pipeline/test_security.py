@@ -22,13 +22,14 @@ from conftest import (  # noqa: E402
     copy_workflow,
     snakemake,
 )
-from tiny_models import tiny_model_cfg  # noqa: E402
+from tiny_models import folder_settings, tiny_model_cfg  # noqa: E402
 
-from moeflow.model.factory import build_model, load_model  # noqa: E402
+from moeflow.model.factory import make_model  # noqa: E402
 from moeflow.model.folder import ModelError, load_tokenizer  # noqa: E402
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime import env  # noqa: E402
 from moeflow.runtime.stage import OFFLINE_ENV, Stage  # noqa: E402
-from moeflow.settings import REPO_ROOT, ConfigError
+from moeflow.settings import REPO_ROOT, ConfigError, typed
 from moeflow.workflow.load import load, run_config
 from moeflow.workflow.merge import run_names
 
@@ -56,7 +57,7 @@ def pickle_payload(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("model") / "tiny"
-    build_model(tiny_model_cfg(), vocab_size=97, seed=0).save_pretrained(folder)
+    make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=97, seed=0).save_pretrained(folder)
     return folder
 
 
@@ -125,7 +126,7 @@ def test_code_in_a_model_folder_does_not_run_without_trust_remote_code(tmp_path)
         "set model.trust_remote_code: true next to model.pretrained (the verification report records it)"
     )
     with pytest.raises(ModelError) as err:
-        load_model(folder, {"trust_remote_code": False})
+        make_model(folder_settings(trust_remote_code=False), folder=folder)
     assert str(err.value) == expected
     with pytest.raises(ModelError) as err:
         load_tokenizer(folder)
@@ -179,7 +180,7 @@ def test_a_model_folder_with_pickle_weights_is_refused(saved_model, tmp_path):
     (folder / "config.json").write_bytes((saved_model / "config.json").read_bytes())
     pickle_payload(folder / "pytorch_model.bin")
     with pytest.raises(ModelError) as err:
-        load_model(folder, tiny_model_cfg())
+        make_model(typed(ModelSettings, tiny_model_cfg()), folder=folder)
     assert str(err.value) == (
         f"model folder {folder} has no safetensors weights: it holds pickle weights (pytorch_model.bin), which moeflow "
         "refuses to load because unpickling can run code. Convert the model to safetensors "
@@ -188,9 +189,10 @@ def test_a_model_folder_with_pickle_weights_is_refused(saved_model, tmp_path):
     assert not (folder / MARKER).exists()
     # beside safetensors weights a pickle is ignored, never read
     (folder / "model.safetensors").write_bytes((saved_model / "model.safetensors").read_bytes())
-    model = load_model(folder, tiny_model_cfg())
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), folder=folder)
     assert torch.equal(
-        model.get_input_embeddings().weight, load_model(saved_model, tiny_model_cfg()).get_input_embeddings().weight
+        model.get_input_embeddings().weight,
+        make_model(typed(ModelSettings, tiny_model_cfg()), folder=saved_model).get_input_embeddings().weight,
     )
     assert not (folder / MARKER).exists()
 
@@ -263,7 +265,7 @@ def test_loading_models_and_tokenizers_never_reaches_the_network(saved_model, tm
 
     tokenizer = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
     tokenizer.save_pretrained(saved_model)
-    model = load_model(saved_model, tiny_model_cfg())
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), folder=saved_model)
     tok = load_tokenizer(saved_model)
     assert tok("return x")["input_ids"] == tokenizer("return x")["input_ids"]
     assert model.config.model_type == "qwen3_moe"

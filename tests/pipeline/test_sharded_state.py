@@ -1,6 +1,6 @@
 """Sharded loading and the streamed export on two CPU ranks (gloo, started by torchrun).
 
-* ``parallel.strategy: fsdp``: ``distributed.load_for_training`` builds the model on the meta device,
+* ``parallel.strategy: fsdp``: ``moeflow.model.factory.make_model`` builds the model on the meta device,
   shards it and reads each rank's rows from the folder's files; the gathered weights equal a whole
   ``from_pretrained`` load exactly, for tied and untied embeddings, from one ``model.safetensors`` and
   from an HF-sharded folder (index + several files).
@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a torchru
 from tiny_models import tiny_model_cfg  # noqa: E402
 
 from moeflow.checkpoint import export
-from moeflow.model.loading import load_for_training
+from moeflow.model.factory import Layout, make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.layouts import full_state_dict, is_sharded
 from moeflow.parallel.process_group import Ranks, init, teardown
@@ -47,12 +48,13 @@ LAYOUTS = ["fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory) -> dict[str, Path]:
     """Tiny qwen3_moe folders: tied and untied embeddings, one file; untied in several files (HF index)."""
-    from moeflow.model.factory import build_model
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
 
     root = tmp_path_factory.mktemp("sharded-state")
     folders = {}
     for kind, tied in FOLDERS.items():
-        model = build_model(tiny_model_cfg(tie_word_embeddings=tied), VOCAB, seed=7)
+        model = make_model(typed(ModelSettings, tiny_model_cfg(tie_word_embeddings=tied)), vocab_size=VOCAB, seed=7)
         model.save_pretrained(root / kind)
         if not tied:
             model.save_pretrained(root / "untied-sharded", max_shard_size="20KB")
@@ -75,9 +77,10 @@ def run_ranks(*args: str) -> None:
 
 
 def whole_load(folder: Path) -> dict[str, torch.Tensor]:
-    from moeflow.model.factory import load_model
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
 
-    return load_model(folder, tiny_model_cfg()).state_dict()
+    return make_model(typed(ModelSettings, tiny_model_cfg()), folder=folder).state_dict()
 
 
 def test_fsdp_ranks_load_their_rows_exactly_as_a_whole_load(saved_models, tmp_path):
@@ -142,7 +145,9 @@ def _train_settings() -> TrainSettings:
 def _load(folders: dict[str, str], out: Path, ranks: Ranks) -> None:
     layout = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": RANKS})
     for kind, folder in folders.items():
-        model = load_for_training(folder, tiny_model_cfg(), _train_settings(), layout, ranks, precision="fp32")
+        model = make_model(
+            typed(ModelSettings, tiny_model_cfg()), folder=folder, layout=Layout(ranks, layout, _train_settings())
+        )
         assert is_sharded(model)
         weights, _ = full_state_dict(model)
         if ranks.is_main:
@@ -158,7 +163,9 @@ def _export(job: dict, out: Path, ranks: Ranks) -> None:
         {"ep_size": RANKS} if job["layout"] == "ep" else {}
     )
     layout = typed(ParallelSettings, section)
-    model = load_for_training(job["model"], tiny_model_cfg(), _train_settings(), layout, ranks, precision="fp32")
+    model = make_model(
+        typed(ModelSettings, tiny_model_cfg()), folder=job["model"], layout=Layout(ranks, layout, _train_settings())
+    )
     with torch.no_grad():  # "trained": every weight changed, the same way on every rank
         for p in model.parameters():
             p.mul_(1.5).add_(0.25)

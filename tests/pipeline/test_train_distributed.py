@@ -34,14 +34,15 @@ from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, packed_rows  # noqa: E402
 
 from moeflow.data.collate import collate
-from moeflow.model.loading import load_for_training, load_model
+from moeflow.model.factory import Layout, make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.parallel.gradients import full_gradients
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.layouts import full_state_dict, is_sharded
 from moeflow.parallel.process_group import DistributedError, Ranks, check_ranks, gather_objects, init, teardown
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
-from moeflow.runtime.job import job_from_argv
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import KILL_ENV
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.train.settings import TrainSettings
@@ -104,22 +105,20 @@ REFERENCE_CHUNK_TOKENS = 4096
 def make_trainer(model_dir, layout: ParallelSettings, ranks: Ranks, train_settings: TrainSettings, **kwargs) -> Trainer:
     """What the stage scripts do: load for the layout, shard, then the Trainer."""
     chunk = REFERENCE_CHUNK_TOKENS if ranks.world_size == 1 else RANK_CHUNK_TOKENS
-    model_cfg = {**tiny_model_cfg(), "loss_chunk_tokens": chunk}
-    model = load_for_training(model_dir, model_cfg, train_settings, layout, ranks, precision="fp32")
+    model_settings = typed(ModelSettings, {**tiny_model_cfg(), "loss_chunk_tokens": chunk})
+    model = make_model(model_settings, folder=model_dir, layout=Layout(ranks, layout, train_settings))
     return Trainer(model, train_settings, packed_rows(), collate_fn=collate, seed=0, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory) -> dict[str, Path]:
-    from moeflow.model.factory import build_model
-
     root = tmp_path_factory.mktemp("train-dist")
     folders = {}
     for kind in ("tied", "untied"):
         cfg = tiny_model_cfg()
         cfg["config"]["tie_word_embeddings"] = kind == "tied"
         folders[kind] = root / kind
-        build_model(cfg, VOCAB, seed=5).save_pretrained(folders[kind])
+        make_model(typed(ModelSettings, cfg), vocab_size=VOCAB, seed=5).save_pretrained(folders[kind])
     return folders
 
 
@@ -237,20 +236,19 @@ def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
 def test_lora_on_sharded_ranks_is_refused_naming_the_settings(saved_models):
     two = Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp"):
-        load_for_training(
-            saved_models["tied"],
-            tiny_model_cfg(),
-            settings("running", 1, method="lora"),
-            parallel(strategy="fsdp", nproc_per_node=2),
-            two,
-            precision="fp32",
+        make_model(
+            typed(ModelSettings, tiny_model_cfg()),
+            folder=saved_models["tied"],
+            layout=Layout(two, parallel(strategy="fsdp", nproc_per_node=2), settings("running", 1, method="lora")),
         )
 
 
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
 def test_expert_parallelism_refuses_tied_embeddings(saved_models):
+    two = Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    ep = Layout(two, parallel(strategy="ep", ep_size=2, nproc_per_node=2))
     with pytest.raises(DistributedError, match="tie_word_embeddings.*parallel.strategy: fsdp"):
-        load_model(saved_models["tied"], tiny_model_cfg(), parallel(strategy="ep", ep_size=2, nproc_per_node=2), "fp32")
+        make_model(typed(ModelSettings, tiny_model_cfg()), folder=saved_models["tied"], layout=ep)
 
 
 def test_ranks_that_differ_from_the_config_are_a_clear_error():
@@ -270,9 +268,9 @@ def test_ranks_share_the_rules_threads_and_only_rank_0_writes_the_log(monkeypatc
     ]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert (job_from_argv(argv).threads, job_from_argv(argv).log) == (4, ["w.log"])
+    assert (Job.from_argv(argv=argv).threads, Job.from_argv(argv=argv).log_file) == (4, "w.log")
     monkeypatch.setenv("RANK", "1")
-    assert job_from_argv(argv).log == []
+    assert Job.from_argv(argv=argv).log_file is None
 
 
 # --------------------------------------------------------------------------- through Snakemake (smoke config)

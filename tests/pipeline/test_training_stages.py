@@ -15,10 +15,11 @@ from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import packed_rows  # noqa: E402
 
 from moeflow.model.experts_choice import choice_record, measure
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime.files import write_json
 from moeflow.runtime.stage import KILL_ENV
-from moeflow.settings import REPO_ROOT
+from moeflow.settings import REPO_ROOT, typed
 from moeflow.workflow.keys import train_model_settings, warmup_settings
 from moeflow.workflow.load import load, run_config
 
@@ -48,7 +49,7 @@ def stage_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("stage")
     texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
     tokenizer = train_tokenizer(texts, vocab_size=300, min_frequency=1)
-    model = build_model(tiny_model_cfg(), len(tokenizer), seed=1)
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=len(tokenizer), seed=1)
     model.save_pretrained(root / "base")
     tokenizer.save_pretrained(root / "base")
     rows = [{k: v for k, v in r.items()} for r in packed_rows(16)]
@@ -57,7 +58,10 @@ def stage_inputs(tmp_path_factory):
         r["labels"] = [t if t == -100 else min(t, len(tokenizer) - 1) for t in r["labels"]]
     write_split(root / "data" / "train", rows)
     write_split(root / "valset" / "heldout", rows[:4])
-    write_json(root / "experts.json", choice_record(measure(fine_tune_model(), 2, 64, torch.device("cpu"), "fp32")))
+    write_json(
+        root / "experts.json",
+        choice_record(measure(typed(ModelSettings, fine_tune_model()), 2, 64, torch.device("cpu"), "fp32")),
+    )
     return root
 
 

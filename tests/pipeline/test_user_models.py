@@ -15,8 +15,10 @@ from conftest import active_stack, copy_workflow, results, snakemake
 from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, model_config
 
 from moeflow.data.tokenizer import train_tokenizer
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
+from moeflow.settings import typed
 
 pytestmark = pytest.mark.pipeline
 
@@ -37,7 +39,7 @@ def write_corpus(path: Path, docs: int = 300) -> list[str]:
 
 
 def save_family_folder(family: str, folder: Path, tokenizer) -> None:
-    model = build_model(model_config(family), vocab_size=len(tokenizer), seed=0)
+    model = make_model(typed(ModelSettings, model_config(family)), vocab_size=len(tokenizer), seed=0)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 from conftest import run_coverage_stage
+from tiny_models import folder_settings
 
 from moeflow.coverage.build import StageOutputs, build_valset
 from moeflow.coverage.cover import CoverageInfeasible, infeasible_message
-from moeflow.model.factory import build_model, load_model
+from moeflow.model.factory import make_model
 from moeflow.model.folder import ModelError, check_vocabulary, load_tokenizer
 from moeflow.model.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
-from moeflow.settings import REPO_ROOT, ConfigError
+from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
+from moeflow.settings import REPO_ROOT, ConfigError, typed
 from moeflow.workflow.load import load
 
 SMOKE = REPO_ROOT / "config" / "smoke.yaml"
@@ -77,7 +79,7 @@ def test_wrong_type_and_unknown_key_in_a_run_overlay():
 
 def test_a_model_path_that_does_not_exist(tmp_path):
     with pytest.raises(ModelError) as err:
-        load_model(tmp_path / "no-such-model")
+        make_model(folder_settings(), folder=tmp_path / "no-such-model")
     assert str(err.value) == (
         f"model folder {tmp_path / 'no-such-model'} does not exist: point 'model.pretrained' at a local folder made "
         "by save_pretrained"
@@ -93,7 +95,7 @@ def test_a_model_path_that_does_not_exist(tmp_path):
 def test_a_folder_that_is_not_a_model(tmp_path):
     (tmp_path / "weights").mkdir()
     with pytest.raises(ModelError) as err:
-        load_model(tmp_path / "weights")
+        make_model(folder_settings(), folder=tmp_path / "weights")
     assert str(err.value) == (
         f"model folder {tmp_path / 'weights'} has no config.json: "
         "point 'model.pretrained' at a folder made by save_pretrained"
@@ -109,8 +111,16 @@ def _model(model_type: str, **config):
         "head_dim": 16,
         "max_position_embeddings": 128,
     }
-    return build_model(
-        {"attn_implementation": "sdpa", "config": {"model_type": model_type, **common, **config}}, vocab_size=300
+    return make_model(
+        typed(
+            ModelSettings,
+            {
+                "attn_implementation": "sdpa",
+                "experts_implementation": STACK_DEFAULT_EXPERTS,
+                "config": {"model_type": model_type, **common, **config},
+            },
+        ),
+        vocab_size=300,
     )
 
 
@@ -154,7 +164,7 @@ def test_an_unsupported_moe_family(coverage_inputs, tmp_path):  # noqa: F811
 def test_a_tokenizer_larger_than_the_model_vocabulary(coverage_inputs):  # noqa: F811
     root, model_cfg = coverage_inputs
     tokens = json.loads((root / "code" / "manifest.json").read_text())["tokenizer"]["vocab_size"]
-    small = build_model(model_cfg, vocab_size=tokens - 40, seed=0)
+    small = make_model(typed(ModelSettings, model_cfg), vocab_size=tokens - 40, seed=0)
     with pytest.raises(ModelError) as err:
         check_vocabulary(small, [root / "code"], "models/small")
     assert str(err.value) == (
@@ -164,8 +174,12 @@ def test_a_tokenizer_larger_than_the_model_vocabulary(coverage_inputs):  # noqa:
         "Use the model's own tokenizer (model.pretrained brings it) or a model whose "
         "vocabulary covers the tokenizer"
     )
-    check_vocabulary(load_model(root / "base", model_cfg), [root / "code"])  # its own tokenizer: accepted
-    check_vocabulary(build_model(model_cfg, vocab_size=tokens + 64, seed=0), [root / "code"])  # padded rows: accepted
+    check_vocabulary(
+        make_model(typed(ModelSettings, model_cfg), folder=root / "base"), [root / "code"]
+    )  # its own tokenizer: accepted
+    check_vocabulary(
+        make_model(typed(ModelSettings, model_cfg), vocab_size=tokens + 64, seed=0), [root / "code"]
+    )  # padded rows: accepted
 
 
 # --------------------------------------------------------------------------- held-out pools
@@ -185,7 +199,7 @@ def test_an_empty_held_out_pool(coverage_inputs, tmp_path):  # noqa: F811
     outputs = StageOutputs(tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png")
     with pytest.raises(CoverageInfeasible) as err:
         build_valset(
-            load_model(root / "base", model_cfg),
+            make_model(typed(ModelSettings, model_cfg), folder=root / "base"),
             [tmp_path / "code"],
             {
                 "pool_corpora": ["code"],

@@ -24,8 +24,10 @@ from moeflow.checkpoint.safetensors_files import read_header  # noqa: E402
 from moeflow.checkpoint.state import CheckpointError, latest_checkpoint, partial_folder, step_folder  # noqa: E402
 from moeflow.checkpoint.storage import ShardWriter  # noqa: E402
 from moeflow.data.collate import collate  # noqa: E402
-from moeflow.model.factory import build_model  # noqa: E402
+from moeflow.model.factory import make_model  # noqa: E402
+from moeflow.model.settings import ModelSettings
 from moeflow.parallel.layouts import full_state_dict
+from moeflow.settings import typed
 from moeflow.train.trainer import Trainer  # noqa: E402
 
 
@@ -65,7 +67,11 @@ def test_a_checkpoint_is_safetensors_and_json_only_and_loads_back_exactly(tmp_pa
 
     # other initial weights: everything must come from the checkpoint
     resumed = Trainer(
-        build_model(tiny_model_cfg(), VOCAB, seed=1), settings(), packed_rows(), collate_fn=collate, seed=0
+        make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=1),
+        settings(),
+        packed_rows(),
+        collate_fn=collate,
+        seed=0,
     )
     resumed.load(folder)
     assert resumed.step == 2
@@ -136,7 +142,7 @@ def test_another_models_checkpoint_is_refused_naming_the_tensors(tmp_path):
     trainer = make_trainer()
     trainer.run(until=1)
     trainer.save(tmp_path / "c")
-    wider = build_model(tiny_model_cfg(moe_intermediate_size=8), VOCAB, seed=0)
+    wider = make_model(typed(ModelSettings, tiny_model_cfg(moe_intermediate_size=8)), vocab_size=VOCAB, seed=0)
     other = Trainer(wider, settings(), packed_rows(), collate_fn=collate, seed=0)
     with pytest.raises(
         CheckpointError, match=r"does not match this run's model and optimizer: .*experts.* is \["
@@ -146,7 +152,7 @@ def test_another_models_checkpoint_is_refused_naming_the_tensors(tmp_path):
     assert str(err.value).endswith(
         "It was saved by another model or settings: delete the folder to start the stage afresh"
     )
-    deeper = build_model(tiny_model_cfg(num_hidden_layers=3), VOCAB, seed=0)
+    deeper = make_model(typed(ModelSettings, tiny_model_cfg(num_hidden_layers=3)), vocab_size=VOCAB, seed=0)
     other = Trainer(deeper, settings(), packed_rows(), collate_fn=collate, seed=0)
     with pytest.raises(CheckpointError, match=r"it lacks model/model\.layers\.2\."):
         other.load(tmp_path / "c")
@@ -178,7 +184,9 @@ def _with_an_unused_parameter(model: torch.nn.Module) -> torch.nn.Module:
 
 def test_a_parameter_without_optimizer_state_resumes_as_the_uninterrupted_run(tmp_path):
     def trainer(seed: int) -> Trainer:
-        model = _with_an_unused_parameter(build_model(tiny_model_cfg(), VOCAB, seed=seed))
+        model = _with_an_unused_parameter(
+            make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=seed)
+        )
         return Trainer(model, settings(), packed_rows(), collate_fn=collate, seed=0)
 
     straight = trainer(0)

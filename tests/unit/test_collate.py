@@ -19,8 +19,10 @@ from moeflow.data.collate import (
     packed_attention_mask,
 )
 from moeflow.data.packing import pack_documents
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
+from moeflow.settings import typed
 
 VOCAB = 64
 
@@ -119,7 +121,7 @@ def flash_attention_unavailable() -> str | None:
 
 @pytest.mark.skipif(flash_attention_unavailable() is not None, reason=str(flash_attention_unavailable()))
 def test_flash_attention_packed_logits_equal_each_document_alone():
-    model = build_model(tiny_model_cfg("flash_attention_2"), vocab_size=VOCAB, seed=0)
+    model = make_model(typed(ModelSettings, tiny_model_cfg("flash_attention_2")), vocab_size=VOCAB, seed=0)
     model = model.to(device="cuda", dtype=torch.bfloat16).eval()
     generator = torch.Generator().manual_seed(1)
     docs = [(i, torch.randint(3, VOCAB, (n,), generator=generator).tolist(), None) for i, n in enumerate([7, 9, 12], 1)]

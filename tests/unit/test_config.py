@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moeflow.settings import REPO_ROOT, ConfigError, _resolved, enum, plain, schema, typed, with_defaults
+from moeflow.settings import REPO_ROOT, ConfigError, enum, plain, resolved, schema, typed, with_defaults
 from moeflow.train.settings import (
     BalanceSettings,
     LoraSettings,
@@ -36,18 +36,18 @@ SMOKE = REPO_ROOT / "config" / "smoke.yaml"
 
 def optional_keys_without_default(node, path=""):
     """Keys the schema lets a config leave out but gives no default (a source's keys per kind count)."""
-    node = _resolved(node)
+    node = resolved(node)
     branches = [(node.get(b) or {}).get("properties") or {} for b in ("then", "else")]
     per_kind = {k for props in branches for k, v in props.items() if "default" in v}
     missing = []
     for key, sub in (node.get("properties") or {}).items():
-        resolved = _resolved(sub)
-        if key not in node.get("required", []) and "default" not in resolved and key not in per_kind:
+        target = resolved(sub)
+        if key not in node.get("required", []) and "default" not in target and key not in per_kind:
             missing.append(f"{path}.{key}")
-        if "properties" in resolved or isinstance(resolved.get("additionalProperties"), dict):
+        if "properties" in target or isinstance(target.get("additionalProperties"), dict):
             missing += optional_keys_without_default(sub, f"{path}.{key}")
     others = node.get("additionalProperties")
-    if isinstance(others, dict) and "properties" in _resolved(others):
+    if isinstance(others, dict) and "properties" in resolved(others):
         missing += optional_keys_without_default(others, f"{path}.*")
     return missing
 

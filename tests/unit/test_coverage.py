@@ -296,11 +296,13 @@ def test_stage_statistics_match_routing_each_document_alone(coverage_inputs):
     import torch
 
     from moeflow.data.shards import iter_rows, open_split, read_documents
-    from moeflow.model.factory import load_model
+    from moeflow.model.factory import make_model
     from moeflow.model.routing import capture
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
 
     root, model_cfg = coverage_inputs
-    model = load_model(root / "base", model_cfg).eval()
+    model = make_model(typed(ModelSettings, model_cfg), folder=root / "base").eval()
     rows = list(iter_rows(open_split(root / "code", "heldout")))[:8]
     stats = route_pool(model, [("code", rows)], 128, model_cfg["attn_implementation"])
     docs = dict(read_documents(open_split(root / "code", "heldout")))

@@ -10,7 +10,8 @@ from device_check import DeviceCheck, DeviceMixError
 from tiny_models import model_config
 
 from moeflow.data.collate import collate
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.parallel import gradients
 from moeflow.parallel.gradients import clip_grad_norm
 from moeflow.runtime import hardware
@@ -42,7 +43,7 @@ def trainer(balance: dict, dense: bool = False, grad_accum_steps: int = 2, max_g
     cfg = model_config("qwen3_moe", "sdpa")
     if dense:
         cfg["config"] |= {"num_experts": 0, "intermediate_size": 32}
-    model = build_model(cfg, VOCAB, seed=0)
+    model = make_model(typed(ModelSettings, cfg), vocab_size=VOCAB, seed=0)
     section = {
         "steps": 4,
         "lr": 1e-3,

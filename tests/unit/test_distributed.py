@@ -21,6 +21,8 @@ import torch
 from tiny_models import tiny_model_cfg
 
 from moeflow.model.parameters import clean_name
+from moeflow.model.settings import ModelSettings
+from moeflow.model.wrappers import unwrap
 from moeflow.parallel.gradients import clip_grad_norm, full_gradients, reduce_gradients
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.layouts import (
@@ -29,7 +31,6 @@ from moeflow.parallel.layouts import (
     is_sharded,
     original_shape,
     shard_model,
-    unwrap,
 )
 from moeflow.parallel.process_group import DistributedError, init, process_group, teardown, world_size
 from moeflow.parallel.settings import ParallelSettings
@@ -37,7 +38,7 @@ from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.train.settings import BalanceSettings
 
-MODEL = tiny_model_cfg(tie_word_embeddings=False)
+SETTINGS = typed(ModelSettings, tiny_model_cfg(tie_word_embeddings=False))
 VOCAB = 96
 LOSS = {"mode": "running", "coef": 0.01, "z_loss_coef": 0.001}
 RANKS = 2
@@ -87,19 +88,19 @@ def one_step(model, rows_per_micro_batch: list[list[dict]], autocast=contextlib.
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory) -> Path:
-    from moeflow.model.factory import build_model
+    from moeflow.model.factory import make_model
 
     folder = tmp_path_factory.mktemp("dist") / "model"
-    build_model(MODEL, VOCAB, seed=3).save_pretrained(folder)
+    make_model(SETTINGS, vocab_size=VOCAB, seed=3).save_pretrained(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
 def reference_model(saved_model):
     """One process, one micro-batch holding every rank's rows; then one optimizer step."""
-    from moeflow.model.factory import load_model
+    from moeflow.model.factory import make_model
 
-    model = load_model(saved_model, MODEL)
+    model = make_model(SETTINGS, folder=saved_model)
     model.config.use_cache = False
     model.train()
     one_step(model, [packed_rows()])
@@ -208,9 +209,9 @@ def checkpoint_round_trip(folder: Path, saved, fresh) -> None:
 def test_state_round_trips_in_one_process(saved_model, reference_model, tmp_path):
     """One process's whole state is the sharded layouts' (names, whole tensors), and its checkpoint loads
     into a fresh model and optimizer exactly."""
-    from moeflow.model.factory import load_model
+    from moeflow.model.factory import make_model
 
-    model = load_model(saved_model, MODEL)
+    model = make_model(SETTINGS, folder=saved_model)
     model.config.use_cache = False
     one_step(model, [packed_rows()])
     optimizer = optimizer_for(model)
@@ -218,7 +219,7 @@ def test_state_round_trips_in_one_process(saved_model, reference_model, tmp_path
     weights, optim_state = full_state_dict(model, optimizer)
     assert_same_weights(weights, reference_model[1])
     assert sorted(optim_state["state"]) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    fresh = load_model(saved_model, MODEL)
+    fresh = make_model(SETTINGS, folder=saved_model)
     fresh_optimizer = optimizer_for(fresh)
     checkpoint_round_trip(tmp_path / "checkpoint", (model, optimizer), (fresh, fresh_optimizer))
     again, again_optim = full_state_dict(fresh, fresh_optimizer)
@@ -229,7 +230,7 @@ def test_state_round_trips_in_one_process(saved_model, reference_model, tmp_path
 def test_bf16_fsdp_computes_in_bf16_over_fp32_masters_and_gives_the_bf16_gradient(saved_model, tmp_path):
     """precision: bf16 with strategy: fsdp: FSDP's mixed precision (bf16 gathers and compute, fp32 shards,
     fp32 reduction), and no whole-model .to(device) before sharding (on CUDA: the whole model on one GPU)."""
-    from moeflow.model.factory import load_model
+    from moeflow.model.factory import make_model
 
     run_ranks(saved_model, tmp_path, {"strategy": "fsdp"}, harness="bf16")
     from safetensors.torch import load_file
@@ -240,7 +241,7 @@ def test_bf16_fsdp_computes_in_bf16_over_fp32_masters_and_gives_the_bf16_gradien
     assert report["gradients"] == ["torch.float32"] and report["saved_weights"] == ["torch.float32"]
     assert report["moved"].count("Qwen3MoeForCausalLM") == 0, report["moved"]
     # one process computing in bf16 (weights cast, the Trainer's autocast) on every rank's rows
-    single = load_model(saved_model, MODEL).to(torch.bfloat16)
+    single = make_model(SETTINGS, folder=saved_model).to(torch.bfloat16)
     single.config.use_cache = False
     single.train()
     one_step(single, [packed_rows()], bf16_autocast)
@@ -281,15 +282,15 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
     """One rank: load, shard, one step on this rank's rows, reduce; rank 0 saves the whole gradients."""
     from safetensors.torch import save_file
 
-    from moeflow.model.factory import load_model
+    from moeflow.model.factory import Layout, make_model
 
     torch.set_num_threads(1)
     parallel = typed(ParallelSettings, json.loads(parallel_json))
     with process_group("cpu") as ranks:
         if parallel.strategy == "ep":
-            model = load_model(saved_model, MODEL, parallel, "fp32")
+            model = make_model(SETTINGS, folder=saved_model, layout=Layout(ranks, parallel))
         else:
-            model = load_model(saved_model, MODEL)
+            model = make_model(SETTINGS, folder=saved_model)
         model.config.use_cache = False
         model.train()
         model = shard_model(model, parallel, ranks, "fp32")
@@ -303,9 +304,9 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         weights, optim_state = full_state_dict(model, optimizer)
         # this rank's checkpoint shards load into a freshly sharded model and optimizer: the same whole state
         fresh = (
-            load_model(saved_model, MODEL, parallel, "fp32")
+            make_model(SETTINGS, folder=saved_model, layout=Layout(ranks, parallel))
             if parallel.strategy == "ep"
-            else load_model(saved_model, MODEL)
+            else make_model(SETTINGS, folder=saved_model)
         )
         fresh = shard_model(fresh, parallel, ranks, "fp32")
         fresh_optimizer = optimizer_for(fresh)
@@ -331,12 +332,12 @@ def _main_bf16(saved_model: str, out: str, parallel_json: str) -> None:
     of the weights a forward sees and of the reduced gradients; rank 0 saves the whole gradients."""
     from safetensors.torch import save_file
 
-    from moeflow.model.factory import load_model
+    from moeflow.model.factory import make_model
 
     torch.set_num_threads(1)
     parallel = typed(ParallelSettings, json.loads(parallel_json))
     with process_group("cpu") as ranks:
-        model = load_model(saved_model, MODEL)
+        model = make_model(SETTINGS, folder=saved_model)
         model.config.use_cache = False
         model.train()
         moved, to = [], torch.nn.Module.to

@@ -15,8 +15,10 @@ from tiny_models import tiny_dense_cfg, tiny_model_cfg
 from moeflow.data.packing import pack_documents
 from moeflow.evaluation import drift
 from moeflow.evaluation.loop import batches, evaluate_batches
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
 from moeflow.model.routing import NoMoELayers, adapter_for, capture
+from moeflow.model.settings import ModelSettings
+from moeflow.settings import typed
 
 VOCAB = 96
 SETTINGS = {"batch_size": 3, "max_sequences": None}
@@ -25,7 +27,9 @@ SWAPPED = (0, 1)  # the experts whose router rows the planted fine-tune swaps in
 
 @pytest.fixture(scope="module")
 def base():
-    return build_model(tiny_model_cfg("eager", max_position_embeddings=64), VOCAB, seed=5)
+    return make_model(
+        typed(ModelSettings, tiny_model_cfg("eager", max_position_embeddings=64)), vocab_size=VOCAB, seed=5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +139,8 @@ def test_a_planted_expert_swap_gives_the_known_drift(base, rows):
 
 
 def test_a_dense_model_has_no_routing_to_compare(rows):
-    dense = build_model(tiny_dense_cfg("eager", max_position_embeddings=64), VOCAB, seed=5)
+    dense = make_model(
+        typed(ModelSettings, tiny_dense_cfg("eager", max_position_embeddings=64)), vocab_size=VOCAB, seed=5
+    )
     with pytest.raises(NoMoELayers, match="MoE"):
         drift.model_routing(dense, rows[0], SETTINGS, label="base")

@@ -14,8 +14,10 @@ from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
 from moeflow.evaluation.loop import evaluate_batches
 from moeflow.evaluation.run_metrics import balance, change_record, set_comparison, set_record, summary_markdown
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
 from moeflow.model.routing import adapter_for, capture
+from moeflow.model.settings import ModelSettings
+from moeflow.settings import typed
 
 VOCAB = 96
 TINY_MOE = tiny_model_cfg("eager", max_position_embeddings=64, tie_word_embeddings=False)
@@ -23,7 +25,7 @@ TINY_MOE = tiny_model_cfg("eager", max_position_embeddings=64, tie_word_embeddin
 
 @pytest.fixture(scope="module")
 def moe():
-    return build_model(TINY_MOE, VOCAB, seed=3)
+    return make_model(typed(ModelSettings, TINY_MOE), vocab_size=VOCAB, seed=3)
 
 
 def make_batches(seed: int = 0):
@@ -105,7 +107,7 @@ def test_per_expert_load_and_served_loss_match_a_token_loop(moe):
 
 
 def test_dense_model_has_loss_but_no_expert_statistics():
-    dense = build_model(tiny_dense_cfg("eager"), VOCAB, seed=0)
+    dense = make_model(typed(ModelSettings, tiny_dense_cfg("eager")), vocab_size=VOCAB, seed=0)
     stats = evaluate_batches(dense, make_batches(), adapter=None)
     record = set_record(stats)
     assert record["loss"] > 0 and "experts" not in record
@@ -137,7 +139,7 @@ def test_change_and_forgetting_flags():
 def test_summary_names_forgetting(moe):
     batches = make_batches()
     stats = evaluate_batches(moe, batches, adapter_for(moe))
-    other = build_model(TINY_MOE, VOCAB, seed=4)
+    other = make_model(typed(ModelSettings, TINY_MOE), vocab_size=VOCAB, seed=4)
     worse = evaluate_batches(other, batches, adapter_for(other))
     general = (
         set_comparison("test/general", False, stats, worse)

@@ -12,21 +12,22 @@ from conftest import SMOKE, copy_workflow, snakemake
 from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
 from moeflow.model import experts_choice as X
+from moeflow.model.settings import ModelSettings
 from moeflow.paper.build import experts_choice_line
 from moeflow.runtime import compat
-from moeflow.settings import REPO_ROOT
+from moeflow.settings import REPO_ROOT, typed
 
 CPU = torch.device("cpu")
 MICRO_BATCH, SEQ_LEN = 2, 64
 
 
-def auto(cfg: dict) -> dict:
-    return cfg | {"experts_implementation": "auto"}
+def auto(cfg: dict) -> ModelSettings:
+    return typed(ModelSettings, cfg | {"experts_implementation": "auto"})
 
 
 @pytest.fixture(scope="module")
 def block() -> X.MoEBlock:
-    return X.moe_block(tiny_model_cfg(), MICRO_BATCH, SEQ_LEN, CPU)
+    return X.moe_block(typed(ModelSettings, tiny_model_cfg()), MICRO_BATCH, SEQ_LEN, CPU)
 
 
 def planted(run: X.Run, plants: dict) -> X.Run:
@@ -152,12 +153,20 @@ def test_a_model_without_moe_layers_has_nothing_to_choose():
 
 
 def test_an_explicit_setting_is_kept_and_the_measurement_still_reported():
-    report = X.measure(tiny_model_cfg() | {"experts_implementation": "eager"}, MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+    report = X.measure(
+        typed(ModelSettings, tiny_model_cfg() | {"experts_implementation": "eager"}), MICRO_BATCH, SEQ_LEN, CPU, "fp32"
+    )
     assert report["chosen"] == "eager" and report["reason"].startswith("set by model.experts_implementation")
     assert report["implementations"]["eager"]["eligible"]
     if not compat.is_transformers_v5():
         with pytest.raises(compat.UnsupportedOnStack, match="grouped_mm"):
-            X.measure(tiny_model_cfg() | {"experts_implementation": "grouped_mm"}, MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+            X.measure(
+                typed(ModelSettings, tiny_model_cfg() | {"experts_implementation": "grouped_mm"}),
+                MICRO_BATCH,
+                SEQ_LEN,
+                CPU,
+                "fp32",
+            )
 
 
 def test_the_report_line_names_choice_reason_and_shape():
@@ -189,7 +198,7 @@ def rules_that_load_a_model() -> set[str]:
             head, script = re.match(r"rule (\w+):", block), re.search(r"scripts/(\w+\.py)", block)
             if head and script:
                 code = (REPO_ROOT / "workflow" / "scripts" / script.group(1)).read_text()
-                if re.search(r"\b(load_model|build_model|start_fine_tuning)\(", code):
+                if re.search(r"\bmake_model\(", code):
                     rules.add(head.group(1))
     return rules
 

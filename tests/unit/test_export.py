@@ -15,7 +15,8 @@ from tiny_models import tiny_model_cfg
 from moeflow.checkpoint import export
 from moeflow.checkpoint.safetensors_files import weight_files
 from moeflow.model import lora
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.settings import typed
 from moeflow.train.settings import LoraSettings
 
@@ -23,7 +24,7 @@ VOCAB = 96
 
 
 def tiny(tied=True, seed=3):
-    return build_model(tiny_model_cfg(tie_word_embeddings=tied), VOCAB, seed=seed)
+    return make_model(typed(ModelSettings, tiny_model_cfg(tie_word_embeddings=tied)), vocab_size=VOCAB, seed=seed)
 
 
 def folder_tensors(folder) -> dict[str, torch.Tensor]:

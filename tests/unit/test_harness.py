@@ -19,8 +19,9 @@ from moeflow.evaluation import lm_eval_docs as task_docs
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation import lm_eval_tasks as harness_tasks
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
-from moeflow.model.factory import build_model
-from moeflow.settings import DEFAULT_CONFIG, ConfigError
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
+from moeflow.settings import DEFAULT_CONFIG, ConfigError, typed
 from moeflow.workflow.load import load
 
 SEQ_LEN = 96
@@ -69,7 +70,9 @@ def corpus(tmp_path_factory):
 def model(corpus):
     tokenizer = corpus[0]
     torch.manual_seed(0)
-    m = build_model(tiny_model_cfg("sdpa", max_position_embeddings=128), len(tokenizer), seed=1)
+    m = make_model(
+        typed(ModelSettings, tiny_model_cfg("sdpa", max_position_embeddings=128)), vocab_size=len(tokenizer), seed=1
+    )
     return m.eval()
 
 

@@ -21,7 +21,8 @@ from moeflow.evaluation.generation import Completion, Decoding, GenerationError,
 from moeflow.evaluation.humaneval import HumanEvalExecution, HumanEvalGeneration
 from moeflow.evaluation.humaneval_execution import execute
 from moeflow.evaluation.sandbox import Limits
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.settings import REPO_ROOT, ConfigError, typed
 from moeflow.workflow.keys import humaneval_execution_settings, humaneval_generation_settings
 from moeflow.workflow.load import load, run_config
@@ -183,7 +184,7 @@ def tokenizer(problems):
 @pytest.fixture(scope="module")
 def model(tokenizer):
     """A tiny model taught one continuation of each prompt: SCRIPT, which holds a stop sequence."""
-    model = build_model(tiny_model_cfg(), vocab_size=len(tokenizer), seed=0)
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=len(tokenizer), seed=0)
     script = tokenizer(SCRIPT)["input_ids"]  # apart from the prompt's tokens, as generation sees them
     rows = [torch.tensor([tokenizer(p)["input_ids"] + script]) for p in PROMPTS]
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)

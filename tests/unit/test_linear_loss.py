@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow.data.collate import collate, model_inputs
 from moeflow.model.chunked_loss import LinearLossError, install, linear_cross_entropy, next_token_targets, token_losses
-from moeflow.model.factory import build_model
-from moeflow.model.lora import prepare_model
+from moeflow.model.factory import make_model
+from moeflow.model.lora import apply_lora
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
 from moeflow.settings import typed
 from moeflow.train.settings import TrainSettings
@@ -105,7 +106,7 @@ def packed_batch(rows=2, length=48, seed=0):
 def test_neither_the_full_logits_nor_their_gradient_are_ever_built():
     """A training forward and backward through the model: no tensor with a vocabulary dimension holds more
     than one chunk's rows. The model's own forward (the planted bug) builds (B, L, vocab)."""
-    model = build_model(tiny_model_cfg(), VOCAB, seed=0).train()
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=0).train()
     batch = packed_batch()
     tokens = batch["input_ids"].numel()
     install(model, chunk_tokens=16)
@@ -146,9 +147,9 @@ def test_every_family_matches_its_own_logits(family):
 
 
 def test_lora_adapters_get_the_gradients_of_the_full_logits_loss():
-    model = build_model(tiny_model_cfg(), VOCAB, seed=0).double()
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=0).double()
     train = typed(TrainSettings, {"steps": 1, "lr": 1e-3, "method": "lora", "lora": {"dropout": 0.0}})
-    model = prepare_model(model, train).train()
+    model = apply_lora(model, train.lora, train.gradient_checkpointing).train()
     with torch.no_grad():  # B starts at zero, which would leave A without gradient
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -171,7 +172,8 @@ def test_a_model_without_the_entry_is_named_and_softcapping_is_refused():
 
     cfg = tiny_model_cfg()
     bare = AutoModelForCausalLM.from_config(
-        build_model(cfg, VOCAB).config, **({"experts_implementation": "eager"} if compat.is_transformers_v5() else {})
+        make_model(typed(ModelSettings, cfg), vocab_size=VOCAB).config,
+        **({"experts_implementation": "eager"} if compat.is_transformers_v5() else {}),
     )
     batch = packed_batch(length=8)
     with pytest.raises(LinearLossError, match="install"):
@@ -182,7 +184,7 @@ def test_a_model_without_the_entry_is_named_and_softcapping_is_refused():
 
 
 def test_generation_keeps_the_models_own_forward():
-    model = build_model(tiny_model_cfg(), VOCAB, seed=0).eval()
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=0).eval()
     ids = torch.tensor([[5, 6, 7]])
     plain = model(input_ids=ids, use_cache=False).logits
     assert plain.shape == (1, 3, VOCAB)

@@ -7,10 +7,12 @@ import json
 
 import pytest
 import torch
+from tiny_models import folder_settings
 
 from moeflow.checkpoint.export import save_final_model
 from moeflow.model import lora, routing
-from moeflow.model.factory import build_model, load_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.plan.counts import count_parameters, lora_count
 from moeflow.runtime import compat
 from moeflow.settings import ConfigError, typed
@@ -55,11 +57,15 @@ V5 = compat.is_transformers_v5()
 
 
 def section(name: str, **config) -> dict:
-    return {"config": {"model_type": name, **SMALL, **FAMILIES[name], **config}, "attn_implementation": "eager"}
+    return {
+        "config": {"model_type": name, **SMALL, **FAMILIES[name], **config},
+        "attn_implementation": "eager",
+        "experts_implementation": STACK_DEFAULT_EXPERTS,
+    }
 
 
 def tiny(name: str = "qwen3_moe", seed: int = 0):
-    return build_model(section(name), vocab_size=VOCAB, seed=seed)
+    return make_model(typed(ModelSettings, section(name)), vocab_size=VOCAB, seed=seed)
 
 
 def inputs(seed: int = 1) -> torch.Tensor:
@@ -143,7 +149,7 @@ def test_all_targets_adapt_attention_and_every_expert_and_freeze_the_rest(name):
 def test_targets_that_the_model_lacks_are_named():
     with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.targets.*no shared_experts"):
         lora.apply_lora(tiny("qwen3_moe"), lora_of({"targets": ["shared_experts"]}), False)
-    dense = build_model(section("qwen3_moe", num_experts=0), VOCAB)
+    dense = make_model(typed(ModelSettings, section("qwen3_moe", num_experts=0)), vocab_size=VOCAB)
     with pytest.raises(lora.LoraConfigError, match=r"train\.lora\.router.*no router"):
         lora.apply_lora(dense, lora_of({"targets": ["all"], "router": "trainable"}), False)
     model = lora.apply_lora(dense, lora_of({"targets": ["all"]}), False)  # a dense model: attention and its MLPs
@@ -208,7 +214,7 @@ def test_reentrant_checkpointing_without_input_grads_trains_nothing_on_4_57():
     itself when checkpointing is enabled; 4.57 does so only for adapters it loaded itself."""
     model = lora.apply_lora(tiny(), lora_of({"rank": 4, "targets": ["attention"]}), gradient_checkpointing=False)
     perturb_adapters(model)
-    lora.enable_checkpointing(model.get_base_model(), reentrant=True)
+    compat.enable_activation_checkpointing(model.get_base_model(), reentrant=True)
     if V5:
         assert all(g.abs().sum() > 0 for g in adapter_grads(model, inputs()).values())
     else:
@@ -314,7 +320,9 @@ def test_merged_model_matches_the_adapters_and_loads_with_from_pretrained(tmp_pa
     assert not any("lora" in n for n, _ in loaded.named_parameters())
     torch.testing.assert_close(logits(loaded, inputs()), unmerged, rtol=0, atol=1e-5)
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["use_cache"] is True
-    assert torch.equal(logits(load_model(tmp_path / "merged"), inputs()), logits(loaded, inputs()))
+    assert torch.equal(
+        logits(make_model(folder_settings(), folder=tmp_path / "merged"), inputs()), logits(loaded, inputs())
+    )
     base = logits(tiny(name), inputs())
     assert (unmerged - base).abs().max() > 1e-3  # the adapters changed something, so the match above means something
 
@@ -355,8 +363,13 @@ def test_train_settings_drop_lora_settings_of_a_full_run():
 
 @pytest.mark.parametrize("router", ["frozen", "trainable", "adapter"])
 def test_router_learning_rate_and_freeze_see_peft_names(router):
-    """moeflow.train.optim.param_groups finds the router under peft (its weight, base_layer or own adapter)."""
+    """moeflow.train.optim.param_groups finds the router under peft (its weight, base_layer or own adapter), and
+    the Trainer steps it at its learning rate."""
+    from tiny_training import packed_rows
+
+    from moeflow.data.collate import collate
     from moeflow.train.optim import param_groups
+    from moeflow.train.trainer import Trainer
 
     def train(**section):
         return typed(TrainSettings, training({"steps": 1, "lr": 1e-3, **section}))
@@ -369,7 +382,11 @@ def test_router_learning_rate_and_freeze_see_peft_names(router):
     by_id = {id(p): n for n, p in model.named_parameters()}
     in_router_groups = {by_id[id(p)] for g in groups if g["name"].startswith("router") for p in g["params"]}
     assert in_router_groups == trainable_router and bool(trainable_router) is (router != "frozen")
-    assert all(g["lr"] == 5e-4 for g in groups if g["name"].startswith("router"))
+    assert all(g["lr_multiplier"] == 0.5 for g in groups if g["name"].startswith("router"))
+    trainer = Trainer(model, settings, packed_rows(), collate_fn=collate, seed=0)
+    trainer.train_step()  # the Trainer sets train.lr x the group's multiplier x the schedule (1 at step 1 here)
+    rates = {g["name"]: g["lr"] for g in trainer.optimizer.param_groups}
+    assert all(rate == (5e-4 if name.startswith("router") else 1e-3) for name, rate in rates.items()), rates
     param_groups(model, train(freeze_router=True))
     assert not lora.router_is_trainable(model)
 
@@ -423,10 +440,12 @@ def test_routing_capture_sees_the_adapted_router_and_the_balance_gradient_path(r
 def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
     cfg = load()
     model_cfg = cfg["model"] | {"experts_implementation": "eager"}  # outside a stage: no measured choice
-    full = build_model(model_cfg, vocab_size=cfg["tokenizer"]["vocab_size"])
+    full = make_model(typed(ModelSettings, model_cfg), vocab_size=cfg["tokenizer"]["vocab_size"])
     full_report = lora.trainable_parameter_report(full)
     lora_model = lora.apply_lora(
-        build_model(model_cfg, vocab_size=cfg["tokenizer"]["vocab_size"]), lora_of(cfg["train"]["lora"]), False
+        make_model(typed(ModelSettings, model_cfg), vocab_size=cfg["tokenizer"]["vocab_size"]),
+        lora_of(cfg["train"]["lora"]),
+        False,
     )
     report = lora.trainable_parameter_report(lora_model)
     assert full_report["trainable"] == full_report["total"]

@@ -15,8 +15,9 @@ from tiny_models import tiny_model_cfg
 
 from moeflow.data.collate import collate, token_mask
 from moeflow.model.chunked_loss import count_label_tokens, install
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
 from moeflow.model.routing import adapter_or_none
+from moeflow.model.settings import ModelSettings
 from moeflow.settings import ConfigError, typed
 from moeflow.train.losses import (
     LayerRouter,
@@ -49,7 +50,7 @@ def rows_of(lengths, seed=0):
 
 @pytest.fixture(scope="module")
 def model64():
-    model = build_model(tiny_model_cfg(), VOCAB, seed=7).double()
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=7).double()
     model.train()
     return model
 

@@ -1,17 +1,31 @@
-"""moeflow.modeling: the experts implementation a model is built and loaded with."""
+"""moeflow.model.factory.make_model, the one door to a model: the experts implementation it builds and loads
+with (the rule's choice for ``auto``), the chunked loss on every model it returns, the layouts it prepares
+(one process on a device, LoRA adapters), and the combinations it refuses."""
 
 from __future__ import annotations
 
-import pytest
-from tiny_models import VOCAB, tiny_model_cfg
+import dataclasses
 
-from moeflow.model.factory import build_model, load_model, resolve_experts, resolve_stage_experts
+import pytest
+import torch
+from tiny_models import VOCAB, folder_settings, tiny_model_cfg
+
+from moeflow.model.chunked_loss import installed
+from moeflow.model.factory import Layout, make_model, resolve_experts
 from moeflow.model.folder import ModelError
+from moeflow.model.lora import is_lora_model
+from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
+from moeflow.parallel.process_group import DistributedError, Ranks
+from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
 from moeflow.runtime.files import write_json
 from moeflow.settings import typed
-from moeflow.train.settings import TrainModelStage
+from moeflow.train.settings import TrainSettings
 from moeflow.workflow.keys import training
+
+
+def settings(**keys) -> ModelSettings:
+    return typed(ModelSettings, tiny_model_cfg() | keys)
 
 
 def experts_of(model) -> str | None:
@@ -24,50 +38,84 @@ def choice_file(tmp_path, implementation, configured="auto"):
     return path
 
 
-def test_auto_without_the_choice_is_an_error_that_names_the_missing_input(tmp_path):
-    auto = tiny_model_cfg() | {"experts_implementation": "auto"}
-    with pytest.raises(ModelError, match=r"input 'experts'.*resolve_experts"):
-        build_model(auto, VOCAB)
-    build_model(tiny_model_cfg(), VOCAB).save_pretrained(tmp_path / "model")
+def test_the_schema_default_is_auto_and_without_the_choice_an_error_that_names_the_missing_input(tmp_path):
+    auto = typed(ModelSettings, {k: v for k, v in tiny_model_cfg().items() if k != "experts_implementation"})
+    assert auto.experts_implementation == "auto" and auto.loss_chunk_tokens == 1024  # config/schema.yaml's
+    with pytest.raises(ModelError, match=r"input 'experts'.*make_model"):
+        make_model(auto, vocab_size=VOCAB)
+    make_model(settings(), vocab_size=VOCAB).save_pretrained(tmp_path / "model")
     with pytest.raises(ModelError, match="choose_experts"):
-        load_model(tmp_path / "model", auto)
+        make_model(auto, folder=tmp_path / "model")
 
 
 def test_the_choice_resolves_auto_when_the_model_is_built_and_loaded(tmp_path):
-    auto = tiny_model_cfg() | {"experts_implementation": "auto"}
-    resolved = resolve_experts(auto, choice_file(tmp_path, "eager"))
-    assert resolved == auto | {"experts_implementation": "eager"}
-    model = build_model(resolved, VOCAB)
+    auto = settings(experts_implementation="auto")
+    choice = choice_file(tmp_path, "eager")
+    assert resolve_experts(auto, choice) == dataclasses.replace(auto, experts_implementation="eager")
+    model = make_model(auto, experts=choice, vocab_size=VOCAB)
     assert experts_of(model) == ("eager" if compat.is_transformers_v5() else None)  # 4.57: only its loop
     model.save_pretrained(tmp_path / "model")
-    assert experts_of(load_model(tmp_path / "model", resolved)) == experts_of(model)
+    assert experts_of(make_model(auto, experts=choice, folder=tmp_path / "model")) == experts_of(model)
 
 
 def test_a_choice_made_for_another_setting_is_refused(tmp_path):
     with pytest.raises(ModelError, match="another run's choice"):
-        resolve_experts(tiny_model_cfg() | {"experts_implementation": "eager"}, choice_file(tmp_path, "eager"))
+        make_model(settings(experts_implementation="eager"), experts=choice_file(tmp_path, "eager"), vocab_size=VOCAB)
 
 
-def test_stage_settings_get_the_resolved_section(tmp_path):
-    data = {
-        "train": training({"steps": 4, "lr": 1e-3}),
-        "model": tiny_model_cfg() | {"experts_implementation": "auto"},
-        "warmup": "w-0",
-        "parallel": {},
-        "hardware_device": "cpu",
-    }
-    stage = resolve_stage_experts(typed(TrainModelStage, data), choice_file(tmp_path, "eager"))
-    assert stage.model["experts_implementation"] == "eager" and stage.train == typed(TrainModelStage, data).train
-
-
-def test_a_section_that_names_no_implementation_loads_with_the_stacks_default():
-    cfg = {k: v for k, v in tiny_model_cfg().items() if k != "experts_implementation"}
-    model = build_model(cfg, VOCAB)
+def test_the_stacks_default_is_what_from_pretrained_uses():
+    model = make_model(settings(experts_implementation=STACK_DEFAULT_EXPERTS), vocab_size=VOCAB)
     assert experts_of(model) == ("grouped_mm" if compat.is_transformers_v5() else None)
 
 
 @pytest.mark.skipif(compat.is_transformers_v5(), reason="the pinned stack's per-expert loop")
 def test_the_pinned_stack_takes_eager_as_its_loop_and_refuses_the_others():
-    build_model(tiny_model_cfg() | {"experts_implementation": "eager"}, VOCAB)
+    make_model(settings(experts_implementation="eager"), vocab_size=VOCAB)
     with pytest.raises(compat.UnsupportedOnStack, match="grouped_mm"):
-        build_model(tiny_model_cfg() | {"experts_implementation": "grouped_mm"}, VOCAB)
+        make_model(settings(experts_implementation="grouped_mm"), vocab_size=VOCAB)
+
+
+def test_a_build_is_seeded_and_every_model_gets_the_chunked_loss_of_its_settings(tmp_path):
+    model = make_model(settings(loss_chunk_tokens=7), vocab_size=VOCAB, seed=3)
+    again = make_model(settings(loss_chunk_tokens=7), vocab_size=VOCAB, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    assert installed(model) and model.loss_chunk_tokens == 7
+    model.save_pretrained(tmp_path / "model")
+    loaded = make_model(folder_settings(loss_chunk_tokens=5), folder=tmp_path / "model")
+    assert installed(loaded) and loaded.loss_chunk_tokens == 5
+    lora = _train("lora")
+    adapted = make_model(settings(), folder=tmp_path / "model", layout=Layout.single("cpu", lora))
+    assert is_lora_model(adapted) and installed(adapted)
+    assert sorted(adapted.merge_and_unload().state_dict()) == sorted(loaded.state_dict())
+
+
+def test_a_model_loads_in_the_dtype_and_on_the_device_asked_for(tmp_path):
+    make_model(settings(), vocab_size=VOCAB).save_pretrained(tmp_path / "model")
+    model = make_model(settings(), folder=tmp_path / "model", device="meta", dtype=torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+
+
+def test_data_tokenized_with_a_larger_vocabulary_is_refused(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_json(data / "manifest.json", {"tokenizer": {"vocab_size": VOCAB + 1}})
+    with pytest.raises(ModelError, match="tokenizer/model mismatch"):
+        make_model(settings(), vocab_size=VOCAB, data=[data])
+    make_model(settings(), vocab_size=VOCAB + 1, data=[data])
+
+
+def _train(method: str) -> TrainSettings:
+    section = {"steps": 1, "lr": 1e-3, "method": method} | ({"lora": {"rank": 2}} if method == "lora" else {})
+    return typed(TrainSettings, training(section))
+
+
+def test_the_combinations_it_refuses_name_the_keys(tmp_path):
+    two = Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    fsdp = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
+    with pytest.raises(DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp"):
+        make_model(settings(), vocab_size=VOCAB, layout=Layout(two, fsdp, _train("lora")))
+    ep = typed(ParallelSettings, {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2})
+    with pytest.raises(DistributedError, match="ep loads a saved model folder"):
+        make_model(settings(), vocab_size=VOCAB, layout=Layout(two, ep, _train("full")))
+    with pytest.raises(ValueError, match="a layout or a device"):
+        make_model(settings(), vocab_size=VOCAB, layout=Layout.single("cpu"), device="cpu")

@@ -18,9 +18,7 @@ STACK_FAMILIES = [f for f in FAMILIES if compat.is_transformers_v5() or f not in
 
 def settings(**kw):
     """What param_groups reads of the training settings."""
-    return SimpleNamespace(
-        **{"lr": 1e-3, "weight_decay": 0.1, "router_lr_multiplier": 1.0, "freeze_router": False, **kw}
-    )
+    return SimpleNamespace(**{"weight_decay": 0.1, "router_lr_multiplier": 1.0, "freeze_router": False, **kw})
 
 
 def router_parameter_names(model) -> set[str]:

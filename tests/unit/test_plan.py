@@ -7,8 +7,10 @@ import dataclasses
 import pytest
 from conftest import active_stack
 
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.plan.counts import count_parameters, formula_count, lora_count
+from moeflow.plan.fit import min_devices, plan, verdict
 from moeflow.plan.memory import (
     CPU_RANK_RUNTIME_BYTES,
     GIB,
@@ -16,11 +18,8 @@ from moeflow.plan.memory import (
     Job,
     host_per_node_bytes,
     memory_per_device,
-    min_devices,
     phase_memory,
-    plan,
     rank_bytes,
-    verdict,
 )
 from moeflow.plan.report import enforce, render_markdown, summary
 from moeflow.plan.shapes import PlanError, experts_fused, model_shape, resolve_vocab_size
@@ -102,7 +101,7 @@ def env_report():
 
 def model_section(name: str) -> dict:
     fields = {"model_type": name, **SMALL, **FAMILY_CONFIGS[name]}
-    return {"config": fields, "attn_implementation": "eager"}
+    return {"config": fields, "attn_implementation": "eager", "experts_implementation": STACK_DEFAULT_EXPERTS}
 
 
 def settings_of(*overlays, overrides=None) -> dict:
@@ -130,7 +129,7 @@ def test_formula_matches_the_meta_device_count(name):
 def test_meta_count_matches_a_real_model(name):
     section = model_section(name)
     _, exact, _ = count_parameters(section, tokenizer_vocab=300)
-    model = build_model(section, vocab_size=300)
+    model = make_model(typed(ModelSettings, section), vocab_size=300)
     assert exact.total == sum(p.numel() for p in model.parameters())
 
 
@@ -186,7 +185,7 @@ def test_step3p5_formula_matches_transformers_step3p7_text_model():
         },
     }
     with torch.device("meta"):
-        model = Step3p7TextModel(build_config(small, 300))
+        model = Step3p7TextModel(build_config(small["config"], 300))
     _, counted, _ = count_parameters(small)
     assert counted.total == sum(p.numel() for p in model.parameters()) + 300 * 64  # + the untied LM head
 
@@ -449,7 +448,9 @@ def test_lora_arithmetic_matches_peft_trainable_parameters(name, router):
     section = model_section(name)
     shape, _, _ = count_parameters(section, tokenizer_vocab=300)
     counted = lora_count(shape, settings)
-    report = lora.trainable_parameter_report(lora.apply_lora(build_model(section, vocab_size=300), settings, False))
+    report = lora.trainable_parameter_report(
+        lora.apply_lora(make_model(typed(ModelSettings, section), vocab_size=300), settings, False)
+    )
     assert counted.trainable == report["trainable"] and counted.added == report["adapter"]
     for category, n in counted.by_category.items():
         expected = n + (counted.router_weights if category == "router" else 0)

@@ -14,20 +14,16 @@ import dataclasses
 import pytest
 from conftest import active_stack
 
-from moeflow.plan import counts
 from moeflow.plan.counts import count_parameters
+from moeflow.plan.fit import device_memory, plan, verdict
 from moeflow.plan.memory import (
     CPU_RANK_RUNTIME_BYTES,
     PHASES,
     Job,
-    device_memory,
     host_per_node_bytes,
     memory_per_device,
     phase_memory,
-    plan,
     root_unit_parameters,
-    uses_fsdp1,
-    verdict,
 )
 from moeflow.plan.report import enforce, render_markdown, summary
 from moeflow.plan.scaleout import profile_request
@@ -66,7 +62,7 @@ def formula_counts():
     """Count with the closed form: building Qwen3-30B-A3B's 6,144 experts on the meta device takes ~40 s on
     this machine, and tests/unit/test_plan.py checks the formula against the meta count for every family."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(counts, "meta_count", lambda config, shape: None)
+        patch.setattr("moeflow.plan.counts.meta_count", lambda config, shape: None)
         yield
 
 
@@ -184,7 +180,9 @@ def test_qwen3_30b_a3b_phases_by_hand(qwen):
     phases = phase_memory(shape, count, job)
     weights, moments = QWEN_TOTAL * 4 // 8, QWEN_TOTAL * 8 // 8
     owned, whole = -(-QWEN_LARGEST * 4 // 8), QWEN_LARGEST * 4
-    wrapping = max(QWEN_LAYER, QWEN_ROOT) * 4 if uses_fsdp1() else 0  # FSDP1 materialises a unit to wrap it
+    wrapping = (
+        max(QWEN_LAYER, QWEN_ROOT) * 4 if not compat.fsdp2_available() else 0
+    )  # FSDP1 materialises a unit to wrap it
     host = 3 * GIB  # interpreter, torch, CUDA's host libraries
     expected = {
         "load": (

@@ -16,21 +16,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_models import tiny_model_cfg
 
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.parallel import gradients, process_group
 from moeflow.parallel.gradients import GRADIENT_BUCKET_BYTES, reduce_gradients
+from moeflow.settings import typed
 
 VOCAB = 97
 
 
-def two_ranks_here(monkeypatch) -> None:
-    """This process as one of two ranks: the gradient reduction and the collectives it calls both ask."""
-    for module in (gradients, process_group):
-        monkeypatch.setattr(module, "world_size", lambda: 2)
-
-
 def model_with_gradients(seed: int = 0) -> torch.nn.Module:
-    model = build_model(tiny_model_cfg(), VOCAB, seed=seed)
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=seed)
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g)
@@ -47,7 +43,8 @@ def test_one_all_reduce_per_bucket_and_the_per_parameter_result(monkeypatch, buc
         calls.append(tensor.numel())
         tensor.mul_(2)
 
-    two_ranks_here(monkeypatch)
+    monkeypatch.setattr(gradients, "world_size", lambda: 2)
+    monkeypatch.setattr(process_group, "world_size", lambda: 2)  # all_reduce_sum asks it too
     monkeypatch.setattr(dist, "all_reduce", two_equal_ranks)
     reduce_gradients(model, bucket_bytes)
 
@@ -72,7 +69,8 @@ def test_a_gradient_missing_on_this_rank_is_reduced_as_zeros_and_one_missing_eve
         else:
             tensor.mul_(2)
 
-    two_ranks_here(monkeypatch)
+    monkeypatch.setattr(gradients, "world_size", lambda: 2)
+    monkeypatch.setattr(process_group, "world_size", lambda: 2)  # all_reduce_sum asks it too
     monkeypatch.setattr(dist, "all_reduce", two_ranks)
     reduce_gradients(model, 1000)
     assert params[3].grad is not None and torch.equal(params[3].grad, torch.zeros_like(params[3]))

@@ -7,9 +7,11 @@ import pytest
 import torch
 from tiny_models import COMMON, FAMILY_CONFIGS, SEQ, TRANSFORMERS_5_ONLY, VOCAB
 
-from moeflow.model.factory import build_model
+from moeflow.model.factory import make_model
 from moeflow.model.routing import UnsupportedModel, adapter_for, capture
+from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat
+from moeflow.settings import typed
 
 TOKENS = (2, SEQ)  # batch, seq
 
@@ -69,7 +71,9 @@ def test_gradient_checkpointing_does_not_double_count(model_type):
 
 def test_dense_model_is_a_clear_error():
     cfg = {"model_type": "llama", **COMMON, "intermediate_size": 64, "num_hidden_layers": 1}
-    model = build_model({"config": cfg}, vocab_size=VOCAB)
+    model = make_model(
+        typed(ModelSettings, {"config": cfg, "experts_implementation": STACK_DEFAULT_EXPERTS}), vocab_size=VOCAB
+    )
     with pytest.raises(UnsupportedModel, match=r"model_type 'llama'.*dense model.*adapter .* needs"):
         adapter_for(model)
 
@@ -83,7 +87,9 @@ def test_unsupported_moe_family_names_what_an_adapter_needs():
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
     }
-    model = build_model({"config": cfg}, vocab_size=VOCAB)
+    model = make_model(
+        typed(ModelSettings, {"config": cfg, "experts_implementation": STACK_DEFAULT_EXPERTS}), vocab_size=VOCAB
+    )
     with pytest.raises(UnsupportedModel) as err:
         adapter_for(model)
     message = str(err.value)
@@ -93,6 +99,8 @@ def test_unsupported_moe_family_names_what_an_adapter_needs():
 
 def test_supported_family_without_moe_layers_is_a_clear_error():
     cfg = {"model_type": "qwen3_moe", **COMMON, **FAMILY_CONFIGS["qwen3_moe"], "mlp_only_layers": [0, 1]}
-    model = build_model({"config": cfg}, vocab_size=VOCAB)
+    model = make_model(
+        typed(ModelSettings, {"config": cfg, "experts_implementation": STACK_DEFAULT_EXPERTS}), vocab_size=VOCAB
+    )
     with pytest.raises(UnsupportedModel, match="no Qwen3MoeSparseMoeBlock module found"):
         adapter_for(model)

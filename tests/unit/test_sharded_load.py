@@ -1,7 +1,7 @@
-"""moeflow.parallel.rank_load in one process: a model built on the meta device and filled from its folder's files
-equals ``from_pretrained``'s, a rank's rows come from the file tensors that hold them (transformers 5's
-fused experts from their per-expert file tensors), and a folder that does not fit is a clear error.
-The same on two ranks (FSDP shards): tests/pipeline/test_sharded_state.py."""
+"""moeflow.parallel.rank_load in one process, through moeflow.model.factory.make_model: a model built on the
+meta device and filled from its folder's files equals ``from_pretrained``'s, a rank's rows come from the file
+tensors that hold them (transformers 5's fused experts from their per-expert file tensors), and a folder that
+does not fit is a clear error. The same on two ranks (FSDP shards): tests/pipeline/test_sharded_state.py."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from tiny_models import tiny_model_cfg
 
 from moeflow.checkpoint.safetensors_files import SafetensorsError, read_header, weight_files
-from moeflow.model import loading
-from moeflow.model.factory import build_model, load_model
+from moeflow.model.factory import Layout, causal_lm_class, make_model
 from moeflow.model.folder import check_model_folder
-from moeflow.model.loading import load_for_training
+from moeflow.model.settings import ModelSettings
+from moeflow.parallel import layouts
 from moeflow.parallel import rank_load as sharded_load
 from moeflow.parallel.process_group import Ranks
 from moeflow.parallel.settings import ParallelSettings
@@ -26,20 +26,27 @@ from moeflow.workflow.keys import training
 
 VOCAB = 96
 ONE_RANK = Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+FSDP = typed(ParallelSettings, {"strategy": "fsdp"})
+
+
+def settings() -> ModelSettings:
+    return typed(ModelSettings, tiny_model_cfg())
 
 
 def saved(tmp_path, tied=True, **save):
     folder = tmp_path / f"model-{tied}-{len(save)}"
-    build_model(tiny_model_cfg(tie_word_embeddings=tied), VOCAB, seed=3).save_pretrained(folder, **save)
+    model = make_model(typed(ModelSettings, tiny_model_cfg(tie_word_embeddings=tied)), vocab_size=VOCAB, seed=3)
+    model.save_pretrained(folder, **save)
     return folder
 
 
+def whole(folder):
+    return make_model(settings(), folder=folder)
+
+
 def filled(folder):
-    model = sharded_load.build_on_meta(folder, tiny_model_cfg())
-    names_of = sharded_load.tied_names(model)
-    model = sharded_load.materialize(model, torch.device("cpu"))
-    sharded_load.fill_from_folder(model, folder, names_of)
-    return model
+    """``parallel.strategy: fsdp`` at one rank: built on the meta device, then filled from the folder's files."""
+    return make_model(settings(), folder=folder, layout=Layout(ONE_RANK, FSDP, _train("full")))
 
 
 def assert_same_state(got: torch.nn.Module, want: torch.nn.Module) -> None:
@@ -52,15 +59,23 @@ def assert_same_state(got: torch.nn.Module, want: torch.nn.Module) -> None:
         assert torch.equal(b, w), name
 
 
-def test_built_on_meta_holds_no_parameter_memory_but_real_buffers(tmp_path):
+def test_built_on_meta_holds_no_parameter_memory_but_real_buffers(tmp_path, monkeypatch):
+    """The model the fsdp layout shards, as ``shard_model`` gets it: before any parameter has storage."""
     folder = saved(tmp_path)
-    model = sharded_load.build_on_meta(folder, tiny_model_cfg())
-    assert all(p.is_meta for p in model.parameters())
-    whole = load_model(folder, tiny_model_cfg())
-    buffers = dict(whole.named_buffers())
-    assert buffers and all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())  # rotary inv_freq
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert not model.training and model.generation_config.to_dict() == whole.generation_config.to_dict()
+    loaded = whole(folder)
+    materialize, checked = layouts.materialize, []
+
+    def check_then_materialize(model, device):
+        assert all(p.is_meta for p in model.parameters())
+        buffers = dict(loaded.named_buffers())
+        assert buffers and all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())  # rotary inv_freq
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert not model.training and model.generation_config.to_dict() == loaded.generation_config.to_dict()
+        checked.append(model)
+        return materialize(model, device)
+
+    monkeypatch.setattr(layouts, "materialize", check_then_materialize)
+    assert filled(folder) is checked[0]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -70,7 +85,7 @@ def test_filled_from_the_files_equals_from_pretrained(tmp_path, tied, files):
     assert (folder / "model.safetensors.index.json").is_file() == (files == "hf-sharded")
     assert check_model_folder(folder) == folder
     model = filled(folder)
-    assert_same_state(model, load_model(folder, tiny_model_cfg()))
+    assert_same_state(model, whole(folder))
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
 
 
@@ -79,7 +94,7 @@ def test_a_rank_reads_only_the_file_tensors_of_its_rows(tmp_path, monkeypatch):
     equal the whole tensor's, and only the file tensors overlapping those rows are read (transformers 5:
     experts 1 and 2 of a fused expert weight, from their per-expert file tensors)."""
     folder = saved(tmp_path, tied=False)
-    whole = load_model(folder, tiny_model_cfg())
+    loaded = whole(folder)
     files = weight_files(folder)
     headers = {f: read_header(f)[0] for f in set(files.values())}
     reads = []
@@ -91,11 +106,11 @@ def test_a_rank_reads_only_the_file_tensors_of_its_rows(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sharded_load, "read_tensor", recording)
     fused = 0
-    for name, param in whole.named_parameters():
+    for name, param in loaded.named_parameters():
         if param.dim() < 2 or param.shape[0] < 3:
             continue
         stored = name if name in files else None
-        sources = {stored: None} if stored else sharded_load.file_sources(whole, name, tuple(param.shape))
+        sources = {stored: None} if stored else sharded_load.file_sources(loaded, name, tuple(param.shape))
         local = torch.full((2, *param.shape[1:]), float("nan"))
         reads.clear()
         sharded_load._fill_piece(folder, files, headers, name, tuple(param.shape), sources, local, 1)
@@ -145,21 +160,16 @@ def _train(method: str) -> TrainSettings:
 
 def test_without_weights_a_full_model_reads_none_and_lora_loads_the_base(tmp_path, monkeypatch):
     folder = saved(tmp_path)
-    layout = typed(ParallelSettings, {})
-    whole = load_model(folder, tiny_model_cfg())
-    monkeypatch.setattr(sharded_load, "fill_from_folder", lambda *a: pytest.fail("read the weights"))
-    model = load_for_training(
-        folder, tiny_model_cfg(), _train("full"), layout, ONE_RANK, precision="fp32", weights=False
-    )
+    loaded = whole(folder)
+    monkeypatch.setattr("moeflow.model.factory.fill_from_folder", lambda *a: pytest.fail("read the weights"))
+    model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("full")), weights=False)
     assert not any(p.is_meta for p in model.parameters())
-    assert sorted(model.state_dict()) == sorted(whole.state_dict())
-    assert torch.equal(model.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq)
-    lora_model = load_for_training(
-        folder, tiny_model_cfg(), _train("lora"), layout, ONE_RANK, precision="fp32", weights=False
-    )
+    assert sorted(model.state_dict()) == sorted(loaded.state_dict())
+    assert torch.equal(model.model.rotary_emb.inv_freq, loaded.model.rotary_emb.inv_freq)
+    lora_model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("lora")), weights=False)
     merged = lora_model.merge_and_unload().state_dict()  # fresh adapters (B = 0) merge to the base weights
-    assert sorted(merged) == sorted(whole.state_dict())
-    assert all(torch.equal(merged[k], v) for k, v in whole.state_dict().items())
+    assert sorted(merged) == sorted(loaded.state_dict())
+    assert all(torch.equal(merged[k], v) for k, v in loaded.state_dict().items())
 
 
 def test_fsdp_at_one_rank_fills_from_the_files_and_none_loads_with_from_pretrained(tmp_path, monkeypatch):
@@ -167,15 +177,14 @@ def test_fsdp_at_one_rank_fills_from_the_files_and_none_loads_with_from_pretrain
     transformers 5's ``from_pretrained`` keeps the files mapped beside the tensors it copies); ``none``
     keeps ``from_pretrained``. Both give the same model."""
     folder = saved(tmp_path, tied=False)
-    whole = load_model(folder, tiny_model_cfg())
+    loaded = whole(folder)
     calls = []
-    real_load = loading.load_whole_model
-    monkeypatch.setattr(loading, "load_whole_model", lambda *a, **k: calls.append(a) or real_load(*a, **k))
-    fsdp = typed(ParallelSettings, {"strategy": "fsdp"})
-    model = load_for_training(folder, tiny_model_cfg(), _train("full"), fsdp, ONE_RANK, precision="fp32")
+    auto_class = causal_lm_class()
+    real_load = auto_class.from_pretrained
+    monkeypatch.setattr(auto_class, "from_pretrained", lambda *a, **k: calls.append(a) or real_load(*a, **k))
+    model = filled(folder)
     assert not calls
-    assert_same_state(model, whole)
-    none = typed(ParallelSettings, {"strategy": "none"})
-    model = load_for_training(folder, tiny_model_cfg(), _train("full"), none, ONE_RANK, precision="fp32")
+    assert_same_state(model, loaded)
+    model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("full")))
     assert len(calls) == 1
-    assert_same_state(model, whole)
+    assert_same_state(model, loaded)

@@ -193,13 +193,13 @@ def test_chat_labels_only_on_assistant_turns(tokenizer_dir, tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     source = {"type": "jsonl", "path": str(tmp_path / "c.jsonl"), "messages_field": "messages"}
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    from moeflow.data.corpus import Document
+    from moeflow.data.corpus import Document, source_settings
 
-    ids, labels = DocumentEncoder(tok, source).encode_chat(Document("c", messages=tuple(chat)))
+    ids, labels = DocumentEncoder(tok, source_settings("c", source)).encode_chat(Document("c", messages=tuple(chat)))
     learned = tok.decode(ids[labels != -100])
     assert learned == "a data format<|im_end|>\nyou are welcome<|im_end|>\n"
     assert tok.decode(ids) == tok.apply_chat_template(chat, tokenize=False)
-    _, all_labels = DocumentEncoder(tok, source | {"assistant_only_labels": False}).encode_chat(
+    _, all_labels = DocumentEncoder(tok, source_settings("c", source | {"assistant_only_labels": False})).encode_chat(
         Document("c", messages=tuple(chat))
     )
     assert (all_labels == ids).all()

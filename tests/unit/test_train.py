@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +23,12 @@ from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training
 
 from moeflow.checkpoint.state import latest_checkpoint
 from moeflow.data.collate import collate
-from moeflow.model.factory import build_model
-from moeflow.runtime.job import job_from_argv
+from moeflow.model.factory import make_model
+from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime import compat
+from moeflow.runtime.job import Job
+from moeflow.runtime.stage import Stage
 from moeflow.settings import ConfigError, typed
 from moeflow.train.optim import lr_factor, param_groups
 from moeflow.train.settings import BalanceSettings
@@ -31,6 +36,8 @@ from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import warmup_key, warmup_settings
 from moeflow.workflow.load import load, run_config
 from moeflow.workflow.merge import deep_merge
+
+RUNTIME = {"stack": "pinned", "precision": "fp32", "seed": 7}
 
 # --------------------------------------------------------------------------- settings
 
@@ -46,7 +53,7 @@ def test_schedule_warms_up_linearly_then_decays_to_min_lr():
 
 
 def test_param_groups_skip_decay_on_norms_and_scale_routers():
-    model = build_model(tiny_model_cfg(), VOCAB, seed=0)
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=0)
     groups = {g["name"]: g for g in param_groups(model, settings(router_lr_multiplier=0.5, weight_decay=0.1))}
     assert groups["router"]["lr_multiplier"] == 0.5 and groups["router"]["weight_decay"] == 0.1
     assert groups["other_no_decay"]["weight_decay"] == 0.0
@@ -82,31 +89,52 @@ def test_warmup_key_ignores_settings_of_the_second_part_only():
 
 
 def test_job_from_argv_reads_what_the_rule_passes():
-    job = job_from_argv(
-        [
-            "--job",
-            json.dumps(
-                {
-                    "rule": "warmup",
-                    "input": {"model": "m", "lib": ["a.py"]},
-                    "output": {"checkpoint": "c"},
-                    "params": {"settings": {"x": 1}},
-                }
-            ),
-            "--threads",
-            "2",
-            "--log-file",
-            "l.log",
-        ]
+    params = {"settings": {"strategy": "fsdp", "nproc_per_node": 2}, "runtime": RUNTIME}
+    argv = ["--threads", "2", "--log-file", "l.log", "--job"]
+    argv.append(
+        json.dumps({"rule": "warmup", "input": {"model": "m"}, "output": {"checkpoint": "c"}, "params": params})
     )
-    assert (job.rule, job.input.model, job.output.checkpoint, job.params.settings, job.threads, job.log) == (
+    job = Job.from_argv(ParallelSettings, argv)
+    assert (job.rule, job.input.model, job.output.checkpoint, job.params.runtime, job.threads, job.log_file) == (
         "warmup",
         "m",
         "c",
-        {"x": 1},
+        RUNTIME,
         2,
-        ["l.log"],
+        "l.log",
     )
+    assert job.settings == typed(ParallelSettings, params["settings"]) and job.settings.ep_size == 1  # the schema's
+    assert Job.from_argv(argv=argv).settings is None
+
+
+def test_a_stage_starts_the_same_from_a_snakemake_object_and_from_a_job():
+    from snakemake.iocontainers import Namedlist
+
+    smk = SimpleNamespace(
+        rule="evaluate_run",
+        input=Namedlist(fromdict={"model": "m"}),
+        output=Namedlist(fromdict={"json": "o.json"}),
+        params=Namedlist(fromdict={"runtime": RUNTIME}),
+        threads=1,
+        log=Namedlist(),
+    )
+    job = Job.from_snakemake(smk)
+    assert (job.rule, job.input.model, job.output.json, job.threads, job.log_file) == (
+        "evaluate_run",
+        "m",
+        "o.json",
+        1,
+        None,
+    )
+    for source in (smk, job):
+        stage = Stage.start(source)
+        assert (stage.name, stage.threads, stage.precision, stage.seed, stage.stack) == (
+            "evaluate_run",
+            1,
+            "fp32",
+            7,
+            "pinned",
+        )
 
 
 # --------------------------------------------------------------------------- exactness
@@ -145,16 +173,16 @@ def test_kill_minus_nine_then_resume_gives_the_same_final_loss(tmp_path):
 def test_gradient_checkpointing_gives_the_same_gradients():
     """Non-reentrant checkpointing reruns the routers in backward: the hooks must not count them twice."""
     from moeflow.model.routing import adapter_or_none
-    from moeflow.train.trainer import accumulate_gradients, enable_checkpointing
+    from moeflow.train.trainer import accumulate_gradients
 
     rows = packed_rows(4)
     batches = [collate(rows[i : i + 2]) for i in (0, 2)]
     results = []
     for checkpointing in (False, True):
-        model = build_model(tiny_model_cfg(), VOCAB, seed=0).double()
+        model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=0).double()
         model.train()
         if checkpointing:
-            enable_checkpointing(model)
+            compat.enable_activation_checkpointing(model)
         step = accumulate_gradients(
             model,
             batches,
@@ -173,7 +201,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_dense_model_trains_without_routing():
-    model = build_model(tiny_dense_cfg(), VOCAB, seed=0)
+    model = make_model(typed(ModelSettings, tiny_dense_cfg()), vocab_size=VOCAB, seed=0)
     trainer = Trainer(model, settings(steps=2, warmup_steps=1), packed_rows(), collate_fn=collate, seed=0)
     trainer.run()
     assert trainer.adapter is None and trainer.train_records()[-1]["balance_loss"] == 0.0
@@ -183,6 +211,7 @@ def test_dense_model_trains_without_routing():
 def test_loss_free_balancing_moves_the_deepseek_correction_bias():
     cfg = {
         "attn_implementation": "eager",
+        "experts_implementation": STACK_DEFAULT_EXPERTS,
         "config": {
             "model_type": "deepseek_v3",
             "hidden_size": 32,
@@ -205,7 +234,7 @@ def test_loss_free_balancing_moves_the_deepseek_correction_bias():
             "max_position_embeddings": 64,
         },
     }
-    model = build_model(cfg, VOCAB, seed=0)
+    model = make_model(typed(ModelSettings, cfg), vocab_size=VOCAB, seed=0)
     rate = 0.01
     s = settings(steps=3, warmup_steps=1, balance={"mode": "off", "bias_update_rate": rate})
     trainer = Trainer(model, s, packed_rows(), collate_fn=collate, seed=0)
@@ -271,12 +300,14 @@ if __name__ == "__main__":
 
 
 def test_lora_fine_tuning_trains_adapters_only_and_resumes_exactly(tmp_path):
-    from moeflow.model.lora import prepare_model
+    from moeflow.model.factory import Layout
 
     def lora_trainer():
-        model = prepare_model(
-            build_model(tiny_model_cfg(), VOCAB, seed=0),
-            settings(method="lora", lora={"rank": 2, "targets": ["attention"]}),
+        model = make_model(
+            typed(ModelSettings, tiny_model_cfg()),
+            vocab_size=VOCAB,
+            seed=0,
+            layout=Layout.single("cpu", settings(method="lora", lora={"rank": 2, "targets": ["attention"]})),
         )
         return Trainer(model, settings(steps=3, warmup_steps=1), packed_rows(), collate_fn=collate, seed=0)
 

@@ -230,7 +230,7 @@ def paper_output_files():
 
 
 # --- training stages (pretrain_base, warmup, train_model): shell rules that start their script
-# through torchrun; the script reads its job, and its typed settings, with moeflow.runtime.job.job_from_argv.
+# through torchrun; the script reads its job, and its typed settings, with moeflow.runtime.job.Job.from_argv.
 
 
 def training_python():
@@ -267,7 +267,7 @@ TRAIN_SHELL = "{params.launcher} {input.script:q} --job {params.job:q} --threads
 
 
 def torchrun_job(rule, **params):
-    """The script's job description (``moeflow.runtime.job.job_from_argv``): rule, inputs, outputs, params.
+    """The script's job description (``moeflow.runtime.job.Job.from_argv``): rule, inputs, outputs, params.
     Params are whole settings dicts, so Snakemake reruns the rule when one changes."""
 
     def job(wildcards, input, output):

@@ -3,15 +3,17 @@ its device and in its precision (moeflow.model.experts_choice); write the choice
 model take as input, and the timings, which only the reports read."""
 
 from moeflow.model import experts_choice
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime.files import write_json
 from moeflow.runtime.hardware import compute_device
 from moeflow.runtime.stage import Stage
+from moeflow.settings import typed
 
-stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
+stage = Stage.start(snakemake)  # noqa: F821 (injected by Snakemake)
 settings = snakemake.params.settings  # noqa: F821 (moeflow.workflow.keys.experts_settings)
 
 report = experts_choice.measure(
-    settings["model"],
+    typed(ModelSettings, settings["model"]),
     settings["micro_batch_size"],
     settings["seq_len"],
     compute_device(settings["device"]),

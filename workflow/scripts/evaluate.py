@@ -7,14 +7,15 @@ import gc
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
 from moeflow.evaluation import run_metrics as ev
-from moeflow.model.factory import load_model, resolve_experts
-from moeflow.model.folder import check_vocabulary
+from moeflow.model.factory import make_model
 from moeflow.model.parameters import active_per_token
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime.files import write_json, write_text
 from moeflow.runtime.hardware import compute_device, compute_dtype
 from moeflow.runtime.stage import Stage, kill_point
+from moeflow.settings import typed
 
-stage = Stage.from_snakemake(snakemake)
+stage = Stage.start(snakemake)
 params = snakemake.params
 device = compute_device(params.device)
 
@@ -23,11 +24,17 @@ sets += [
     ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in zip(params.eval_corpora, snakemake.input.eval_data)
 ]
 
-model_cfg = resolve_experts(params.model, snakemake.input.experts)
+model_settings = typed(ModelSettings, params.model)
 stats, speed, coverage, parameters = {}, {}, {}, {}
 for label in ("base", "finetuned"):
-    model = load_model(snakemake.input[label], model_cfg, compute_dtype(stage.precision)).to(device)
-    check_vocabulary(model, list(snakemake.input.eval_data), snakemake.input[label])
+    model = make_model(
+        model_settings,
+        experts=snakemake.input.experts,
+        folder=snakemake.input[label],
+        device=device,
+        dtype=compute_dtype(stage.precision),
+        data=list(snakemake.input.eval_data),
+    )
     stats[label] = ev.evaluate_model(model, sets, params.settings, stage.precision)
     coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision)
     sizes = {name: p.numel() for name, p in model.named_parameters()}

@@ -9,7 +9,7 @@ from moeflow.runtime.files import write_json, write_text
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
 
-stage = Stage.from_snakemake(snakemake)
+stage = Stage.start(snakemake)
 params = snakemake.params
 cfg = typed(HumanEvalExecution, params.settings)
 samples = he.read_samples(snakemake.input.samples)

@@ -6,21 +6,27 @@ from functools import partial
 from moeflow.evaluation import humaneval as he
 from moeflow.evaluation.generation import Decoding, generate
 from moeflow.evaluation.humaneval import HumanEvalGeneration
-from moeflow.model.factory import load_model, resolve_experts
+from moeflow.model.factory import make_model
 from moeflow.model.folder import load_tokenizer
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime.hardware import compute_device, compute_dtype
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
 
-stage = Stage.from_snakemake(snakemake)
+stage = Stage.start(snakemake)
 params = snakemake.params
 cfg = typed(HumanEvalGeneration, params.settings)
 problems = he.load_problems(cfg.problems)  # before the model loads: a bad count fails first
 
-device = compute_device(params.device)
-model_cfg = resolve_experts(params.model, snakemake.input.experts)
-model = load_model(snakemake.input.model, model_cfg, compute_dtype(stage.precision)).to(device)
-tokenizer = load_tokenizer(snakemake.input.model, params.model["trust_remote_code"])
+model_settings = typed(ModelSettings, params.model)
+model = make_model(
+    model_settings,
+    experts=snakemake.input.experts,
+    folder=snakemake.input.model,
+    device=compute_device(params.device),
+    dtype=compute_dtype(stage.precision),
+)
+tokenizer = load_tokenizer(snakemake.input.model, model_settings.trust_remote_code)
 complete = partial(generate, model, tokenizer, stops=he.STOP_SEQUENCES, batch_size=cfg.batch_size, seed=cfg.seed)
 
 greedy = complete([p.prompt for p in problems], Decoding(cfg.max_new_tokens), desc="humaneval greedy")

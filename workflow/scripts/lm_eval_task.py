@@ -7,15 +7,18 @@ import tempfile
 
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation.lm_eval_tasks import TaskSpecError, missing_data_files, resolve
-from moeflow.model.factory import load_model, resolve_experts
+from moeflow.model.factory import make_model
 from moeflow.model.folder import load_tokenizer
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime.files import write_json
 from moeflow.runtime.hardware import compute_device, compute_dtype
 from moeflow.runtime.stage import Stage, kill_point
+from moeflow.settings import typed
 
-stage = Stage.from_snakemake(snakemake)
+stage = Stage.start(snakemake)
 params = snakemake.params
 settings = params.settings
+model_settings = typed(ModelSettings, params.model)
 harness.require_lm_eval()
 
 # Everything that can fail on the task's input fails here, before a model is loaded.
@@ -25,15 +28,19 @@ problems = missing_data_files(task, where)
 if problems:
     raise TaskSpecError("; ".join(problems))
 max_length = settings["max_length"] or params.seq_len
-tokenizer = load_tokenizer(snakemake.input.model, params.model["trust_remote_code"])
+tokenizer = load_tokenizer(snakemake.input.model, model_settings.trust_remote_code)
 corpus_dirs = dict(zip(params.eval_corpora, snakemake.input.eval_data))
 documents = (
     harness.corpus_documents(task, corpus_dirs, tokenizer, settings, max_length, stage.seed) if task.docs else {}
 )
 
-device = compute_device(params.device)
-model_cfg = resolve_experts(params.model, snakemake.input.experts)
-model = load_model(snakemake.input.model, model_cfg, compute_dtype(stage.precision)).to(device).eval()
+model = make_model(
+    model_settings,
+    experts=snakemake.input.experts,
+    folder=snakemake.input.model,
+    device=compute_device(params.device),
+    dtype=compute_dtype(stage.precision),
+).eval()
 kill_point("lm_eval_task.loaded")
 if task.docs:
     with tempfile.TemporaryDirectory() as workdir:

@@ -8,7 +8,7 @@ from moeflow.paper.inputs import RunRecord, read_benchmark, read_train_log
 from moeflow.runtime.files import read_json
 from moeflow.runtime.stage import Stage
 
-Stage.from_snakemake(snakemake)
+Stage.start(snakemake)
 inp, params = snakemake.input, snakemake.params
 
 records = {

@@ -1,12 +1,12 @@
 """Stage plan_memory: will every phase of this run's training (load, step, checkpoint, resume, export) fit in
 memory? Counted from the model config alone."""
 
-from moeflow.plan.memory import plan
+from moeflow.plan.fit import plan
 from moeflow.plan.report import enforce, render_markdown, summary
 from moeflow.runtime.files import read_json, write_json, write_text
 from moeflow.runtime.stage import Stage, log
 
-stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
+stage = Stage.start(snakemake)  # noqa: F821 (injected by Snakemake)
 
 env_report = read_json(snakemake.input.env)  # noqa: F821 (the measured device memory)
 plan = plan(snakemake.params.settings, env_report)  # noqa: F821

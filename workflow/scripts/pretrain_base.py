@@ -10,39 +10,42 @@ from pathlib import Path
 
 from moeflow.checkpoint.export import ExportSettings, write_model_folder
 from moeflow.data.shards import open_split
-from moeflow.model.factory import build_model, resolve_experts
+from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
 from moeflow.parallel.process_group import init, teardown
 from moeflow.runtime.files import atomic_dir, write_json
-from moeflow.runtime.job import job_from_argv
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
 from moeflow.train.settings import PretrainStage
 from moeflow.train.trainer import train_stage
 
-snakemake = job_from_argv(settings=PretrainStage)
-stage = Stage.from_snakemake(snakemake)
+job = Job.from_argv(PretrainStage)
+stage = Stage.start(job)
+settings = job.settings
 ranks = init()
-settings = snakemake.settings
-model_cfg = resolve_experts(settings.model, snakemake.input.experts)
-
-tokenizer = load_tokenizer(snakemake.input.tokenizer)
-model = build_model(model_cfg, len(tokenizer), stage.seed).to(ranks.device)
+tokenizer = load_tokenizer(job.input.tokenizer)
+model = make_model(
+    settings.model,
+    experts=job.input.experts,
+    vocab_size=len(tokenizer),
+    seed=stage.seed,
+    layout=Layout.replicated(ranks),
+)
 for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
     setattr(model.config, name, getattr(tokenizer, name))
-rows = open_split(snakemake.input.data, "train")
+rows = open_split(job.input.data, "train")
 
-with atomic_dir(snakemake.output.model) if ranks.is_main else contextlib.nullcontext() as out:
+with atomic_dir(job.output.model) if ranks.is_main else contextlib.nullcontext() as out:
     trainer = train_stage(
         stage,
         model,
         settings.pretrain,
         rows,
-        attn_implementation=model_cfg["attn_implementation"],
         log_dir=Path(out) / "training" if ranks.is_main else None,
-        checkpoint_root=snakemake.params.checkpoints,
-        key_settings=snakemake.params.settings,
-        key_inputs=[snakemake.input.tokenizer, snakemake.input.data],
+        checkpoint_root=job.params.checkpoints,
+        key_settings=job.params.settings,
+        key_inputs=[job.input.tokenizer, job.input.data],
     )
     if trainer.rank == 0:
         write_model_folder(model, tokenizer, out, typed(ExportSettings, {}).max_shard_size)

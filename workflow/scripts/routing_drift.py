@@ -5,20 +5,28 @@ import gc
 
 from moeflow.data.valset import open_valset
 from moeflow.evaluation import drift
-from moeflow.model.factory import load_model, resolve_experts
+from moeflow.model.factory import make_model
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime.files import write_json
 from moeflow.runtime.hardware import compute_device, compute_dtype
 from moeflow.runtime.stage import Stage, kill_point
+from moeflow.settings import typed
 
-stage = Stage.from_snakemake(snakemake)
+stage = Stage.start(snakemake)
 params = snakemake.params
 device = compute_device(params.device)
 rows = open_valset(snakemake.input.valset)
-model_cfg = resolve_experts(params.model, snakemake.input.experts)
+model_settings = typed(ModelSettings, params.model)
 
 routing = {}
 for label in ("base", "finetuned"):
-    model = load_model(snakemake.input[label], model_cfg, compute_dtype(stage.precision)).to(device)
+    model = make_model(
+        model_settings,
+        experts=snakemake.input.experts,
+        folder=snakemake.input[label],
+        device=device,
+        dtype=compute_dtype(stage.precision),
+    )
     routing[label] = drift.model_routing(model, rows, params.settings, stage.precision, label)
     del model
     gc.collect()

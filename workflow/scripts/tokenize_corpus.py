@@ -4,7 +4,7 @@ Arrow shards per split plus manifest.json (see moeflow.data.shards for the row f
 from moeflow.data.tokenize import tokenize_corpus
 from moeflow.runtime.stage import Stage
 
-stage = Stage.from_snakemake(snakemake)
+stage = Stage.start(snakemake)
 tokenize_corpus(
     snakemake.params.corpus,
     snakemake.params.settings,

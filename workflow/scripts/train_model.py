@@ -4,52 +4,57 @@ at a time by moeflow.checkpoint.export: loadable with AutoModelForCausalLM/AutoT
 merged in), the adapter (a LoRA run's
 peft adapter, or a full run's method marker; moeflow.model.lora.save_adapter_output) and the run's TensorBoard
 logs and metrics.jsonl (warmup steps included). Started through torchrun by its rule: every rank runs
-this script, the layout is the config's ``parallel`` section (moeflow.distributed), rank 0 writes."""
+this script, the layout is the config's ``parallel`` section (moeflow.model.factory.Layout), rank 0 writes."""
 
 from pathlib import Path
 
 from moeflow.checkpoint.export import ExportSettings, save_final_model
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
-from moeflow.model.factory import resolve_stage_experts
+from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
-from moeflow.model.loading import start_fine_tuning
 from moeflow.model.lora import save_adapter_output
-from moeflow.parallel.layouts import unwrap
+from moeflow.model.wrappers import unwrap
 from moeflow.parallel.process_group import teardown
 from moeflow.runtime.files import write_json
-from moeflow.runtime.job import job_from_argv
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
 from moeflow.train.settings import TrainModelStage
 from moeflow.train.trainer import train_stage
 
-snakemake = job_from_argv(settings=TrainModelStage)
-stage = Stage.from_snakemake(snakemake)
-snakemake.settings = resolve_stage_experts(snakemake.settings, snakemake.input.experts)
-settings = snakemake.settings
-export = typed(ExportSettings, snakemake.params.export)
-# the warmup checkpoint (start_from) replaces every weight: the base model's are not read (moeflow.distributed)
-ranks, model = start_fine_tuning(snakemake, stage.precision, weights=False)
-tokenizer = load_tokenizer(snakemake.input.model)
+job = Job.from_argv(TrainModelStage)
+stage = Stage.start(job)
+settings = job.settings
+export = typed(ExportSettings, job.params.export)
+layout = Layout.join(settings.parallel, settings.hardware_device, settings.train, stage.precision)
+# the warmup checkpoint (start_from) replaces every weight: the base model's are not read (weights=False)
+model = make_model(
+    settings.model,
+    experts=job.input.experts,
+    folder=job.input.model,
+    layout=layout,
+    weights=False,
+    data=[job.input.data],
+)
+tokenizer = load_tokenizer(job.input.model)
 trainer = train_stage(
     stage,
     model,
     settings.train,
-    open_split(snakemake.input.data, "train"),
-    attn_implementation=settings.model["attn_implementation"],
-    log_dir=snakemake.output.logs,
-    checkpoint_root=snakemake.params.checkpoints,
-    key_settings=snakemake.params.settings,
-    key_inputs=[snakemake.input.model, snakemake.input.data, snakemake.input.warmup, snakemake.input.valset],
-    start_from=snakemake.input.warmup,
-    eval_rows=open_valset(snakemake.input.valset),
+    open_split(job.input.data, "train"),
+    log_dir=job.output.logs,
+    checkpoint_root=job.params.checkpoints,
+    key_settings=job.params.settings,
+    key_inputs=[job.input.model, job.input.data, job.input.warmup, job.input.valset],
+    start_from=job.input.warmup,
+    eval_rows=open_valset(job.input.valset),
 )
 if trainer.rank == 0:
     last = trainer.train_records()[-1]
     evals = [r for r in trainer.history if r["kind"] == "eval"]
     write_json(
-        Path(snakemake.output.logs) / "summary.json",
+        Path(job.output.logs) / "summary.json",
         {
             "steps": trainer.step,
             "final": {k: last[k] for k in ("loss", "ce", "balance_loss", "balance_global", "z_loss", "lr")},
@@ -60,7 +65,7 @@ if trainer.rank == 0:
         },
     )
     # before the merge, which consumes LoRA's wrapper
-    save_adapter_output(unwrap(trainer.model), snakemake.output.adapter)
-save_final_model(trainer.model, tokenizer, snakemake.output.model, export.max_shard_size)  # every rank
+    save_adapter_output(unwrap(trainer.model), job.output.adapter)
+save_final_model(trainer.model, tokenizer, job.output.model, export.max_shard_size)  # every rank
 trainer.remove_checkpoints()
 teardown()

@@ -7,7 +7,7 @@ trained on, provenance).
 from moeflow.data.tokenizer import train_tokenizer_stage
 from moeflow.runtime.stage import Stage
 
-stage = Stage.from_snakemake(snakemake)
+stage = Stage.start(snakemake)
 train_tokenizer_stage(
     snakemake.params.settings,
     snakemake.output[0],

@@ -4,7 +4,7 @@ from moeflow.runtime import env, gpu_node
 from moeflow.runtime.files import write_json, write_text
 from moeflow.runtime.stage import Stage, kill_point
 
-stage = Stage.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
+stage = Stage.start(snakemake)  # noqa: F821 (injected by Snakemake)
 params = snakemake.params  # noqa: F821
 
 report = env.collect(

@@ -4,26 +4,27 @@ ends the warmup unstable (collapsed layer, dead experts, load beyond train.routi
 stage with the report, before the expensive part starts. With train.routing_guard.reference base (the
 default) the gate judges change against the base model's own routing on the rows of the gate's window,
 routed here before training (moeflow.train.guards.base_reference); the reference travels in the checkpoint to
-train_model. Started through torchrun by its rule: every
-rank runs this script; the layout is the config's ``parallel`` section (moeflow.distributed)."""
+train_model. Started through torchrun by its rule: every rank runs this script; the layout is the config's
+``parallel`` section (moeflow.model.factory.Layout)."""
 
 from moeflow.data.shards import open_split
-from moeflow.model.factory import resolve_stage_experts
-from moeflow.model.loading import start_fine_tuning
+from moeflow.model.factory import Layout, make_model
 from moeflow.parallel.process_group import teardown
 from moeflow.runtime.files import dumps_json, write_json
-from moeflow.runtime.job import job_from_argv
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, log
 from moeflow.train.guards import UnstableRouting, base_reference
 from moeflow.train.settings import WarmupStage
 from moeflow.train.trainer import train_stage
 
-snakemake = job_from_argv(settings=WarmupStage)
-stage = Stage.from_snakemake(snakemake)
-snakemake.settings = resolve_stage_experts(snakemake.settings, snakemake.input.experts)
-settings = snakemake.settings  # train: the warmup part's (train.warmup_steps steps)
-ranks, model = start_fine_tuning(snakemake, stage.precision)
-rows = open_split(snakemake.input.data, "train")
+job = Job.from_argv(WarmupStage)
+stage = Stage.start(job)
+settings = job.settings  # train: the warmup part's (train.warmup_steps steps)
+layout = Layout.join(settings.parallel, settings.hardware_device, settings.train, stage.precision)
+model = make_model(
+    settings.model, experts=job.input.experts, folder=job.input.model, layout=layout, data=[job.input.data]
+)
+rows = open_split(job.input.data, "train")
 reference = None
 if settings.train.routing_guard.reference == "base":  # before train_stage: a resumed run has the base model here too
     reference = base_reference(
@@ -31,8 +32,8 @@ if settings.train.routing_guard.reference == "base":  # before train_stage: a re
         rows,
         settings.train,
         stage.seed,
-        ranks.world_size,
-        settings.model["attn_implementation"],
+        layout.ranks.world_size,
+        settings.model.attn_implementation,
         stage.precision,
     )
 trainer = train_stage(
@@ -40,26 +41,25 @@ trainer = train_stage(
     model,
     settings.train,
     rows,
-    attn_implementation=settings.model["attn_implementation"],
     log_dir=None,
-    checkpoint_root=snakemake.params.checkpoints,
-    key_settings=snakemake.params.settings,
-    key_inputs=[snakemake.input.model, snakemake.input.data],
+    checkpoint_root=job.params.checkpoints,
+    key_settings=job.params.settings,
+    key_inputs=[job.input.model, job.input.data],
 )
 trainer.routing_guard.set_reference(reference)
 # The routing report is the all-reduced counts': the same verdict on every rank.
 report = {**trainer.routing_guard.report(), "step": trainer.step, "provenance": stage.provenance()}
 if not report["stable"]:
     trainer.remove_checkpoints()
-    if ranks.is_main:
-        write_json(snakemake.params.failed_report, report)
+    if layout.ranks.is_main:
+        write_json(job.params.failed_report, report)
         log.error("routing is unstable after warmup:\n%s", dumps_json(report))
     raise UnstableRouting(
         f"warmup: routing is unstable after {trainer.step} steps: {'; '.join(report['problems'])}. "
-        f"Report: {snakemake.params.failed_report}. Lengthen train.warmup_steps, lower train.lr, raise "
+        f"Report: {job.params.failed_report}. Lengthen train.warmup_steps, lower train.lr, raise "
         "train.balance.coef, or relax train.routing_guard",
         report,
     )
-trainer.save(snakemake.output.checkpoint, extra_json={"routing_report.json": report})  # every rank: a collective
+trainer.save(job.output.checkpoint, extra_json={"routing_report.json": report})  # every rank: a collective
 trainer.remove_checkpoints()
 teardown()

@@ -35,7 +35,8 @@ from moeflow.checkpoint.storage import Piece
 from moeflow.model.lora import is_lora_model, merge_adapters
 from moeflow.model.parameters import clean_name
 from moeflow.model.saved_names import saved_format
-from moeflow.parallel.layouts import is_fsdp1, original_shape, reshard, unwrap
+from moeflow.model.wrappers import is_fsdp1, unwrap
+from moeflow.parallel.layouts import original_shape, reshard
 from moeflow.parallel.process_group import barrier, rank
 from moeflow.parallel.rank_load import persistent_buffers
 from moeflow.runtime.files import atomic_dir

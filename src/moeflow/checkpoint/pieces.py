@@ -13,12 +13,11 @@ import torch
 
 from moeflow.checkpoint.storage import Piece
 from moeflow.model.parameters import clean_name
-from moeflow.parallel.layouts import _is_dtensor, is_fsdp1, reshard, unwrap
+from moeflow.model.wrappers import is_fsdp1, unwrap
+from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import DistributedError
-from moeflow.parallel.rank_load import (
-    _local_pieces,
-    persistent_buffers,
-)
+from moeflow.parallel.rank_load import local_pieces, persistent_buffers
+from moeflow.runtime import compat
 
 
 @dataclass
@@ -85,9 +84,9 @@ def state_pieces(
 def _tensor_piece(value: torch.Tensor) -> Piece:
     """A DTensor's local rows, or a whole tensor, as a piece (a 0-d tensor: one element)."""
     shape = tuple(value.shape)
-    if not _is_dtensor(value):
+    if not compat.is_dtensor(value):
         return Piece(value.detach().view(-1), 0, shape)
-    local, offsets = _local_pieces(value)[0]
+    local, offsets = local_pieces(value)[0]
     if any(offsets[1:]) or tuple(local.shape[1:]) != shape[1:]:
         raise DistributedError(
             f"a DTensor sharded other than along dim 0 ({value.placements}, shape {list(shape)}): checkpoints "

@@ -44,8 +44,8 @@ from moeflow.checkpoint.storage import (
     piece_tensors,
 )
 from moeflow.model.parameters import clean_name
+from moeflow.model.wrappers import unwrap
 from moeflow.parallel import process_group
-from moeflow.parallel.layouts import unwrap
 from moeflow.parallel.process_group import barrier, gather_objects
 from moeflow.runtime.files import disk_full_error, read_json, replace_dir, write_json
 from moeflow.runtime.stage import code_version, kill_point

@@ -34,9 +34,9 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from moeflow.settings import BAD_RECORD_POLICIES, SOURCE_SCHEMA, enum, with_defaults
+from moeflow.settings import BAD_RECORD_POLICIES, SOURCE_SCHEMA, enum, typed
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,43 @@ FILE_ONLY_KEYS = {"path", "text_field", "messages_field", "assistant_only_labels
 
 class CorpusError(ValueError):
     """Unusable input, with the file, line and what to do about it."""
+
+
+@dataclass(frozen=True)
+class StdlibSource:
+    """A ``data.sources`` entry of type stdlib: the running Python's standard library, by top-level package."""
+
+    SCHEMA: ClassVar[str] = SOURCE_SCHEMA
+    type: str
+    packages: tuple[str, ...] | None
+    exclude_packages: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """A ``data.sources`` entry read from files (jsonl, parquet, text, hf_disk)."""
+
+    SCHEMA: ClassVar[str] = SOURCE_SCHEMA
+    type: str
+    path: str
+    text_field: str
+    messages_field: str | None
+    assistant_only_labels: bool
+
+
+def source_settings(name: str, source_cfg: Mapping[str, Any]) -> StdlibSource | FileSource:
+    """A ``data.sources`` entry, typed by its kind (the keys it leaves out take the defaults of its kind);
+    keys of the other kind and a file source without ``path`` are a CorpusError naming the key."""
+    kind = source_cfg["type"]
+    misplaced = sorted(set(source_cfg) & (FILE_ONLY_KEYS if kind == "stdlib" else STDLIB_ONLY_KEYS))
+    if misplaced:
+        raise CorpusError(
+            f"config key 'data.sources.{name}': {', '.join(misplaced)} do not apply to a source of type {kind}; "
+            "remove them"
+        )
+    if kind != "stdlib" and "path" not in source_cfg:
+        raise CorpusError(f"config key 'data.sources.{name}.path' is required for a source of type {kind}")
+    return typed(StdlibSource if kind == "stdlib" else FileSource, source_cfg)
 
 
 @dataclass(frozen=True)
@@ -103,10 +140,9 @@ def _has_glob(path: str) -> bool:
     return any(ch in path for ch in "*?[")
 
 
-def _expand(source_cfg: Mapping[str, Any]) -> list[str]:
+def _expand(kind: str, path: str) -> list[str]:
     """The existing files a file-based source reads, sorted; [] when nothing matches."""
-    kind = source_cfg["type"]
-    path = str(source_cfg["path"])
+    path = str(path)
     if kind == "hf_disk":
         root = Path(path)
         return sorted(str(p) for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
@@ -130,7 +166,7 @@ def source_files(source_cfg: Mapping[str, Any]) -> list[str]:
     """
     if source_cfg["type"] == "stdlib":
         return []
-    return _expand(source_cfg)
+    return _expand(source_cfg["type"], source_cfg["path"])
 
 
 def stdlib_root() -> Path:
@@ -207,18 +243,12 @@ class SourceReader:
 
     def __init__(self, name: str, source_cfg: Mapping[str, Any], on_bad_record: str = "fail"):
         self.name = name
-        self.cfg = with_defaults(source_cfg, SOURCE_SCHEMA)  # a source's defaults are those of its kind
-        self.kind = self.cfg["type"]
-        file_based = self.kind != "stdlib"
-        self.text_field = self.cfg["text_field"] if file_based else None
-        self.messages_field = self.cfg["messages_field"] if file_based else None
+        self.source = source_settings(name, source_cfg)
+        self.kind = self.source.type
+        file_based = isinstance(self.source, FileSource)
+        self.text_field = self.source.text_field if file_based else None
+        self.messages_field = self.source.messages_field if file_based else None
         self.bad = BadRecords(on_bad_record, name)
-        misplaced = sorted(set(self.cfg) & (FILE_ONLY_KEYS if self.kind == "stdlib" else STDLIB_ONLY_KEYS))
-        if misplaced:
-            raise CorpusError(
-                f"config key 'data.sources.{name}': {', '.join(misplaced)} do not apply to a source of type "
-                f"{self.kind}; remove them"
-            )
         self.file_hashes: dict[str, str] = {}
         self.documents_read = 0
         self.empty_documents = 0
@@ -245,12 +275,8 @@ class SourceReader:
     def files(self) -> list[str]:
         if self.kind == "stdlib":
             return []
-        if "path" not in self.cfg:
-            raise CorpusError(
-                f"config key 'data.sources.{self.name}.path' is required for a source of type {self.kind}"
-            )
-        path = self.cfg["path"]
-        files = _expand(self.cfg)
+        path = self.source.path
+        files = _expand(self.kind, path)
         if not files:
             what = "no file matches" if _has_glob(path) else "does not exist or holds no matching files"
             raise CorpusError(
@@ -260,7 +286,8 @@ class SourceReader:
         return files
 
     def describe(self) -> str:
-        filters = {k: self.cfg[k] for k in ("path", "packages", "exclude_packages") if k in self.cfg and self.cfg[k]}
+        values = {k: getattr(self.source, k, None) for k in ("path", "packages", "exclude_packages")}
+        filters = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if v}
         skipped = sum(self.bad.counts.values())
         return (
             f"type {self.kind}, {', '.join(f'{k}={v}' for k, v in filters.items()) or 'no filters'}; "
@@ -273,8 +300,8 @@ class SourceReader:
         if self.kind == "stdlib":
             out["python"] = platform.python_version()
             out["implementation"] = sys.implementation.name
-            out["packages"] = sorted(self.cfg["packages"] or [])
-            out["exclude_packages"] = sorted(self.cfg["exclude_packages"])
+            out["packages"] = sorted(self.source.packages or [])
+            out["exclude_packages"] = sorted(self.source.exclude_packages)
         return out
 
     def skipped(self) -> dict[str, Any]:
@@ -300,7 +327,7 @@ class SourceReader:
 
     def _stdlib(self) -> Iterator[Document]:
         root = stdlib_root()
-        packages, exclude = self.cfg["packages"], self.cfg["exclude_packages"]
+        packages, exclude = self.source.packages, self.source.exclude_packages
         files = stdlib_files(packages, exclude)
         if packages:
             present = {stdlib_top_level(f) for f in stdlib_files(packages)}
@@ -401,7 +428,7 @@ class SourceReader:
         files = self.files()
         for path in files:
             self._hash_file(path)
-        folder = str(self.cfg["path"])
+        folder = str(self.source.path)
         try:
             ds = datasets.load_from_disk(folder)
         except Exception as exc:  # datasets raises FileNotFoundError or its own errors for a wrong folder

@@ -56,9 +56,9 @@ def tokenize_corpus(
     source_cfg = data["sources"][corpus]
     set_tokenizer_threads(threads)
     tokenizer = load_fast_tokenizer(tokenizer_path)
-    encoder = DocumentEncoder(tokenizer, source_cfg)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (encoder.eos_id or 0)
     reader = SourceReader(corpus, source_cfg, data["on_bad_record"])
+    encoder = DocumentEncoder(tokenizer, reader.source)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (encoder.eos_id or 0)
     seq_len, multiple = int(data["seq_len"]), int(data["pad_to_multiple_of"])
 
     with atomic_dir(out_dir) as tmp:

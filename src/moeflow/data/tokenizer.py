@@ -11,11 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from moeflow.data.corpus import CorpusError, Document, SourceReader, split_documents
+from moeflow.data.corpus import CorpusError, Document, FileSource, SourceReader, StdlibSource, split_documents
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.runtime.files import atomic_dir, write_json
 from moeflow.runtime.stage import kill_point, progress
-from moeflow.settings import SOURCE_SCHEMA, with_defaults
 
 # Special tokens of a tokenizer trained here; ChatML turn markers so chat data has a template.
 BOS, EOS, PAD = "<|startoftext|>", "<|endoftext|>", "<|pad|>"
@@ -123,12 +122,11 @@ class DocumentEncoder:
     (without the turn header) have labels.
     """
 
-    def __init__(self, tokenizer: Any, source_cfg: Mapping[str, Any]):
+    def __init__(self, tokenizer: Any, source: StdlibSource | FileSource):
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
         self.eos_id = tokenizer.eos_token_id
-        source = with_defaults(source_cfg, SOURCE_SCHEMA)
-        self.assistant_only = source["type"] != "stdlib" and source["assistant_only_labels"]  # stdlib has no chat
+        self.assistant_only = isinstance(source, FileSource) and source.assistant_only_labels  # stdlib has no chat
 
     def encode(self, docs: Sequence[Document]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         out: list[tuple[np.ndarray, np.ndarray | None] | None] = [None] * len(docs)

@@ -34,17 +34,16 @@ def write_valset(
                     if doc_id in wanted:
                         yield doc_id, ids, None
 
-    rows = pack_documents(documents(), first["seq_len"], first.get("pad_to_multiple_of", 64), first.get("pad_id", 0))
+    # packed as the pool was (the data stage's manifest records its data settings and padding)
+    rows = pack_documents(documents(), first["seq_len"], first["pad_to_multiple_of"], first["pad_id"])
     with atomic_dir(out_dir) as tmp:
-        shards = write_split(
-            tmp / VALSET_SPLIT, rows, first.get("settings", {}).get("data", {}).get("shard_max_bytes", 32 << 20)
-        )
+        shards = write_split(tmp / VALSET_SPLIT, rows, first["settings"]["data"]["shard_max_bytes"])
         manifest = {
             "kind": "coverage validation set",
             "split": VALSET_SPLIT,
             "seq_len": first["seq_len"],
-            "pad_to_multiple_of": first.get("pad_to_multiple_of", 64),
-            "pad_id": first.get("pad_id", 0),
+            "pad_to_multiple_of": first["pad_to_multiple_of"],
+            "pad_id": first["pad_id"],
             "shards": shards,
             **extra_manifest,
         }

@@ -154,6 +154,6 @@ def model_routing(
     adapter = adapter_or_none(model)
     if adapter is None:
         raise NoMoELayers(f"routing drift compares the routers of MoE models; the {label or 'given'} model has none")
-    attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    attn = model.config._attn_implementation
     collated = batches(rows, settings["batch_size"], attn, settings["max_sequences"])
     return route_tokens(model, progress(collated, desc=f"routing drift: {label}"), adapter, precision)

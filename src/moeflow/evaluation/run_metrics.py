@@ -183,7 +183,7 @@ def evaluate_model(
 ) -> dict[str, SetStats]:
     """Every set through one model (``settings``: the config's ``evaluate`` section)."""
     adapter = adapter_or_none(model)
-    attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    attn = model.config._attn_implementation
     out = {}
     for s in sets:
         out[s.name] = evaluate_batches(
@@ -229,7 +229,7 @@ def valset_coverage(
     adapter = adapter_or_none(model)
     if adapter is None:
         return None
-    attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    attn = model.config._attn_implementation
     stats = route_pool(
         model, [("valset", iter_rows(rows))], int(coverage_settings["batch_tokens"]), attn, precision, adapter
     )

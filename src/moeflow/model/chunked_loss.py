@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers.utils import ModelOutput
 
 from moeflow.data.shards import IGNORE_INDEX
+from moeflow.model.wrappers import unwrap
 
 LOSS_KWARG = "loss_labels"  # the installed forward's keyword: labels as in the batch (unshifted)
 
@@ -129,8 +130,8 @@ def linear_cross_entropy(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    chunk_tokens: int,
     bias: torch.Tensor | None = None,
-    chunk_tokens: int = 4096,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed cross-entropy of ``scale * (hidden @ weight.T + bias)`` against ``targets`` (IGNORE_INDEX
@@ -179,12 +180,6 @@ def logit_scale(config) -> float:
     return 1.0 / float(getattr(config, "logits_scaling", 1.0) or 1.0)
 
 
-def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers causal LM inside FSDP1's and PEFT's wrappers (FSDP2 and EP keep its class)."""
-    inner = getattr(model, "_fsdp_wrapped_module", model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-
-
 HEAD_ONLY_KWARGS = ("labels", "logits_to_keep", "num_items_in_batch")  # the causal LM's, not the decoder body's
 
 
@@ -209,7 +204,7 @@ def _loss_forward(self, loss_labels: torch.Tensor, chunk_tokens: int, kwargs: di
 def install(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
     """Give ``model`` (a causal LM, or an FSDP/PEFT wrapper of one) the ``loss_labels`` entry; returns it.
     Calling it again changes the chunk size."""
-    lm = causal_lm(model)
+    lm = unwrap(model, peft=True)
     head = lm.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise LinearLossError(
@@ -234,14 +229,14 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
 
 
 def installed(model: torch.nn.Module) -> bool:
-    return hasattr(causal_lm(model), "loss_chunk_tokens")
+    return hasattr(unwrap(model, peft=True), "loss_chunk_tokens")
 
 
 def token_losses(model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> TokenLosses:
     """The model's forward on ``inputs`` (``use_cache=False``) with the chunked loss on ``labels``."""
     if not installed(model):
         raise LinearLossError(
-            "this model has no chunked cross-entropy entry: load or build it through moeflow.modeling, "
+            "this model has no chunked cross-entropy entry: build or load it with moeflow.model.factory.make_model, "
             "or call moeflow.model.chunked_loss.install(model, chunk_tokens) first"
         )
     return model(**inputs, use_cache=False, **{LOSS_KWARG: labels})

@@ -18,8 +18,8 @@ that module materialised (``to_empty``, then seeded random weights). In transfor
   flip would rerun training.
 
 Two outputs: the choice (:func:`choice_record`: the implementation and the shape it was chosen for, no
-timings), which every rule that loads the model takes as input and moeflow.model.factory.resolve_experts applies
-to its model section; and the timings (:func:`measure`'s report, with the reasons), which only the reports read.
+timings), which every rule that loads the model takes as input and moeflow.model.factory.make_model applies
+(its ``experts``); and the timings (:func:`measure`'s report, with the reasons), which only the reports read.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from moeflow.model.factory import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, model_config, model_section
+from moeflow.model.factory import causal_lm_class, transformers_config
 from moeflow.model.routing import adapter_or_none
+from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat
 from moeflow.runtime.env import experts_implementations, torch_facts
 from moeflow.settings import enum
@@ -93,15 +94,11 @@ def _expert_width(config: Any) -> int | None:
     return None
 
 
-def moe_block(model_cfg: Mapping[str, Any], micro_batch_size: int, seq_len: int, device: torch.device, seed: int = 0):
+def moe_block(settings: ModelSettings, micro_batch_size: int, seq_len: int, device: torch.device, seed: int = 0):
     """The run's first MoE block on ``device`` with seeded weights, or None for a model without MoE layers."""
-    from transformers import AutoModelForCausalLM
-
-    config = model_config(model_cfg)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=model_section(model_cfg)["trust_remote_code"]
-        )
+    config = transformers_config(settings)
+    with torch.device("meta"):  # a skeleton to take one block from, not a model anything trains
+        model = causal_lm_class().from_config(config, trust_remote_code=settings.trust_remote_code)
     adapter = adapter_or_none(model)
     if adapter is None:
         return None
@@ -228,18 +225,18 @@ def choose(results: Mapping[str, Mapping[str, Any]]) -> tuple[str, str]:
 
 
 def measure(
-    model_cfg: Mapping[str, Any], micro_batch_size: int, seq_len: int, device: torch.device, precision: str
+    settings: ModelSettings, micro_batch_size: int, seq_len: int, device: torch.device, precision: str
 ) -> dict[str, Any]:
     """The timing report of a run's MoE block: shape, device, precision, each implementation's timings and
     agreement, and the implementation to use with the reason (``configured`` is what the config says)."""
-    configured = model_section(model_cfg)["experts_implementation"]
+    configured = settings.experts_implementation
     report: dict[str, Any] = {
         "configured": configured,
         "device": device.type,
         "precision": precision,
         "transformers": str(compat.version_of("transformers")),
     }
-    block = moe_block(model_cfg, micro_batch_size, seq_len, device)
+    block = moe_block(settings, micro_batch_size, seq_len, device)
     if block is None:
         return report | {
             "shape": None,

@@ -1,86 +1,204 @@
-"""Build a model from config or load a pretrained folder, the same way in every stage (``moeflow.checkpoint.export``
-writes the final one)."""
+"""The one door to a model moeflow trains or evaluates: :func:`make_model` builds one from ``model.config``
+(seeded) or loads a local folder (safetensors only, the folder's own code only with
+``model.trust_remote_code``), for a layout (``parallel.strategy`` none, fsdp or ep, LoRA adapters for
+``train.method: lora``), on a device, in a dtype. It applies the rule's experts choice for
+``model.experts_implementation: auto`` (moeflow.model.experts_choice) and installs the chunked loss
+(moeflow.model.chunked_loss) on every model it returns. ``moeflow.checkpoint.export`` writes the final one.
+
+How a folder is loaded, by layout (:class:`Layout`):
+
+* ``fsdp`` (full fine-tuning, any number of ranks), and a full fine-tune with ``weights=False``: the
+  folder's model class built with its parameters on the meta device, sharded, then each rank's rows read
+  from the folder's safetensors files (moeflow.parallel.rank_load): no rank holds what it does not own,
+  and one rank holds the weights once (transformers 5's ``from_pretrained`` keeps the files mapped beside
+  the tensors it copies: ~1.3x the weights at one rank). ``weights=False``: the caller loads a checkpoint
+  that replaces every parameter and persistent buffer, so no weight is read.
+* ``ep``: transformers 5 shards the model at ``from_pretrained`` through its ``DistributedConfig``
+  (experts over ``ep_size`` ranks, the rest FSDP2-sharded); it needs a folder (``from_config`` takes no
+  DistributedConfig) and refuses tied embeddings.
+* ``none``, evaluation, LoRA: ``from_pretrained`` of the whole model (LoRA: then its adapters), moved to
+  the device. LoRA runs on several ranks with ``parallel.strategy: none`` only.
+
+Every model class comes from :func:`causal_lm_class`: the one place where a family transformers does not
+register for ``AutoModelForCausalLM`` would be registered.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from moeflow.model.chunked_loss import install as install_linear_loss
-from moeflow.model.folder import ModelError, _remote_code_error, check_model_folder
+import torch
+
+from moeflow.model.chunked_loss import install as install_chunked_loss
+from moeflow.model.folder import ModelError, check_model_folder, check_vocabulary, refusing_remote_code
+from moeflow.model.lora import apply_lora
+from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
+from moeflow.parallel.layouts import distributed_config, shard_model
+from moeflow.parallel.process_group import DistributedError, Ranks, check_ranks, init
+from moeflow.parallel.rank_load import fill_from_folder, parameters_on_meta, tied_names
+from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
 from moeflow.runtime.files import read_json
-from moeflow.settings import MODEL_SCHEMA, with_defaults
-
-# ``model.experts_implementation`` that a stage resolves by measurement (:func:`resolve_experts`)
-# before it builds or loads the model.
-AUTO_EXPERTS = "auto"
+from moeflow.settings import typed
+from moeflow.train.settings import TrainSettings
 
 
-# The experts implementation of a section that names none (tests and benchmarks give a few keys), and of a
-# choice made for a model without experts: whatever the stack and the folder use by default.
-STACK_DEFAULT_EXPERTS = None
+@dataclass(frozen=True)
+class Layout:
+    """How this process holds the model: its ranks (and device), how they share it (``parallel``), the
+    training settings it is prepared for (``train.method: lora``: adapters; None: no training) and the
+    precision FSDP's mixed precision follows."""
+
+    ranks: Ranks
+    parallel: ParallelSettings
+    train: TrainSettings | None = None
+    precision: str = "fp32"
+
+    @classmethod
+    def join(cls, parallel: ParallelSettings, hardware_device: str, train: TrainSettings, precision: str) -> Layout:
+        """A training stage's layout: join the process group torchrun describes and check its ranks against
+        ``parallel`` (moeflow.parallel.process_group)."""
+        ranks = init(hardware_device)
+        return cls(ranks, check_ranks(parallel, ranks), train, precision)
+
+    @classmethod
+    def replicated(cls, ranks: Ranks, train: TrainSettings | None = None, precision: str = "fp32") -> Layout:
+        """Every rank holds the whole model (``parallel.strategy: none``)."""
+        return cls(ranks, typed(ParallelSettings, {"nproc_per_node": ranks.world_size}), train, precision)
+
+    @classmethod
+    def single(cls, device: str | torch.device, train: TrainSettings | None = None) -> Layout:
+        """One process holding the whole model on ``device`` (evaluation stages, tests, benchmarks)."""
+        return cls.replicated(Ranks(rank=0, world_size=1, local_rank=0, device=torch.device(device)), train)
+
+    @property
+    def adapters(self) -> bool:
+        return self.train is not None and self.train.method == "lora"
 
 
-def model_section(model_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A ``model`` section with the schema's defaults for the keys it leaves out (a stage gets the whole
-    section; tests and benchmarks may give a few keys, or none to load a folder as it is). One that leaves
-    out ``experts_implementation`` gets the stack's default rather than the config's ``auto``, which only a
-    stage with the measured choice can resolve."""
-    return with_defaults({"experts_implementation": STACK_DEFAULT_EXPERTS, **(model_cfg or {})}, MODEL_SCHEMA)
+def make_model(
+    settings: ModelSettings,
+    *,
+    experts: str | os.PathLike | None = None,
+    folder: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    layout: Layout | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    weights: bool = True,
+    data: Sequence[str | os.PathLike] = (),
+) -> torch.nn.Module:
+    """The model, ready to use: loaded from ``folder``, or built from ``settings.config`` with ``vocab_size``
+    token rows (deterministic for ``seed``); in ``dtype``; for ``layout`` (default: one process on ``device``,
+    the CPU if not given). ``experts``: the rule's experts choice file (rule choose_experts), which
+    ``model.experts_implementation: auto`` needs and any other value must be the one chosen for. ``data``:
+    tokenized folders whose tokenizer the model's vocabulary must cover (moeflow.model.folder.check_vocabulary).
+    ``weights=False``: no weight is read where the layout allows it (module docstring)."""
+    layout = _placement(layout, device)
+    settings = resolve_experts(settings, experts)
+    _check_combination(layout, folder)
+    on_meta = folder is not None and _fills_itself(layout, weights)
+    if folder is None:
+        model = _built(settings, vocab_size, seed, dtype)
+    elif on_meta:
+        model = _built_on_meta(settings, Path(folder), dtype)
+    else:
+        model = _loaded(settings, Path(folder), layout, dtype)
+    model = install_chunked_loss(model, settings.loss_chunk_tokens)
+    check_vocabulary(model, list(data), folder or "the model")
+    names_of = tied_names(model)
+    if layout.adapters:
+        model = apply_lora(model, layout.train.lora, layout.train.gradient_checkpointing)
+    model = shard_model(model, layout.parallel, layout.ranks, layout.precision)
+    if on_meta and weights:
+        fill_from_folder(model, folder, names_of)
+    return model
 
 
-def resolve_experts(model_cfg: Mapping[str, Any], choice_file: str | os.PathLike) -> dict[str, Any]:
-    """The ``model`` section as a stage builds or loads the model: ``experts_implementation`` from the choice
-    file of rule choose_experts (moeflow.model.experts_choice), which the config's value must be the one chosen for."""
+def _placement(layout: Layout | None, device: str | torch.device | None) -> Layout:
+    if layout is not None and device is not None:
+        raise ValueError("give make_model a layout or a device, not both (a layout's device is its ranks')")
+    return layout or Layout.single(device or "cpu")
+
+
+def _check_combination(layout: Layout, folder: str | os.PathLike | None) -> None:
+    strategy = layout.parallel.strategy
+    if layout.adapters and strategy != "none" and layout.ranks.world_size > 1:
+        raise DistributedError(
+            f"config keys 'train.method': lora and 'parallel.strategy': {strategy} do not combine: LoRA adapters "
+            "are not sharded here (peft over FSDP or expert parallelism is not built). Use parallel.strategy: none "
+            "(every rank holds the frozen base model and the adapters; the adapters' gradients are summed over "
+            "ranks), or train.method: full"
+        )
+    if strategy == "ep" and folder is None:
+        raise DistributedError(
+            "parallel.strategy: ep loads a saved model folder (transformers shards it at from_pretrained; "
+            "from_config takes no DistributedConfig): build the model, save it, then load it"
+        )
+
+
+def _fills_itself(layout: Layout, weights: bool) -> bool:
+    """Whether the layout reads each rank's rows itself: FSDP, and a full model whose weights a checkpoint
+    replaces (``weights=False``); LoRA and ``ep`` load the folder with transformers."""
+    if layout.adapters:
+        return False
+    return layout.parallel.strategy == "fsdp" or (layout.parallel.strategy == "none" and not weights)
+
+
+def resolve_experts(settings: ModelSettings, choice_file: str | os.PathLike | None) -> ModelSettings:
+    """``settings`` with ``experts_implementation`` from the choice file of rule choose_experts
+    (moeflow.model.experts_choice), which the settings' value must be the one chosen for; without a file,
+    the settings as they are (``auto`` then is an error)."""
+    if choice_file is None:
+        if settings.experts_implementation == AUTO_EXPERTS:
+            raise ModelError(
+                "model.experts_implementation is 'auto', which is resolved by measurement, and no choice was "
+                "given: the stage needs rule choose_experts's choice file (results/<stack>/experts/<key>/"
+                "choice.json) as its input 'experts', passed to moeflow.model.factory.make_model as experts= "
+                "(or set model.experts_implementation to eager, grouped_mm or batched_mm)"
+            )
+        return settings
     choice = read_json(choice_file)
-    if choice["configured"] != model_cfg["experts_implementation"]:
+    if choice["configured"] != settings.experts_implementation:
         raise ModelError(
             f"{choice_file} was chosen for model.experts_implementation {choice['configured']!r}, but this stage's "
-            f"config has {model_cfg['experts_implementation']!r}: the rule's input 'experts' is another run's choice"
+            f"config has {settings.experts_implementation!r}: the rule's input 'experts' is another run's choice"
         )
-    return {**model_cfg, "experts_implementation": choice["implementation"]}
+    return dataclasses.replace(settings, experts_implementation=choice["implementation"])
 
 
-def resolve_stage_experts(settings: Any, choice_file: str | os.PathLike) -> Any:
-    """Typed stage settings (moeflow.config) with their ``model`` section :func:`resolve_experts`'d."""
-    return dataclasses.replace(settings, model=resolve_experts(settings.model, choice_file))
-
-
-def _impl_kwargs(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    model_cfg = model_section(model_cfg)
-    kwargs: dict[str, Any] = {"attn_implementation": model_cfg["attn_implementation"]}
-    experts = model_cfg["experts_implementation"]
-    if experts == AUTO_EXPERTS:
-        raise ModelError(
-            "model.experts_implementation is 'auto', which is resolved by measurement, and no choice was given: "
-            "the stage needs rule choose_experts's choice file (results/<stack>/experts/<key>/choice.json) as its "
-            "input 'experts', applied with moeflow.model.factory.resolve_experts before the model is built or loaded "
-            "(or set model.experts_implementation to eager, grouped_mm or batched_mm)"
-        )
+def _implementations(settings: ModelSettings) -> dict[str, Any]:
+    """The attention and experts implementations as transformers takes them (a resolved experts choice)."""
+    kwargs: dict[str, Any] = {"attn_implementation": settings.attn_implementation}
+    experts = settings.experts_implementation
     if experts is STACK_DEFAULT_EXPERTS:
         return kwargs
     if not compat.is_transformers_v5():
         if experts != "eager":  # transformers 4.57 runs its experts in a per-expert loop, the only one it has
             compat.require_transformers_v5(f"model.experts_implementation: {experts}")
         return kwargs
-    kwargs["experts_implementation"] = experts
-    return kwargs
+    return kwargs | {"experts_implementation": experts}
 
 
-def with_chunked_loss(model, model_cfg: Mapping[str, Any]):
-    """Every model moeflow builds or loads computes its loss by chunks (``moeflow.model.chunked_loss``) of
-    ``model.loss_chunk_tokens`` tokens, never from the full logits."""
-    return install_linear_loss(model, model_section(model_cfg)["loss_chunk_tokens"])
+def causal_lm_class():
+    """The transformers class every model is built and loaded with (``AutoModelForCausalLM``): the one place
+    where a family it does not know would be registered."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
 
 
-def build_config(model_cfg: Mapping[str, Any], vocab_size: int | None = None):
-    """A transformers config from the ``model.config`` mapping (``model_type`` plus the family's keys)."""
+def build_config(fields: Mapping[str, Any], vocab_size: int | None = None):
+    """A transformers config from a ``model.config`` mapping (``model_type`` plus the family's keys)."""
     from transformers import AutoConfig
 
-    fields = dict(model_cfg["config"])
+    fields = dict(fields)
     model_type = fields.pop("model_type")
     if vocab_size is not None:
         fields["vocab_size"] = int(vocab_size)
@@ -90,51 +208,69 @@ def build_config(model_cfg: Mapping[str, Any], vocab_size: int | None = None):
         raise ModelError(f"config key 'model.config.model_type': {exc}") from None
 
 
-def model_config(model_cfg: Mapping[str, Any]):
-    """The transformers config of a ``model`` section: the pretrained folder's, or :func:`build_config`'s."""
-    model_cfg = model_section(model_cfg)
-    if not model_cfg["pretrained"]:
-        return build_config(model_cfg)
+def transformers_config(settings: ModelSettings, folder: str | os.PathLike | None = None):
+    """The transformers config of the model: ``folder``'s (or ``model.pretrained``'s) config.json, else
+    :func:`build_config` of ``model.config``."""
+    folder = folder or settings.pretrained
+    if not folder:
+        return build_config(settings.config)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(
-        check_model_folder(model_cfg["pretrained"]),
-        trust_remote_code=model_cfg["trust_remote_code"],
-        local_files_only=True,
+        check_model_folder(folder), trust_remote_code=settings.trust_remote_code, local_files_only=True
     )
 
 
-def build_model(model_cfg: Mapping[str, Any], vocab_size: int, seed: int = 0):
-    """A freshly initialised causal LM from config (deterministic for a seed)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = build_config(model_cfg, vocab_size)
+def _built(settings: ModelSettings, vocab_size: int | None, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    if vocab_size is None:
+        raise ModelError("a model built from model.config needs its vocabulary size (the tokenizer's length)")
+    config = build_config(settings.config, vocab_size)
     torch.manual_seed(seed)
-    kwargs = _impl_kwargs(model_cfg)
-    return with_chunked_loss(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **kwargs), model_cfg)
+    return causal_lm_class().from_config(config, torch_dtype=dtype, **_implementations(settings))
 
 
-def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any] | None = None, dtype: Any = None):
-    """Load a local pretrained folder with ``from_pretrained`` (never the hub: offline mode is set), from
-    safetensors only, running the folder's own code only if ``model.trust_remote_code`` is on."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def _built_on_meta(settings: ModelSettings, folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The folder's model (its config.json and generation_config.json) with parameters on the meta device
+    and real buffers (rotary ``inv_freq`` is computed at construction, not read), as ``from_pretrained``
+    returns it but without reading any weight."""
+    from transformers import GenerationConfig
 
-    model_cfg = model_section(model_cfg)
-    path = check_model_folder(path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            torch_dtype=dtype or torch.float32,
-            trust_remote_code=model_cfg["trust_remote_code"],
+    config = transformers_config(settings, folder)
+    with parameters_on_meta():
+        model = causal_lm_class().from_config(
+            config, torch_dtype=dtype, trust_remote_code=settings.trust_remote_code, **_implementations(settings)
+        )
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    return model.eval()  # as from_pretrained returns it
+
+
+def _loaded(settings: ModelSettings, folder: Path, layout: Layout, dtype: torch.dtype) -> torch.nn.Module:
+    """``from_pretrained`` of a local folder (never the hub: stages run offline), from safetensors only;
+    under ``ep`` sharded by transformers as it loads."""
+    folder = check_model_folder(folder)
+    sharding = {}
+    if layout.parallel.strategy == "ep":
+        _refuse_tied_embeddings_for_ep(settings, folder)
+        sharding = {"distributed_config": distributed_config(layout.parallel, layout.precision)}
+    with refusing_remote_code(folder):
+        return causal_lm_class().from_pretrained(
+            folder,
+            torch_dtype=dtype,
+            trust_remote_code=settings.trust_remote_code,
             local_files_only=True,
             use_safetensors=True,
-            **_impl_kwargs(model_cfg),
+            **sharding,
+            **_implementations(settings),
         )
-    except ValueError as exc:
-        remote = _remote_code_error(path, exc)
-        if remote is None:
-            raise
-        raise remote from None
-    return with_chunked_loss(model, model_cfg)
+
+
+def _refuse_tied_embeddings_for_ep(settings: ModelSettings, folder: Path) -> None:
+    # Measured on transformers 5.24 (tests/pipeline/test_train_distributed.py): the first step's gradients are
+    # right, but the output layer and the embedding then train apart (loss 5e-4 off one process's at step 2).
+    if getattr(transformers_config(settings, folder), "tie_word_embeddings", False):
+        raise DistributedError(
+            f"parallel.strategy: ep with a model whose embedding and output layer are tied (tie_word_embeddings in "
+            f"{folder}/config.json): transformers 5's expert-parallel sharding unties them during training. Use "
+            "parallel.strategy: fsdp for this model, or a model with tie_word_embeddings: false (model.config)"
+        )

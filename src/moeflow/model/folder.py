@@ -4,8 +4,9 @@ tokenizer, and the vocabulary check against tokenized data.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +47,20 @@ def check_model_folder(path: str | os.PathLike) -> Path:
     return path
 
 
-def _remote_code_error(path: Path, exc: Exception) -> ModelError | None:
-    if "trust_remote_code" not in str(exc):
-        return None
-    return ModelError(
-        f"model folder {path} needs custom code from the folder (config.json auto_map) "
-        "and model.trust_remote_code is off: "
-        "moeflow does not run a model's own Python unless the config says so for that model. If you trust it, set "
-        "model.trust_remote_code: true next to model.pretrained (the verification report records it)"
-    )
+@contextlib.contextmanager
+def refusing_remote_code(path: Path) -> Iterator[None]:
+    """transformers' refusal of a folder's own code (``trust_remote_code`` off) as a ModelError saying what to do."""
+    try:
+        yield
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ModelError(
+            f"model folder {path} needs custom code from the folder (config.json auto_map) "
+            "and model.trust_remote_code is off: moeflow does not run a model's own Python unless the config says "
+            "so for that model. If you trust it, set model.trust_remote_code: true next to model.pretrained "
+            "(the verification report records it)"
+        ) from None
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
@@ -66,13 +72,8 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
             f"tokenizer folder {path} does not exist: "
             "it is the model folder ('model.pretrained') or one the pipeline trained"
         )
-    try:
+    with refusing_remote_code(path):
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        remote = _remote_code_error(path, exc)
-        if remote is None:
-            raise
-        raise remote from None
 
 
 def check_vocabulary(

@@ -57,10 +57,11 @@ import torch
 
 from moeflow.model import parameters as P
 from moeflow.model.routing import FAMILIES
+from moeflow.model.wrappers import unwrap
 from moeflow.runtime import compat
 from moeflow.runtime.files import atomic_dir, read_json, write_json
 from moeflow.settings import typed
-from moeflow.train.settings import LORA_ALL, LoraSettings, TrainSettings
+from moeflow.train.settings import LORA_ALL, LoraSettings
 
 log = logging.getLogger("moeflow.model.lora")
 
@@ -90,13 +91,9 @@ def is_lora_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def _base(model: Any) -> Any:
-    return model.get_base_model() if is_lora_model(model) else model
-
-
 def router_modules(model: Any) -> dict[str, Any]:
     """Qualified name (in the base model) -> router module of each MoE block, as moeflow.model.routing finds them."""
-    base = _base(model)
+    base = unwrap(model, peft=True)
     family = FAMILIES.get(getattr(base.config, "model_type", None))
     if family is None:
         return {}
@@ -135,7 +132,7 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
     modules: dict[str, str] = {}
     parameters: dict[str, str] = {}
     fused: list[str] = []
-    for name, module in _base(model).named_modules():
+    for name, module in unwrap(model, peft=True).named_modules():
         if isinstance(module, torch.nn.Linear):
             category = _category_of_linear(name, set(routers), blocks)
             if category in wanted:
@@ -161,7 +158,7 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
                     parameters[f"{name}.{param_name}"] = "routed_experts"
     if fused and "routed_experts" in wanted and not compat.is_transformers_v5():
         raise compat.UnsupportedOnStack(
-            f"config key 'train.lora.targets': {getattr(_base(model).config, 'model_type', '?')} "
+            f"config key 'train.lora.targets': {getattr(unwrap(model, peft=True).config, 'model_type', '?')} "
             "keeps its routed experts as "
             f"fused 3D parameters ({fused[0]}) in an (experts, in, out) layout on transformers "
             f"{compat.version_of('transformers')}, which peft's target_parameters cannot read; LoRA on these experts "
@@ -183,7 +180,7 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
     if missing or not found:
         raise LoraConfigError(
             f"config key 'train.lora.{'router' if missing == ['router'] else 'targets'}': model_type "
-            f"{getattr(_base(model).config, 'model_type', '?')} has no "
+            f"{getattr(unwrap(model, peft=True).config, 'model_type', '?')} has no "
             f"{', '.join(missing) or 'adaptable weights in ' + ', '.join(settings.categories)}; "
             f"it has {', '.join(sorted(found | ({'router'} if routers else set()))) or 'none of them'}"
         )
@@ -260,18 +257,10 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
             for param in router.parameters():
                 param.requires_grad_(True)
     if gradient_checkpointing:
-        enable_checkpointing(peft_model.get_base_model(), reentrant=False)
+        compat.enable_activation_checkpointing(peft_model.get_base_model(), reentrant=False)
         peft_model.get_base_model().enable_input_require_grads()
     peft_model._moeflow_lora = settings
     return peft_model
-
-
-def enable_checkpointing(model: Any, reentrant: bool = False) -> None:
-    """Activation checkpointing of a transformers model (5.x renamed the method; the old name warns)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
 
 
 def lora_settings(model: Any) -> LoraSettings:
@@ -410,14 +399,6 @@ def describe(model: Any) -> str:
         f"{r['method']}: {r['trainable']:,} of {r['total']:,} parameters trainable "
         f"({100 * r['trainable_fraction']:.2f}%): " + ", ".join(parts)
     )
-
-
-def prepare_model(model: Any, train: TrainSettings) -> Any:
-    """The model the loop trains: the model itself (``train.method: full``), or wrapped with LoRA
-    adapters (``lora``: moeflow.model.lora, the base weights frozen)."""
-    if train.method == "lora":
-        return apply_lora(model, train.lora, train.gradient_checkpointing)
-    return model
 
 
 __all__ = [

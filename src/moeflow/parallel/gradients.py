@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 
 from moeflow.model.parameters import clean_name
-from moeflow.parallel.layouts import _is_dtensor, is_fsdp1, is_sharded, unwrap
+from moeflow.model.wrappers import is_fsdp1, unwrap
+from moeflow.parallel.layouts import is_sharded
 from moeflow.parallel.process_group import all_reduce_sum, world_size
+from moeflow.runtime import compat
 
 GRADIENT_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket size
 
@@ -114,7 +116,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     one by one."""
     params = [p for p in model.parameters() if p.grad is not None]
     fsdp1 = is_fsdp1(model)
-    dtensors = any(_is_dtensor(p.grad) for p in params)
+    dtensors = any(compat.is_dtensor(p.grad) for p in params)
     if not fsdp1 and not dtensors:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     grads = [p.grad.detach() for p in params]
@@ -141,9 +143,9 @@ def _float32_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each gradient's whole 2-norm in float32, on the device: one foreach kernel for float32 gradients
     (torch 2.3's takes no dtype), else one norm at a time (DTensors: made whole one by one, as their
     meshes may differ)."""
-    if any(_is_dtensor(g) or g.dtype != torch.float32 for g in grads):
+    if any(compat.is_dtensor(g) or g.dtype != torch.float32 for g in grads):
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-        return [n.full_tensor() if _is_dtensor(n) else n for n in norms]
+        return [n.full_tensor() if compat.is_dtensor(n) else n for n in norms]
     return list(torch._foreach_norm(grads))
 
 
@@ -158,6 +160,6 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         if p.grad is not None:
             out[clean_name(name)] = (
-                p.grad.full_tensor().detach().clone() if _is_dtensor(p.grad) else p.grad.detach().clone()
+                p.grad.full_tensor().detach().clone() if compat.is_dtensor(p.grad) else p.grad.detach().clone()
             )
     return out

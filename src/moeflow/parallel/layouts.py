@@ -1,6 +1,6 @@
 """The layouts of ``parallel.strategy``: FSDP (FSDP2 ``fully_shard`` on the current stack, FSDP1 on the
-pinned one), transformers' expert parallelism, and what every layout answers the same way (unwrap,
-reshard, the whole state dict).
+pinned one), transformers' expert parallelism, and what every layout answers the same way (reshard, the
+whole state dict).
 
 * ``parallel.strategy``:
 
@@ -9,7 +9,7 @@ reshard, the whole state dict).
     FSDP2 ``fully_shard`` on the current stack; FSDP1 ``FullyShardedDataParallel(use_orig_params=True)``
     on the pinned stack, whose torch 2.3.1 ``fully_shard`` fails without CUDA. With ``precision: bf16``,
     FSDP's mixed precision (bf16 gathers and compute, fp32 shards and gradient reduction).
-  - ``ep``: transformers 5 shards the model itself at ``from_pretrained`` (:func:`load_model`) through
+  - ``ep``: transformers 5 shards the model itself at ``from_pretrained`` (moeflow.model.factory) through
     ``DistributedConfig(ep_size=..., fsdp_size=...)``: experts split over ``ep_size`` ranks, the rest
     FSDP2-sharded. transformers 4.57 (pinned stack) has no expert parallelism: a clear error.
 
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from moeflow.model.parameters import clean_name
+from moeflow.model.wrappers import is_fsdp1
 from moeflow.parallel.process_group import DistributedError, Ranks, world_size
 from moeflow.parallel.rank_load import (
     has_meta_parameters,
@@ -86,13 +87,6 @@ def _layer_classes(model: torch.nn.Module) -> tuple[type, ...]:
     return tuple(sorted(classes, key=lambda c: c.__name__))
 
 
-def fsdp2_available() -> bool:
-    """Whether to use FSDP2 (``fully_shard``): torch >= 2.6 (the current stack). torch 2.3's early
-    ``fully_shard`` needs CUDA, so the pinned stack uses FSDP1 on every device, one code path there."""
-    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    return (major, minor) >= (2, 6)
-
-
 def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks, precision: str) -> torch.nn.Module:
     """The model for this layout: unchanged for ``none`` and ``ep`` (already sharded at load), FSDP-wrapped
     for ``fsdp`` (FSDP2 on the current stack, FSDP1 on the pinned one). Call before the optimizer is built.
@@ -105,7 +99,7 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
             return model
         return materialize(model, ranks.device) if has_meta_parameters(model) else model.to(ranks.device)
     layers = _layer_classes(model)
-    if fsdp2_available():
+    if compat.fsdp2_available():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -156,30 +150,11 @@ def original_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     return getattr(param, "_moeflow_shape", None) or tuple(param.shape)
 
 
-def is_fsdp1(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return isinstance(model, FullyShardedDataParallel)
-
-
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether parameters are sharded (FSDP1, FSDP2 or transformers' EP/FSDP), i.e. FSDP reduces gradients."""
     if is_fsdp1(model):
         return True
-    return any(_is_dtensor(p) for p in model.parameters())
-
-
-def _is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch 2.3: DTensor lives in torch.distributed._tensor
-        from torch.distributed._tensor import DTensor
-    return isinstance(t, DTensor)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside an FSDP1 wrapper (FSDP2 and EP keep the model's own class)."""
-    return model.module if is_fsdp1(model) else model
+    return any(compat.is_dtensor(p) for p in model.parameters())
 
 
 def _state_dict_options(full_state_dict: bool = True, **kwargs):
@@ -227,7 +202,7 @@ def reshard(model: torch.nn.Module) -> None:
     (the backward pass needs it at once): after a forward without backward (evaluation) the model's
     registered parameters are the gathered ones, which the optimizer does not know, and a state dict of them
     would be whole tensors. A no-op for other layouts."""
-    if not fsdp2_available():
+    if not compat.fsdp2_available():
         return
     from torch.distributed.fsdp import FSDPModule
 

@@ -1,9 +1,10 @@
 """A model built with its parameters on the meta device, then filled from its folder's safetensors files
 with only the rows each rank owns, so that no rank materialises parameters it does not hold.
 
-* :func:`build_on_meta`: the folder's model class from its config.json, parameters on the meta device
-  (no memory), buffers real: rotary ``inv_freq`` and the other non-persistent buffers are computed at
-  construction and are not in the weight files. Persistent buffers are filled from the files.
+* :func:`parameters_on_meta`: modules built inside it (moeflow.model.factory builds the folder's model class
+  from its config.json there) register their parameters on the meta device (no memory) and keep their
+  buffers real: rotary ``inv_freq`` and the other non-persistent buffers are computed at construction and
+  are not in the weight files. Persistent buffers are filled from the files.
 * :func:`materialize_parameters`: FSDP1's ``param_init_fn`` (one unit at a time, ties kept) and
   :func:`materialize` (after ``fully_shard``, or for an unsharded model): empty storage on the device for
   the (local shards of the) parameters, the buffers kept.
@@ -30,10 +31,10 @@ from typing import Any
 import torch
 
 from moeflow.checkpoint.safetensors_files import SafetensorsError, read_elements, read_header, read_tensor, weight_files
-from moeflow.model.factory import _impl_kwargs, model_section, with_chunked_loss
-from moeflow.model.folder import check_model_folder
 from moeflow.model.parameters import clean_name
 from moeflow.model.saved_names import saved_format
+from moeflow.model.wrappers import is_fsdp1
+from moeflow.runtime import compat
 
 META = torch.device("meta")
 
@@ -54,25 +55,6 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.register_parameter = register
-
-
-def build_on_meta(path: str | os.PathLike, model_cfg: Mapping[str, Any], dtype: torch.dtype = torch.float32):
-    """The model of a saved folder (its config.json and generation_config.json) with parameters on the
-    meta device, as ``moeflow.model.factory.load_model`` would load it but without reading any weight."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    model_cfg = model_section(model_cfg)
-    folder = check_model_folder(path)
-    trust = model_cfg["trust_remote_code"]
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust, local_files_only=True)
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            config, torch_dtype=dtype, trust_remote_code=trust, **_impl_kwargs(model_cfg)
-        )
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
-    model.eval()  # as from_pretrained returns it
-    return with_chunked_loss(model, model_cfg)
 
 
 def has_meta_parameters(model: torch.nn.Module) -> bool:
@@ -110,14 +92,14 @@ def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     return model
 
 
-def _local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+def local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     """This rank's pieces of a state-dict entry: (local tensor, offset of its first element in the whole
     tensor). FSDP shards along dim 0, so every offset is a row offset (other dims 0)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     if isinstance(value, ShardedTensor):  # FSDP1's sharded state dict (torch 2.3)
         return [(shard.tensor, tuple(shard.metadata.shard_offsets)) for shard in value.local_shards()]
-    if _is_dtensor(value):
+    if compat.is_dtensor(value):
         try:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         except ImportError:  # torch 2.3
@@ -126,14 +108,6 @@ def _local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
         return [(value.to_local(), tuple(offset))]
     return [(value, (0,) * value.dim())]
-
-
-def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch 2.3
-        from torch.distributed._tensor import DTensor
-    return isinstance(value, DTensor)
 
 
 def file_sources(model: torch.nn.Module, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -158,11 +132,10 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
     folder = Path(path)
     files = weight_files(folder)
     headers = {file: read_header(file)[0] for file in sorted(set(files.values()))}
-    if hasattr(model, "_fsdp_wrapped_module"):
+    if is_fsdp1(model):
         _fill_fsdp1(model, folder, files, headers, names_of)
         return
     state = get_model_state_dict(model)
-    inner = model.module if hasattr(model, "_fsdp_wrapped_module") else model
     with torch.no_grad():
         for name, value in state.items():
             shape = tuple(value.shape)
@@ -170,10 +143,10 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
             if stored is not None:
                 sources = {stored: None}
             else:
-                sources = file_sources(inner, name, shape)
+                sources = file_sources(model, name, shape)
                 if set(sources) == {name}:
                     raise SafetensorsError(f"{folder}: the model's tensor {name!r} is in none of its weight files")
-            for local, offset in _local_pieces(value):
+            for local, offset in local_pieces(value):
                 if local.numel():
                     _fill_piece(folder, files, headers, name, shape, sources, local, offset[0] if offset else 0)
     set_model_state_dict(model, state)

@@ -160,11 +160,12 @@ def count_module(model: Any, shape: Shape) -> ParamCount:
 def meta_count(config: Any, shape: Shape) -> ParamCount | None:
     """Exact counts from a meta-device instance, or None where transformers has no causal-LM class for it."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from moeflow.model.factory import causal_lm_class
 
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):  # a skeleton to count, not a model anything trains
+            model = causal_lm_class().from_config(config)
     except (ValueError, KeyError):
         return None
     return count_module(model, shape)
@@ -176,7 +177,7 @@ def count_parameters(
     """The shape, the count the planner uses (meta where possible), and the formula's count."""
     fields = model_config_fields(model)
     vocab = resolve_vocab_size(fields, tokenizer_vocab)
-    hf_fields, hf_config = hf_config_fields({**model, "config": fields}, vocab)
+    hf_fields, hf_config = hf_config_fields(fields, vocab)
     shape = model_shape(hf_fields, vocab)
     formula = formula_count(shape)
     exact = meta_count(hf_config, shape) if hf_config is not None else None

@@ -78,18 +78,7 @@ frozen ones included, and AdamW's two fp32 moments of the trained ones, both ove
     ``hardware.device: cpu`` there is one memory: every term is on the device side, the runtime once,
     nothing is staged, and :func:`rank_bytes` (device + host) is what the rank's peak RSS should be.
 
-The device's memory is ``hardware.memory_gib_per_device``, on CUDA as torch sees a card of that nominal
-size (``VISIBLE_GIB``: 79.11 GiB of an 80 GB H100), or what verify_env measured (torch's total).
-
-Host memory per node (``plan()["host"]``): ``parallel.nproc_per_node`` ranks x a rank's host side in each
-phase (on CPU, x its whole figure), the worst phase against the training job's ``mem_mb`` when the caller
-knows it, else this machine's RAM (binding only when the ranks run here, on CPU).
-
-A phase *fits* when its device total is at most ``1 - HEADROOM`` of the device memory, is *tight* up to
-the full memory (a warning), and *does not fit* above it. ``plan()["phases"]`` has every phase, the
-verdict is the worst phase's (``plan()["worst_phase"]``, the largest device total): :func:`enforce` raises
-naming the phases that do not fit with their terms, and what would make the job fit (the smallest device
-count at which every phase fits, checkpointing, shorter sequences, micro-batch 1).
+Whether the phases fit, on which devices, and what would make them fit: moeflow.plan.fit.
 
 ``train.method: lora`` (settings ``train.lora``, see moeflow.model.lora): the base weights are frozen (weights
 only, no gradients or optimizer states); the adapters get all three (16 bytes per parameter, as above),
@@ -101,7 +90,7 @@ linear layers) or its fused gate_up ``rank x (hidden + 2 I_e)`` and down project
 (``target_parameters``; GPT-OSS fuses on both), so the same config plans slightly differently per stack.
 Activations add, per adapted matrix a token passes through (k of the routed experts), the rank-r
 intermediate and, with dropout, a copy of the matrix's input. A full fine-tune that does not fit is
-offered LoRA (the ``train.lora`` settings) among the suggestions, with the devices it needs.
+offered LoRA (the ``train.lora`` settings) among moeflow.plan.fit's suggestions, with the devices it needs.
 """
 
 from __future__ import annotations
@@ -112,17 +101,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moeflow.plan.counts import ParamCount, count_parameters, lora_activation_elements, lora_count
+from moeflow.plan.counts import ParamCount, lora_activation_elements, lora_count
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.runtime import compat
-from moeflow.runtime.env import device_memory_bytes
 from moeflow.settings import typed
 from moeflow.train.settings import LoraSettings
 
 GIB = 2**30
-
-
-HEADROOM = 0.10
 
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
@@ -149,11 +134,6 @@ FP32_BYTES = 4  # FSDP's gradient reduce-scatter (reduce_dtype fp32), and the re
 
 
 LOSS_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, which become their gradient in place (moeflow.model.chunked_loss)
-
-
-# What torch.cuda reports as a card's total memory, by the nominal size configs and profiles name
-# (hardware.memory_gib_per_device): "GPU 0 has a total capacity of 79.11 GiB" on an H100 80GB.
-VISIBLE_GIB = {80: 79.11, 24: 23.68}  # H100 / A100 80GB; RTX 4090
 
 
 # The parameters moeflow holds are fp32 in every layout (loaded in fp32; bf16 is autocast on one device and
@@ -381,16 +361,11 @@ def resident_state(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     }
 
 
-def uses_fsdp1() -> bool:
-    """torch before 2.6 (the pinned stack): moeflow.distributed wraps with FSDP1 (FSDP2's ``fully_shard`` there)."""
-    return compat.version_of("torch").release[:2] < (2, 6)
-
-
 def wrapping_unit_bytes(s: Shape, params: ParamCount, job: Job) -> int:
     """FSDP1 materialises each unit whole (fp32) while it wraps it, before keeping this rank's shard: the
     largest unit (a decoder layer, or the root unit). FSDP2 and transformers 5's expert parallelism
     allocate the shards only."""
-    if not job.sharded or job.expert_parallel or not uses_fsdp1():
+    if not job.sharded or job.expert_parallel or compat.fsdp2_available():  # FSDP1 on the pinned stack
         return 0
     return max(params.largest_layer, root_unit_parameters(s, params)) * PARAM_BYTES
 
@@ -460,226 +435,3 @@ def host_per_node_bytes(phase: Mapping[str, Mapping[str, int]], job: Job) -> int
 def worst_device_total(s: Shape, params: ParamCount, job: Job) -> int:
     """The largest per-rank device total over the phases: what must fit on one device."""
     return max(phase["device"]["total"] for phase in phase_memory(s, params, job).values())
-
-
-def verdict(total: int, memory: int) -> str:
-    if total <= (1 - HEADROOM) * memory:
-        return "fits"
-    return "tight" if total <= memory else "does_not_fit"
-
-
-def device_memory(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> tuple[int, str]:
-    """One device's memory: ``hardware.memory_gib_per_device`` (on CUDA what torch sees of a card of that
-    nominal size, ``VISIBLE_GIB``), else measured by verify_env (torch's total)."""
-    hardware = settings["hardware"]
-    nominal = hardware["memory_gib_per_device"]
-    if nominal and hardware["device"] == "cuda" and nominal in VISIBLE_GIB:
-        return (
-            int(VISIBLE_GIB[nominal] * GIB),
-            f"hardware.memory_gib_per_device: {nominal:g}, {VISIBLE_GIB[nominal]} GiB visible to torch",
-        )
-    if nominal:
-        return int(nominal * GIB), "hardware.memory_gib_per_device"
-    measured, source = device_memory_bytes(env_report, hardware["device"])
-    if measured is None:
-        raise PlanError(
-            f"hardware.device is {hardware['device']!r} but {source}: set hardware.memory_gib_per_device to plan "
-            "for a machine you do not have, or hardware.device: cpu"
-        )
-    if hardware["device"] == "cpu" and hardware["num_devices"] > 1:
-        return measured // hardware["num_devices"], f"{source}, shared by {hardware['num_devices']} CPU ranks"
-    return measured, source
-
-
-def fits(s: Shape, params: ParamCount, job: Job, memory: int) -> bool:
-    """Whether every phase of the job fits on its devices with headroom."""
-    return verdict(worst_device_total(s, params, job), memory) == "fits"
-
-
-def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int = 1_000_000) -> int | None:
-    """The smallest device count at which every phase of the job fits with headroom, or None if no count
-    does. More devices help by sharding: a ``strategy: none`` job is counted as FSDP over them."""
-    job = dataclasses.replace(job, replicated=False, fsdp_size=None)
-    if fits(s, params, dataclasses.replace(job, num_devices=1), memory):
-        return 1
-    # the step's sharded states give the first count to try (no phase fits before the step does)
-    at_two = memory_per_device(s, params, dataclasses.replace(job, num_devices=2))
-    sharded = 2 * (at_two["weights"] + at_two["gradients"] + at_two["optimizer"])
-    replicated = at_two["total"] - sharded / 2
-    room = (1 - HEADROOM) * memory - replicated
-    if room <= 0:
-        return None
-    n = max(2, math.ceil(sharded / room))
-    while n <= limit:  # ceil() of the shards (or another phase) can need more: step up until it really fits
-        if fits(s, params, dataclasses.replace(job, num_devices=n), memory):
-            return n
-        n += 1
-    return None
-
-
-def max_seq_len(s: Shape, params: ParamCount, job: Job, memory: int) -> int | None:
-    """The longest sequence (at most the job's) that fits on the job's devices, or None."""
-    lo, hi = 0, job.seq_len
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(s, params, dataclasses.replace(job, seq_len=mid), memory):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo or None
-
-
-def _gib(n: float) -> float:
-    return round(n / GIB, 2)
-
-
-def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dict[str, Any]]:
-    """What would make the job fit: each change with the devices it needs and the per-device total there."""
-    lean = {"gradient_checkpointing": True, "micro_batch_size": 1}
-    candidates = [("shard over more devices (FSDP, one layer gathered at a time)", job)]
-    if job.replicated:
-        candidates.append(("parallel.strategy: fsdp", dataclasses.replace(job, replicated=False)))
-    if s.moe_layers and not job.expert_parallel:
-        ep = dataclasses.replace(job, expert_parallel=True)
-        candidates += [
-            ("FSDP with expert parallelism (transformers 5 only)", ep),
-            ("expert parallelism, gradient checkpointing and micro-batch 1", dataclasses.replace(ep, **lean)),
-        ]
-    if job.method == "full":
-        lora = dataclasses.replace(job, method="lora")
-        what = f"rank {job.lora.rank} on {', '.join(job.lora.targets)}, router {job.lora.router}"
-        candidates += [
-            (f"train.method: lora ({what})", lora),
-            (
-                f"train.method: lora ({what}), gradient checkpointing and micro-batch 1",
-                dataclasses.replace(lora, **lean),
-            ),
-        ]
-        if s.moe_layers and not job.expert_parallel:
-            candidates.append(
-                (
-                    f"train.method: lora ({what}) with expert parallelism, gradient checkpointing and micro-batch 1",
-                    dataclasses.replace(lora, expert_parallel=True, **lean),
-                )
-            )
-    candidates += [
-        ("train.gradient_checkpointing: true", dataclasses.replace(job, gradient_checkpointing=True)),
-        ("train.micro_batch_size: 1", dataclasses.replace(job, micro_batch_size=1)),
-        ("gradient checkpointing and micro-batch 1", dataclasses.replace(job, **lean)),
-        ("model.attn_implementation: sdpa", dataclasses.replace(job, attn_implementation="sdpa")),
-    ]
-    for base, label in (
-        (job, ""),
-        (dataclasses.replace(job, **lean), " with gradient checkpointing and micro-batch 1"),
-    ):
-        longest = max_seq_len(s, params, base, memory)
-        if longest and longest < job.seq_len:
-            candidates.append((f"data.seq_len: {longest}{label}", dataclasses.replace(base, seq_len=longest)))
-    options, seen = [], {job}
-    for change, variant in candidates:
-        if variant in seen and variant != job:
-            continue
-        seen.add(variant)
-        devices = min_devices(s, params, variant, memory)
-        at = dataclasses.replace(variant, num_devices=devices or variant.num_devices, replicated=False)
-        spread = dataclasses.replace(variant, num_devices=max(2, variant.num_devices), replicated=False)
-        sharded = memory_per_device(s, params, spread)
-        states = sharded["weights"] + sharded["gradients"] + sharded["optimizer"]
-        options.append(
-            {
-                "change": change,
-                "unshardable_gib": _gib(sharded["total"] - states),
-                "fits_as_is": fits(s, params, variant, memory),
-                "min_devices": devices,
-                "per_device_gib_at_min_devices": _gib(worst_device_total(s, params, at)) if devices else None,
-            }
-        )
-    return [o for o in options if o["fits_as_is"] or o["min_devices"] or o["change"] == candidates[0][0]]
-
-
-MEM_MB_SOURCE = "the training job's mem_mb"
-
-
-def host_limit(env_report: Mapping[str, Any], mem_mb: int | None) -> tuple[int, str]:
-    """A node's host memory: the training job's ``mem_mb`` (SLURM megabytes: MiB) when known, else this
-    machine's RAM (verify_env report)."""
-    if mem_mb:
-        return int(mem_mb) * 2**20, MEM_MB_SOURCE
-    return device_memory_bytes(env_report, "cpu")
-
-
-def phase_plans(
-    phases: Mapping[str, Mapping[str, Mapping[str, int]]], job: Job, memory: int, host_limit_bytes: int
-) -> dict[str, dict[str, Any]]:
-    """Each phase of :func:`phase_memory` with its sizes in GiB, its node's host memory and both verdicts."""
-    out = {}
-    for name, phase in phases.items():
-        per_node = host_per_node_bytes(phase, job)
-        out[name] = {
-            "device_bytes": dict(phase["device"]),
-            "host_bytes": dict(phase["host"]),
-            "device_gib": {k: _gib(v) for k, v in phase["device"].items()},
-            "host_gib": {k: _gib(v) for k, v in phase["host"].items()},
-            "rank_bytes": rank_bytes(phase),
-            "host_per_node_bytes": per_node,
-            "verdict": verdict(phase["device"]["total"], memory),
-            "host_verdict": verdict(per_node, host_limit_bytes),
-        }
-    return out
-
-
-def worst_phase(phases: Mapping[str, Mapping[str, Any]], key: str) -> str:
-    """The phase with the most of ``key`` (``device_bytes``' total, or ``host_per_node_bytes``); the earliest
-    on a tie."""
-    size = lambda name: phases[name][key]["total"] if key == "device_bytes" else phases[name][key]  # noqa: E731
-    return max(phases, key=size)
-
-
-def host_plan(phases: Mapping[str, Mapping[str, Any]], job: Job, limit: int, source: str) -> dict[str, Any]:
-    """A node's host memory in its worst phase against ``limit``."""
-    worst = worst_phase(phases, "host_per_node_bytes")
-    return {
-        "phase": worst,
-        "ranks_per_node": job.ranks_per_node,
-        "per_node_bytes": {name: phase["host_per_node_bytes"] for name, phase in phases.items()},
-        "per_node_gib": {name: _gib(phase["host_per_node_bytes"]) for name, phase in phases.items()},
-        "limit_bytes": limit,
-        "limit_source": source,
-        "verdict": phases[worst]["host_verdict"],
-    }
-
-
-def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any], mem_mb: int | None = None) -> dict[str, Any]:
-    """The full plan for one run: parameters, memory per rank in every phase, the worst phase and its
-    verdict, what would make it fit, and a node's host memory (against ``mem_mb``, the training job's,
-    when given). ``per_device_bytes`` is the step's."""
-    shape, params, formula = count_parameters(settings["model"], settings["vocab_size"])
-    job = Job.from_settings(settings)
-    memory, source = device_memory(settings, env_report)
-    limit, limit_source = host_limit(env_report, mem_mb)
-    phases = phase_plans(phase_memory(shape, params, job), job, memory, limit)
-    worst = worst_phase(phases, "device_bytes")
-    result = phases[worst]["verdict"]
-    per_device = phases["step"]["device_bytes"]
-    out = {
-        "model_type": shape.model_type,
-        "shape": dataclasses.asdict(shape)
-        | {"moe_layers": list(shape.moe_layers), "dense_layers": list(shape.dense_layers)},
-        "parameters": params.as_dict()
-        | {"formula_total": formula.total, "formula_matches": formula.total == params.total},
-        "job": job.as_dict(),
-        "device_memory_bytes": memory,
-        "device_memory_source": source,
-        "per_device_bytes": per_device,
-        "per_device_gib": {k: _gib(v) for k, v in per_device.items()},
-        "phases": phases,
-        "worst_phase": worst,
-        "usable_fraction": 1 - HEADROOM,
-        "verdict": result,
-        "min_devices": min_devices(shape, params, job, memory),
-        "suggestions": suggestions(shape, params, job, memory) if result != "fits" else [],
-        "host": host_plan(phases, job, limit, limit_source),
-    }
-    if job.method == "lora":
-        out["lora"] = {**job.lora.as_dict(), **lora_count(shape, job.lora).as_dict()}
-    return out

@@ -8,7 +8,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from moeflow.plan.memory import GIB, HEADROOM, MEM_MB_SOURCE
+from moeflow.plan.fit import HEADROOM, MEM_MB_SOURCE
+from moeflow.plan.memory import GIB
 from moeflow.plan.shapes import PlanError
 
 log = logging.getLogger("moeflow.plan")

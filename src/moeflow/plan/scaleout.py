@@ -28,20 +28,8 @@ from typing import Any
 import yaml
 
 from moeflow.plan.counts import count_parameters
-from moeflow.plan.memory import (
-    GIB,
-    HEADROOM,
-    PHASES,
-    Job,
-    _gib,
-    memory_per_device,
-    min_devices,
-    phase_memory,
-    phase_plans,
-    verdict,
-    worst_device_total,
-    worst_phase,
-)
+from moeflow.plan.fit import HEADROOM, gib, min_devices, phase_plans, verdict, worst_phase
+from moeflow.plan.memory import GIB, PHASES, Job, memory_per_device, phase_memory, worst_device_total
 from moeflow.settings import REPO_ROOT
 from moeflow.workflow.keys import plan_settings
 from moeflow.workflow.load import load, run_config
@@ -224,7 +212,7 @@ def phases_on(settings: Mapping[str, Any], request: Request) -> dict[str, Any]:
     return {
         "job": job,
         "device_gib": {name: phase["device_gib"]["total"] for name, phase in phases.items()},
-        "host_per_node_gib": {name: _gib(phase["host_per_node_bytes"]) for name, phase in phases.items()},
+        "host_per_node_gib": {name: gib(phase["host_per_node_bytes"]) for name, phase in phases.items()},
         "worst_phase": worst,
         "worst_host_phase": host,
         "verdict": max(phases[worst]["verdict"], phases[host]["host_verdict"], key=order.index),
@@ -254,8 +242,8 @@ def scaleout_plan(
         per_device = memory_per_device(shape, params, sized)
         return {
             "gpus": gpus,
-            "per_gpu_gib": {k: _gib(v) for k, v in per_device.items()},
-            "worst_phase_gib": _gib(worst_device_total(shape, params, sized)),
+            "per_gpu_gib": {k: gib(v) for k, v in per_device.items()},
+            "worst_phase_gib": gib(worst_device_total(shape, params, sized)),
             "verdict": verdict(worst_device_total(shape, params, sized), memory),
         }
 

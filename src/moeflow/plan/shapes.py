@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
-from moeflow.settings import MODEL_SCHEMA, with_defaults
+from moeflow.settings import typed
 
 
 class PlanError(ValueError):
@@ -264,14 +265,15 @@ class ConfigView(Mapping[str, Any]):
         return len(list(iter(self)))
 
 
-def hf_config_fields(model_cfg: Mapping[str, Any], vocab_size: int) -> tuple[Mapping[str, Any], Any]:
-    """The config as transformers reads it (defaults included) and the config object, if it knows the type."""
+def hf_config_fields(fields: Mapping[str, Any], vocab_size: int) -> tuple[Mapping[str, Any], Any]:
+    """The config ``fields`` (a ``model.config`` mapping) as transformers reads them (defaults included) and the
+    config object, if it knows the type."""
     from moeflow.model.factory import build_config
     from moeflow.model.folder import ModelError
 
-    raw = dict(model_cfg["config"]) | {"vocab_size": vocab_size}
+    raw = dict(fields) | {"vocab_size": vocab_size}
     try:
-        config = build_config(model_cfg, vocab_size)
+        config = build_config(fields, vocab_size)
     except (ModelError, KeyError, ValueError, TypeError):
         return raw, None
     return ConfigView(config, raw), config
@@ -279,7 +281,7 @@ def hf_config_fields(model_cfg: Mapping[str, Any], vocab_size: int) -> tuple[Map
 
 def model_config_fields(model: Mapping[str, Any]) -> dict[str, Any]:
     """``model.config``, or the ``config.json`` of ``model.pretrained`` when a pretrained folder is used."""
-    pretrained = with_defaults(model, MODEL_SCHEMA)["pretrained"]  # tests give model sections of a few keys
+    pretrained = typed(ModelSettings, model).pretrained
     if pretrained:
         path = Path(pretrained) / "config.json"
         if not path.is_file():

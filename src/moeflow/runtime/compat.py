@@ -41,3 +41,29 @@ def require_transformers_v5(feature: str) -> None:
             f"{feature} needs transformers 5 (the 'current' stack); this environment has "
             f"transformers {version_of('transformers')}. Run with STACK=current, or turn the setting off."
         )
+
+
+def fsdp2_available() -> bool:
+    """Whether moeflow shards with FSDP2 (``fully_shard``): torch >= 2.6 (the current stack). torch 2.3's early
+    ``fully_shard`` needs CUDA, so the pinned stack uses FSDP1 on every device, one code path there. Read from
+    the installed version, without importing torch: the memory planner asks at DAG build time."""
+    return version_of("torch").release[:2] >= (2, 6)
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a DTensor (FSDP2's and transformers 5's sharded parameters and gradients); it lives
+    in ``torch.distributed._tensor`` on torch 2.3."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.3
+        from torch.distributed._tensor import DTensor
+    return isinstance(value, DTensor)
+
+
+def enable_activation_checkpointing(model: object, reentrant: bool = False) -> None:
+    """Activation checkpointing of a transformers model: ``activation_checkpointing_enable`` on transformers 5
+    (which renamed it; the old name warns there), ``gradient_checkpointing_enable`` on 4.57."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})

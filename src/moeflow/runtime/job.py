@@ -1,23 +1,22 @@
-"""The job of a training stage that a ``shell:`` rule starts through torchrun: rule, inputs, outputs and
-params from ``--job``, the stage's typed settings.
+"""The job a stage script runs: its rule, named inputs, outputs and params, threads, log file and typed
+settings. A ``script:`` rule's ``snakemake`` object becomes one with :meth:`Job.from_snakemake`; a training
+script that a ``shell:`` rule starts through torchrun reads its own with :meth:`Job.from_argv`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from moeflow.settings import typed
 
-log = logging.getLogger("moeflow")
 
-
-class _Named(dict):
-    """Snakemake-style access to a job's named inputs, outputs and params: ``job.input.model``."""
+class Named(dict):
+    """A job's named inputs, outputs or params, read as attributes too (``job.input.model``), as Snakemake's."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -26,27 +25,56 @@ class _Named(dict):
             raise AttributeError(name) from None
 
 
-def job_from_argv(argv: Sequence[str] | None = None, *, settings: type | None = None) -> Any:
-    """The ``snakemake`` object of a training script that a ``shell:`` rule starts through torchrun.
+@dataclass(frozen=True)
+class Job:
+    """One job of a rule. ``settings``: ``params.settings`` as the stage's typed settings class (None when
+    the script reads its params itself). ``log_file``: where this process logs (None: stderr only)."""
 
-    The rule passes ``--job`` (JSON: rule, input, output, params), ``--threads`` and ``--log-file``; the
-    result has the attributes ``Stage.from_snakemake`` and the scripts read, as a ``script:`` rule's has,
-    and ``settings``: ``params.settings`` as the typed stage settings ``settings`` (moeflow.config), if given.
-    Under torchrun the rule's threads are shared by the node's ranks (``threads // LOCAL_WORLD_SIZE``), and
-    only rank 0 writes the log file (the other ranks log to stderr).
-    """
-    parser = argparse.ArgumentParser(description="a moeflow training stage (started by its Snakemake rule)")
-    parser.add_argument("--job", required=True, help="JSON with rule, input, output and params")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--log-file", default=None)
-    args = parser.parse_args(argv)
-    job = json.loads(args.job)
-    return argparse.Namespace(
-        rule=job["rule"],
-        input=_Named(job["input"]),
-        output=_Named(job["output"]),
-        params=_Named(job["params"]),
-        log=[args.log_file] if args.log_file and int(os.environ.get("RANK", "0")) == 0 else [],
-        threads=max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
-        settings=typed(settings, job["params"]["settings"]) if settings else None,
-    )
+    rule: str
+    input: Named
+    output: Named
+    params: Named
+    threads: int
+    log_file: str | None
+    settings: Any = None
+
+    @classmethod
+    def from_argv(cls, settings: type | None = None, argv: Sequence[str] | None = None) -> Job:
+        """The job a training rule passes its torchrun script: ``--job`` (JSON: rule, input, output, params,
+        moeflow.workflow's ``torchrun_job``), ``--threads`` and ``--log-file``. Under torchrun the rule's threads
+        are shared by the node's ranks (``threads // LOCAL_WORLD_SIZE``), and only rank 0 writes the log file
+        (the other ranks log to stderr)."""
+        parser = argparse.ArgumentParser(description="a moeflow training stage (started by its Snakemake rule)")
+        parser.add_argument("--job", required=True, help="JSON with rule, input, output and params")
+        parser.add_argument("--threads", type=int, required=True)
+        parser.add_argument("--log-file", default=None)
+        args = parser.parse_args(argv)
+        job = json.loads(args.job)
+        return cls(
+            rule=job["rule"],
+            input=Named(job["input"]),
+            output=Named(job["output"]),
+            params=Named(job["params"]),
+            threads=max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+            log_file=args.log_file if int(os.environ.get("RANK", "0")) == 0 else None,
+            settings=_typed_settings(settings, job["params"]),
+        )
+
+    @classmethod
+    def from_snakemake(cls, smk: Any, settings: type | None = None) -> Job:
+        """The job of a ``script:`` rule, from the ``snakemake`` object Snakemake gives its script (named
+        inputs, outputs and params; positional ones stay on ``smk``)."""
+        params = Named(smk.params.items())
+        return cls(
+            rule=smk.rule,
+            input=Named(smk.input.items()),
+            output=Named(smk.output.items()),
+            params=params,
+            threads=int(smk.threads),
+            log_file=smk.log[0] if len(smk.log) else None,
+            settings=_typed_settings(settings, params),
+        )
+
+
+def _typed_settings(settings: type | None, params: Mapping[str, Any]) -> Any:
+    return typed(settings, params["settings"]) if settings else None

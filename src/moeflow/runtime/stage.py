@@ -2,8 +2,8 @@
 
 A stage script reads top to bottom::
 
-    from moeflow.stage import Stage
-    stage = Stage.from_snakemake(snakemake)     # sets threads, seeds, HF offline mode, logging
+    from moeflow.runtime.stage import Stage
+    stage = Stage.start(snakemake)               # sets threads, seeds, HF offline mode, logging
     ...                                          # call the library
     write_json(out, {..., "provenance": stage.provenance()})
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from moeflow.runtime import compat
+from moeflow.runtime.job import Job
 
 T = TypeVar("T")
 log = logging.getLogger("moeflow")
@@ -125,14 +126,16 @@ class Stage:
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if self.threads > 1 else "false"
 
     @classmethod
-    def from_snakemake(cls, smk: Any) -> Stage:
-        """Threads come from the rule's ``threads:``; stack, precision and seed from ``params.runtime``."""
-        runtime = smk.params.runtime  # every rule passes it (common.smk's runtime())
-        log_file = smk.log[0] if len(smk.log) else None
-        setup_logging(log_file)
+    def start(cls, job: Job | Any) -> Stage:
+        """The stage of a job (a ``script:`` rule's ``snakemake`` object, or a torchrun script's
+        moeflow.runtime.job.Job): logging to its log file, threads from the rule's ``threads:``, stack,
+        precision and seed from ``params.runtime`` (every rule passes it: common.smk's runtime())."""
+        job = job if isinstance(job, Job) else Job.from_snakemake(job)
+        runtime = job.params.runtime
+        setup_logging(job.log_file)
         stage = cls(
-            name=smk.rule,
-            threads=int(smk.threads),
+            name=job.rule,
+            threads=job.threads,
             precision=runtime["precision"],
             seed=int(runtime["seed"]),
             stack=runtime["stack"],

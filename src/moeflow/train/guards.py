@@ -26,7 +26,7 @@ from typing import Any
 from moeflow.data.order import DataOrder
 from moeflow.model.routing import adapter_or_none
 from moeflow.model.routing_stats import expert_load, layer_health
-from moeflow.parallel.layouts import unwrap
+from moeflow.model.wrappers import unwrap
 from moeflow.train.settings import MemoryThresholds, RoutingThresholds, TrainSettings
 
 log = logging.getLogger("moeflow.train.guards")

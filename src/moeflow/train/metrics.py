@@ -15,7 +15,8 @@ import psutil
 import torch
 
 from moeflow.model import parameters as P
-from moeflow.parallel.layouts import original_shape, unwrap
+from moeflow.model.wrappers import unwrap
+from moeflow.parallel.layouts import original_shape
 
 
 class MetricsLog:

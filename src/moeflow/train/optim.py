@@ -26,10 +26,11 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
 
 
 def param_groups(model: torch.nn.Module, settings: Any) -> list[dict[str, Any]]:
-    """AdamW groups for ``settings`` (a ``moeflow.train.trainer.TrainSettings``): no weight decay on norms and
+    """AdamW groups for ``settings`` (a ``moeflow.train.settings.TrainSettings``): no weight decay on norms and
     biases (``moeflow.model.parameters.takes_weight_decay``, on the shapes in the model, also when FSDP1 has
     flattened them), routers (also their peft base layer or adapter) at ``router_lr_multiplier``, or
-    frozen with ``freeze_router``. Each group keeps its multiplier under ``lr_multiplier``."""
+    frozen with ``freeze_router``. Each group keeps its multiplier under ``lr_multiplier``; the Trainer sets every
+    group's learning rate before each step (``train.lr x lr_multiplier x`` :func:`lr_factor`)."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         is_router = P.category(name) == P.ROUTER
@@ -45,7 +46,6 @@ def param_groups(model: torch.nn.Module, settings: Any) -> list[dict[str, Any]]:
             {
                 "params": params,
                 "weight_decay": settings.weight_decay if decay else 0.0,
-                "lr": settings.lr * multiplier,
                 "lr_multiplier": multiplier,
                 "name": ("router" if is_router else "other") + ("" if decay else "_no_decay"),
             }

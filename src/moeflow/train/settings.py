@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from moeflow.model.settings import ModelSettings
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.settings import enum, plain
 
@@ -87,7 +88,7 @@ class MemoryThresholds:
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """The training loop's settings: a ``train:`` or ``pretrain:`` section after :func:`training`
+    """The training loop's settings: a ``train:`` or ``pretrain:`` section after moeflow.workflow.keys.training
     (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora)."""
 
     SCHEMA: ClassVar[str] = "#/$defs/training"
@@ -125,9 +126,9 @@ class TrainSettings:
 
 @dataclass(frozen=True)
 class PretrainStage:
-    """Rule pretrain_base (:func:`base_model_settings` of a model built from config)."""
+    """Rule pretrain_base (moeflow.workflow.keys.base_model_settings of a model built from config)."""
 
-    model: dict[str, Any]
+    model: ModelSettings
     pretrain: TrainSettings
     data: str
     precision: str
@@ -136,12 +137,12 @@ class PretrainStage:
 
 @dataclass(frozen=True)
 class WarmupStage:
-    """Rule warmup (:func:`warmup_settings`)."""
+    """Rule warmup (moeflow.workflow.keys.warmup_settings)."""
 
     base: str
     data: str
     finetune_corpus: str
-    model: dict[str, Any]
+    model: ModelSettings
     hardware_device: str
     parallel: ParallelSettings
     train: TrainSettings
@@ -151,10 +152,10 @@ class WarmupStage:
 
 @dataclass(frozen=True)
 class TrainModelStage:
-    """Rule train_model (:func:`train_model_settings`)."""
+    """Rule train_model (moeflow.workflow.keys.train_model_settings)."""
 
     train: TrainSettings
-    model: dict[str, Any]
+    model: ModelSettings
     warmup: str
     parallel: ParallelSettings
     hardware_device: str

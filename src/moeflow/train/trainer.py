@@ -37,9 +37,11 @@ from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_sta
 from moeflow.model.chunked_loss import count_label_tokens, token_losses
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.routing_stats import layer_health
+from moeflow.model.wrappers import unwrap
 from moeflow.parallel.gradients import clip_grad_norm, reduce_gradients, release_gradients
-from moeflow.parallel.layouts import reshard, unwrap
+from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import gather_objects, rank, world_size
+from moeflow.runtime import compat
 from moeflow.runtime.stage import kill_point, progress
 from moeflow.settings import PRECISIONS, enum
 from moeflow.train import guards as G
@@ -90,14 +92,6 @@ def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], ro
             for r in routing.layers
         ]
     return outputs, layers
-
-
-def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation checkpointing (transformers 5's name for it where it exists)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable()  # non-reentrant by default
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def accumulate_gradients(
@@ -167,9 +161,10 @@ class Trainer:
         inner = unwrap(model)
         inner.config.use_cache = False
         if settings.gradient_checkpointing:
-            enable_checkpointing(inner)
+            compat.enable_activation_checkpointing(inner)
         model.train()
         self.adapter = adapter_or_none(inner)
+        # train_step sets each group's learning rate (train.lr x its multiplier x the schedule) before its update
         self.optimizer = torch.optim.AdamW(
             param_groups(model, settings), lr=settings.lr, betas=settings.betas, eps=settings.eps
         )
@@ -303,7 +298,7 @@ class Trainer:
     def evaluation_stats(self) -> SetStats:
         """The validation rows' sums for the whole set, on every rank: each rank evaluates its share of the
         batches (``moeflow.evaluation.loop.batches``), then the ranks' sums are gathered and added up."""
-        attn = getattr(unwrap(self.model).config, "_attn_implementation", "sdpa")
+        attn = unwrap(self.model).config._attn_implementation
         s = self.settings
         shard = batches(self.eval_rows, s.micro_batch_size, attn, s.eval_max_sequences, self.rank, self.world)
         stats = evaluate_batches(self.model, shard, self.adapter, self.precision)
@@ -388,7 +383,6 @@ def train_stage(
     settings: TrainSettings,
     rows: Sequence[Mapping[str, Any]],
     *,
-    attn_implementation: str,
     log_dir: str | os.PathLike | None,
     checkpoint_root: str | os.PathLike,
     key_settings: Mapping[str, Any],

@@ -19,7 +19,7 @@ from moeflow.settings import (
     SCHEMA_PATH,
     SOURCE_SCHEMA,
     ConfigError,
-    _matches,
+    matches,
     schema,
     schema_node,
     with_defaults,
@@ -58,7 +58,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
     check(with_defaults(cfg))
     for problem in run_problems(cfg):
         raise ConfigError(f"invalid configuration: {problem}")
-    for name in cfg.get("runs", {}):
+    for name in cfg["runs"]:
         check({**merged_run(cfg, name), "runs": {}}, f" (run '{name}')")
 
 
@@ -77,13 +77,13 @@ def check(tree: Mapping[str, Any], label: str = "") -> None:
 
 
 def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """Checks a schema cannot express. Each message names the key(s) and what to do."""
+    """Checks a schema cannot express, on a tree the schema accepted (its defaults filled in). Each message
+    names the key(s) and what to do."""
     problems: list[str] = []
-    data = cfg.get("data", {})
-    split = data.get("split", {})
-    if split and split.get("heldout", 0) + split.get("test", 0) >= 1:
+    data = cfg["data"]
+    if data["split"]["heldout"] + data["split"]["test"] >= 1:
         problems.append("config keys 'data.split.heldout' + 'data.split.test' must sum to less than 1")
-    for corpus, source in data.get("sources", {}).items():  # a corpus name is a folder under results/: no '/', no '..'
+    for corpus, source in data["sources"].items():  # a corpus name is a folder under results/: no '/', no '..'
         if not RUN_NAME.match(str(corpus)):
             problems.append(
                 f"config key 'data.sources.{corpus}': corpus names may use letters, digits, '_', '.', '-' only "
@@ -95,38 +95,38 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
                 f"config key 'data.sources.{corpus}': {', '.join(misplaced)} do not apply to a source of type "
                 f"{source['type']}; remove them"
             )
-    model = cfg.get("model") or {}
-    if model.get("trust_remote_code") and not model.get("pretrained"):
+    model = cfg["model"]
+    if model["trust_remote_code"] and not model["pretrained"]:
         problems.append(
             "config key 'model.trust_remote_code' is on but 'model.pretrained' is not set: it may only be "
             "turned on for a named model folder whose code you trust"
         )
-    if model.get("pretrained") and not Path(model["pretrained"]).is_dir():
+    if model["pretrained"] and not Path(model["pretrained"]).is_dir():
         problems.append(pretrained_folder_problem(model["pretrained"]))
-    elif model.get("pretrained") and not model.get("trust_remote_code"):
+    elif model["pretrained"] and not model["trust_remote_code"]:
         problems += model_type_problems(Path(model["pretrained"]))
-    if (cfg.get("pretrain") or {}).get("method", "full") != "full":
+    if cfg["pretrain"]["method"] != "full":
         problems.append("config key 'pretrain.method': pretraining trains the whole base model; use method: full")
-    named = data.get("eval_corpora", []) + cfg.get("coverage", {}).get("pool_corpora", [])
-    for corpus in named + [data.get("base_corpus"), data.get("finetune_corpus")]:
-        if corpus is not None and corpus not in data.get("sources", {}):
+    named = data["eval_corpora"] + cfg["coverage"]["pool_corpora"]
+    for corpus in named + [data["base_corpus"], data["finetune_corpus"]]:
+        if corpus not in data["sources"]:
             problems.append(
                 f"config key 'data': corpus {corpus!r} is not among 'data.sources' "
-                f"({', '.join(sorted(data.get('sources', {})))})"
+                f"({', '.join(sorted(data['sources']))})"
             )
     for section in ("train", "pretrain"):
-        train = cfg.get(section) or {}
-        if train.get("warmup_steps") is not None and train.get("warmup_ratio") is not None:
+        train = cfg[section]
+        if train["warmup_steps"] is not None and train["warmup_ratio"] is not None:
             problems.append(
                 f"config keys '{section}.warmup_steps' and '{section}.warmup_ratio' are both set; give one of them "
                 "(set the other to null), e.g. warmup_steps: 1000 or warmup_ratio: 0.1"
             )
-        if train.get("warmup_steps") and train.get("steps") and train["warmup_steps"] >= train["steps"]:
+        if train["warmup_steps"] and train["warmup_steps"] >= train["steps"]:
             problems.append(
                 f"config key '{section}.warmup_steps' ({train['warmup_steps']}) "
                 f"must be less than '{section}.steps' ({train['steps']})"
             )
-        if train.get("min_lr") is not None and train.get("lr") is not None and train["min_lr"] > train["lr"]:
+        if train["min_lr"] > train["lr"]:
             problems.append(
                 f"config key '{section}.min_lr' ({train['min_lr']}) must not exceed '{section}.lr' ({train['lr']})"
             )
@@ -140,13 +140,10 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
 def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
     """Every evaluate.tasks entry must resolve (moeflow.evaluation.lm_eval_tasks); moeflow_perplexity's documents are
     segments of up to data.seq_len tokens, each scored in one window of evaluate.lm_eval.max_length."""
-    evaluate = cfg.get("evaluate") or {}
-    tasks = evaluate.get("tasks") or []
-    data = cfg.get("data") or {}
-    problems = task_problems(tasks, data.get("eval_corpora") or [])
-    max_length = (evaluate.get("lm_eval") or {}).get("max_length")
-    seq_len = data.get("seq_len")
-    if "moeflow_perplexity" in tasks and max_length is not None and seq_len is not None and max_length < seq_len:
+    tasks, data = cfg["evaluate"]["tasks"], cfg["data"]
+    problems = task_problems(tasks, data["eval_corpora"])
+    max_length, seq_len = cfg["evaluate"]["lm_eval"]["max_length"], data["seq_len"]
+    if "moeflow_perplexity" in tasks and max_length is not None and max_length < seq_len:
         problems.append(
             f"config key 'evaluate.lm_eval.max_length' ({max_length}) is below 'data.seq_len' ({seq_len}): "
             "moeflow_perplexity scores each packed segment in one window; raise it or set null"
@@ -156,20 +153,19 @@ def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 def humaneval_problems(cfg: Mapping[str, Any]) -> list[str]:
     """pass@k estimates from n samples per problem exist for k <= n only."""
-    humaneval = (cfg.get("evaluate") or {}).get("humaneval") or {}
-    n = humaneval.get("n_samples", 1)
+    humaneval = cfg["evaluate"]["humaneval"]
+    n = humaneval["n_samples"]
     return [
         f"config key 'evaluate.humaneval.k[{i}]' ({k}) exceeds 'evaluate.humaneval.n_samples' ({n}): pass@k needs at "
         "least k sampled completions per problem; raise n_samples or drop that k"
-        for i, k in enumerate(humaneval.get("k", []))
+        for i, k in enumerate(humaneval["k"])
         if k > n
     ]
 
 
 def attention_problems(cfg: Mapping[str, Any]) -> list[str]:
     """flash-attn refuses fp32 inputs (it would fail at the first forward): flash_attention_2 needs bf16."""
-    model = cfg.get("model") or {}
-    if model.get("attn_implementation") != "flash_attention_2" or resolved_precision(cfg) != "fp32":
+    if cfg["model"]["attn_implementation"] != "flash_attention_2" or resolved_precision(cfg) != "fp32":
         return []
     return [
         "config keys 'model.attn_implementation': flash_attention_2 and 'precision': fp32 do not combine: flash-attn "
@@ -182,7 +178,7 @@ def source_keys(kind: str) -> set[str]:
     """The keys a data source of ``kind`` takes: those of its branch of the schema's source
     (``if``/``then``/``else``)."""
     node = schema_node(SOURCE_SCHEMA)
-    branch = node["then"] if _matches(node["if"], {"type": kind}) else node["else"]
+    branch = node["then"] if matches(node["if"], {"type": kind}) else node["else"]
     return {"type", *branch.get("required", []), *branch.get("properties", {})}
 
 
@@ -228,7 +224,7 @@ def model_type_problems(folder: Path) -> list[str]:
 def run_problems(cfg: Mapping[str, Any]) -> list[str]:
     """Checks of the runs table against the base config: names, what a run may change, the paper's runs."""
     problems = []
-    runs = cfg.get("runs") or {}
+    runs = cfg["runs"]
     for name, overlay in runs.items():
         if not RUN_NAME.match(name):
             problems.append(f"config key 'runs.{name}': run names may use letters, digits, '_', '.', '-' only")
@@ -241,9 +237,8 @@ def run_problems(cfg: Mapping[str, Any]) -> list[str]:
                 "the pretrained folder's config.json is the model. Give the run its own model.pretrained folder, or "
                 f"drop it (runs: {{{name}: null}})"
             )
-    paper = cfg.get("paper") or {}
-    for name in [paper.get("moe_run"), *paper.get("dense_runs", [])]:
-        if name is not None and name not in runs:
+    for name in [cfg["paper"]["moe_run"], *cfg["paper"]["dense_runs"]]:
+        if name not in runs:
             problems.append(
                 f"config keys 'paper.moe_run' / 'paper.dense_runs': {name!r} is not a run ({', '.join(runs)})"
             )
@@ -253,14 +248,12 @@ def run_problems(cfg: Mapping[str, Any]) -> list[str]:
 def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:
     """The ``parallel`` layout must add up: world = nproc_per_node x nnodes = hardware.num_devices, and
     the FSDP and expert-parallel sizes must tile it the way transformers' DistributedConfig requires."""
-    par = cfg.get("parallel")
-    if not par:
-        return []
-    world = par.get("nproc_per_node", 1) * par.get("nnodes", 1)
-    strategy, ep, fsdp = par.get("strategy", "none"), par.get("ep_size", 1), par.get("fsdp_size")
+    par = cfg["parallel"]
+    world = par["nproc_per_node"] * par["nnodes"]
+    strategy, ep, fsdp = par["strategy"], par["ep_size"], par["fsdp_size"]
     problems = []
-    devices = (cfg.get("hardware") or {}).get("num_devices")
-    if devices is not None and world > 1 and devices != world:
+    devices = cfg["hardware"]["num_devices"]
+    if world > 1 and devices != world:
         problems.append(
             f"config keys 'parallel.nproc_per_node' x 'parallel.nnodes' ({world} ranks) and 'hardware.num_devices' "
             f"({devices}) must agree: the memory planner plans for hardware.num_devices"

@@ -35,7 +35,7 @@ def tokenizer_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     data = cfg["data"]
     return {
         "tokenizer": cfg["tokenizer"],
-        "pretrained_model": cfg["model"].get("pretrained"),
+        "pretrained_model": cfg["model"]["pretrained"],
         "sources": data["sources"],
         "split": data["split"],
         "on_bad_record": data["on_bad_record"],
@@ -136,7 +136,7 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What the memory planner depends on: the model, the hardware and the training shape."""
     return {
         "model": cfg["model"],
-        "vocab_size": cfg["tokenizer"].get("vocab_size"),
+        "vocab_size": cfg["tokenizer"]["vocab_size"],
         "hardware": cfg["hardware"],
         "parallel": cfg["parallel"],
         "train": train_settings(cfg),

@@ -61,8 +61,8 @@ AUTO_PRECISION = {"cpu": "fp32", "cuda": "bf16"}
 
 def resolved_precision(cfg: Mapping[str, Any]) -> str:
     """The precision a config computes in: ``precision``, with ``auto`` made fp32 or bf16 by ``hardware.device``."""
-    precision = cfg.get("precision", "auto")
-    return AUTO_PRECISION[(cfg.get("hardware") or {}).get("device", "cpu")] if precision == "auto" else precision
+    precision = cfg["precision"]
+    return AUTO_PRECISION[cfg["hardware"]["device"]] if precision == "auto" else precision
 
 
 def with_precision(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,12 +73,12 @@ def with_precision(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_names(cfg: Mapping[str, Any]) -> list[str]:
-    return list(cfg.get("runs", {}) or {})
+    return list(cfg["runs"])
 
 
 def merged_run(cfg: Mapping[str, Any], run: str) -> dict[str, Any]:
     """The base config with the run's overlay merged in (and the ``runs`` table removed), not yet checked."""
-    runs = cfg.get("runs", {}) or {}
+    runs = cfg["runs"]
     if run not in runs:
         raise ConfigError(f"unknown run {run!r}; the config defines: {', '.join(runs) or 'no runs'}")
     base = {k: v for k, v in cfg.items() if k != "runs"}

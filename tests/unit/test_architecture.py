@@ -1,0 +1,95 @@
+"""Rules of the code's shape that no single behaviour test sees: one door to a model, defaults applied in one
+place, no private names borrowed across modules, modules of a readable size."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from moeflow.settings import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "src" / "moeflow"
+CODE = sorted(
+    [
+        *PACKAGE.rglob("*.py"),
+        *(REPO_ROOT / "tests").rglob("*.py"),
+        *(REPO_ROOT / "benchmarks").glob("*.py"),
+        *(REPO_ROOT / "tools").glob("*.py"),
+        *(REPO_ROOT / "workflow" / "scripts").glob("*.py"),
+    ]
+)
+FACTORY = PACKAGE / "model" / "factory.py"
+# Modules that build a model on the meta device only to read it (one MoE block to time, parameters to count):
+# through the factory's class, never a model anything trains or evaluates.
+SKELETONS = {PACKAGE / "model" / "experts_choice.py", PACKAGE / "plan" / "counts.py"}
+MAX_LINES = 600
+# The project's own modules: the package, the benchmarks, the tests' shared helpers (tests/*.py).
+OWN = ("moeflow", "benchmarks", *(p.stem for p in (REPO_ROOT / "tests").glob("*.py")))
+
+
+def tree(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def relative(path: Path) -> str:
+    return str(path.relative_to(REPO_ROOT))
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from moeflow... import _name`` (and from the benchmarks and the tests' shared modules)."""
+    return [
+        f"{relative(path)}:{node.lineno}: from {node.module} import {alias.name}"
+        for node in ast.walk(tree(path))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OWN
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def model_constructions(path: Path) -> list[str]:
+    """Calls of ``from_pretrained``/``from_config``/``_from_config`` on a causal-LM class (transformers' auto class
+    or the factory's ``causal_lm_class()``)."""
+    found = []
+    for node in ast.walk(tree(path)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in ("from_pretrained", "from_config", "_from_config"):
+            continue
+        receiver = ast.unparse(node.func.value)
+        if "CausalLM" in receiver or "causal_lm_class" in receiver:
+            found.append(f"{relative(path)}:{node.lineno}: {receiver}.{node.func.attr}")
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    assert [line for path in CODE for line in private_imports(path)] == []
+
+
+def test_the_factory_is_the_one_place_models_are_built_and_loaded():
+    """Stage scripts, benchmarks and the library go through moeflow.model.factory.make_model; tests may reload an
+    export with transformers to check it."""
+    library = [p for p in PACKAGE.rglob("*.py") if p not in SKELETONS | {FACTORY}]
+    scripts = [*(REPO_ROOT / "workflow" / "scripts").glob("*.py"), *(REPO_ROOT / "benchmarks").glob("*.py")]
+    assert [line for path in library + scripts for line in model_constructions(path)] == []
+    assert model_constructions(FACTORY)  # what the rule above looks for is how the factory does it
+    for path in SKELETONS:
+        assert all("causal_lm_class().from_config" in line for line in model_constructions(path)), path
+
+
+def test_schema_defaults_are_filled_only_where_the_config_is_loaded():
+    """``with_defaults`` belongs to moeflow.settings (``typed`` fills the keys a test leaves out) and
+    moeflow.workflow (the merged config); the library reads typed settings or whole sections."""
+    allowed = {PACKAGE / "settings.py", *(PACKAGE / "workflow").glob("*.py")}
+    calls = [
+        f"{relative(path)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        if path not in allowed
+        for node in ast.walk(tree(path))
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("with_defaults")
+    ]
+    assert calls == []
+
+
+def test_no_library_module_is_over_600_lines():
+    sizes = {relative(p): len(p.read_text(encoding="utf-8").splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
