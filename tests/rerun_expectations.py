@@ -86,6 +86,16 @@ ROWS = (
         frozenset({"choose_experts", *AFTER_BASE_MODEL}),
     ),
     Row(
+        "a model's transformers config and class, its typed settings, the folder checks",
+        (
+            "src/moeflow/model/__init__.py",
+            "src/moeflow/model/configs.py",
+            "src/moeflow/model/settings.py",
+            "src/moeflow/model/folder.py",
+        ),
+        frozenset({"choose_experts", "plan_memory", *AFTER_BASE_MODEL}),
+    ),
+    Row(
         "the typed training and parallel settings, parameter categories (the planner reads them too)",
         (
             "src/moeflow/train/__init__.py",
@@ -97,30 +107,30 @@ ROWS = (
         frozenset({"plan_memory", *AFTER_BASE_MODEL}),
     ),
     Row(
-        "the training loop, its losses, optimizer, guards and metrics; sharding, gradients, ranks; checkpoints "
-        "and the export; LoRA and fine-tuning's model loading; the data order; the evaluation loop",
+        "building and loading a model in every layout (whole, each rank's rows, FSDP, expert parallelism, "
+        "LoRA), its chunked loss; sharding, gradients, ranks",
         (
-            "src/moeflow/train/*",
-            "src/moeflow/parallel/*",
-            "src/moeflow/checkpoint/*",
-            "src/moeflow/model/loading.py",
+            "src/moeflow/model/factory.py",
+            "src/moeflow/model/chunked_loss.py",
+            "src/moeflow/model/wrappers.py",
             "src/moeflow/model/lora.py",
             "src/moeflow/model/saved_names.py",
+            "src/moeflow/parallel/*",
+            "src/moeflow/checkpoint/safetensors_files.py",
+        ),
+        AFTER_BASE_MODEL,
+    ),
+    Row(
+        "the training loop, its losses, optimizer, guards and metrics; checkpoints and the export; the data "
+        "order; the evaluation loop",
+        (
+            "src/moeflow/train/*",
+            "src/moeflow/checkpoint/*",
             "src/moeflow/data/order.py",
             "src/moeflow/evaluation/loop.py",
             "src/moeflow/evaluation/__init__.py",
         ),
         AFTER_BASE_MODEL,
-    ),
-    Row(
-        "building and loading a model, its chunked loss",
-        (
-            "src/moeflow/model/__init__.py",
-            "src/moeflow/model/factory.py",
-            "src/moeflow/model/folder.py",
-            "src/moeflow/model/chunked_loss.py",
-        ),
-        frozenset({"choose_experts", "plan_memory", *AFTER_BASE_MODEL}),
     ),
     Row(
         "reading routers per family",

@@ -163,7 +163,7 @@ def test_step3p5_formula_matches_transformers_step3p7_text_model():
     import torch
     from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
-    from moeflow.model.factory import build_config
+    from moeflow.model.configs import build_config
 
     settings = settings_of(STEP3P5)
     small = {

@@ -12,7 +12,8 @@ import torch
 from tiny_models import tiny_model_cfg
 
 from moeflow.checkpoint.safetensors_files import SafetensorsError, read_header, weight_files
-from moeflow.model.factory import Layout, causal_lm_class, make_model
+from moeflow.model.configs import causal_lm_class
+from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import check_model_folder
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel import layouts

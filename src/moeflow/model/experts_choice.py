@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from moeflow.model.factory import causal_lm_class, transformers_config
+from moeflow.model.configs import causal_lm_class, transformers_config
 from moeflow.model.routing import adapter_or_none
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat

@@ -19,15 +19,15 @@ How a folder is loaded, by layout (:class:`Layout`):
 * ``none``, evaluation, LoRA: ``from_pretrained`` of the whole model (LoRA: then its adapters), moved to
   the device. LoRA runs on several ranks with ``parallel.strategy: none`` only.
 
-Every model class comes from :func:`causal_lm_class`: the one place where a family transformers does not
-register for ``AutoModelForCausalLM`` would be registered.
+Every model class and config comes from ``moeflow.model.configs`` (``causal_lm_class``: the one place where a
+family transformers does not register for ``AutoModelForCausalLM`` is registered).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from moeflow.model.chunked_loss import install as install_chunked_loss
+from moeflow.model.configs import build_config, causal_lm_class, transformers_config
 from moeflow.model.folder import ModelError, check_model_folder, check_vocabulary, refusing_remote_code
 from moeflow.model.lora import apply_lora
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
@@ -184,41 +185,6 @@ def _implementations(settings: ModelSettings) -> dict[str, Any]:
             compat.require_transformers_v5(f"model.experts_implementation: {experts}")
         return kwargs
     return kwargs | {"experts_implementation": experts}
-
-
-def causal_lm_class():
-    """The transformers class every model is built and loaded with (``AutoModelForCausalLM``): the one place
-    where a family it does not know would be registered."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM
-
-
-def build_config(fields: Mapping[str, Any], vocab_size: int | None = None):
-    """A transformers config from a ``model.config`` mapping (``model_type`` plus the family's keys)."""
-    from transformers import AutoConfig
-
-    fields = dict(fields)
-    model_type = fields.pop("model_type")
-    if vocab_size is not None:
-        fields["vocab_size"] = int(vocab_size)
-    try:
-        return AutoConfig.for_model(model_type, **fields)
-    except ValueError as exc:
-        raise ModelError(f"config key 'model.config.model_type': {exc}") from None
-
-
-def transformers_config(settings: ModelSettings, folder: str | os.PathLike | None = None):
-    """The transformers config of the model: ``folder``'s (or ``model.pretrained``'s) config.json, else
-    :func:`build_config` of ``model.config``."""
-    folder = folder or settings.pretrained
-    if not folder:
-        return build_config(settings.config)
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(
-        check_model_folder(folder), trust_remote_code=settings.trust_remote_code, local_files_only=True
-    )
 
 
 def _built(settings: ModelSettings, vocab_size: int | None, seed: int, dtype: torch.dtype) -> torch.nn.Module:

@@ -161,7 +161,7 @@ def meta_count(config: Any, shape: Shape) -> ParamCount | None:
     """Exact counts from a meta-device instance, or None where transformers has no causal-LM class for it."""
     import torch
 
-    from moeflow.model.factory import causal_lm_class
+    from moeflow.model.configs import causal_lm_class
 
     try:
         with torch.device("meta"):  # a skeleton to count, not a model anything trains

@@ -268,7 +268,7 @@ class ConfigView(Mapping[str, Any]):
 def hf_config_fields(fields: Mapping[str, Any], vocab_size: int) -> tuple[Mapping[str, Any], Any]:
     """The config ``fields`` (a ``model.config`` mapping) as transformers reads them (defaults included) and the
     config object, if it knows the type."""
-    from moeflow.model.factory import build_config
+    from moeflow.model.configs import build_config
     from moeflow.model.folder import ModelError
 
     raw = dict(fields) | {"vocab_size": vocab_size}

@@ -37,9 +37,24 @@ ROWS = ("data.shards", "data.collate")
 # The coverage validation set's format (it packs the documents it picked).
 VALSET = ("data.valset", "data.packing")
 
-# Building or loading a model, with the chunked loss it computes (which skips the rows' IGNORE_INDEX labels).
-MODEL = ("model.factory", "model.folder", "model.chunked_loss", "data.shards")
-
+# A model's transformers config and class, its typed settings, the folder checks: what reading a shape needs.
+MODEL_CONFIG = ("model.configs", "model.settings", "model.folder")
+# Building or loading a model in every layout (the whole model, each rank's rows on meta, FSDP, expert
+# parallelism, LoRA adapters), with the chunked loss it computes (which skips the rows' IGNORE_INDEX labels).
+MODEL = (
+    *MODEL_CONFIG,
+    "model.factory",
+    "model.chunked_loss",
+    "model.wrappers",
+    "model.lora",
+    "model.routing",  # LoRA finds the routers as the routing adapters do
+    "model.parameters",
+    "model.saved_names",
+    "parallel",
+    "checkpoint.safetensors_files",
+    "train.settings",
+    "data.shards",
+)
 # Reading the routers per family, and routing statistics over a set of rows (expert load, layer health).
 ROUTING = ("model.routing", "model.routing_stats")
 
@@ -66,13 +81,13 @@ SANDBOX = ("evaluation.humaneval_execution", "evaluation.sandbox", "evaluation.s
 
 RULES: dict[str, tuple[str, ...]] = {
     "verify_env": (),  # its script runs infrastructure only; its fingerprint param reruns it when packages change
-    "choose_experts": ("model.experts_choice", *MODEL, "model.routing"),
+    "choose_experts": ("model.experts_choice", *MODEL_CONFIG, "model.routing"),
     "train_tokenizer": TOKENIZER,
     "tokenize": ("data.tokenize", "data.packing", *TOKENIZER),
     "pretrain_base": TRAINING,
     "coverage_valset": ("coverage", *ROUTING, *MODEL, *ROWS, *VALSET),
     # the plan reads the model's shapes from the config the factory builds, and the typed training settings
-    "plan_memory": ("plan", *MODEL, "model.parameters", "train.settings", "parallel.settings"),
+    "plan_memory": ("plan", *MODEL_CONFIG, "model.parameters", "train.settings", "parallel.settings"),
     "warmup": TRAINING,
     "train_model": (*TRAINING, *VALSET),
     "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters"),
