@@ -14,7 +14,6 @@ from tiny_models import (
     FAMILY_CONFIGS,
     MOE_LAYERS,
     SEQ,
-    TRANSFORMERS_5_ONLY,
     VOCAB,
     build_family,
     model_config,
@@ -22,6 +21,7 @@ from tiny_models import (
 )
 
 from moeflow.data.collate import collate, model_inputs
+from moeflow.model import families
 from moeflow.model import parameters as P
 from moeflow.model.chunked_loss import next_token_targets
 from moeflow.model.factory import build_model, load_model
@@ -53,15 +53,10 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-6 if dtype == torch.float64 else 1e-4
 
 
-def require_family(model_type: str) -> None:
-    if model_type in TRANSFORMERS_5_ONLY:
-        compat.require_transformers_v5(f"{model_type} (transformers 4.57 has no such model)")
-
-
 def build(model_type: str, attn: str = "eager", seed: int = 0):
     """The family's tiny model; a family the stack lacks, or an attention implementation the model does not
-    take, is refused (transformers raises a ValueError naming the implementation)."""
-    require_family(model_type)
+    take, is refused (moeflow.model.families names the stack; transformers raises a ValueError naming the
+    implementation)."""
     try:
         return build_family(model_type, attn, dtype_for(model_type), seed)
     except ValueError as exc:
@@ -71,13 +66,8 @@ def build(model_type: str, attn: str = "eager", seed: int = 0):
 
 
 def causal_lm_config(model_type: str) -> dict:
-    """The model config of a family that has a causal-LM class (what moeflow trains); refused otherwise."""
-    require_family(model_type)
-    if model_type == "step3p5":
-        raise compat.UnsupportedOnStack(
-            "transformers 5.24 has step3p5's text model (inside step3p7) but no causal-LM class for it, and the "
-            "published checkpoint's own code needs trust_remote_code"
-        )
+    """The model config of a family's tiny causal LM (what moeflow trains); refused on a stack without it."""
+    families.require_stack(model_type)
     return model_config(model_type)
 
 
@@ -155,7 +145,8 @@ def reference_routing(model_type: str, site, hidden: torch.Tensor):
             biased = biased.masked_fill(~allowed.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
         index = biased.topk(k, dim=-1).indices
         weight = scores.gather(1, index)
-        weight = weight / weight.sum(-1, keepdim=True) * config.get("routed_scaling_factor", 1.0)
+        scale = config.get("routed_scaling_factor", config.get("moe_router_scaling_factor", 1.0))
+        weight = weight / weight.sum(-1, keepdim=True) * scale
     else:
         raise AssertionError(model_type)
     return logits, index, weight

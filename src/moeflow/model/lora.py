@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from moeflow.model import parameters as P
+from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import FAMILIES
 from moeflow.runtime import compat
 from moeflow.runtime.files import atomic_dir, read_json, write_json
@@ -100,10 +101,13 @@ def router_modules(model: Any) -> dict[str, Any]:
     family = FAMILIES.get(getattr(base.config, "model_type", None))
     if family is None:
         return {}
+    mtp = mtp_prefixes(base)
     return {
         f"{name}.{family.router_attr}": getattr(module, family.router_attr)
         for name, module in base.named_modules()
-        if type(module).__name__ == family.block_class and getattr(module, family.router_attr, None) is not None
+        if type(module).__name__ == family.block_class
+        and getattr(module, family.router_attr, None) is not None
+        and not is_mtp_name(name, mtp)
     }
 
 
@@ -135,7 +139,10 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
     modules: dict[str, str] = {}
     parameters: dict[str, str] = {}
     fused: list[str] = []
+    mtp = mtp_prefixes(_base(model))  # carried frozen, never run: no adapters
     for name, module in _base(model).named_modules():
+        if is_mtp_name(name, mtp):
+            continue
         if isinstance(module, torch.nn.Linear):
             category = _category_of_linear(name, set(routers), blocks)
             if category in wanted:
