@@ -24,6 +24,7 @@ from moeflow.data.collate import collate, model_inputs
 from moeflow.model import families
 from moeflow.model import parameters as P
 from moeflow.model.chunked_loss import next_token_targets
+from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.factory import build_model, load_model
 from moeflow.model.routing import SIGMOID, UnsupportedModel, adapter_for, capture
 from moeflow.runtime import compat
@@ -266,7 +267,9 @@ def check_parameter_categories(model_type: str) -> None:
     router_ids = {id(p) for site in adapter.sites for p in site.router.parameters()}
     router_params = {name for name, p in names.items() if id(p) in router_ids}
     assert routers == router_params, f"router category {sorted(routers)}, the adapter's routers {sorted(router_params)}"
-    experts = {n for n, c in found.items() if c in (P.ROUTED_EXPERTS, P.EXPERT_BIASES)}
+    mtp = mtp_prefixes(model)  # MTP layers: carried, frozen, never routed
+    assert all(not p.requires_grad for n, p in names.items() if is_mtp_name(n, mtp))
+    experts = {n for n, c in found.items() if c in (P.ROUTED_EXPERTS, P.EXPERT_BIASES) and not is_mtp_name(n, mtp)}
     assert experts and {P.layer_index(n) for n in experts} == set(adapter.moe_layers)
     assert any(c == P.NORMS for c in found.values())
     assert any(c == P.SHARED_EXPERTS for c in found.values()) == (model_type in SHARED_EXPERTS)

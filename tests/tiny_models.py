@@ -78,6 +78,7 @@ FAMILY_CONFIGS = {
         "qk_nope_head_dim": 8,
         "v_head_dim": 8,
         "num_key_value_heads": 2,
+        "num_nextn_predict_layers": 1,  # the published MTP layer (MoE, its own embedding and head), on both stacks
     },
     # layer_types alternate sliding/full by default; experts and router carry biases
     "gpt_oss": {

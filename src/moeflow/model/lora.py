@@ -197,11 +197,14 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
     return Targets(modules=modules, parameters=parameters)
 
 
-def module_pattern(names: list[str]) -> str:
+def module_pattern(names: list[str], exclude: tuple[str, ...] = ()) -> str:
     """One regular expression (peft full-matches it against module names) for ``names``, with layer and
-    expert indices generalised so the adapter config stays short for models with thousands of experts."""
+    expert indices generalised so the adapter config stays short for models with thousands of experts;
+    module names starting with one of ``exclude`` (the MTP layers, whose modules are named as the decoder
+    layers') never match."""
     generic = {r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split(".")) for name in names}
-    return "(?:" + "|".join(sorted(generic)) + ")"
+    not_excluded = "(?!" + "|".join(re.escape(prefix) for prefix in exclude) + ")" if exclude else ""
+    return not_excluded + "(?:" + "|".join(sorted(generic)) + ")"
 
 
 def parameter_suffixes(names: list[str]) -> list[str]:
@@ -244,13 +247,16 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
     if is_lora_model(model):
         raise LoraConfigError("the model already has LoRA adapters: apply_lora takes the base model")
     targets = find_targets(model, settings)
+    mtp = mtp_prefixes(_base(model))
+    # peft matches target_parameters as suffixes, which the MTP layers' parameters share: name each in full then
+    parameters = sorted(targets.parameters) if mtp else parameter_suffixes(sorted(targets.parameters))
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         bias="none",
-        target_modules=module_pattern(sorted(targets.modules)) if targets.modules else [],
-        target_parameters=parameter_suffixes(sorted(targets.parameters)) or None,
+        target_modules=module_pattern(sorted(targets.modules), exclude=mtp) if targets.modules else [],
+        target_parameters=parameters or None,
     )
     with _native_layout():
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
