@@ -24,8 +24,8 @@ from moeflow.data.collate import collate, model_inputs
 from moeflow.model import families
 from moeflow.model import parameters as P
 from moeflow.model.chunked_loss import next_token_targets
-from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.factory import build_model, load_model
+from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import SIGMOID, UnsupportedModel, adapter_for, capture
 from moeflow.runtime import compat
 from moeflow.settings import typed

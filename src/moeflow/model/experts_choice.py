@@ -104,7 +104,9 @@ def offered(model: torch.nn.Module, names: list[str]) -> tuple[list[str], dict[s
         f"not offered: {type(model).__name__}'s experts opt out of transformers' experts implementations "
         "(from_pretrained raises for grouped_mm; the others would silently run its own loop)"
     )
-    return [n for n in names if n == REFERENCE], {n: {"eligible": False, "reason": reason} for n in names if n != REFERENCE}
+    return [n for n in names if n == REFERENCE], {
+        n: {"eligible": False, "reason": reason} for n in names if n != REFERENCE
+    }
 
 
 @contextlib.contextmanager

@@ -244,11 +244,7 @@ def attention_matrices(s: Shape, heads: int | None = None) -> list[tuple[int, in
     heads = s.num_heads if heads is None else heads
     if s.attention == "mla":
         qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
-        q = (
-            [(h, heads * qk_head)]
-            if s.q_lora_rank is None
-            else [(h, s.q_lora_rank), (s.q_lora_rank, heads * qk_head)]
-        )
+        q = [(h, heads * qk_head)] if s.q_lora_rank is None else [(h, s.q_lora_rank), (s.q_lora_rank, heads * qk_head)]
         return q + [
             (h, s.kv_lora_rank + s.qk_rope_head_dim),
             (s.kv_lora_rank, heads * (s.qk_nope_head_dim + s.v_head_dim)),

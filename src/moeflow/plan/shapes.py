@@ -217,7 +217,9 @@ def _step3p5(f: Mapping[str, Any]) -> dict[str, Any]:
     n = base["num_layers"]
     m = int(_get(f, "num_nextn_predict_layers", default=0))
     other = f.get("attention_other_setting") or {}
-    sliding_heads = int(_get(f, "num_sliding_attention_heads", default=other.get("num_attention_heads", base["num_heads"])))
+    sliding_heads = int(
+        _get(f, "num_sliding_attention_heads", default=other.get("num_attention_heads", base["num_heads"]))
+    )
     layer_types = list(f.get("layer_types") or ["full_attention"] * n)[:n]
     mtp_types = _step3p5_mtp_types(f, "layer_types", "mtp_layer_types", n, m)
     if mtp_types is None:  # transformers' default for a config without per-layer types
