@@ -22,7 +22,7 @@ LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "slid
 MOE_LAYERS = (1, 2, 3)  # layer 0 dense, as are the MTP layers
 
 
-def published_config(vocab_size: int, eos: list[int] | None = None) -> dict:
+def published_config(vocab_size: int, bos: int = 0, eos: list[int] | None = None) -> dict:
     """The published config.json's keys at the tiny size (48-entry lists become LAYERS + MTP entries)."""
     full = [t == "full_attention" for t in LAYER_TYPES]
     return {
@@ -64,7 +64,7 @@ def published_config(vocab_size: int, eos: list[int] | None = None) -> dict:
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab_size,
         "tie_word_embeddings": False,
-        "bos_token_id": 0,
+        "bos_token_id": bos,
         "eos_token_id": eos if eos is not None else [1, 2],
         "torch_dtype": "bfloat16",
         "transformers_version": "4.57.1",
@@ -126,8 +126,8 @@ def write_published_folder(folder: Path, vocab_size: int, tokenizer=None, seed: 
     """The folder: config.json, ``shards`` safetensors files with model.safetensors.index.json, the tokenizer."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    eos = None if tokenizer is None else [tokenizer.eos_token_id]
-    (folder / "config.json").write_text(json.dumps(published_config(vocab_size, eos), indent=2))
+    ids = {} if tokenizer is None else {"bos": tokenizer.bos_token_id, "eos": [tokenizer.eos_token_id]}
+    (folder / "config.json").write_text(json.dumps(published_config(vocab_size, **ids), indent=2))
     tensors = published_tensors(vocab_size, seed)
     names = sorted(tensors)
     parts = [names[i::shards] for i in range(shards)]
