@@ -21,10 +21,10 @@ from tiny_models import (
 )
 
 from moeflow.data.collate import collate, model_inputs
-from moeflow.model import families
 from moeflow.model import parameters as P
 from moeflow.model.chunked_loss import next_token_targets
 from moeflow.model.factory import build_model, load_model
+from moeflow.model.families import registry
 from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import SIGMOID, UnsupportedModel, adapter_for, capture
 from moeflow.runtime import compat
@@ -68,7 +68,7 @@ def build(model_type: str, attn: str = "eager", seed: int = 0):
 
 def causal_lm_config(model_type: str) -> dict:
     """The model config of a family's tiny causal LM (what moeflow trains); refused on a stack without it."""
-    families.require_stack(model_type)
+    registry.require_stack(model_type)
     return model_config(model_type)
 
 

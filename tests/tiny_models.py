@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.model import families
 from moeflow.model.factory import build_model
+from moeflow.model.families import registry
 from moeflow.model.routing import adapter_for
 from moeflow.runtime import compat
 
@@ -121,7 +121,7 @@ FAMILY_CONFIGS = {
     },
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
-TRANSFORMERS_5_ONLY = families.CURRENT_STACK_ONLY  # refused on the pinned stack, naming the current one
+TRANSFORMERS_5_ONLY = registry.CURRENT_STACK_ONLY  # refused on the pinned stack, naming the current one
 MOE_LAYERS = {"deepseek_v3": [1, 2], "step3p5": [1, 2, 3]}  # the others: [0, 1]
 
 

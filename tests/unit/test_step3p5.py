@@ -22,8 +22,8 @@ from moeflow.checkpoint import export
 from moeflow.checkpoint.safetensors_files import weight_files
 from moeflow.data.collate import collate
 from moeflow.data.tokenizer import train_tokenizer
-from moeflow.model import families
 from moeflow.model.factory import load_model
+from moeflow.model.families import registry
 from moeflow.model.families.mtp import mtp_prefixes
 from moeflow.model.routing import capture
 from moeflow.parallel.launch import torchrun_command
@@ -111,7 +111,7 @@ def trainer_settings(steps: int, **balance) -> TrainSettings:
 def test_the_published_layout_loads_without_remote_code_and_saves_back(published, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    families.register()
+    registry.register()
     assert "auto_map" not in json.loads((published / "config.json").read_text())  # no code of its own
     model, info = AutoModelForCausalLM.from_pretrained(published, output_loading_info=True, dtype=torch.float32)
     assert type(model).__name__ == "Step3p5ForCausalLM" and not any(info.values()), info

@@ -8,8 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from moeflow.model import families
 from moeflow.model.chunked_loss import install as install_linear_loss
+from moeflow.model.families import registry
 from moeflow.model.folder import ModelError, _remote_code_error, check_model_folder
 from moeflow.runtime import compat
 from moeflow.runtime.files import read_json
@@ -81,10 +81,10 @@ def build_config(model_cfg: Mapping[str, Any], vocab_size: int | None = None):
     """A transformers config from the ``model.config`` mapping (``model_type`` plus the family's keys)."""
     from transformers import AutoConfig
 
-    families.register()
+    registry.register()
     fields = dict(model_cfg["config"])
     model_type = fields.pop("model_type")
-    families.require_stack(model_type)
+    registry.require_stack(model_type)
     if vocab_size is not None:
         fields["vocab_size"] = int(vocab_size)
     try:
@@ -100,7 +100,7 @@ def model_config(model_cfg: Mapping[str, Any]):
         return build_config(model_cfg)
     from transformers import AutoConfig
 
-    families.register()
+    registry.register()
 
     return AutoConfig.from_pretrained(
         check_model_folder(model_cfg["pretrained"]),
@@ -126,7 +126,7 @@ def load_model(path: str | os.PathLike, model_cfg: Mapping[str, Any] | None = No
     import torch
     from transformers import AutoModelForCausalLM
 
-    families.register()
+    registry.register()
     model_cfg = model_section(model_cfg)
     path = check_model_folder(path)
     try:

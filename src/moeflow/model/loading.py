@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from moeflow.model import families
 from moeflow.model.factory import _impl_kwargs, model_section, with_chunked_loss
 from moeflow.model.factory import load_model as load_whole_model
+from moeflow.model.families import registry
 from moeflow.model.folder import check_model_folder, check_vocabulary
 from moeflow.model.lora import prepare_model
 from moeflow.parallel.layouts import distributed_config, shard_model
@@ -36,7 +36,7 @@ def load_model(
         return load_whole_model(path, model_cfg, dtype)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    families.register()
+    registry.register()
     trust = model_section(model_cfg)["trust_remote_code"]
     if getattr(
         AutoConfig.from_pretrained(check_model_folder(path), trust_remote_code=trust, local_files_only=True),

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from moeflow.checkpoint.safetensors_files import SafetensorsError, read_elements, read_header, read_tensor, weight_files
-from moeflow.model import families
 from moeflow.model.factory import _impl_kwargs, model_section, with_chunked_loss
+from moeflow.model.families import registry
 from moeflow.model.folder import check_model_folder
 from moeflow.model.parameters import clean_name
 from moeflow.model.saved_names import saved_format
@@ -62,7 +62,7 @@ def build_on_meta(path: str | os.PathLike, model_cfg: Mapping[str, Any], dtype: 
     meta device, as ``moeflow.model.factory.load_model`` would load it but without reading any weight."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    families.register()
+    registry.register()
     model_cfg = model_section(model_cfg)
     folder = check_model_folder(path)
     trust = model_cfg["trust_remote_code"]

@@ -213,9 +213,9 @@ def meta_count(config: Any, shape: Shape) -> ParamCount | None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moeflow.model import families
+    from moeflow.model.families import registry
 
-    families.register()
+    registry.register()
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

@@ -20,7 +20,7 @@ The published weight names differ from the modules' (``moe.*`` stacked experts, 
 ``share_expert.*``): :data:`KEY_MAPPING` is registered with transformers' checkpoint-conversion mapping for
 this class, so ``from_pretrained`` of a folder in the published layout has no missing or unexpected keys
 and ``save_pretrained`` (and moeflow's sharded loader and export, which use the same conversion) writes the
-published names back. Imported on transformers 5 only (moeflow.model.families.register).
+published names back. Imported on transformers 5 only (moeflow.model.families.registry).
 """
 
 from __future__ import annotations
