@@ -94,7 +94,9 @@ def test_a_pretrained_folder_of_every_trainable_family_goes_through_snakemake_tr
         assert model.config.model_type == family and model.config.vocab_size == len(tokenizer)
 
 
-@pytest.mark.parametrize("family", sorted(REFUSED) or [pytest.param(None, marks=pytest.mark.skip(reason="none refused"))])
+@pytest.mark.parametrize(
+    "family", sorted(REFUSED) or [pytest.param(None, marks=pytest.mark.skip(reason="none refused"))]
+)
 def test_a_family_refused_on_this_stack_is_refused_at_config_check(tmp_path, family):
     """The folder's config.json names the family; the config check refuses it with docs/families.md's reason."""
     workdir = copy_workflow(tmp_path / "moeflow")
