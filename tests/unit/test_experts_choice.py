@@ -77,6 +77,14 @@ def test_a_real_timing_at_a_small_shape_picks_the_fastest_eligible():
     assert f"{report['chosen']} " in report["reason"] and "ms" in report["reason"]
 
 
+def test_the_block_is_fp32_whatever_dtype_the_config_names():
+    """A published folder's config says bfloat16 (Step-3.5-Flash's does); moeflow holds models in fp32, and the
+    timed block with them (its inputs are fp32)."""
+    bf16 = X.moe_block(tiny_model_cfg(torch_dtype="bfloat16"), MICRO_BATCH, SEQ_LEN, CPU)
+    assert {p.dtype for p in bf16.module.parameters()} == {torch.float32}
+    X.block_runner(bf16, "fp32")(X.REFERENCE)
+
+
 def test_an_implementation_that_disagrees_with_eager_is_not_eligible_even_when_fastest(block):
     run = X.block_runner(block, "fp32")
     plants = {

@@ -142,8 +142,8 @@ def moe_block(model_cfg: Mapping[str, Any], micro_batch_size: int, seq_len: int,
 
     config = model_config(model_cfg)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=model_section(model_cfg)["trust_remote_code"]
+        model = AutoModelForCausalLM.from_config(  # fp32 as moeflow holds every model, whatever the folder's dtype
+            config, torch_dtype=torch.float32, trust_remote_code=model_section(model_cfg)["trust_remote_code"]
         )
     adapter = adapter_or_none(model)
     if adapter is None:
