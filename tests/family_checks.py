@@ -263,12 +263,12 @@ def check_parameter_categories(model_type: str) -> None:
     names = dict(model.named_parameters())
     found = {name: P.category(name) for name in names}
     assert None not in found.values(), f"uncategorised: {[n for n, c in found.items() if c is None]}"
-    routers = {n for n, c in found.items() if c == P.ROUTER}
+    mtp = mtp_prefixes(model)  # MTP layers: named as decoder layers, carried frozen, never routed
+    assert all(not p.requires_grad for n, p in names.items() if is_mtp_name(n, mtp))
+    routers = {n for n, c in found.items() if c == P.ROUTER and not is_mtp_name(n, mtp)}
     router_ids = {id(p) for site in adapter.sites for p in site.router.parameters()}
     router_params = {name for name, p in names.items() if id(p) in router_ids}
     assert routers == router_params, f"router category {sorted(routers)}, the adapter's routers {sorted(router_params)}"
-    mtp = mtp_prefixes(model)  # MTP layers: carried, frozen, never routed
-    assert all(not p.requires_grad for n, p in names.items() if is_mtp_name(n, mtp))
     experts = {n for n, c in found.items() if c in (P.ROUTED_EXPERTS, P.EXPERT_BIASES) and not is_mtp_name(n, mtp)}
     assert experts and {P.layer_index(n) for n in experts} == set(adapter.moe_layers)
     assert any(c == P.NORMS for c in found.values())
