@@ -2,10 +2,10 @@
 on the coverage validation set; save the final model (HF-sharded safetensors streamed one tensor at a time by
 moeflow.checkpoint.export, with the base folder's config.json, tokenizer and other files: loadable with
 AutoModelForCausalLM/AutoTokenizer.from_pretrained and a drop-in for the base folder; LoRA adapters merged in;
-MTP layers carried), the adapter (a LoRA run's
-peft adapter, or a full run's method marker; moeflow.model.lora.save_adapter_output) and the run's TensorBoard
-logs, metrics.jsonl (warmup steps included) and summary.json (which says whether MTP layers trained). Started through torchrun by its rule: every rank runs
-this script, the layout is the config's ``parallel`` section (moeflow.distributed), rank 0 writes."""
+MTP layers carried), the adapter (a LoRA run's peft adapter, or a full run's method marker;
+moeflow.model.lora.save_adapter_output) and the run's TensorBoard logs, metrics.jsonl (warmup steps included)
+and summary.json (which says whether MTP layers trained). Started through torchrun by its rule: every rank
+runs this script, the layout is the config's ``parallel`` section (moeflow.distributed), rank 0 writes."""
 
 from pathlib import Path
 
