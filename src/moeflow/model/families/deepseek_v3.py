@@ -25,7 +25,7 @@ class DeepseekV3MTPLayer(shipped.DeepseekV3DecoderLayer):
     """A published MTP layer: the decoder layer of index ``num_hidden_layers + depth`` (MoE, as layers from
     ``first_k_dense_replace`` on are) and the MTP modules."""
 
-    is_mtp_layer = True
+    is_mtp_layer = True  # moeflow.model.families.mtp.MTP_FLAG
 
     def __init__(self, config: DeepseekV3Config, layer_idx: int):
         super().__init__(config, layer_idx)
