@@ -14,7 +14,6 @@ from tiny_models import (
     FAMILY_CONFIGS,
     MOE_LAYERS,
     SEQ,
-    TRANSFORMERS_5_ONLY,
     VOCAB,
     build_family,
     model_config,
@@ -25,6 +24,8 @@ from moeflow.data.collate import collate, model_inputs
 from moeflow.model import parameters as P
 from moeflow.model.chunked_loss import next_token_targets
 from moeflow.model.factory import make_model
+from moeflow.model.families import registry
+from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import SIGMOID, UnsupportedModel, adapter_for, capture
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
@@ -54,15 +55,10 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-6 if dtype == torch.float64 else 1e-4
 
 
-def require_family(model_type: str) -> None:
-    if model_type in TRANSFORMERS_5_ONLY:
-        compat.require_transformers_v5(f"{model_type} (transformers 4.57 has no such model)")
-
-
 def build(model_type: str, attn: str = "eager", seed: int = 0):
     """The family's tiny model; a family the stack lacks, or an attention implementation the model does not
-    take, is refused (transformers raises a ValueError naming the implementation)."""
-    require_family(model_type)
+    take, is refused (moeflow.model.families names the stack; transformers raises a ValueError naming the
+    implementation)."""
     try:
         return build_family(model_type, attn, dtype_for(model_type), seed)
     except ValueError as exc:
@@ -72,13 +68,8 @@ def build(model_type: str, attn: str = "eager", seed: int = 0):
 
 
 def causal_lm_config(model_type: str) -> dict:
-    """The model config of a family that has a causal-LM class (what moeflow trains); refused otherwise."""
-    require_family(model_type)
-    if model_type == "step3p5":
-        raise compat.UnsupportedOnStack(
-            "transformers 5.24 has step3p5's text model (inside step3p7) but no causal-LM class for it, and the "
-            "published checkpoint's own code needs trust_remote_code"
-        )
+    """The model config of a family's tiny causal LM (what moeflow trains); refused on a stack without it."""
+    registry.require_stack(model_type)
     return model_config(model_type)
 
 
@@ -156,7 +147,8 @@ def reference_routing(model_type: str, site, hidden: torch.Tensor):
             biased = biased.masked_fill(~allowed.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
         index = biased.topk(k, dim=-1).indices
         weight = scores.gather(1, index)
-        weight = weight / weight.sum(-1, keepdim=True) * config.get("routed_scaling_factor", 1.0)
+        scale = config.get("routed_scaling_factor", config.get("moe_router_scaling_factor", 1.0))
+        weight = weight / weight.sum(-1, keepdim=True) * scale
     else:
         raise AssertionError(model_type)
     return logits, index, weight
@@ -274,11 +266,13 @@ def check_parameter_categories(model_type: str) -> None:
     names = dict(model.named_parameters())
     found = {name: P.category(name) for name in names}
     assert None not in found.values(), f"uncategorised: {[n for n, c in found.items() if c is None]}"
-    routers = {n for n, c in found.items() if c == P.ROUTER}
+    mtp = mtp_prefixes(model)  # MTP layers: named as decoder layers, carried frozen, never routed
+    assert all(not p.requires_grad for n, p in names.items() if is_mtp_name(n, mtp))
+    routers = {n for n, c in found.items() if c == P.ROUTER and not is_mtp_name(n, mtp)}
     router_ids = {id(p) for site in adapter.sites for p in site.router.parameters()}
     router_params = {name for name, p in names.items() if id(p) in router_ids}
     assert routers == router_params, f"router category {sorted(routers)}, the adapter's routers {sorted(router_params)}"
-    experts = {n for n, c in found.items() if c in (P.ROUTED_EXPERTS, P.EXPERT_BIASES)}
+    experts = {n for n, c in found.items() if c in (P.ROUTED_EXPERTS, P.EXPERT_BIASES) and not is_mtp_name(n, mtp)}
     assert experts and {P.layer_index(n) for n in experts} == set(adapter.moe_layers)
     assert any(c == P.NORMS for c in found.values())
     assert any(c == P.SHARED_EXPERTS for c in found.values()) == (model_type in SHARED_EXPERTS)

@@ -86,10 +86,12 @@ ROWS = (
         frozenset({"choose_experts", *AFTER_BASE_MODEL}),
     ),
     Row(
-        "a model's transformers config and class, its typed settings, the folder checks",
+        "a model's transformers config and class (the families moeflow registers), its typed settings, the "
+        "folder checks",
         (
             "src/moeflow/model/__init__.py",
             "src/moeflow/model/configs.py",
+            "src/moeflow/model/families/*",
             "src/moeflow/model/settings.py",
             "src/moeflow/model/folder.py",
         ),

@@ -2,7 +2,8 @@
 
 Sliding windows where the family has them (mixed sliding/full layers for gpt_oss, qwen2_moe on transformers 5
 and step3p5), shared experts, dense first layers, group-limited routing, correction biases of both signs,
-expert and router biases (gpt_oss), tied and untied embeddings. ``build_family`` gives a model in float64 on
+expert and router biases (gpt_oss), tied and untied embeddings, step3p5's per-layer-type head counts, partial
+rotary, SwiGLU clamps, routed scaling and MTP layers. ``build_family`` gives a model in float64 on
 the CPU (eager experts on transformers 5: grouped_mm rejects float64 on the CPU).
 """
 
@@ -11,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from moeflow.model.factory import make_model
+from moeflow.model.families import registry
 from moeflow.model.routing import adapter_for
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
-from moeflow.runtime import compat
 from moeflow.settings import typed
 
 VOCAB = 128
@@ -78,6 +79,7 @@ FAMILY_CONFIGS = {
         "qk_nope_head_dim": 8,
         "v_head_dim": 8,
         "num_key_value_heads": 2,
+        "num_nextn_predict_layers": 1,  # the published MTP layer (MoE, its own embedding and head), on both stacks
     },
     # layer_types alternate sliding/full by default; experts and router carry biases
     "gpt_oss": {
@@ -95,22 +97,33 @@ FAMILY_CONFIGS = {
         "num_experts_per_tok": 2,
         "tie_word_embeddings": True,
     },
+    # The published model's features (moeflow.model.families.step3p5): 4 query heads on sliding layers and 2 on
+    # full ones, sliding:full 3:1, partial rotary and another rope theta on full layers, head-wise attention
+    # gates (on by default), SwiGLU clamps that bite at this size (routed and shared), routed scaling 3.0, a
+    # shared expert, a dense first layer, and 2 MTP layers (per-layer lists carry their entries, as published).
     "step3p5": {
         "intermediate_size": 64,
         "moe_intermediate_size": 16,
         "share_expert_dim": 16,
         "head_dim": 16,
-        "num_hidden_layers": 3,
+        "num_hidden_layers": 4,
+        "num_sliding_attention_heads": 4,
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
-        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "moe_router_scaling_factor": 3.0,
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "dense", "dense"],
         "sliding_window": WINDOW,
-        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2,
+        "rope_theta": [10000.0] * 3 + [5000000.0] + [10000.0] * 2,
+        "partial_rotary_factors": [1.0] * 3 + [0.5] + [1.0] * 2,
+        "swiglu_limits": [0.0, 0.0, 0.05, 0.05, 0.0, 0.0],
+        "swiglu_limits_shared": [0.0, 0.0, 0.05, 0.05, 0.0, 0.0],
+        "num_nextn_predict_layers": 2,
     },
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
-MOE_LAYERS = {"deepseek_v3": [1, 2], "step3p5": [1, 2]}  # the others: [0, 1]
-TRANSFORMERS_5_ONLY = ("step3p5",)
+TRANSFORMERS_5_ONLY = registry.CURRENT_STACK_ONLY  # refused on the pinned stack, naming the current one
+MOE_LAYERS = {"deepseek_v3": [1, 2], "step3p5": [1, 2, 3]}  # the others: [0, 1]
 
 
 # Tests build models outside a stage, without a measured choice: eager experts (transformers 4.57's only loop;
@@ -135,26 +148,10 @@ def folder_settings(**keys) -> ModelSettings:
 
 def build_family(model_type: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0):
     """A family's tiny model in ``dtype``, in eval mode, with routers spread far from ties."""
-    if model_type == "step3p5":
-        model = _step3p5_text_model(attn, seed)
-    else:
-        model = make_model(typed(ModelSettings, model_config(model_type, attn)), vocab_size=VOCAB, seed=seed)
+    model = make_model(typed(ModelSettings, model_config(model_type, attn)), vocab_size=VOCAB, seed=seed)
     model = model.to(dtype)
     spread_routers(model, seed)
     return model.eval()
-
-
-def _step3p5_text_model(attn: str, seed: int):
-    """Step-3.5's text model: transformers 5 ships it (model_type step3p5) inside step3p7, without a causal-LM
-    class; the published checkpoint's own code needs trust_remote_code."""
-    compat.require_transformers_v5("step3p5")
-    from transformers import AutoConfig
-    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
-
-    config = AutoConfig.for_model("step3p5", vocab_size=VOCAB, **COMMON, **FAMILY_CONFIGS["step3p5"])
-    config._attn_implementation = attn
-    torch.manual_seed(seed)
-    return Step3p7TextModel(config)
 
 
 def spread_routers(model, seed: int = 0) -> None:

@@ -34,8 +34,12 @@ Stacks: `pinned` (torch 2.3.1, transformers 4.57.1) and `current` (torch 2.13, t
 Each family's tiny model (`tests/tiny_models.py`) has its distinctive features on: sliding windows
 (qwen2_moe, qwen3_moe, mixtral, gpt_oss and step3p5, mixed with full-attention layers where the family
 does that), shared experts, dense first layers, DeepSeek-V3's group-limited routing with correction biases
-of both signs, GPT-OSS's expert and router biases, tied and untied embeddings; float64 except transformers
-4.57's DeepSeek-V3 (float32: it routes in float32 and adds the experts' outputs into a float32 buffer).
+of both signs, GPT-OSS's expert and router biases, tied and untied embeddings, MTP layers (DeepSeek-V3 and
+Step-3.5-Flash, carried frozen); Step-3.5-Flash (moeflow's `Step3p5ForCausalLM` on transformers 5's decoder)
+with 4 query heads on its sliding layers and 2 on its full one (3:1), partial rotary, head-wise attention
+gates, SwiGLU clamps that bite, a sigmoid router with expert-choice bias and routed scaling 3.0; float64
+except transformers 4.57's DeepSeek-V3 (float32: it routes in float32 and adds the experts' outputs into a
+float32 buffer).
 
 - packing: each packed document's outputs equal the document run alone (1e-6 in float64, 1e-4 in float32).
 - routing: the captured routing (logits, chosen experts, gate weights, probabilities) equals a hand reference.

@@ -248,6 +248,21 @@ def test_default_and_smoke_configs_are_valid():
         )
 
 
+def test_stepfuns_recipe_sets_their_values_with_a_source_on_every_line():
+    """config/recipes/step3p5-flash-sft.yaml: StepFun's SFT values in moeflow's keys, each line saying where it
+    comes from or what moeflow does instead; a valid overlay (the pinned stack refuses the model folder it is
+    used with: tests/pipeline/test_step3p5_pipeline.py)."""
+    path = REPO_ROOT / "config" / "recipes" / "step3p5-flash-sft.yaml"
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":"):  # a value
+            assert "#" in line and ("StepFun" in line or "moeflow" in line), f"{path.name}:{number}: {line}"
+    train = run_config(load(path), "moe")["train"]
+    assert (train["method"], train["optimizer"], train["order"]) == ("full", "adamw", "sequential")
+    assert (train["lr"], train["min_lr"], train["warmup_steps"], train["weight_decay"]) == (1e-5, 5e-6, 140, 0.1)
+    assert train["balance"]["coef"] == 0 and train["balance"]["bias_update_rate"] == 0
+    assert train["gradient_checkpointing"] and "Muon" in path.read_text()
+
+
 def test_wrong_type_names_the_key():
     with pytest.raises(ConfigError) as err:
         load(overrides={"data": {"seq_len": "long"}})

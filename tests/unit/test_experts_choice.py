@@ -9,9 +9,10 @@ import pytest
 import torch
 import yaml
 from conftest import SMOKE, copy_workflow, snakemake
-from tiny_models import tiny_dense_cfg, tiny_model_cfg
+from tiny_models import model_config, tiny_dense_cfg, tiny_model_cfg
 
 from moeflow.model import experts_choice as X
+from moeflow.model.folder import ModelError
 from moeflow.model.settings import ModelSettings
 from moeflow.paper.build import experts_choice_line
 from moeflow.runtime import compat
@@ -77,6 +78,14 @@ def test_a_real_timing_at_a_small_shape_picks_the_fastest_eligible():
     assert f"{report['chosen']} " in report["reason"] and "ms" in report["reason"]
 
 
+def test_the_block_is_fp32_whatever_dtype_the_config_names():
+    """A published folder's config says bfloat16 (Step-3.5-Flash's does); moeflow holds models in fp32, and the
+    timed block with them (its inputs are fp32)."""
+    bf16 = X.moe_block(tiny_model_cfg(torch_dtype="bfloat16"), MICRO_BATCH, SEQ_LEN, CPU)
+    assert {p.dtype for p in bf16.module.parameters()} == {torch.float32}
+    X.block_runner(bf16, "fp32")(X.REFERENCE)
+
+
 def test_an_implementation_that_disagrees_with_eager_is_not_eligible_even_when_fastest(block):
     run = X.block_runner(block, "fp32")
     plants = {
@@ -127,6 +136,51 @@ def test_a_failing_implementation_is_not_eligible(block):
 
     results = X.compare(planted(X.block_runner(block, "fp32"), {"broken": broken}), ["eager", "broken"], "fp32")
     assert results["broken"] == {"eligible": False, "reason": "fails here: RuntimeError: no kernel for this dtype"}
+
+
+V5 = pytest.mark.skipif(not compat.is_transformers_v5(), reason="experts implementations and step3p5: transformers 5")
+
+
+@V5
+def test_step3p5_experts_really_run_grouped_and_batched_mm_and_agree_with_eager():
+    """Step3p7Experts opts out of transformers' experts implementations; moeflow's Step3p5Experts (decorated
+    with use_experts_implementation) runs them, and they agree with eager at the tiny model's shape."""
+    report = X.measure(auto(model_config("step3p5")), MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+    results = report["implementations"]
+    assert report["shape"]["model_type"] == "step3p5" and report["shape"]["layer"] == 1  # layer 0 is dense
+    for name in ("grouped_mm", "batched_mm"):
+        assert results[name]["eligible"] and results[name]["max_relative_difference"] < 1e-5, results[name]
+
+
+@V5
+def test_experts_that_ignore_the_switch_are_not_eligible():
+    """transformers' own Step3p7Experts take the config's implementation and silently run their loop: the
+    timing sees that the implementation was never called."""
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7Experts
+
+    block = X.moe_block(model_config("step3p5"), MICRO_BATCH, SEQ_LEN, CPU)
+    shipped = Step3p7Experts(block.model.config).to(CPU)
+    with torch.no_grad():
+        for name, param in shipped.named_parameters():
+            param.copy_(getattr(block.module.experts, name))
+    block.module.experts = shipped
+    results = X.compare(X.block_runner(block, "fp32"), ["eager", "grouped_mm", "batched_mm"], "fp32")
+    for name in ("grouped_mm", "batched_mm"):
+        assert not results[name]["eligible"] and "never called" in results[name]["reason"], results[name]
+    assert X.choose(results)[0] == "eager"
+
+
+@V5
+def test_a_model_class_that_opts_out_is_offered_eager_only_and_an_explicit_choice_is_refused(monkeypatch):
+    from moeflow.model.families.step3p5 import Step3p5ForCausalLM
+
+    monkeypatch.setattr(Step3p5ForCausalLM, "_can_set_experts_implementation", classmethod(lambda cls: False))
+    report = X.measure(auto(model_config("step3p5")), MICRO_BATCH, SEQ_LEN, CPU, "fp32")
+    assert report["chosen"] == "eager"
+    assert "opt out" in report["implementations"]["grouped_mm"]["reason"], report["implementations"]
+    explicit = model_config("step3p5") | {"experts_implementation": "grouped_mm"}
+    with pytest.raises(ModelError, match="'model.experts_implementation': grouped_mm cannot run for this model"):
+        X.measure(explicit, MICRO_BATCH, SEQ_LEN, CPU, "fp32")
 
 
 def test_the_choice_file_holds_the_choice_and_its_shape_and_no_timings():

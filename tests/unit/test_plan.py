@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from conftest import active_stack
+from tiny_models import TRANSFORMERS_5_ONLY
 
 from moeflow.model.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
@@ -30,6 +31,7 @@ from moeflow.train.settings import LoraSettings
 from moeflow.workflow.keys import plan_settings
 from moeflow.workflow.load import load, run_config
 
+V5_ONLY = pytest.mark.skipif(not compat.is_transformers_v5(), reason="step3p5 exists in transformers 5 only")
 STEP3P5 = REPO_ROOT / "config" / "models" / "step3p5-flash.yaml"
 QWEN3_30B = REPO_ROOT / "config" / "models" / "qwen3-30b-a3b.yaml"
 SMALL = {
@@ -73,6 +75,7 @@ FAMILY_CONFIGS = {
         "n_shared_experts": 1,
         "first_k_dense_replace": 1,
         "q_lora_rank": 24,
+        "num_nextn_predict_layers": 1,  # an MTP layer (MoE, its own embedding and head), as published
         **MLA,
     },
     "deepseek_v3-no-q-lora": {
@@ -83,6 +86,7 @@ FAMILY_CONFIGS = {
         "n_shared_experts": 2,
         "first_k_dense_replace": 2,
         "q_lora_rank": None,
+        "num_nextn_predict_layers": 0,  # transformers 5 defaults to 1, 4.57 has no such key
         **MLA,
     },
     "gpt_oss": {
@@ -91,7 +95,23 @@ FAMILY_CONFIGS = {
         "num_experts_per_tok": 2,
         "layer_types": ["full_attention", "sliding_attention", "full_attention"],
     },
+    # the published model's shape features: other head counts on sliding layers, a dense first layer, 2 MTP
+    # layers (one sliding and dense, one full and MoE) whose types follow the main layers' in the lists
+    "step3p5": {
+        "head_dim": 16,
+        "num_sliding_attention_heads": 6,
+        "n_routed_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "share_expert_dim": 24,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]
+        + ["full_attention"],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "sparse"],
+        "num_nextn_predict_layers": 2,
+        "tie_word_embeddings": False,
+    },
 }
+FAMILY_NAMES = [pytest.param(n, marks=[V5_ONLY] if n in TRANSFORMERS_5_ONLY else []) for n in sorted(FAMILY_CONFIGS)]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +131,7 @@ def settings_of(*overlays, overrides=None) -> dict:
 # --------------------------------------------------------------------------- parameter counts
 
 
-@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_formula_matches_the_meta_device_count(name):
     shape, exact, formula = count_parameters(model_section(name), tokenizer_vocab=300)
     assert exact.method == "meta"
@@ -122,10 +142,12 @@ def test_formula_matches_the_meta_device_count(name):
     )
     assert formula.active == exact.active < exact.total
     assert formula.largest_tensor == exact.largest_tensor  # the export's one whole gathered tensor
+    assert formula.largest_layer_routed == exact.largest_layer_routed
+    assert formula.moe_layer_without_routed == exact.moe_layer_without_routed
     assert exact.by_category["routed_experts"] > 0 and exact.by_category["router"] > 0
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss", pytest.param("step3p5", marks=V5_ONLY)])
 def test_meta_count_matches_a_real_model(name):
     section = model_section(name)
     _, exact, _ = count_parameters(section, tokenizer_vocab=300)
@@ -138,9 +160,10 @@ def test_shared_experts_and_dense_first_layers_are_counted():
     assert shape.dense_layers == (0,) and shape.moe_layers == (1, 2)
     assert formula.by_category["dense_ffn"] == 3 * 64 * 96
     assert formula.by_category["shared_experts"] == 2 * 3 * 64 * 32
-    # active: everything but the routed experts, plus top_k / num_experts of them
-    routed = formula.by_category["routed_experts"]
-    assert formula.active == formula.total - routed + routed * 2 // 8
+    # active: everything but the routed experts and the MTP layer, plus top_k / num_experts of the routed experts
+    routed, mtp = formula.by_category["routed_experts"], formula.by_category["mtp"]
+    assert mtp > 2 * 300 * 64  # its embedding and output layer
+    assert formula.active == formula.total - mtp - routed + routed * 2 // 8
 
 
 def test_tied_embeddings_are_counted_once():
@@ -148,46 +171,23 @@ def test_tied_embeddings_are_counted_once():
     assert tied.by_category["lm_head"] == 0 and tied.by_category["embedding"] == 300 * 64
 
 
-def test_step3p5_flash_has_about_196b_parameters_11b_active():
+def test_step3p5_flash_counts_the_published_shape():
+    """196.96B parameters in the model with 96 query heads on its 33 sliding-window layers (195.84B if they had
+    the full layers' 64), plus 2.43B in its 3 MTP layers; on transformers 5 counted on the meta device
+    (moeflow.model.families.step3p5), the closed form agreeing on both stacks."""
     settings = settings_of(STEP3P5)
     shape, counted, formula = count_parameters(settings["model"], settings["vocab_size"])
-    assert counted.method == "formula"  # no transformers causal-LM class knows step3p5
+    assert counted.method == ("meta" if compat.is_transformers_v5() else "formula")
     assert shape.vocab_size == 128_896 and len(shape.moe_layers) == 42 and shape.dense_layers == (0, 1, 2)
     assert (shape.num_experts, shape.top_k, shape.expert_ffn, shape.shared_ffn) == (288, 8, 1280, 1280)
-    assert counted.total == pytest.approx(196e9, rel=0.01)
-    assert counted.active == pytest.approx(11e9, rel=0.03)
-
-
-@pytest.mark.skipif(not compat.is_transformers_v5(), reason="transformers 5 ships the Step3p7 text model")
-def test_step3p5_formula_matches_transformers_step3p7_text_model():
-    import torch
-    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
-
-    from moeflow.model.configs import build_config
-
-    settings = settings_of(STEP3P5)
-    small = {
-        **settings["model"],
-        "config": {
-            **settings["model"]["config"],
-            "hidden_size": 64,
-            "num_hidden_layers": 5,
-            "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 3,
-            "layer_types": ["full_attention"] * 5,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "intermediate_size": 96,
-            "n_routed_experts": 6,
-            "moe_intermediate_size": 32,
-            "share_expert_dim": 24,
-            "vocab_size": 300,
-        },
-    }
-    with torch.device("meta"):
-        model = Step3p7TextModel(build_config(small["config"], 300))
-    _, counted, _ = count_parameters(small)
-    assert counted.total == sum(p.numel() for p in model.parameters()) + 300 * 64  # + the untied LM head
+    assert sorted(set(shape.layer_heads)) == [64, 96] and shape.layer_heads.count(96) == 33
+    assert shape.mtp_heads == (96, 96, 96) and shape.mtp_moe == (False, False, False)
+    assert counted.without_mtp == 196_956_118_272 and counted.by_category["mtp"] == 2_428_171_008
+    assert formula.by_category == counted.by_category
+    # StepFun's "11B active" is without the embedding and the LM head (10.93B; 11.99B with them)
+    assert counted.active - counted.embeddings == pytest.approx(11e9, rel=0.01)
+    sixty_four = {**settings["model"], "config": {**settings["model"]["config"], "num_sliding_attention_heads": 64}}
+    assert count_parameters(sixty_four)[1].without_mtp == 195_844_496_640
 
 
 def test_qwen3_30b_a3b_counts_like_the_published_model():
@@ -286,7 +286,7 @@ def test_full_fine_tune_of_step3p5_flash_on_one_24gb_card_is_refused_with_the_nu
         enforce(result)
     message = str(err.value)
     gib = result["per_device_gib"]
-    assert "195.84B parameters (10.88B active per token)" in message
+    assert "196.96B parameters (11.99B active per token) and 2.43B in MTP layers (carried frozen)" in message
     assert "1 x cuda of 23.7 GiB" in message and "does not fit" in message
     assert f"per device {gib['total']:.2f} GiB" in message and f"AdamW states {gib['optimizer']:.2f} GiB" in message
     assert "weights, gradients and AdamW states alone" in message

@@ -37,6 +37,7 @@ GIB = 2**30
 MODELS = REPO_ROOT / "config" / "models"
 QWEN3_30B = MODELS / "qwen3-30b-a3b.yaml"
 STEP3P5 = MODELS / "step3p5-flash.yaml"
+MULTINODE = REPO_ROOT / "profiles" / "slurm-multinode" / "moeflow.yaml"
 
 # Qwen3-30B-A3B: hidden 2048, 48 layers (all MoE), 32 query / 4 KV heads of 128, 128 experts of width 768,
 # top-8, vocabulary 151,936, embedding and LM head untied.
@@ -249,12 +250,22 @@ def test_a_job_whose_checkpoint_does_not_fit_is_refused_naming_it(qwen, env_repo
 
 # --------------------------------------------------------------------------- Step-3.5-Flash
 
-# hidden 4096, 45 layers (0-2 dense of width 11,264, 3-44 MoE), 64 query / 8 KV heads of 128, a sigmoid gate
-# per head, 288 experts of width 1280, top-8, one shared expert of width 1280, vocabulary 128,896, untied.
-STEP_TOTAL = 195_844_496_640
-STEP_ATTENTION = 4096 * 8192 + 2 * 4096 * 1024 + 8192 * 4096 + 2 * 128 + 4096 * 64  # q, k, v, o, norms, g_proj
-STEP_DENSE_LAYER = STEP_ATTENTION + 2 * 4096 + 3 * 4096 * 11264
-STEP_MOE_LAYER_WITHOUT_ROUTED = STEP_ATTENTION + 2 * 4096 + 3 * 4096 * 1280 + 288 * 4096  # + shared, router
+# hidden 4096, 45 layers (0-2 dense of width 11,264, 3-44 MoE), 8 KV heads of 128 and 64 query heads on the 12
+# full-attention layers (0, 4, ..., 44), 96 on the 33 sliding-window ones, a sigmoid gate per query head, 288
+# experts of width 1280, top-8, one shared expert of width 1280, vocabulary 128,896, untied; 3 MTP layers
+# (sliding, dense: the decoder layer, enorm, hnorm, eh_proj 8192 x 4096, the shared head's norm and output layer).
+STEP_TRAINED = 196_956_118_272  # all but the MTP layers
+
+
+def step_attention(heads: int) -> int:
+    return 4096 * heads * 128 + 2 * 4096 * 1024 + heads * 128 * 4096 + 2 * 128 + 4096 * heads  # q k v o norms gate
+
+
+STEP_DENSE_LAYER = step_attention(96) + 2 * 4096 + 3 * 4096 * 11264  # layers 1 and 2 (layer 0 has 64 heads)
+STEP_MOE_LAYER_WITHOUT_ROUTED = step_attention(96) + 2 * 4096 + 3 * 4096 * 1280 + 288 * 4096  # + shared, router
+STEP_ROUTED = 288 * 3 * 4096 * 1280  # one layer's routed experts
+STEP_MTP = 3 * (STEP_DENSE_LAYER + 2 * 4096 + 8192 * 4096 + 4096 + 128_896 * 4096)
+STEP_TOTAL = STEP_TRAINED + STEP_MTP
 STEP_ROOT = 2 * 128_896 * 4096 + 4096
 STEP_TOKENS = 2 * 2048
 
@@ -265,7 +276,7 @@ def step_loss_bytes(tokens: int) -> int:
 
 
 def step_activation_bytes(tokens: int) -> int:
-    attention = 2 * 4096 + (64 + 2 * 8) * 128 + 64 * 128 + 64 + 64  # ... softmax stats, head gates
+    attention = 2 * 4096 + (96 + 2 * 8) * 128 + 96 * 128 + 96 + 96  # ... softmax stats, head gates (96 heads)
     moe = 2 * 288 + 8 * (2 * 4096 + 3 * 1280) + 3 * 1280 + 4096  # router, 8 experts, the shared expert
     return tokens * (attention + 2 * 4096 + moe - 4096 + 2 * 4096) * 2  # the MoE layer is the largest
 
@@ -279,32 +290,43 @@ def step():
 
 def test_step3p5_flash_on_its_24gb_card_by_hand(step, env_report):
     shape, count, job = step
-    assert count.total == STEP_TOTAL and (job.num_devices, job.micro_batch_size, job.seq_len) == (1, 2, 2048)
+    assert (count.total, count.without_mtp) == (STEP_TOTAL, STEP_TRAINED)
+    assert (job.num_devices, job.micro_batch_size, job.seq_len) == (1, 2, 2048)
     mem = memory_per_device(shape, count, job)
     assert mem["unsharded_layer"] == mem["prefetched_layer"] == mem["layer_gradient_reduce"] == mem["root_unit"] == 0
     assert mem["residual_stream"] == STEP_TOKENS * 45 * 4096 * 4  # fp32 on one card (autocast)
     assert mem["activations"] == step_activation_bytes(STEP_TOKENS)
     assert mem["loss"] == step_loss_bytes(STEP_TOKENS)
-    assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * STEP_TOTAL
+    # bf16 weights of everything; bf16 gradients, AdamW's moments and fp32 masters of all but the frozen MTP layers
+    assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 2 * STEP_TOTAL + 14 * STEP_TRAINED
     result = plan(settings_of(STEP3P5), env_report)
     assert result["device_memory_bytes"] == int(23.68 * GIB) and result["verdict"] == "does_not_fit"
 
 
 def test_step3p5_flash_on_the_multinode_profile_by_hand(step, env_report):
-    """48 x 80 GB in 6 nodes of 8, expert parallelism (profiles/slurm-multinode): only a layer's dense part
-    is gathered (the largest is a dense layer), and the root unit (1.06B parameters) weighs most."""
+    """48 x 80 GB in 6 nodes of 8, the profile's expert parallelism (EP 8: each rank runs 36 of a layer's 288
+    experts, FSDP-sharded over the 6 ranks that hold the same ones, so gathered over those with the layer's
+    dense part), and the root unit (1.06B parameters). The MTP layers never run: never gathered."""
     shape, count, job = step
     assert count.largest_layer_without_routed == max(STEP_DENSE_LAYER, STEP_MOE_LAYER_WITHOUT_ROUTED)
     assert count.largest_layer_without_routed == STEP_DENSE_LAYER
-    ep = dataclasses.replace(job, num_devices=48, expert_parallel=True, ranks_per_node=8)
+    assert (count.moe_layer_without_routed, count.largest_layer_routed) == (STEP_MOE_LAYER_WITHOUT_ROUTED, STEP_ROUTED)
+    cluster = plan_settings(run_config(load(STEP3P5, MULTINODE), "moe"))
+    ep = Job.from_settings(cluster)
+    assert (ep.num_devices, ep.ep_size, ep.shard_ranks, ep.ranks_per_node, ep.expert_parallel) == (48, 8, 48, 8, True)
     mem = memory_per_device(shape, count, ep)
-    assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 16 * STEP_TOTAL // 48
-    assert mem["unsharded_layer"] == STEP_DENSE_LAYER * 4 and mem["prefetched_layer"] == STEP_DENSE_LAYER * 2
-    assert mem["layer_gradient_reduce"] == STEP_DENSE_LAYER * 4 and mem["root_unit"] == STEP_ROOT * 4
+    assert mem["weights"] + mem["gradients"] + mem["optimizer"] == -(-2 * STEP_TOTAL // 48) + 14 * STEP_TRAINED // 48
+    unit = STEP_MOE_LAYER_WITHOUT_ROUTED + STEP_ROUTED // 8  # larger than the dense layers
+    assert unit > STEP_DENSE_LAYER
+    assert mem["unsharded_layer"] == unit * 4 and mem["prefetched_layer"] == unit * 2
+    assert mem["layer_gradient_reduce"] == unit * 4 and mem["root_unit"] == STEP_ROOT * 4
+    # with EP over all 48 ranks each rank holds its 6 experts alone: only the dense part is gathered
+    alone = memory_per_device(shape, count, dataclasses.replace(ep, ep_size=48))
+    assert alone["unsharded_layer"] == STEP_DENSE_LAYER * 4
     assert mem["residual_stream"] == STEP_TOKENS * 45 * 4096 * 2  # bf16 under FSDP mixed precision
     assert mem["activations"] == step_activation_bytes(STEP_TOKENS) and mem["loss"] == step_loss_bytes(STEP_TOKENS)
     visible = int(79.11 * GIB)
-    assert verdict(mem["total"], visible) == "tight"  # 73.00 GiB (77.14 with the full logits)
+    assert verdict(mem["total"], visible) == "tight"
     five_nodes = memory_per_device(shape, count, dataclasses.replace(ep, num_devices=40))
     assert verdict(five_nodes["total"], visible) == "does_not_fit"
     # the load phase: each rank allocates only its share (fp32); its host reads one tensor's owned rows at a time

@@ -23,6 +23,7 @@ from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training
 
 from moeflow.checkpoint.state import latest_checkpoint
 from moeflow.data.collate import collate
+from moeflow.data.order import DataOrder, DataOrderError
 from moeflow.model.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.parallel.settings import ParallelSettings
@@ -243,6 +244,23 @@ def test_loss_free_balancing_moves_the_deepseek_correction_bias():
     counts = torch.tensor([r["routing"][0]["load"] for r in trainer.train_records()], dtype=torch.float64)
     expected = (rate * torch.sign(counts.mean(-1, keepdim=True) - counts)).sum(0)
     assert torch.allclose(bias.double(), expected, atol=1e-6) and bias.abs().sum() > 0
+
+
+def test_sequential_order_takes_the_rows_as_stored_every_epoch_and_resumes_only_in_that_order():
+    """train.order: sequential (StepFun's recipe): the rows in their stored order each epoch, where shuffled
+    permutes them; the trainer takes its micro-batches in that order, and a checkpoint's position does not load
+    into the other order."""
+    sequential, shuffled = DataOrder(5, seed=3, order="sequential"), DataOrder(5, seed=3)
+    assert sequential.take(7) == [0, 1, 2, 3, 4, 0, 1]
+    assert sorted(shuffled.take(5)) == [0, 1, 2, 3, 4] and shuffled.state_dict()["order"] == "shuffled"
+    assert DataOrder(5, seed=3).take(5) != [0, 1, 2, 3, 4]  # this seed does permute
+    with pytest.raises(DataOrderError, match="sequential order"):
+        DataOrder(5, seed=3).load_state_dict(sequential.state_dict())
+    rows = packed_rows()
+    trainer = make_trainer(train_settings=settings(order="sequential", grad_accum_steps=1))
+    taken = [b["input_ids"] for b in trainer.micro_batches() + trainer.micro_batches()]
+    want = [collate(rows[i : i + 2])["input_ids"] for i in (0, 2)]
+    assert all(torch.equal(got, exp) for got, exp in zip(taken, want, strict=True))
 
 
 # --------------------------------------------------------------------------- logs

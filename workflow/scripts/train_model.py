@@ -1,10 +1,11 @@
 """Stage train_model: continue from the warmup checkpoint with cosine decay to train.steps, evaluating
-on the coverage validation set; save the final model (HF-sharded safetensors + tokenizer, streamed one tensor
-at a time by moeflow.checkpoint.export: loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained; LoRA adapters
-merged in), the adapter (a LoRA run's
-peft adapter, or a full run's method marker; moeflow.model.lora.save_adapter_output) and the run's TensorBoard
-logs and metrics.jsonl (warmup steps included). Started through torchrun by its rule: every rank runs
-this script, the layout is the config's ``parallel`` section (moeflow.model.factory.Layout), rank 0 writes."""
+on the coverage validation set; save the final model (HF-sharded safetensors streamed one tensor at a time by
+moeflow.checkpoint.export, with the base folder's config.json, tokenizer and other files: loadable with
+AutoModelForCausalLM/AutoTokenizer.from_pretrained and a drop-in for the base folder; LoRA adapters merged in;
+MTP layers carried), the adapter (a LoRA run's peft adapter, or a full run's method marker;
+moeflow.model.lora.save_adapter_output) and the run's TensorBoard logs, metrics.jsonl (warmup steps included)
+and summary.json (which says whether MTP layers trained). Started through torchrun by its rule: every rank
+runs this script, the layout is the config's ``parallel`` section (moeflow.model.factory.Layout), rank 0 writes."""
 
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from moeflow.checkpoint.export import ExportSettings, save_final_model
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
 from moeflow.model.factory import Layout, make_model
-from moeflow.model.folder import load_tokenizer
+from moeflow.model.families.mtp import mtp_report
 from moeflow.model.lora import save_adapter_output
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.process_group import teardown
@@ -37,7 +38,6 @@ model = make_model(
     weights=False,
     data=[job.input.data],
 )
-tokenizer = load_tokenizer(job.input.model)
 trainer = train_stage(
     stage,
     model,
@@ -61,11 +61,14 @@ if trainer.rank == 0:
             "eval": [{k: r[k] for k in ("step", "loss", "perplexity")} for r in evals],
             "alarms": [a for r in trainer.train_records() for a in r.get("alarms", [])],
             "routing": trainer.routing_guard.report(),
+            # the base model's MTP layers, carried frozen into the export (null: it has none)
+            "mtp_layers": mtp_report(unwrap(trainer.model)),
             "provenance": stage.provenance(),
         },
     )
     # before the merge, which consumes LoRA's wrapper
     save_adapter_output(unwrap(trainer.model), job.output.adapter)
-save_final_model(trainer.model, tokenizer, job.output.model, export.max_shard_size)  # every rank
+# every rank; the base folder's config, tokenizer and other files go with the weights (a drop-in for it)
+save_final_model(trainer.model, None, job.output.model, export.max_shard_size, source=job.input.model)
 trainer.remove_checkpoints()
 teardown()

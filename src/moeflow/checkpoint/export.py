@@ -8,11 +8,16 @@ shard file (``moeflow.checkpoint.safetensors_files.SafetensorsWriter``: the layo
 tensors' whole shapes and dtypes). A file is closed when the next tensor would take it past
 ``export.max_shard_size`` (a tensor larger than that gets a file of its own, as ``save_pretrained`` does);
 one file is ``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` with
-``model.safetensors.index.json``. What is written is what ``save_pretrained`` writes on this stack: its
-names and layout (``moeflow.model.saved_names``), tied weights once, persistent buffers, ``config.json`` and
-``generation_config.json`` (a cache for generation; the run's ``distributed_config`` dropped) and the
-tokenizer. An unsharded model (every rank holds it whole) is written by rank 0 alone, no collective;
-a LoRA model is merged first (on every rank: LoRA runs unsharded).
+``model.safetensors.index.json``. The weights are what ``save_pretrained`` writes on this stack: its
+names and layout (``moeflow.model.saved_names``: a family's published names where moeflow registers its key
+mapping, Step-3.5-Flash's ``moe.*`` stacked experts), tied weights once, persistent buffers, MTP layers
+included. Next to them, a fine-tuned model gets its base folder's own files (``source``: the config.json as
+it was, legacy keys and all, which serving engines read; the tokenizer with its chat template, the
+generation config and whatever else the folder ships besides weights), so the folder drops in for the one
+it came from; without a source, ``config.json`` and ``generation_config.json`` from the model (a cache for
+generation; the run's ``distributed_config`` dropped) and the tokenizer. An unsharded model (every rank holds
+it whole) is written by rank 0 alone, no collective; a LoRA model is merged first (on every rank: LoRA runs
+unsharded).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import copy
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +38,7 @@ import torch
 from moeflow.checkpoint.pieces import state_pieces
 from moeflow.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsWriter, tensor_nbytes
 from moeflow.checkpoint.storage import Piece
+from moeflow.model.folder import PICKLE_WEIGHTS
 from moeflow.model.lora import is_lora_model, merge_adapters
 from moeflow.model.parameters import clean_name
 from moeflow.model.saved_names import saved_format
@@ -220,14 +227,33 @@ def _saved_config(model: torch.nn.Module):
     return config
 
 
+def companion_files(source: str | os.PathLike) -> list[Path]:
+    """A model folder's own files besides its weights (top level): config.json, the tokenizer's files and chat
+    template, generation_config.json, and anything else it ships (a README, its remote code)."""
+    weights = {
+        INDEX_FILE,
+        *(p.name for pattern in ("*.safetensors", *PICKLE_WEIGHTS) for p in Path(source).glob(pattern)),
+    }
+    return sorted(p for p in Path(source).iterdir() if p.is_file() and p.name not in weights)
+
+
 def write_model_folder(
-    model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLike | None, max_shard_size: int | str
+    model: torch.nn.Module,
+    tokenizer: Any,
+    folder: str | os.PathLike | None,
+    max_shard_size: int | str,
+    source: str | os.PathLike | None = None,
 ) -> None:
-    """The model's weights, config, generation config and (if given) tokenizer into an existing folder
-    (rank 0's; the other ranks pass None). A collective for a sharded model."""
+    """The model's weights into an existing folder (rank 0's; the other ranks pass None), and with them the
+    ``source`` folder's own files (:func:`companion_files`), or without a source the model's config and
+    generation config and (if given) the tokenizer. A collective for a sharded model."""
     folder = Path(folder) if folder is not None else None
     write_weights(model, folder, max_shard_size)
     if folder is None:
+        return
+    if source is not None:
+        for file in companion_files(source):
+            shutil.copy2(file, folder / file.name)
         return
     inner = unwrap(model)
     _saved_config(model).save_pretrained(folder)
@@ -238,15 +264,22 @@ def write_model_folder(
         tokenizer.save_pretrained(folder)
 
 
-def save_final_model(model: Any, tokenizer: Any, folder: str | os.PathLike, max_shard_size: int | str) -> Any:
+def save_final_model(
+    model: Any,
+    tokenizer: Any,
+    folder: str | os.PathLike,
+    max_shard_size: int | str,
+    source: str | os.PathLike | None = None,
+) -> Any:
     """A folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load, written atomically by rank 0
-    (LoRA adapters merged in, on every rank). A collective: every rank calls it. Returns the model written
-    (a LoRA model's merged base model: merging consumes the peft wrapper)."""
+    (LoRA adapters merged in, on every rank), with the ``source`` folder's own files where given (the base
+    model a fine-tune started from: :func:`write_model_folder`). A collective: every rank calls it. Returns
+    the model written (a LoRA model's merged base model: merging consumes the peft wrapper)."""
     if is_lora_model(model):
         model = merge_adapters(model)
     reshard(model)  # the parameters as their shards, also after a last evaluation's forward
     with atomic_dir(folder) if rank() == 0 else contextlib.nullcontext() as out:
-        write_model_folder(model, tokenizer, out, max_shard_size)
+        write_model_folder(model, tokenizer, out, max_shard_size, source)
     barrier()  # the folder is in place before any rank goes on
     return model
 

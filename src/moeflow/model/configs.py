@@ -10,15 +10,17 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from moeflow.model.families import registry
 from moeflow.model.folder import ModelError, check_model_folder
 from moeflow.model.settings import ModelSettings
 
 
 def causal_lm_class():
     """The transformers class every model is built and loaded with (``AutoModelForCausalLM``): the one place
-    where a family it does not know would be registered."""
+    where the families it does not know are registered (moeflow.model.families)."""
     from transformers import AutoModelForCausalLM
 
+    registry.register()
     return AutoModelForCausalLM
 
 
@@ -26,8 +28,10 @@ def build_config(fields: Mapping[str, Any], vocab_size: int | None = None):
     """A transformers config from a ``model.config`` mapping (``model_type`` plus the family's keys)."""
     from transformers import AutoConfig
 
+    registry.register()
     fields = dict(fields)
     model_type = fields.pop("model_type")
+    registry.require_stack(model_type)
     if vocab_size is not None:
         fields["vocab_size"] = int(vocab_size)
     try:
@@ -44,6 +48,7 @@ def transformers_config(settings: ModelSettings, folder: str | os.PathLike | Non
         return build_config(settings.config)
     from transformers import AutoConfig
 
+    registry.register()
     return AutoConfig.from_pretrained(
         check_model_folder(folder), trust_remote_code=settings.trust_remote_code, local_files_only=True
     )

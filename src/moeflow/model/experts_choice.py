@@ -7,6 +7,10 @@ the model is built on the meta device, its first MoE layer found through moeflow
 that module materialised (``to_empty``, then seeded random weights). In transformers 5 the experts read
 ``config._experts_implementation`` at every call, so one block serves every implementation.
 
+* Only what the model's experts really run is offered: an implementation is not timed where the model class
+  opts out of transformers' switch (``from_pretrained`` with it would raise), and one whose experts function
+  is not called while its timing runs (the experts' forward silently ran its own loop) is not eligible.
+  A configured (not ``auto``) implementation the model cannot run is refused with the reason.
 * Only an implementation whose output and gradients (input and weights) agree with eager's within
   TOLERANCE is eligible.
 * One whose first call takes over BUDGET_FACTOR times the best median so far is dropped unrepeated
@@ -24,6 +28,7 @@ timings), which every rule that loads the model takes as input and moeflow.model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 
 from moeflow.model.configs import causal_lm_class, transformers_config
+from moeflow.model.folder import ModelError
 from moeflow.model.routing import adapter_or_none
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat
@@ -86,6 +92,43 @@ def candidates(device: torch.device) -> list[str]:
     return sorted((n for n in names if runnable[n]["available"]), key=lambda n: n != REFERENCE)
 
 
+class SilentFallback(RuntimeError):
+    """The experts' forward did not call the implementation it was switched to (it ran its own loop)."""
+
+
+def offered(model: torch.nn.Module, names: list[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """``names`` without the implementations the model class cannot take, and those with the reason: a class
+    that opts out of transformers' experts switch raises at load for grouped_mm and ignores the others."""
+    if not compat.is_transformers_v5() or type(model)._can_set_experts_implementation():
+        return list(names), {}
+    reason = (
+        f"not offered: {type(model).__name__}'s experts opt out of transformers' experts implementations "
+        "(from_pretrained raises for grouped_mm; the others would silently run its own loop)"
+    )
+    return [n for n in names if n == REFERENCE], {
+        n: {"eligible": False, "reason": reason} for n in names if n != REFERENCE
+    }
+
+
+@contextlib.contextmanager
+def counted_calls(name: str):
+    """The calls of transformers' experts function ``name`` while open: a one-element list of the count."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    calls = [0]
+    function = ALL_EXPERTS_FUNCTIONS[name]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return function(*args, **kwargs)
+
+    ALL_EXPERTS_FUNCTIONS[name] = counting  # the instance's local mapping, over the library-wide one
+    try:
+        yield calls
+    finally:
+        del ALL_EXPERTS_FUNCTIONS[name]
+
+
 def _expert_width(config: Any) -> int | None:
     for key in ("moe_intermediate_size", "intermediate_size"):
         value = getattr(config, key, None)
@@ -97,8 +140,10 @@ def _expert_width(config: Any) -> int | None:
 def moe_block(settings: ModelSettings, micro_batch_size: int, seq_len: int, device: torch.device, seed: int = 0):
     """The run's first MoE block on ``device`` with seeded weights, or None for a model without MoE layers."""
     config = transformers_config(settings)
-    with torch.device("meta"):  # a skeleton to take one block from, not a model anything trains
-        model = causal_lm_class().from_config(config, trust_remote_code=settings.trust_remote_code)
+    with torch.device("meta"):  # a skeleton to take one block from, fp32 as moeflow holds every model
+        model = causal_lm_class().from_config(
+            config, torch_dtype=torch.float32, trust_remote_code=settings.trust_remote_code
+        )
     adapter = adapter_or_none(model)
     if adapter is None:
         return None
@@ -141,8 +186,13 @@ def block_runner(block: MoEBlock, precision: str, seed: int = 0) -> Run:
         for param in params:
             param.grad = None
         x = inputs.clone().requires_grad_()
-        with torch.autocast(block.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        probe = counted_calls(name) if name != REFERENCE and compat.is_transformers_v5() else contextlib.nullcontext()
+        with probe as calls, torch.autocast(block.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             out = block.module(x)
+        if calls is not None and not calls[0]:
+            raise SilentFallback(
+                f"the experts never called {name}: {type(block.module).__name__}'s experts ran their own loop"
+            )
         out = out[0] if isinstance(out, tuple) else out  # 4.57's blocks also return the router logits
         out.float().backward(cotangent)
         grads = [x.grad] + [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
@@ -185,7 +235,9 @@ def compare(run: Run, names: Sequence[str], precision: str, synchronize: Callabl
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             message = str(exc).splitlines()[0] if str(exc) else ""
-            results[name] = {"eligible": False, "reason": f"fails here: {type(exc).__name__}: {message}"}
+            silent = isinstance(exc, SilentFallback)
+            reason = f"not eligible: {message}" if silent else f"fails here: {type(exc).__name__}: {message}"
+            results[name] = {"eligible": False, "reason": reason}
             continue
         if reference is None:
             reference = [out, *grads]
@@ -245,13 +297,20 @@ def measure(
             "reason": "the model has no MoE layer: nothing to choose",
         }
     synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    results = compare(block_runner(block, precision), candidates(device), precision, synchronize)
+    names, not_offered = offered(block.model, candidates(device))
+    results = compare(block_runner(block, precision), names, precision, synchronize) | not_offered
     chosen, reason = choose(results)
     if not compat.is_transformers_v5():
         reason = f"{LOOP_V4} ({results[REFERENCE]['median_s'] * 1e3:.3g} ms)"
     if configured != AUTO_EXPERTS:
         if configured not in results:
             compat.require_transformers_v5(f"model.experts_implementation: {configured}")
+        cannot = results[configured]["reason"]
+        if cannot.startswith(("not offered", "not eligible", "fails here")):
+            raise ModelError(
+                f"config key 'model.experts_implementation': {configured} cannot run for this model ({cannot}); "
+                "use auto (what agrees with eager and is fastest here) or eager"
+            )
         chosen, reason = configured, f"set by model.experts_implementation (auto would pick {chosen}: {reason})"
     return report | {"shape": block.shape, "implementations": results, "chosen": chosen, "reason": reason}
 

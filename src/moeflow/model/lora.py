@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from moeflow.model import parameters as P
+from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import FAMILIES
 from moeflow.model.wrappers import unwrap
 from moeflow.runtime import compat
@@ -97,10 +98,13 @@ def router_modules(model: Any) -> dict[str, Any]:
     family = FAMILIES.get(getattr(base.config, "model_type", None))
     if family is None:
         return {}
+    mtp = mtp_prefixes(base)
     return {
         f"{name}.{family.router_attr}": getattr(module, family.router_attr)
         for name, module in base.named_modules()
-        if type(module).__name__ == family.block_class and getattr(module, family.router_attr, None) is not None
+        if type(module).__name__ == family.block_class
+        and getattr(module, family.router_attr, None) is not None
+        and not is_mtp_name(name, mtp)
     }
 
 
@@ -132,7 +136,11 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
     modules: dict[str, str] = {}
     parameters: dict[str, str] = {}
     fused: list[str] = []
-    for name, module in unwrap(model, peft=True).named_modules():
+    base = unwrap(model, peft=True)
+    mtp = mtp_prefixes(base)  # carried frozen, never run: no adapters
+    for name, module in base.named_modules():
+        if is_mtp_name(name, mtp):
+            continue
         if isinstance(module, torch.nn.Linear):
             category = _category_of_linear(name, set(routers), blocks)
             if category in wanted:
@@ -187,11 +195,14 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
     return Targets(modules=modules, parameters=parameters)
 
 
-def module_pattern(names: list[str]) -> str:
+def module_pattern(names: list[str], exclude: tuple[str, ...] = ()) -> str:
     """One regular expression (peft full-matches it against module names) for ``names``, with layer and
-    expert indices generalised so the adapter config stays short for models with thousands of experts."""
+    expert indices generalised so the adapter config stays short for models with thousands of experts;
+    module names starting with one of ``exclude`` (the MTP layers, whose modules are named as the decoder
+    layers') never match."""
     generic = {r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split(".")) for name in names}
-    return "(?:" + "|".join(sorted(generic)) + ")"
+    not_excluded = "(?!" + "|".join(re.escape(prefix) for prefix in exclude) + ")" if exclude else ""
+    return not_excluded + "(?:" + "|".join(sorted(generic)) + ")"
 
 
 def parameter_suffixes(names: list[str]) -> list[str]:
@@ -234,13 +245,16 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
     if is_lora_model(model):
         raise LoraConfigError("the model already has LoRA adapters: apply_lora takes the base model")
     targets = find_targets(model, settings)
+    mtp = mtp_prefixes(unwrap(model, peft=True))
+    # peft matches target_parameters as suffixes, which the MTP layers' parameters share: name each in full then
+    parameters = sorted(targets.parameters) if mtp else parameter_suffixes(sorted(targets.parameters))
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         bias="none",
-        target_modules=module_pattern(sorted(targets.modules)) if targets.modules else [],
-        target_parameters=parameter_suffixes(sorted(targets.parameters)) or None,
+        target_modules=module_pattern(sorted(targets.modules), exclude=mtp) if targets.modules else [],
+        target_parameters=parameters or None,
     )
     with _native_layout():
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)

@@ -49,6 +49,11 @@ EMBEDDING = "embedding"
 LM_HEAD = "lm_head"
 
 
+# The modules only an MTP layer has (moeflow.model.families.mtp); the rest of an MTP layer is named as a decoder
+# layer's, and only the model knows it is one (the planner counts those by layer index).
+MTP = "mtp"
+
+
 # Parameter counts (the planner's, the trainable-parameter report's) use fewer categories.
 COUNTED_AS = {EXPERT_BIASES: ROUTED_EXPERTS, CORRECTION_BIAS: ROUTER, SHARED_EXPERT_GATE: SHARED_EXPERTS}
 
@@ -62,9 +67,10 @@ _LORA_PARAM = re.compile(r"\.lora_(A|B)\.[^.]+\.(weight|bias)$")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-# First match wins: expert biases before experts, shared experts before routed ones and the router,
-# attention before norms (q/k norms count with attention).
+# First match wins: the MTP modules first (enorm is no model norm), expert biases before experts, shared experts
+# before routed ones and the router, attention before norms (q/k norms count with attention).
 _RULES = (
+    (MTP, re.compile(r"(^|\.)(enorm|hnorm|eh_proj|shared_head)\.")),
     (CORRECTION_BIAS, re.compile(r"(^|\.)e_score_correction_bias$")),
     (EXPERT_BIASES, re.compile(r"(^|\.)experts\.([^.]+_bias|.+\.bias)$")),
     (EMBEDDING, re.compile(r"(^|\.)embed_tokens\.")),

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.runtime import compat
 
 SOFTMAX = "softmax"
@@ -64,7 +65,10 @@ class LayerRouting:
     num_experts: int
     logits: torch.Tensor  # (tokens, E) router logits as computed in this forward (carry grad when grad is on)
     topk_index: torch.Tensor  # (tokens, k) int64: the experts actually chosen
-    topk_weight: torch.Tensor  # (tokens, k): the gate weights actually applied
+    # (tokens, k): the weights the chosen experts' outputs are really multiplied by, routed scaling included
+    # (Step-3.5: the router's renormalised weights x moe_router_scaling_factor, which its MoE block applies after
+    # the experts; DeepSeek-V3's router returns its weights already x routed_scaling_factor)
+    topk_weight: torch.Tensor
     scoring: str = SOFTMAX  # how the router scores experts: softmax, or sigmoid (DeepSeek-V3, Step)
 
     def probs(self) -> torch.Tensor:
@@ -88,6 +92,13 @@ def _read_v5_router(block, router, args, output):
     """transformers 5: every router returns (logits, top-k weights, top-k index)."""
     logits, weights, index = output
     return logits, index, weights
+
+
+def _read_v5_scaled_after(block, router, args, output):
+    """transformers 5 Step-3.5 (step3p7's block): the router returns renormalised weights and the block
+    multiplies the experts' sum by ``routed_scaling_factor``: the weights the experts really get are their product."""
+    logits, weights, index = output
+    return logits, index, weights * block.routed_scaling_factor
 
 
 def _read_linear_gate(block, router, args, output):
@@ -152,9 +163,9 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("DeepseekV3MoE", "gate", SIGMOID, _read_v4_deepseek),
     "gpt_oss": Family("GptOssMLP", "router", SOFTMAX, _read_v4_gpt_oss),
     "granitemoe": Family("GraniteMoeMoE", "router", SOFTMAX, _read_v4_granite),
-    # Step-3.5-Flash's text model (model_type step3p5) as shipped inside transformers 5's step3p7.
-    "step3p5": Family("Step3p7SparseMoeBlock", "gate", SIGMOID, None),
-    "step3p7": Family("Step3p7SparseMoeBlock", "gate", SIGMOID, None),
+    # Step-3.5-Flash (model_type step3p5): transformers 5's step3p7 decoder (moeflow.model.families.step3p5).
+    "step3p5": Family("Step3p7SparseMoeBlock", "gate", SIGMOID, None, _read_v5_scaled_after),
+    "step3p7": Family("Step3p7SparseMoeBlock", "gate", SIGMOID, None, _read_v5_scaled_after),
 }
 
 
@@ -288,8 +299,9 @@ def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
         read = family.read_v4
 
     sites: list[RouterSite] = []
+    mtp = mtp_prefixes(model)  # MTP layers do not run in the model's forward: no routing to read
     for name, module in model.named_modules():
-        if type(module).__name__ != family.block_class:
+        if type(module).__name__ != family.block_class or is_mtp_name(name, mtp):
             continue
         router = getattr(module, family.router_attr, None)
         if router is None:

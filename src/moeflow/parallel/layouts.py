@@ -27,6 +27,7 @@ whole state dict).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,6 +109,9 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
         # everything outside the layers (embeddings, final norm, output layer, rotary buffers).
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
         policy = fsdp2_mixed_precision(precision)
+        if policy:  # before their layers: FSDP2 shards a submodule before the module holding it
+            for module in fp32_modules(model):
+                fully_shard(module, mesh=mesh, **fsdp2_mixed_precision("fp32"))
         for module in list(model.modules()):
             if isinstance(module, layers):
                 fully_shard(module, mesh=mesh, **policy)
@@ -136,12 +140,37 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
 
 def fsdp2_mixed_precision(precision: str) -> dict[str, Any]:
     """``fully_shard``'s mixed-precision keyword for ``precision``: bf16 parameters, fp32 reduction (the
-    policy transformers' ``DistributedConfig(fsdp_mixed_precision=True)`` uses for ``strategy: ep``)."""
-    if precision != "bf16":
-        return {}
+    policy transformers' ``DistributedConfig(fsdp_mixed_precision=True)`` uses for ``strategy: ep``); fp32:
+    parameters and reduction in fp32 (the modules :func:`fp32_modules` names, under a bf16 model)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    if precision == "fp32":
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
+    if precision != "bf16":
+        return {}
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+def fp32_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose own parameters the model class keeps in fp32 (transformers'
+    ``_keep_in_fp32_modules_strict``: DeepSeek-V3's and Step-3.5's routers, ``gate.weight``), which moeflow's
+    FSDP2 mixed precision gathers and computes in fp32 as their own units. transformers' expert-parallel FSDP
+    (``strategy: ep``) applies one policy to every unit: there the routers gather bf16 weights (Step-3.5's
+    router still computes in fp32)."""
+    patterns = [
+        re.compile(rf"(^|\.){re.escape(p)}$") for p in getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    ]
+    if not patterns:
+        return []
+    return [
+        module
+        for prefix, module in model.named_modules()
+        if any(
+            rule.search(f"{prefix}.{name}" if prefix else name)
+            for name, _ in module.named_parameters(recurse=False)
+            for rule in patterns
+        )
+    ]
 
 
 def original_shape(param: torch.nn.Parameter) -> tuple[int, ...]:

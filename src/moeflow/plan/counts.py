@@ -1,5 +1,7 @@
-"""Parameter counts from a model's shape: exact on PyTorch's meta device where transformers knows the
-family, in closed form otherwise, by category, active per token, and LoRA's adapters.
+"""Parameter counts from a model's shape: exact on PyTorch's meta device where transformers (or
+moeflow.model.families) knows the family, in closed form otherwise, by category, active per token, and LoRA's
+adapters. MTP layers (moeflow.model.families.mtp) are their own category: held in memory, never run in the
+model's forward and never trained (so not active, and not in a full fine-tune's trained parameters).
 """
 
 from __future__ import annotations
@@ -20,7 +22,17 @@ from moeflow.plan.shapes import (
 )
 from moeflow.train.settings import LoraSettings
 
-CATEGORIES = ("embedding", "lm_head", "attention", "norms", "dense_ffn", "routed_experts", "shared_experts", "router")
+CATEGORIES = (
+    "embedding",
+    "lm_head",
+    "attention",
+    "norms",
+    "dense_ffn",
+    "routed_experts",
+    "shared_experts",
+    "router",
+    "mtp",
+)
 
 
 @dataclass(frozen=True)
@@ -34,15 +46,22 @@ class ParamCount:
     num_experts: int
     top_k: int
     largest_tensor: int  # elements of the largest single parameter (what the export gathers whole at once)
+    largest_layer_routed: int = 0  # routed-expert parameters of the decoder layer with the most (what EP splits)
+    moe_layer_without_routed: int = 0  # the largest MoE layer without its routed experts
 
     @property
     def total(self) -> int:
         return sum(self.by_category.values())
 
     @property
+    def without_mtp(self) -> int:
+        """The model's parameters without its MTP layers: what a full fine-tune trains."""
+        return self.total - self.by_category.get("mtp", 0)
+
+    @property
     def active(self) -> int:
-        routed = self.by_category["routed_experts"]
-        return self.total - routed + routed * self.top_k // self.num_experts if self.num_experts else self.total
+        routed, model = self.by_category["routed_experts"], self.without_mtp
+        return model - routed + routed * self.top_k // self.num_experts if self.num_experts else model
 
     @property
     def embeddings(self) -> int:
@@ -52,34 +71,39 @@ class ParamCount:
         return {
             "method": self.method,
             "total": self.total,
+            "without_mtp": self.without_mtp,
             "active_per_token": self.active,
             "active_per_token_without_embeddings": self.active - self.embeddings,
             "by_category": dict(self.by_category),
             "largest_layer": self.largest_layer,
             "largest_layer_without_routed_experts": self.largest_layer_without_routed,
             "largest_tensor": self.largest_tensor,
+            "largest_layer_routed_experts": self.largest_layer_routed,
+            "moe_layer_without_routed_experts": self.moe_layer_without_routed,
         }
 
 
-def attention_params(s: Shape) -> int:
-    """One layer's self-attention parameters (projections, their biases, q/k norms, gates, sinks)."""
+def attention_params(s: Shape, heads: int | None = None) -> int:
+    """One layer's self-attention parameters (projections, their biases, q/k norms, gates, sinks), with
+    ``heads`` query heads (the shape's ``num_heads`` if not given)."""
     h = s.hidden_size
+    heads = s.num_heads if heads is None else heads
     if s.attention == "mla":
         qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
         bias = int(s.attention_bias)
         if s.q_lora_rank is None:
-            q = h * s.num_heads * qk_head
+            q = h * heads * qk_head
         else:
-            q = h * s.q_lora_rank + bias * s.q_lora_rank + s.q_lora_rank + s.q_lora_rank * s.num_heads * qk_head
+            q = h * s.q_lora_rank + bias * s.q_lora_rank + s.q_lora_rank + s.q_lora_rank * heads * qk_head
         kv_a = (h + bias) * (s.kv_lora_rank + s.qk_rope_head_dim) + s.kv_lora_rank
-        kv_b = s.kv_lora_rank * s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)
-        o = s.num_heads * s.v_head_dim * h + bias * h
+        kv_b = s.kv_lora_rank * heads * (s.qk_nope_head_dim + s.v_head_dim)
+        o = heads * s.v_head_dim * h + bias * h
         return q + kv_a + kv_b + o
-    q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    q_dim, kv_dim = heads * s.head_dim, s.num_kv_heads * s.head_dim
     total = h * (q_dim + 2 * kv_dim) + q_dim * h
     total += int(s.qkv_bias) * (q_dim + 2 * kv_dim) + int(s.o_bias) * h
     total += {"head": 2 * s.head_dim, "full": q_dim + kv_dim, None: 0}[s.qk_norm]
-    total += h * s.head_gate + int(s.sinks) * s.num_heads
+    total += h * s.head_gate * heads + int(s.sinks) * heads
     return total
 
 
@@ -94,31 +118,50 @@ def moe_params(s: Shape) -> dict[str, int]:
     }
 
 
+def mtp_layer_params(s: Shape, depth: int) -> int:
+    """One MTP layer's parameters: its decoder layer (attention with its heads, two norms, an MoE or dense FFN),
+    ``enorm``, ``hnorm``, ``eh_proj`` (2H x H), the shared head's norm and output layer, and its own embedding
+    where the family has one."""
+    h = s.hidden_size
+    ffn = sum(moe_params(s).values()) if s.mtp_moe[depth] else 3 * h * s.dense_ffn
+    own = s.vocab_size * h * (2 if s.mtp_embedding else 1)
+    return attention_params(s, s.mtp_heads[depth]) + 2 * h + ffn + 2 * h + 2 * h * h + h + own
+
+
 def formula_count(s: Shape) -> ParamCount:
     """Parameters in closed form from the shape (see the module docstring)."""
     h, layers = s.hidden_size, s.num_layers
     moe = moe_params(s)
-    n_moe, n_dense = len(s.moe_layers), len(s.dense_layers)
+    moe_set = set(s.moe_layers)
+    attention = [attention_params(s, s.heads(i)) for i in range(layers)]
     by_category = {
         "embedding": s.vocab_size * h,
         "lm_head": 0 if s.tie_word_embeddings else s.vocab_size * h,
-        "attention": layers * attention_params(s),
+        "attention": sum(attention),
         "norms": (2 * layers + 1) * h,
-        "dense_ffn": n_dense * 3 * h * s.dense_ffn,
-        **{k: n_moe * v for k, v in moe.items()},
+        "dense_ffn": len(s.dense_layers) * 3 * h * s.dense_ffn,
+        **{k: len(s.moe_layers) * v for k, v in moe.items()},
+        "mtp": sum(mtp_layer_params(s, d) for d in range(s.mtp_layers)),
     }
-    common = attention_params(s) + 2 * h
-    dense_layer = [common + 3 * h * s.dense_ffn] * bool(n_dense)
-    moe_layer = [common + sum(moe.values())] * bool(n_moe)
-    without_routed = [common + moe["shared_experts"] + moe["router"]] * bool(n_moe)
+    whole, without_routed = [], []
+    for i in range(layers):
+        common = attention[i] + 2 * h
+        if i in moe_set:
+            whole.append(common + sum(moe.values()))
+            without_routed.append(common + moe["shared_experts"] + moe["router"])
+        else:
+            whole.append(common + 3 * h * s.dense_ffn)
+            without_routed.append(whole[-1])
     return ParamCount(
         "formula",
         by_category,
-        max(moe_layer + dense_layer),
-        max(without_routed + dense_layer),
+        max(whole),
+        max(without_routed),
         s.num_experts,
         s.top_k,
         largest_tensor(s),
+        moe["routed_experts"] if s.moe_layers else 0,
+        max((without_routed[i] for i in moe_set), default=0),
     )
 
 
@@ -126,9 +169,12 @@ def largest_tensor(s: Shape) -> int:
     """Elements of the model's largest parameter: the embedding (or LM head), an attention or FFN matrix, a
     router, or an expert matrix: a whole layer's fused ``gate_up`` where the stack fuses the experts."""
     h = s.hidden_size
-    candidates = [s.vocab_size * h, *(i * o for i, o in attention_matrices(s))]
-    if s.dense_layers:
+    heads = set(s.layer_heads or (s.num_heads,)) | set(s.mtp_heads)
+    candidates = [s.vocab_size * h, *(i * o for n in heads for i, o in attention_matrices(s, n))]
+    if s.dense_layers or not all(s.mtp_moe):
         candidates.append(h * s.dense_ffn)
+    if s.mtp_layers:
+        candidates.append(2 * h * h)  # eh_proj
     if s.moe_layers:
         fused = experts_fused(s.model_type) or s.model_type == "granitemoe"  # granitemoe fuses on both stacks
         candidates += [h * s.shared_ffn, h * s.num_experts]
@@ -142,23 +188,28 @@ def count_module(model: Any, shape: Shape) -> ParamCount:
     per_layer: dict[int, int] = {}
     routed_per_layer: dict[int, int] = {}
     for name, param in model.named_parameters():
-        category = counted_category(name)
+        layer = layer_index(name)
+        mtp = layer is not None and layer >= shape.num_layers  # the MTP layers come after the main ones
+        category = "mtp" if mtp else counted_category(name)
         if category is None:
             raise PlanError(f"parameter {name!r}: the planner cannot tell what it belongs to")
         by_category[category] += param.numel()
-        layer = layer_index(name)
-        if layer is not None:
+        if layer is not None and not mtp:
             per_layer[layer] = per_layer.get(layer, 0) + param.numel()
             if category == "routed_experts":
                 routed_per_layer[layer] = routed_per_layer.get(layer, 0) + param.numel()
     largest = max(per_layer.values(), default=0)
     without_routed = max((n - routed_per_layer.get(i, 0) for i, n in per_layer.items()), default=0)
     biggest = max((p.numel() for p in model.parameters()), default=0)
-    return ParamCount("meta", by_category, largest, without_routed, shape.num_experts, shape.top_k, biggest)
+    routed = max(routed_per_layer.values(), default=0)
+    moe_without = max((per_layer[i] - n for i, n in routed_per_layer.items()), default=0)
+    return ParamCount(
+        "meta", by_category, largest, without_routed, shape.num_experts, shape.top_k, biggest, routed, moe_without
+    )
 
 
 def meta_count(config: Any, shape: Shape) -> ParamCount | None:
-    """Exact counts from a meta-device instance, or None where transformers has no causal-LM class for it."""
+    """Exact counts from a meta-device instance, or None where no causal-LM class knows it on this stack."""
     import torch
 
     from moeflow.model.configs import causal_lm_class
@@ -184,33 +235,35 @@ def count_parameters(
     return shape, exact or formula, formula
 
 
-def attention_matrices(s: Shape) -> list[tuple[int, int]]:
-    """(in_features, out_features) of one layer's attention projections (the linear layers under self_attn)."""
+def attention_matrices(s: Shape, heads: int | None = None) -> list[tuple[int, int]]:
+    """(in_features, out_features) of one layer's attention projections (the linear layers under self_attn),
+    with ``heads`` query heads (the shape's ``num_heads`` if not given)."""
     h = s.hidden_size
+    heads = s.num_heads if heads is None else heads
     if s.attention == "mla":
         qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
-        q = (
-            [(h, s.num_heads * qk_head)]
-            if s.q_lora_rank is None
-            else [(h, s.q_lora_rank), (s.q_lora_rank, s.num_heads * qk_head)]
-        )
+        q = [(h, heads * qk_head)] if s.q_lora_rank is None else [(h, s.q_lora_rank), (s.q_lora_rank, heads * qk_head)]
         return q + [
             (h, s.kv_lora_rank + s.qk_rope_head_dim),
-            (s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)),
-            (s.num_heads * s.v_head_dim, h),
+            (s.kv_lora_rank, heads * (s.qk_nope_head_dim + s.v_head_dim)),
+            (heads * s.v_head_dim, h),
         ]
-    q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    return [(h, q_dim), (h, kv_dim), (h, kv_dim), (q_dim, h)] + ([(h, s.head_gate)] if s.head_gate else [])
+    q_dim, kv_dim = heads * s.head_dim, s.num_kv_heads * s.head_dim
+    gate = [(h, s.head_gate * heads)] if s.head_gate else []
+    return [(h, q_dim), (h, kv_dim), (h, kv_dim), (q_dim, h)] + gate
 
 
-def lora_matrices(s: Shape, lora: LoraSettings, moe: bool) -> dict[str, list[tuple[int, int, int]]]:
-    """The matrices one decoder layer adapts, by category, as moeflow.model.lora.find_targets picks them:
-    (in_features, out_features, copies), copies being the routed experts that each hold one (else 1)."""
+def lora_matrices(
+    s: Shape, lora: LoraSettings, moe: bool, heads: int | None = None
+) -> dict[str, list[tuple[int, int, int]]]:
+    """The matrices one decoder layer (with ``heads`` query heads) adapts, by category, as
+    moeflow.model.lora.find_targets picks them: (in_features, out_features, copies), copies being the routed
+    experts that each hold one (else 1). MTP layers get none."""
     h, categories = s.hidden_size, set(lora.categories)
     swiglu = lambda width: [(h, width, 1), (h, width, 1), (width, h, 1)]  # noqa: E731
     out: dict[str, list[tuple[int, int, int]]] = {}
     if "attention" in categories:
-        out["attention"] = [(i, o, 1) for i, o in attention_matrices(s)]
+        out["attention"] = [(i, o, 1) for i, o in attention_matrices(s, heads)]
     if moe:
         if "routed_experts" in categories:
             f = s.expert_ffn
@@ -263,31 +316,30 @@ class LoraCount:
 
 
 def lora_count(s: Shape, lora: LoraSettings) -> LoraCount:
-    """``rank x (in + out)`` per adapted matrix (each expert's included), plus trainable router weights."""
-
-    def per_layer(moe: bool) -> dict[str, int]:
-        return {c: sum(lora.rank * (i + o) * n for i, o, n in mats) for c, mats in lora_matrices(s, lora, moe).items()}
-
-    moe, dense = per_layer(True) if s.moe_layers else {}, per_layer(False) if s.dense_layers else {}
+    """``rank x (in + out)`` per adapted matrix (each expert's included) of every main layer, plus trainable
+    router weights."""
     router = moe_params(s)["router"] if s.moe_layers and lora.router == "trainable" else 0
-    by_category = {
-        c: moe.get(c, 0) * len(s.moe_layers) + dense.get(c, 0) * len(s.dense_layers)
-        for c in ("attention", "dense_ffn", "shared_experts", "routed_experts", "router")
-    }
-    return LoraCount(
-        by_category,
-        router * len(s.moe_layers),
-        (sum(moe.values()), moe.get("routed_experts", 0), router),
-        sum(dense.values()),
-        experts_fused(s.model_type),
-    )
+    by_category = dict.fromkeys(("attention", "dense_ffn", "shared_experts", "routed_experts", "router"), 0)
+    moe_layer, dense_layer = (0, 0, 0), 0
+    moe_set = set(s.moe_layers)
+    for layer in range(s.num_layers):
+        moe = layer in moe_set
+        mats = lora_matrices(s, lora, moe, s.heads(layer))
+        added = {c: sum(lora.rank * (i + o) * n for i, o, n in m) for c, m in mats.items()}
+        for c, n in added.items():
+            by_category[c] += n
+        if moe:
+            moe_layer = max(moe_layer, (sum(added.values()), added.get("routed_experts", 0), router))
+        else:
+            dense_layer = max(dense_layer, sum(added.values()))
+    return LoraCount(by_category, router * len(s.moe_layers), moe_layer, dense_layer, experts_fused(s.model_type))
 
 
-def lora_activation_elements(s: Shape, lora: LoraSettings, moe: bool) -> int:
+def lora_activation_elements(s: Shape, lora: LoraSettings, moe: bool, heads: int | None = None) -> int:
     """Elements per token kept by one layer's adapters: the rank-r intermediate of each adapted matrix a
     token passes through (top_k of the routed experts), and with dropout a copy of its input."""
     total = 0
-    for category, mats in lora_matrices(s, lora, moe).items():
+    for category, mats in lora_matrices(s, lora, moe, heads).items():
         for in_features, _, copies in mats:
             seen = min(copies, s.top_k) if category == "routed_experts" else copies
             total += seen * (lora.rank + (in_features if lora.dropout else 0))

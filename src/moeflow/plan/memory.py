@@ -4,18 +4,19 @@ every phase of a training job (load, step, checkpoint, resume, export).
 Parameters
     :func:`model_shape` reads a ``model.config`` mapping (``model_type`` plus the family's keys) into a
     :class:`Shape` for the families in ``FAMILIES``. :func:`count_parameters` counts exactly by building
-    the model on PyTorch's meta device (no memory, no weights) wherever the installed transformers knows
-    the family, and falls back to the closed-form :func:`formula_count` where it does not (step3p5 has
-    no causal-LM class in transformers 4.57 or 5.x). Both report the same categories; the tests check
-    the formula against the meta count. *Active* parameters per token are everything except the routed
-    experts, plus ``top_k / num_experts`` of them; embeddings and the LM head count as active (the usual
-    convention: Step-3.5-Flash's "11B active" includes them).
+    the model on PyTorch's meta device (no memory, no weights) wherever the installed transformers (with
+    moeflow.model.families) knows the family, and falls back to the closed-form :func:`formula_count` where it
+    does not (step3p5 on transformers 4.57). Both report the same categories, per-layer head counts and MTP
+    layers included; the tests check the formula against the meta count. *Active* parameters per token are
+    everything except the routed experts and the MTP layers, plus ``top_k / num_experts`` of the routed
+    experts; embeddings and the LM head count as active (Qwen's convention: "3.3B active"; StepFun's "11B
+    active" leaves them out, ``active_per_token_without_embeddings``).
 
 Memory per device in a training step (bytes, :func:`memory_per_device`, the ``step`` phase), for a job of
 ``micro_batch_size`` sequences of ``seq_len`` tokens; the terms are summed, a conservative peak (the loss's
 buffers and the gathered layers of the backward pass are not all live at the same instant):
     * weights: parameters x 2 (bf16) or 4 (fp32);
-    * gradients: trainable parameters x the same width;
+    * gradients: trainable parameters x the same width (a full fine-tune trains all but the MTP layers);
     * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16;
       either way 16 bytes per trainable parameter, the same total as moeflow.train.trainer's bf16 autocast
       (fp32 weights 4 + fp32 gradients 4 + moments 8) and as FSDP mixed precision (fp32 sharded master
@@ -26,8 +27,10 @@ buffers and the gathered layers of the backward pass are not all live at the sam
       mixed precision: bf16 parameters gathered and computed with, fp32 masters, fp32 gradient reduction),
       and each device also holds, in the gathered width (2 for bf16, 4 for fp32):
         - unsharded_layer: the largest decoder layer (one FSDP unit) while it runs, its weights and its
-          unsharded gradient; with expert parallelism (``Job.expert_parallel``) the routed experts stay
-          with their devices and only the rest of that layer is gathered;
+          unsharded gradient; with expert parallelism (``Job.expert_parallel``, experts split over
+          ``parallel.ep_size`` ranks) a rank runs its ``1 / ep_size`` of the experts, gathered over the
+          ``shard_ranks / ep_size`` ranks that share them (none when that is one), with the rest of the layer
+          (:func:`gathered_unit`); MTP layers never run, so they are never gathered;
         - prefetched_layer: the next unit's weights, all-gathered while this one runs;
         - layer_gradient_reduce: the unit's gradient copied into the fp32 reduce-scatter buffer;
         - root_unit: the root unit (embedding, LM head, final norm), gathered for the whole step (the
@@ -180,6 +183,7 @@ class Job:
     ranks_per_node: int  # the ranks of one host (host memory per node = ranks_per_node x per rank)
     replicated: bool = False  # parallel.strategy: none on several ranks: every rank holds the whole model
     fsdp_size: int | None = None  # parallel.fsdp_size: the ranks that shard the states (None: all of them)
+    ep_size: int = 1  # parallel.ep_size: the ranks one layer's experts are split over (1 with expert_parallel: all)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> Job:
@@ -206,6 +210,7 @@ class Job:
             ranks_per_node=int(hardware["num_devices"] if on_paper else parallel["nproc_per_node"]),
             replicated=parallel["strategy"] == "none" and not on_paper,
             fsdp_size=parallel["fsdp_size"],
+            ep_size=int(parallel["ep_size"]),
         )
 
     @property
@@ -219,6 +224,12 @@ class Job:
     def shard_ranks(self) -> int:
         """The ranks the weights, gradients and AdamW states are split over (1: every rank holds them whole)."""
         return 1 if self.strategy == "none" else (self.fsdp_size or self.num_devices)
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks one layer's routed experts are split over under expert parallelism (``ep_size``; every
+        sharding rank when the job names none, as a suggestion does)."""
+        return self.ep_size if self.ep_size > 1 else self.shard_ranks
 
     @property
     def sharded(self) -> bool:
@@ -236,24 +247,28 @@ class Job:
         return self.sharded and self.precision == "bf16"
 
 
-def layer_activation_elements(s: Shape, seq_len: int, eager: bool, moe: bool, lora: LoraSettings | None = None) -> int:
-    """Elements kept for the backward pass per token by one decoder layer (module docstring)."""
+def layer_activation_elements(
+    s: Shape, seq_len: int, eager: bool, moe: bool, lora: LoraSettings | None = None, heads: int | None = None
+) -> int:
+    """Elements kept for the backward pass per token by one decoder layer with ``heads`` query heads (the
+    shape's ``num_heads`` if not given; module docstring)."""
     h = s.hidden_size
+    heads = s.num_heads if heads is None else heads
     if s.attention == "mla":
         qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
         qkv = (s.q_lora_rank or 0) + s.kv_lora_rank + s.qk_rope_head_dim
-        qkv += s.num_heads * (2 * qk_head + s.qk_nope_head_dim + s.v_head_dim)
-        attn_out = s.num_heads * s.v_head_dim
+        qkv += heads * (2 * qk_head + s.qk_nope_head_dim + s.v_head_dim)
+        attn_out = heads * s.v_head_dim
     else:
-        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        attn_out = s.num_heads * s.head_dim
-    attention = 2 * h + qkv + attn_out + s.num_heads + s.head_gate + (s.num_heads * seq_len if eager else 0)
+        qkv = (heads + 2 * s.num_kv_heads) * s.head_dim
+        attn_out = heads * s.head_dim
+    attention = 2 * h + qkv + attn_out + heads + s.head_gate * heads + (heads * seq_len if eager else 0)
     ffn_in = 2 * h  # residual into the second norm, and the norm's output
     if moe:
         ffn = 2 * s.num_experts + s.top_k * (2 * h + 3 * s.expert_ffn) + (3 * s.shared_ffn + h if s.shared_ffn else 0)
     else:
         ffn = 3 * s.dense_ffn
-    return attention + ffn_in + ffn + (lora_activation_elements(s, lora, moe) if lora else 0)
+    return attention + ffn_in + ffn + (lora_activation_elements(s, lora, moe, heads) if lora else 0)
 
 
 def kept_layer_inputs(s: Shape, job: Job) -> int:
@@ -276,12 +291,14 @@ def activation_bytes(s: Shape, job: Job) -> int:
     width = WEIGHT_BYTES[job.precision]
     eager = job.attn_implementation == "eager"
     lora = job.lora if job.method == "lora" else None
-    moe_layer = layer_activation_elements(s, job.seq_len, eager, True, lora) if s.moe_layers else 0
-    dense_layer = layer_activation_elements(s, job.seq_len, eager, False, lora) if s.dense_layers else 0
+    moe_set = set(s.moe_layers)
+    layers = [
+        layer_activation_elements(s, job.seq_len, eager, i in moe_set, lora, s.heads(i)) for i in range(s.num_layers)
+    ]
     if job.gradient_checkpointing:  # one layer recomputed at a time, from its kept input
-        per_token = max(moe_layer, dense_layer) - s.hidden_size
+        per_token = max(layers) - s.hidden_size
     else:
-        per_token = len(s.moe_layers) * moe_layer + len(s.dense_layers) * dense_layer - kept_layer_inputs(s, job)
+        per_token = sum(layers) - kept_layer_inputs(s, job)
     per_token += 2 * s.hidden_size  # final norm
     return tokens * per_token * width
 
@@ -308,9 +325,7 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     """Bytes per device by component (module docstring); ``total`` is their sum."""
     width = WEIGHT_BYTES[job.precision]
     shards = job.shard_ranks
-    # FSDP gathers one layer at a time (and holds its full gradient until the reduce-scatter); under
-    # expert parallelism each device keeps its own experts whole, so only the rest of a layer is gathered.
-    unit = params.largest_layer_without_routed if job.expert_parallel else params.largest_layer
+    unit = gathered_unit(params, job)
     root = root_unit_parameters(s, params)
     if job.method == "lora":  # frozen base: weights only; adapters (and a trainable router) get everything
         adapters = lora_count(s, job.lora)
@@ -318,7 +333,7 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         unit_added, unit_trainable = adapters.largest_layer(job.expert_parallel)
         root_trainable = 0  # no adapters on the embedding or the LM head
     else:
-        added, trainable, unit_added, unit_trainable, root_trainable = 0, params.total, 0, unit, root
+        added, trainable, unit_added, unit_trainable, root_trainable = 0, params.without_mtp, 0, unit, root
     gathered = unit + unit_added
     out = {
         "weights": math.ceil((params.total + added) * width / shards),
@@ -337,6 +352,19 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     return out
 
 
+def gathered_unit(params: ParamCount, job: Job) -> int:
+    """The parameters of the largest FSDP unit, gathered whole while its layer runs (and its full gradient held
+    until the reduce-scatter). Under expert parallelism a rank runs only its own ``1 / ep_size`` of a layer's
+    experts, which transformers shards over the ``shard_ranks / ep_size`` ranks that hold the same experts
+    (its ``efsdp`` groups) and gathers over those: none when each rank holds its experts alone."""
+    if not job.expert_parallel:
+        return params.largest_layer
+    if job.shard_ranks <= job.expert_ranks:
+        return params.largest_layer_without_routed
+    experts = math.ceil(params.largest_layer_routed / job.expert_ranks)
+    return max(params.largest_layer_without_routed, params.moe_layer_without_routed + experts)
+
+
 def runtime_bytes(device: str) -> int:
     """A rank's fixed overhead: the CUDA context, or on CPU the measured resident set of a training rank's
     imports and gloo group on this stack (``CPU_RANK_RUNTIME_BYTES``)."""
@@ -346,7 +374,7 @@ def runtime_bytes(device: str) -> int:
 def trained_parameters(s: Shape, params: ParamCount, job: Job) -> tuple[int, int]:
     """(parameters added to the model, parameters trained): LoRA's adapters and what they train, else (0, all)."""
     if job.method != "lora":
-        return 0, params.total
+        return 0, params.without_mtp
     adapters = lora_count(s, job.lora)
     return adapters.added, adapters.trainable
 

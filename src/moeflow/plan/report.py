@@ -35,9 +35,11 @@ def summary(p: Mapping[str, Any]) -> str:
     usable = p["usable_fraction"] * memory
     sharing = f" (states over {job['shard_ranks']} ranks)" if job["shard_ranks"] > 1 else ""
     worst = p["worst_phase"]
+    mtp = params["by_category"].get("mtp", 0)
+    carried = f" and {_count(mtp)} in MTP layers (carried frozen)" if mtp else ""
     lines = [
-        f"{job['method']} fine-tune of {p['model_type']} with {_count(params['total'])} parameters "
-        f"({_count(params['active_per_token'])} active per token), {job['precision']}, micro-batch "
+        f"{job['method']} fine-tune of {p['model_type']} with {_count(params['without_mtp'])} parameters "
+        f"({_count(params['active_per_token'])} active per token){carried}, {job['precision']}, micro-batch "
         f"{job['micro_batch_size']} x {job['seq_len']} tokens, gradient checkpointing "
         f"{'on' if job['gradient_checkpointing'] else 'off'}, on {job['num_devices']} x {job['device']} of "
         f"{memory:.1f} GiB ({p['device_memory_source']}), parallel.strategy {job['strategy']}"

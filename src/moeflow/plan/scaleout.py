@@ -281,19 +281,24 @@ def markdown_row(name: str, p: Mapping[str, Any]) -> str:
 
 
 # The README's table of every phase at real scale (phase_table): each shipped large model on 1 to 8 nodes of the
-# slurm profile's node (8 x H100 80GB, its mem_mb), in the layout it needs for a full fine-tune (Qwen3-30B-A3B's
-# FSDP; Step-3.5-Flash's experts split within a node, the rest FSDP), and LoRA in the one layout moeflow runs it in
-# on several ranks (strategy none: every rank holds the frozen base and the adapters).
+# slurm profile's node (8 x H100 80GB, its mem_mb), in the layout of the config its cluster runs use for a full
+# fine-tune (the parallel section of that profile's overlay: Qwen3-30B-A3B's FSDP; Step-3.5-Flash's experts split
+# within a node, the rest FSDP), and LoRA in the one layout moeflow runs it in on several ranks (strategy none:
+# every rank holds the frozen base and the adapters).
 PHASE_TABLE_PROFILE = "slurm"
 
 
 PHASE_TABLE_NODES = (1, 2, 4, 8)
 
 
+# model name: (its config/models overlay, the profile whose moeflow.yaml holds the layout of its cluster runs)
 PHASE_TABLE_MODELS = {
-    "Qwen3-30B-A3B": ("qwen3-30b-a3b", {"strategy": "fsdp", "ep_size": 1, "fsdp_size": None}),
-    "Step-3.5-Flash": ("step3p5-flash", {"strategy": "ep", "ep_size": 8, "fsdp_size": None}),
+    "Qwen3-30B-A3B": ("qwen3-30b-a3b", "slurm"),
+    "Step-3.5-Flash": ("step3p5-flash", "slurm-multinode"),
 }
+
+
+LAYOUT_KEYS = ("strategy", "ep_size", "fsdp_size")  # what a run's layout is, whatever ranks it is placed on
 
 
 LORA_LAYOUT = {"strategy": "none", "ep_size": 1, "fsdp_size": None}
@@ -306,7 +311,9 @@ def phase_rows(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHAS
     """The plan of every phase for each model, fine-tune method and node count of the README's table."""
     base = profile_request(profile)
     rows = []
-    for name, (model, parallel) in PHASE_TABLE_MODELS.items():
+    for name, (model, cluster) in PHASE_TABLE_MODELS.items():
+        overlay = yaml.safe_load(hardware_overlay(cluster).read_text(encoding="utf-8"))
+        parallel = {key: overlay["parallel"][key] for key in LAYOUT_KEYS}
         for method in ("full", "lora"):
             for n in nodes:
                 request = dataclasses.replace(base, gpus=base.gpus_per_node * n, nodes=n)
@@ -326,11 +333,7 @@ def phase_table(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHA
     lines = [head, "|---|---|---|---|" + "---:|" * len(PHASES) + "---|---|"]
     for row in rows:
         job, request = row["job"], row["request"]
-        layout_name = {
-            "none": "none (whole per GPU)",
-            "fsdp": "fsdp",
-            "ep": f"ep {PHASE_TABLE_MODELS[row['model']][1]['ep_size']} + fsdp",
-        }[job.strategy]
+        layout_name = {"none": "none (whole per GPU)", "fsdp": "fsdp", "ep": f"ep {job.ep_size} + fsdp"}[job.strategy]
         host = row["worst_host_phase"]
         cells = [
             row["model"],

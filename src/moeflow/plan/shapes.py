@@ -28,7 +28,7 @@ class Shape:
     hidden_size: int
     num_layers: int
     tie_word_embeddings: bool
-    num_heads: int
+    num_heads: int  # query heads of every layer, except where ``layer_heads`` says otherwise
     num_kv_heads: int
     head_dim: int
     dense_ffn: int  # FFN width of the dense layers
@@ -41,7 +41,7 @@ class Shape:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str | None = None  # "head": RMSNorm over head_dim; "full": over all heads (olmoe)
-    head_gate: int = 0  # step3p5: outputs of g_proj (one gate per head, or per head dimension)
+    head_gate: int = 0  # step3p5: g_proj's outputs per query head (1: a gate per head; head_dim: per dimension)
     sinks: bool = False  # gpt_oss: one learned attention sink per head
     expert_bias: bool = False  # gpt_oss: biases on the experts' projections
     router_bias: bool = False  # gpt_oss
@@ -53,11 +53,27 @@ class Shape:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     attention_bias: bool = False
+    # Query heads per layer where layers differ (step3p5: 96 on sliding-window layers, 64 on full ones); () when
+    # every layer has num_heads.
+    layer_heads: tuple[int, ...] = ()
+    # MTP layers (moeflow.model.families.mtp), after the main layers: each one's query heads and whether its FFN is
+    # MoE (else dense); mtp_embedding: each holds its own embedding (DeepSeek-V3).
+    mtp_heads: tuple[int, ...] = ()
+    mtp_moe: tuple[bool, ...] = ()
+    mtp_embedding: bool = False
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
         moe = set(self.moe_layers)
         return tuple(i for i in range(self.num_layers) if i not in moe)
+
+    def heads(self, layer: int) -> int:
+        """Query heads of main layer ``layer``."""
+        return self.layer_heads[layer] if self.layer_heads else self.num_heads
+
+    @property
+    def mtp_layers(self) -> int:
+        return len(self.mtp_heads)
 
 
 _MISSING = object()
@@ -162,7 +178,11 @@ def _deepseek_v3(f: Mapping[str, Any]) -> dict[str, Any]:
     first_dense = int(_get(f, "first_k_dense_replace", default=0))
     expert_ffn = int(_get(f, "moe_intermediate_size"))
     q_lora = _get(f, "q_lora_rank", default=None)
+    mtp = int(_get(f, "num_nextn_predict_layers", default=0))  # MoE layers with their own embedding
     return base | {
+        "mtp_heads": (base["num_heads"],) * mtp,
+        "mtp_moe": (True,) * mtp,
+        "mtp_embedding": True,
         "attention": "mla",
         "dense_ffn": int(_get(f, "intermediate_size")),
         "moe_layers": tuple(range(first_dense, base["num_layers"])),
@@ -179,27 +199,55 @@ def _deepseek_v3(f: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _step3p5_mtp_types(f: Mapping[str, Any], key: str, mtp_key: str, n: int, m: int) -> list | None:
+    """The MTP layers' entries of a per-layer list: transformers' split-off ``mtp_*`` list, or the tail of a
+    list with ``n + m`` entries (the published config's, and this key's in moeflow's configs)."""
+    if not m:
+        return []
+    if f.get(mtp_key) is not None:
+        return list(f[mtp_key])
+    value = f.get(key)
+    return list(value[n : n + m]) if isinstance(value, list) and len(value) == n + m else None
+
+
 def _step3p5(f: Mapping[str, Any]) -> dict[str, Any]:
-    """Step-3.5-Flash, from transformers 5's Step3p7TextConfig keys or the hub config's legacy ones."""
+    """Step-3.5-Flash, from transformers 5's Step3p7TextConfig keys or the published config's legacy ones: query
+    heads per layer type (``num_sliding_attention_heads``, or the legacy ``attention_other_setting``'s, on
+    sliding-window layers), the MTP layers (``num_nextn_predict_layers``, their types after the main layers')."""
     base = _attention_fields(f)
     n = base["num_layers"]
-    sliding_heads = f.get("num_sliding_attention_heads")
-    if sliding_heads is not None and int(sliding_heads) != base["num_heads"]:
-        raise PlanError(
-            "config key 'model.config.num_sliding_attention_heads': a head count for sliding-window layers "
-            "that differs from num_attention_heads is not supported by the planner"
-        )
+    m = int(_get(f, "num_nextn_predict_layers", default=0))
+    other = f.get("attention_other_setting") or {}
+    sliding_heads = int(
+        _get(f, "num_sliding_attention_heads", default=other.get("num_attention_heads", base["num_heads"]))
+    )
+    layer_types = list(f.get("layer_types") or ["full_attention"] * n)[:n]
+    mtp_types = _step3p5_mtp_types(f, "layer_types", "mtp_layer_types", n, m)
+    if mtp_types is None:  # transformers' default for a config without per-layer types
+        mtp_types = ["full_attention"] * m
     if f.get("mlp_layer_types"):
-        moe_layers = tuple(i for i, kind in enumerate(f["mlp_layer_types"][:n]) if kind == "sparse")
-    elif f.get("moe_layers_enum") is not None:
-        enum = f["moe_layers_enum"]
-        items = enum.split(",") if isinstance(enum, str) else enum
-        moe_layers = tuple(sorted(i for i in {int(x) for x in items if str(x).strip()} if i < n))
+        kinds = list(f["mlp_layer_types"])
+        mtp_kinds = _step3p5_mtp_types(f, "mlp_layer_types", "mtp_mlp_layer_types", n, m)
     else:
-        moe_layers = tuple(range(3, n))  # transformers' default: layers 0-2 dense
+        if f.get("moe_layers_enum") is not None:
+            enum = f["moe_layers_enum"]
+            items = enum.split(",") if isinstance(enum, str) else enum
+            moe = {int(x) for x in items if str(x).strip()}
+        else:
+            moe = set(range(3, n))  # transformers' default: layers 0-2 dense
+        kinds = ["sparse" if i in moe else "dense" for i in range(n + m)]
+        mtp_kinds = kinds[n:]
+    if mtp_kinds is None:
+        raise PlanError(
+            f"config key 'model.config.mlp_layer_types': num_nextn_predict_layers is {m}, so it needs {n + m} entries "
+            "(the main layers, then the MTP layers), or give mtp_mlp_layer_types"
+        )
+    moe_layers = tuple(i for i, kind in enumerate(kinds[:n]) if kind == "sparse")
+    heads_of = lambda kind: sliding_heads if kind == "sliding_attention" else base["num_heads"]  # noqa: E731
     gating = f.get("gating", True)
     per_head = gating is True or gating == "per-head"
     expert_ffn = int(_get(f, "moe_intermediate_size"))
+    layer_heads = tuple(heads_of(kind) for kind in layer_types)
     return base | {
         "dense_ffn": int(_get(f, "intermediate_size")),
         "moe_layers": moe_layers,
@@ -210,7 +258,11 @@ def _step3p5(f: Mapping[str, Any]) -> dict[str, Any]:
         "qkv_bias": bool(_get(f, "attention_bias", default=False)),
         "o_bias": bool(_get(f, "attention_bias", default=False)),
         "qk_norm": "head",
-        "head_gate": (base["num_heads"] if per_head else base["num_heads"] * base["head_dim"]) if gating else 0,
+        # gate outputs per query head (one gate per head), or per head dimension; 0: no gate
+        "head_gate": (1 if per_head else base["head_dim"]) if gating else 0,
+        "layer_heads": layer_heads if len(set(layer_heads)) > 1 else (),
+        "mtp_heads": tuple(heads_of(kind) for kind in mtp_types),
+        "mtp_moe": tuple(kind == "sparse" for kind in mtp_kinds),
     }
 
 
@@ -251,10 +303,13 @@ class ConfigView(Mapping[str, Any]):
         self._config, self._raw = config, dict(raw)
 
     def __getitem__(self, key: str) -> Any:
-        value = getattr(self._config, key, None)
+        try:
+            value, known = getattr(self._config, key, None), hasattr(self._config, key)
+        except RuntimeError:  # transformers 5: a per-layer attribute read globally (step3p5's head counts)
+            value, known = None, True
         if value is None and key in self._raw:
             return self._raw[key]
-        if value is None and not hasattr(self._config, key):
+        if value is None and not known:
             raise KeyError(key)
         return value
 
@@ -274,7 +329,7 @@ def hf_config_fields(fields: Mapping[str, Any], vocab_size: int) -> tuple[Mappin
     raw = dict(fields) | {"vocab_size": vocab_size}
     try:
         config = build_config(fields, vocab_size)
-    except (ModelError, KeyError, ValueError, TypeError):
+    except (ModelError, compat.UnsupportedOnStack, KeyError, ValueError, TypeError):  # formula only
         return raw, None
     return ConfigView(config, raw), config
 

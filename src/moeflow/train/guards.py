@@ -200,7 +200,7 @@ def gate_window_rows(num_rows: int, seed: int, settings: TrainSettings, world_si
     Trainer's data order (``moeflow.data.order``, ``rows_per_step`` per rank and step)."""
     per_step = settings.rows_per_step * world_size
     window = min(settings.routing_guard.window_steps, settings.steps)
-    order = DataOrder(num_rows, seed)
+    order = DataOrder(num_rows, seed, settings.order)
     order.take(per_step * (settings.steps - window))
     return order.take(per_step * window)
 

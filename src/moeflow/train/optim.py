@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from moeflow.model import parameters as P
+from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.parallel.layouts import original_shape
 
 
@@ -54,10 +55,12 @@ def param_groups(model: torch.nn.Module, settings: Any) -> list[dict[str, Any]]:
 
 
 def correction_biases(model: torch.nn.Module) -> list[torch.Tensor]:
-    """DeepSeek-V3-style expert correction biases (``e_score_correction_bias``), in layer order."""
+    """DeepSeek-V3-style expert correction biases (``e_score_correction_bias``), in layer order; not those of
+    MTP layers (moeflow.model.families.mtp), which route no token in the model's forward."""
+    mtp = mtp_prefixes(model)
     found = [
         (name, t)
         for name, t in [*model.named_buffers(), *model.named_parameters()]
-        if P.category(name) == P.CORRECTION_BIAS
+        if P.category(name) == P.CORRECTION_BIAS and not is_mtp_name(name, mtp)
     ]
     return [t for _, t in sorted(found, key=lambda nt: -1 if P.layer_index(nt[0]) is None else P.layer_index(nt[0]))]

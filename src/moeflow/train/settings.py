@@ -96,6 +96,7 @@ class TrainSettings:
     optimizer: str
     micro_batch_size: int
     grad_accum_steps: int
+    order: str
     gradient_checkpointing: bool
     steps: int
     warmup_steps: int

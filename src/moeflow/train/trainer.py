@@ -169,7 +169,7 @@ class Trainer:
             param_groups(model, settings), lr=settings.lr, betas=settings.betas, eps=settings.eps
         )
         self.biases = correction_biases(model)
-        self.order = DataOrder(len(rows), seed)
+        self.order = DataOrder(len(rows), seed, settings.order)
         # Dropout (LoRA's too) draws from the global generator: seeded here, its state saved in checkpoints,
         # so a fresh start and a resume (which loads that state) are both reproducible.
         torch.manual_seed(seed)

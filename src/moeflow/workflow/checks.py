@@ -14,6 +14,7 @@ from typing import Any
 import jsonschema
 
 from moeflow.evaluation.lm_eval_tasks import task_problems
+from moeflow.model.families import registry
 from moeflow.settings import (
     REPO_ROOT,
     SCHEMA_PATH,
@@ -208,12 +209,17 @@ def model_type_problems(folder: Path) -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     where = f"config key 'model.pretrained': {folder}/config.json names model_type {model_type!r}"
+    if model_type in registry.CURRENT_STACK_ONLY and model_type not in registry.causal_lm_types():
+        return [
+            f"{where}, which transformers {transformers.__version__} does not have: it needs transformers 5, "
+            "the 'current' stack (STACK=current), where moeflow builds its causal LM without remote code"
+        ]
     if model_type not in CONFIG_MAPPING_NAMES:
         return [
             f"{where}, which transformers {transformers.__version__} does not have: a model this new needs "
             "transformers 5 (the 'current' stack, STACK=current) or a newer release"
         ]
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in registry.causal_lm_types():
         return [
             f"{where}: transformers {transformers.__version__} has its config but no causal-LM class for it "
             "(AutoModelForCausalLM cannot load it), and moeflow fine-tunes causal language models only"

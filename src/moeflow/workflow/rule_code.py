@@ -38,7 +38,7 @@ ROWS = ("data.shards", "data.collate")
 VALSET = ("data.valset", "data.packing")
 
 # A model's transformers config and class, its typed settings, the folder checks: what reading a shape needs.
-MODEL_CONFIG = ("model.configs", "model.settings", "model.folder")
+MODEL_CONFIG = ("model.configs", "model.families", "model.settings", "model.folder")
 # Building or loading a model in every layout (the whole model, each rank's rows on meta, FSDP, expert
 # parallelism, LoRA adapters), with the chunked loss it computes (which skips the rows' IGNORE_INDEX labels).
 MODEL = (

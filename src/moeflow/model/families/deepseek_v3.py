@@ -1,0 +1,61 @@
+"""DeepSeek-V3 with its published MTP layers carried (moeflow.model.families.mtp), on both stacks.
+
+The published checkpoint holds ``num_nextn_predict_layers`` (1) MTP layers as ``model.layers.61.*``:
+a MoE decoder layer with ``enorm``, ``hnorm``, ``eh_proj``, its own ``embed_tokens`` and a ``shared_head``
+(``norm``, ``head``). transformers' ``DeepseekV3ForCausalLM`` ignores them at load. The subclass here, under the
+same class name (``save_pretrained`` records it in ``architectures``), appends them to ``model.layers`` when the
+config names any, and is otherwise transformers' class unchanged (a config without MTP layers builds the same
+modules, initialised alike).
+"""
+
+from __future__ import annotations
+
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as shipped
+from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+
+from moeflow.model.families.mtp import add_mtp_modules
+
+MODEL_TYPE = "deepseek_v3"
+
+
+config_class = DeepseekV3Config
+
+
+class DeepseekV3MTPLayer(shipped.DeepseekV3DecoderLayer):
+    """A published MTP layer: the decoder layer of index ``num_hidden_layers + depth`` (MoE, as layers from
+    ``first_k_dense_replace`` on are) and the MTP modules."""
+
+    is_mtp_layer = True  # moeflow.model.families.mtp.MTP_FLAG
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        add_mtp_modules(
+            self,
+            config.hidden_size,
+            config.vocab_size,
+            lambda: shipped.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+            head_name="head",
+            own_embedding=True,
+        )
+        self.requires_grad_(False)  # carried, not trained (moeflow.model.families.mtp)
+
+
+class DeepseekV3ForCausalLM(shipped.DeepseekV3ForCausalLM):
+    """transformers' DeepSeek-V3 causal LM with ``num_nextn_predict_layers`` MTP layers in ``model.layers``."""
+
+    _no_split_modules = ["DeepseekV3DecoderLayer", "DeepseekV3MTPLayer"]
+    _keys_to_ignore_on_load_unexpected = None  # the MTP layers' keys are the model's own here
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__(config)
+        depth = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+        for i in range(depth):
+            self.model.layers.append(DeepseekV3MTPLayer(config, config.num_hidden_layers + i))
+        if depth:
+            self.post_init()
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers 5 decides from the defining module's source whether the experts take an implementation:
+        # this module defines none, transformers' DeepSeek-V3 module decorates its experts.
+        return shipped.DeepseekV3ForCausalLM._can_set_experts_implementation()
