@@ -22,13 +22,14 @@ from moeflow.checkpoint import export
 from moeflow.checkpoint.safetensors_files import weight_files
 from moeflow.data.collate import collate
 from moeflow.data.tokenizer import train_tokenizer
-from moeflow.model.factory import make_model
+from moeflow.model.factory import Layout, make_model
 from moeflow.model.families import registry
 from moeflow.model.families.mtp import mtp_prefixes
 from moeflow.model.routing import capture
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.launch import torchrun_command
-from moeflow.parallel.rank_load import build_on_meta, fill_from_folder, materialize, tied_names
+from moeflow.parallel.process_group import Ranks
+from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.train.optim import correction_biases
@@ -38,7 +39,7 @@ from moeflow.workflow.keys import training
 
 pytestmark = pytest.mark.skipif(not compat.is_transformers_v5(), reason="Step-3.5-Flash needs transformers 5")
 
-MODEL = {"attn_implementation": "eager", "experts_implementation": "eager"}
+MODEL = {"attn_implementation": "eager", "experts_implementation": "eager", "config": {}}  # the folder's config
 TEXTS = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
 
 
@@ -135,10 +136,9 @@ def test_the_published_layout_loads_without_remote_code_and_saves_back(published
 def test_moeflows_sharded_loader_reads_the_published_layout(published):
     """The one-rank meta build plus each rank's rows from the files (moeflow.parallel.rank_load) maps the
     published names through transformers' conversion, the stacked experts' concatenation included."""
-    model = build_on_meta(published, MODEL)
-    names = tied_names(model)
-    model = materialize(model, torch.device("cpu"))
-    fill_from_folder(model, published, names)
+    one_rank = Ranks(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    fsdp = Layout(one_rank, typed(ParallelSettings, {"strategy": "fsdp"}), trainer_settings(1))
+    model = make_model(typed(ModelSettings, MODEL), folder=published, layout=fsdp)
     want = expected_state(file_tensors(published))
     state = model.state_dict()
     assert sorted(state) == sorted(want) and all(torch.equal(state[n], want[n]) for n in want)
@@ -251,7 +251,8 @@ def test_fsdp_mixed_precision_keeps_the_router_in_fp32(published, tmp_path):
 
 
 def _fsdp_rank(published: str, out: str) -> None:
-    from moeflow.parallel.layouts import shard_model, unwrap
+    from moeflow.model.wrappers import unwrap
+    from moeflow.parallel.layouts import shard_model
     from moeflow.parallel.process_group import all_reduce_sum, process_group
     from moeflow.parallel.settings import ParallelSettings
 
