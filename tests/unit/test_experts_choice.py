@@ -81,7 +81,7 @@ def test_a_real_timing_at_a_small_shape_picks_the_fastest_eligible():
 def test_the_block_is_fp32_whatever_dtype_the_config_names():
     """A published folder's config says bfloat16 (Step-3.5-Flash's does); moeflow holds models in fp32, and the
     timed block with them (its inputs are fp32)."""
-    bf16 = X.moe_block(tiny_model_cfg(torch_dtype="bfloat16"), MICRO_BATCH, SEQ_LEN, CPU)
+    bf16 = X.moe_block(typed(ModelSettings, tiny_model_cfg(torch_dtype="bfloat16")), MICRO_BATCH, SEQ_LEN, CPU)
     assert {p.dtype for p in bf16.module.parameters()} == {torch.float32}
     X.block_runner(bf16, "fp32")(X.REFERENCE)
 
@@ -158,7 +158,7 @@ def test_experts_that_ignore_the_switch_are_not_eligible():
     timing sees that the implementation was never called."""
     from transformers.models.step3p7.modeling_step3p7 import Step3p7Experts
 
-    block = X.moe_block(model_config("step3p5"), MICRO_BATCH, SEQ_LEN, CPU)
+    block = X.moe_block(typed(ModelSettings, model_config("step3p5")), MICRO_BATCH, SEQ_LEN, CPU)
     shipped = Step3p7Experts(block.model.config).to(CPU)
     with torch.no_grad():
         for name, param in shipped.named_parameters():
@@ -178,7 +178,7 @@ def test_a_model_class_that_opts_out_is_offered_eager_only_and_an_explicit_choic
     report = X.measure(auto(model_config("step3p5")), MICRO_BATCH, SEQ_LEN, CPU, "fp32")
     assert report["chosen"] == "eager"
     assert "opt out" in report["implementations"]["grouped_mm"]["reason"], report["implementations"]
-    explicit = model_config("step3p5") | {"experts_implementation": "grouped_mm"}
+    explicit = typed(ModelSettings, model_config("step3p5") | {"experts_implementation": "grouped_mm"})
     with pytest.raises(ModelError, match="'model.experts_implementation': grouped_mm cannot run for this model"):
         X.measure(explicit, MICRO_BATCH, SEQ_LEN, CPU, "fp32")
 
