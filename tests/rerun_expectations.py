@@ -147,7 +147,7 @@ ROWS = (
     Row(
         "the shard format every stage reads or writes",
         ("src/moeflow/data/__init__.py", "src/moeflow/data/shards.py"),
-        frozenset({"train_tokenizer", "tokenize", "choose_experts", "plan_memory", *AFTER_BASE_MODEL}),
+        frozenset({"train_tokenizer", "tokenize", *AFTER_BASE_MODEL}),
     ),
     Row(
         "the tokenizer and the corpus sources",
