@@ -1,4 +1,6 @@
-"""The final model folder (HF-sharded safetensors, config, tokenizer), written by every rank together one
+"""The final model folder, HF-sharded safetensors written one whole tensor at a time by every rank.
+
+The final model folder (HF-sharded safetensors, config, tokenizer), written by every rank together one
 whole tensor at a time, so that no process ever holds the whole model.
 
 :func:`save_final_model` is a collective for a sharded model (every rank calls it): each tensor is made

@@ -1,4 +1,6 @@
-"""The tasks ``evaluate.tasks`` names, resolved: moeflow's own task YAMLs (workflow/tasks/), a task YAML file,
+"""The tasks ``evaluate.tasks`` names, resolved: moeflow's task YAMLs, a YAML file, lm-eval's registry.
+
+The tasks ``evaluate.tasks`` names, resolved: moeflow's own task YAMLs (workflow/tasks/), a task YAML file,
 or a task of lm-eval's registry (resolved through its TaskManager, whose data must be on the machine).
 
 The config check (``moeflow.config``) calls :func:`task_problems` when the Snakefile loads: an unknown name or a

@@ -1,4 +1,6 @@
-"""The memory planner: count parameters from a model config (no weights) and estimate memory per rank in
+"""The memory planner's per-rank memory in every phase of a training job.
+
+The memory planner: count parameters from a model config (no weights) and estimate memory per rank in
 every phase of a training job (load, step, checkpoint, resume, export).
 
 Parameters

@@ -1,4 +1,6 @@
-"""The config's checks: the schema, then what a schema cannot express (each message names the key and
+"""The config's checks: the schema, then what a schema cannot express, per run.
+
+The config's checks: the schema, then what a schema cannot express (each message names the key and
 what to do), per run.
 """
 
