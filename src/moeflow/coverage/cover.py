@@ -18,7 +18,7 @@ constraints, greedy multi-cover, and the report with its random comparison.
 3. **Comparison** (``random_comparison``): random subsets of the same token count; how many cells and
    pairs they leave below the threshold.
 
-The stage that routes the pool and writes the validation set is ``moeflow.valset``.
+The stage that routes the pool and writes the validation set is ``moeflow.coverage.build``.
 """
 
 from __future__ import annotations

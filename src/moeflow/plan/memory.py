@@ -126,9 +126,10 @@ MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the wei
 
 # What a rank holds before its model: the CUDA context (with NCCL's and cuBLAS's buffers) on CUDA; on CPU the
 # resident set of a training rank's process, by transformers major version (the stack), measured as
-# /proc/self/status VmRSS after importing torch, transformers, moeflow.train.trainer/distributed/checkpoint/modeling
-# and the qwen3_moe modelling module and initialising a gloo group (docs/memory-plan.md): 597 MiB on the
-# pinned stack (torch 2.3.1+cu121, transformers 4.57.1), 403 MiB on the current one (torch 2.13 CPU, 5.24).
+# /proc/self/status VmRSS after importing torch, transformers, the training loop, process group, checkpoint and
+# model-loading modules (then the flat train, distributed, checkpoint and modeling) and the qwen3_moe modelling
+# module and initialising a gloo group (docs/memory-plan.md): 597 MiB on the pinned stack (torch 2.3.1+cu121,
+# transformers 4.57.1), 403 MiB on the current one (torch 2.13 CPU, 5.24).
 CPU_RANK_RUNTIME_BYTES = {4: 600 * 2**20, 5: 405 * 2**20}
 
 
@@ -243,7 +244,7 @@ class Job:
 
     @property
     def mixed_precision(self) -> bool:
-        """FSDP mixed precision (moeflow.distributed with precision bf16): bf16 parameters gathered and
+        """FSDP mixed precision (moeflow.parallel.layouts with precision bf16): bf16 parameters gathered and
         computed with, fp32 sharded master weights and an fp32 gradient reduce-scatter. On one device bf16
         is autocast over fp32 weights."""
         return self.sharded and self.precision == "bf16"
