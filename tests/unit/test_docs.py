@@ -89,9 +89,8 @@ def anchors(page: Path) -> set[str]:
 
 def test_the_readme_is_at_most_10_kb_and_links_every_docs_page():
     text = README.read_text(encoding="utf-8")
-    assert len(text.encode("utf-8")) <= MAX_README_BYTES, (
-        f"README.md is {len(text.encode())} bytes (at most {MAX_README_BYTES}): move details to a page of docs/"
-    )
+    size = len(text.encode("utf-8"))
+    assert size <= MAX_README_BYTES, f"README.md is {size} bytes (at most {MAX_README_BYTES}): move details to docs/"
     assert "make train" in text and "make test" in text and "make test-all" in text
     linked = {target.split("#")[0] for target in LINK.findall(text)}
     assert [p.name for p in DOCS if f"docs/{p.name}" not in linked] == []

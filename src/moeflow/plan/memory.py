@@ -411,7 +411,8 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     * step: :func:`memory_per_device`;
     * checkpoint: the resident state (:func:`resident_state`) and, on CUDA, one tensor's shard staged on the host;
     * resume: the resident state (the loaded weights, the optimizer's shards read into), the zero gradients of
-      the step that initialises a fresh optimizer's state (``distributed.state_pieces``), one tensor's read buffer;
+      the step that initialises a fresh optimizer's state (``moeflow.checkpoint.pieces.state_pieces``), one
+      tensor's read buffer;
     * export: the resident state and one whole parameter gathered (all ranks take part), staged on the host on CUDA;
       rank 0 streams each tensor to its shard file (no buffer of ``export.max_shard_size``).
 
@@ -421,7 +422,7 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     :func:`rank_bytes` (device + host: what its peak RSS should be)."""
     state = resident_state(s, params, job)
     # a fresh optimizer's state is initialised by a step on zero gradients (torch.distributed.checkpoint's
-    # _init_optim_state, in distributed.state_pieces) before the checkpoint's moments are read into it
+    # _init_optim_state, in moeflow.checkpoint.pieces.state_pieces) before the checkpoint's moments are read into it
     _, trained = trained_parameters(s, params, job)
     zero_gradients = math.ceil(trained * PARAM_BYTES / job.shard_ranks)
     whole = params.largest_tensor * PARAM_BYTES
