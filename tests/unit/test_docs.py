@@ -1,6 +1,6 @@
 """The documentation as a reader meets it: a README of at most 10 KB that links every page of docs/, links that
-lead somewhere, and names of moeflow code that exist (a renamed or moved module fails here, not in a reader's
-hands)."""
+lead somewhere, and names of moeflow code and repository paths that exist (a renamed or moved module fails here,
+not in a reader's hands)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ NOT_CODE = {
     "moeflow.a.b.c",
 }
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# A path of the repository named in a page's text (`tests/unit/test_docs.py`, `config/models/`).
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:src|tests|benchmarks|tools|workflow|config|profiles|envs|docs)/[\w./-]+)")
 DOTTED = re.compile(r"\bmoeflow(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 
@@ -121,3 +123,13 @@ def test_the_docs_and_comments_name_only_moeflow_code_that_exists():
         if name not in NOT_CODE and unknown_name(name, modules)
     ]
     assert unknown == []
+
+
+def test_every_repository_path_a_page_names_exists():
+    missing = [
+        f"{page.relative_to(REPO_ROOT)}: {path}"
+        for page in PAGES
+        for path in (p.rstrip("./") for p in REPO_PATH.findall(page.read_text(encoding="utf-8")))
+        if not (REPO_ROOT / path).exists() and not (page.parent / path).exists()
+    ]
+    assert missing == []
