@@ -1,7 +1,7 @@
 # moeflow: fine-tune mixture-of-experts language models, reproducibly.
 #
-#   snakemake --cores 8 train     environment -> tokenizer -> shards -> base model -> coverage set, memory plan
-#                                 -> warmup -> fine-tuned model, for every run
+#   snakemake --cores 8 train     environment, experts choice -> tokenizer -> shards -> base model -> coverage set,
+#                                 memory plan -> warmup -> fine-tuned model, for every run
 #   snakemake --cores 8 paper     and each run evaluated (losses, lm-eval tasks, HumanEval, routing drift)
 #                                 -> the paper's figures and tables
 #   snakemake --cores 2 verify_env

@@ -16,7 +16,7 @@ live and a phase's peak is its own, not the previous phase's leftovers.
 
 The goal (issue #16): rank 0's peak RSS at 4 ranks at most 0.4x its peak at 1 rank in every phase, and no
 rank above 1.2x the mean of the ranks. Writes this stack's entry of results/bench/scale.json
-(``stacks.<stack>``; the other stack's is kept) and prints the markdown table of README.md:
+(``stacks.<stack>``; the other stack's is kept) and prints the Markdown tables of docs/benchmarks.md:
 
     PYTHONPATH=src .venvs/<stack>/bin/python benchmarks/scale.py [--worlds 1 2 4] [--designs baseline new]
 """
@@ -163,7 +163,7 @@ def _x(v: float | None) -> str:
 
 
 def markdown(entry: dict) -> str:
-    """The README's tables: peak RSS per phase (rank 0 at each world; ratio and spread at 4 ranks) per design,
+    """docs/benchmarks.md's tables: peak RSS per phase (rank 0 at each world; ratio and spread at 4 ranks) per design,
     then per run the bytes each rank wrote for the checkpoint and the seconds of each phase."""
     runs, worlds = entry["runs"], entry["worlds"]
     top = max(worlds)

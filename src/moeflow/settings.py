@@ -1,4 +1,6 @@
-"""The configuration schema (``config/schema.yaml``: the only place a default or an allowed value is
+"""The configuration schema and typed settings from plain data (:func:`typed`, :func:`plain`).
+
+The configuration schema (``config/schema.yaml``: the only place a default or an allowed value is
 written) and typed settings from plain data: the frozen dataclasses each package declares next to its
 user are built with :func:`typed`, and :func:`plain` turns them back into what a rule passes.
 """

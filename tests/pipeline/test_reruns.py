@@ -73,7 +73,8 @@ def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
     assert not rules & {"verify_env", "train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"}
 
 
-# The README's rerun table, one row per case: a change, and exactly the stages it schedules (target paper).
+# docs/reruns.md's table of setting and file changes, one row per case: a change, and exactly the stages it
+# schedules (target paper).
 # plan_memory reads the model, tokenizer.vocab_size and the training settings, not the data.
 # Every evaluation stage reads the fine-tuned model.
 EVALUATION = {"evaluate_run", "lm_eval_task", "humaneval_generate", "humaneval_execute", "routing_drift", "paper"}

@@ -4,7 +4,7 @@ One step, a checkpoint, then the step after it: the run that saved continues (th
 the resumed runs load the checkpoint into another world size or layout: 2->1, 1->2 and 2->4 with ``fsdp``,
 fsdp(2)->none(1), and on the current stack ep(2)->fsdp(2). The global batch is the same in every run
 (``micro_batch_size`` 1 x ``grad_accum_steps`` x world = 4 rows) and so is the loss's chunking, so the
-resumed whole state (gathered with ``distributed.full_state_dict``) equals the saved one exactly and the
+resumed whole state (gathered with ``moeflow.parallel.layouts.full_state_dict``) equals the saved one exactly and the
 next step's loss equals the uninterrupted run's within 1e-6 relative. Also: every rank's file holds only
 its shards (``fsdp``: about 1/world of the state each; ``none``: the ranks split the writes), and two ranks
 killed between their writes and the rename resume from the previous checkpoint with the same losses.

@@ -1,10 +1,13 @@
 """Rules of the code's shape that no single behaviour test sees: one door to a model, defaults applied in one
-place, no private names borrowed across modules, modules of a readable size."""
+place, no private names borrowed across modules, modules of a readable size, each module saying what it is (the
+module map of docs/architecture.md)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import module_map
 
 from moeflow.settings import REPO_ROOT
 
@@ -93,3 +96,26 @@ def test_schema_defaults_are_filled_only_where_the_config_is_loaded():
 def test_no_library_module_is_over_600_lines():
     sizes = {relative(p): len(p.read_text(encoding="utf-8").splitlines()) for p in PACKAGE.rglob("*.py")}
     assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_every_module_has_a_docstring_whose_first_line_says_what_it_is():
+    """A sentence of its own on the first line (the module map shows it), the details after a blank line."""
+    bad = []
+    for path in module_map.modules():
+        lines = (module_map.docstring(path) or "").splitlines()
+        if not lines or not lines[0].strip():
+            bad.append(f"{relative(path)}: no docstring")
+        elif not lines[0].rstrip().endswith(".") or (len(lines) > 1 and lines[1].strip()):
+            bad.append(f"{relative(path)}: the first line is not a sentence of its own: {lines[0]!r}")
+    assert bad == []
+
+
+def test_the_module_map_is_the_docstrings():
+    doc = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert module_map.with_table(doc) == doc, (
+        "docs/architecture.md's module map is out of date: run tests/module_map.py"
+    )
+    rows = doc.split(module_map.TABLE_START)[1].split(module_map.TABLE_END)[0]
+    assert len(module_map.modules()) > 90 and all(
+        f"| `{module_map.dotted_name(p)}` |" in rows for p in PACKAGE.rglob("*.py")
+    )

@@ -1,5 +1,6 @@
-"""moeflow.config: schema errors name the key, runs are validated overlays, the schema's defaults are the only
-defaults, typed settings per stage, and keys shared where settings agree."""
+"""The configuration (moeflow.workflow and moeflow.settings): schema errors name the key, runs are validated
+overlays, the schema's defaults are the only defaults, typed settings per stage, and keys shared where settings
+agree."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from tiny_models import tiny_model_cfg
 from moeflow.data.packing import pack_documents
 from moeflow.data.shards import open_split, write_split
 from moeflow.data.tokenizer import train_tokenizer
-from moeflow.evaluation import lm_eval_docs as task_docs
+from moeflow.evaluation import lm_eval_docs
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation import lm_eval_tasks as harness_tasks
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
@@ -132,14 +132,14 @@ def test_prefix_hook_refuses_windows_it_cannot_reproduce(corpus, model):
 
 def test_body_choice_items_are_deterministic_and_hold_the_real_body(corpus):
     tokenizer, folders, texts = corpus
-    documents = task_docs.document_texts(open_split(folders["code"], "test"), tokenizer)
+    documents = lm_eval_docs.document_texts(open_split(folders["code"], "test"), tokenizer)
     assert documents == texts  # the split decodes back to the documents
     kwargs = {"choices": 3, "seed": 7, "max_tokens": SEQ_LEN}
-    items = task_docs.body_choice_docs(documents, tokenizer, **kwargs)
-    assert items and items == task_docs.body_choice_docs(documents, tokenizer, **kwargs)
-    assert items != task_docs.body_choice_docs(documents, tokenizer, **{**kwargs, "seed": 8})
+    items = lm_eval_docs.body_choice_docs(documents, tokenizer, **kwargs)
+    assert items and items == lm_eval_docs.body_choice_docs(documents, tokenizer, **kwargs)
+    assert items != lm_eval_docs.body_choice_docs(documents, tokenizer, **{**kwargs, "seed": 8})
     bodies: dict[str, set[str]] = {}
-    for f in (f for text in documents for f in task_docs.functions(text)):
+    for f in (f for text in documents for f in lm_eval_docs.functions(text)):
         bodies.setdefault(f.prompt, set()).add(f.body)
     for item in items:
         assert len(item["choices"]) == 3 == len(set(item["choices"]))
@@ -165,7 +165,7 @@ def test_body_choice_task_runs_through_lm_eval(corpus, model, tmp_path):
     # Prose has no functions: left out of the corpora, and a task that no corpus gives documents for fails.
     both = harness.corpus_documents(BODY_CHOICE, folders, tokenizer, settings, SEQ_LEN, seed=0)
     assert list(both) == ["code"]
-    with pytest.raises(task_docs.TaskDataError, match="moeflow_body_choice.*evaluate.lm_eval.max_length"):
+    with pytest.raises(lm_eval_docs.TaskDataError, match="moeflow_body_choice.*evaluate.lm_eval.max_length"):
         harness.corpus_documents(BODY_CHOICE, {"prose": folders["prose"]}, tokenizer, settings, SEQ_LEN, seed=0)
 
 
@@ -173,7 +173,7 @@ def test_task_entries_resolve_or_name_the_key(tmp_path, monkeypatch):
     # lm-eval's registry takes seconds to index: a name it knows and one it does not stand in for it.
     monkeypatch.setattr(harness_tasks, "registry_has", lambda name: name == "wikitext")
     assert harness_tasks.resolve("wikitext", "evaluate.tasks[0]").registry
-    assert PERPLEXITY.docs == task_docs.SEGMENTS and BODY_CHOICE.docs == task_docs.BODY_CHOICE
+    assert PERPLEXITY.docs == lm_eval_docs.SEGMENTS and BODY_CHOICE.docs == lm_eval_docs.BODY_CHOICE
     assert harness_tasks.task_problems(["moeflow_perplexity", "moeflow_body_choice"], ["c"]) == []
     (problem,) = harness_tasks.task_problems(["wikitext", "moeflow_body_choice"], [])
     assert "evaluate.tasks[1]" in problem and "data.eval_corpora" in problem

@@ -228,26 +228,26 @@ def test_launcher_starts_one_rank_per_gpu_or_the_cpu_ranks():
         torchrun_command("python", gpus=12, nodes=8)
 
 
-def test_readme_row_shows_the_plans_numbers():
+def test_markdown_row_shows_the_plans_numbers():
     p = scaleout_plan(cluster_config("qwen3-30b-a3b", "slurm"), profile_request("slurm"))
     row = markdown_row("Qwen3-30B-A3B", p)
     assert f"**{p['on_request']['per_gpu_gib']['total']:.1f}** of 80" in row and "8 x H100 (1 node)" in row
     assert f"{p['cost']['gpu_hours']:.0f} GPU-h" in row and "`profiles/slurm`" in row
 
 
-# --------------------------------------------------------------------------- the README's table of phases
+# --------------------------------------------------------------------------- docs/memory-plan.md's table of phases
 
 
 @pytest.mark.skipif(
-    not compat.is_transformers_v5(), reason="the README's table is the current stack's (FSDP2, fused experts)"
+    not compat.is_transformers_v5(), reason="docs/memory-plan.md's table is the current stack's (FSDP2, fused experts)"
 )
-def test_readme_phase_table_is_the_planners_output(monkeypatch):
+def test_memory_plan_docs_phase_table_is_the_planners_output(monkeypatch):
 
     # the closed form (the meta count of Qwen3-30B-A3B's experts takes ~40 s; tests/unit/test_plan.py checks
     # that both agree, the largest tensor included)
     monkeypatch.setattr(counts, "meta_count", lambda config, shape: None)
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    table = readme.split("<!-- phase-table:start -->\n")[1].split("<!-- phase-table:end -->")[0]
+    doc = (REPO_ROOT / "docs" / "memory-plan.md").read_text(encoding="utf-8")
+    table = doc.split("<!-- phase-table:start -->\n")[1].split("<!-- phase-table:end -->")[0]
     assert table == phase_table()
 
 

@@ -16,8 +16,7 @@ from moeflow.model.configs import causal_lm_class
 from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import check_model_folder
 from moeflow.model.settings import ModelSettings
-from moeflow.parallel import layouts
-from moeflow.parallel import rank_load as sharded_load
+from moeflow.parallel import layouts, rank_load
 from moeflow.parallel.process_group import Ranks
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
@@ -99,22 +98,22 @@ def test_a_rank_reads_only_the_file_tensors_of_its_rows(tmp_path, monkeypatch):
     files = weight_files(folder)
     headers = {f: read_header(f)[0] for f in set(files.values())}
     reads = []
-    read_tensor = sharded_load.read_tensor
+    read_tensor = rank_load.read_tensor
 
     def recording(file, entry, rows=None, out=None):
         reads.append((entry.name, rows))
         return read_tensor(file, entry, rows, out)
 
-    monkeypatch.setattr(sharded_load, "read_tensor", recording)
+    monkeypatch.setattr(rank_load, "read_tensor", recording)
     fused = 0
     for name, param in loaded.named_parameters():
         if param.dim() < 2 or param.shape[0] < 3:
             continue
         stored = name if name in files else None
-        sources = {stored: None} if stored else sharded_load.file_sources(loaded, name, tuple(param.shape))
+        sources = {stored: None} if stored else rank_load.file_sources(loaded, name, tuple(param.shape))
         local = torch.full((2, *param.shape[1:]), float("nan"))
         reads.clear()
-        sharded_load._fill_piece(folder, files, headers, name, tuple(param.shape), sources, local, 1)
+        rank_load._fill_piece(folder, files, headers, name, tuple(param.shape), sources, local, 1)
         assert torch.equal(local, param.detach()[1:3]), name
         if stored is None:  # a fused weight: the file tensors of experts 1 and 2 only
             fused += 1

@@ -1,6 +1,7 @@
 # The paper artifacts: figures (PNG and PDF), tables (CSV, Markdown, LaTeX) and provenance.json from the
-# cached results of every run. Never retrains: a change to the paper's code (src/moeflow/paper, the script)
-# or to a paper setting reruns this rule only (docs/reruns.md).
+# cached results of every run. Never retrains: a change to the paper's code (its script, and src/moeflow/paper:
+# the rule's library input, code("paper") from moeflow.workflow.rule_code) or to a paper setting reruns this rule
+# only (docs/reruns.md, checked by tests/pipeline/test_library_reruns.py).
 
 
 rule paper:

@@ -1,4 +1,6 @@
-"""The final model folder (HF-sharded safetensors, config, tokenizer), written by every rank together one
+"""The final model folder, HF-sharded safetensors written one whole tensor at a time by every rank.
+
+The final model folder (HF-sharded safetensors, config, tokenizer), written by every rank together one
 whole tensor at a time, so that no process ever holds the whole model.
 
 :func:`save_final_model` is a collective for a sharded model (every rank calls it): each tensor is made
@@ -88,7 +90,7 @@ def model_tensors(model: torch.nn.Module) -> list[ModelTensor]:
 def whole_tensors(model: torch.nn.Module, tensors: Sequence[ModelTensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Each of ``tensors`` whole, one at a time, in order: on every rank (DTensors: ``full_tensor``), or,
     for FSDP1, on rank 0 (None on the others) from the ranks' ranges of its elements in their flat shards
-    (``distributed.state_pieces``; torch 2.3's ``summon_full_params`` of one inner unit leaves its
+    (``moeflow.checkpoint.pieces.state_pieces``; torch 2.3's ``summon_full_params`` of one inner unit leaves its
     parameters sharded, and its sharded state dict copies every rank's rows at once). A collective for a
     sharded model: every rank iterates to the end."""
     if is_fsdp1(model):

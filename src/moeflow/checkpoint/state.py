@@ -8,7 +8,7 @@ data position, guard state, the metrics history without timings, the optimizer's
 every DCP key's whole shape), ``timings.json`` (the measured part of the history) and any extra JSON
 files the caller adds.
 
-Every rank writes only its own pieces (``distributed.state_pieces``: each tensor flattened, a rank's share
+Every rank writes only its own pieces (``moeflow.checkpoint.pieces.state_pieces``: each tensor flattened, a rank's share
 one contiguous range of its elements, as its layout holds it; the ranks of an unsharded model split the
 writes; a tied parameter once, under its first name) into
 ``.<name>.partial`` beside the final folder; once all have written, rank 0 adds the JSON files and renames

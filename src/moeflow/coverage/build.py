@@ -1,4 +1,6 @@
-"""The coverage stage: route the held-out pool (``moeflow.model.routing_stats``), select the documents
+"""The coverage stage: route the held-out pool, select the documents, write the set and its report.
+
+The coverage stage: route the held-out pool (``moeflow.model.routing_stats``), select the documents
 (``moeflow.coverage.cover``), then write the set (``moeflow.data.valset``), ``coverage.json`` and the heatmap."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Choosing the expert-coverage validation set from a pool's routing statistics (``moeflow.model.routing_stats``):
+"""Choosing the coverage validation set from routing statistics: constraints, greedy multi-cover, report.
+
+Choosing the expert-coverage validation set from a pool's routing statistics (``moeflow.model.routing_stats``):
 constraints, greedy multi-cover, and the report with its random comparison.
 
 1. **Constraints** (``build_constraints``): one per (layer, expert), plus the ``pairs_per_layer`` most
@@ -16,7 +18,7 @@ constraints, greedy multi-cover, and the report with its random comparison.
 3. **Comparison** (``random_comparison``): random subsets of the same token count; how many cells and
    pairs they leave below the threshold.
 
-The stage that routes the pool and writes the validation set is ``moeflow.valset``.
+The stage that routes the pool and writes the validation set is ``moeflow.coverage.build``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The coverage stage's heatmap: documents meeting each (layer, expert) cell, the validation set beside a
+"""The coverage stage's heatmap of documents per (layer, expert), the set beside a random subset.
+
+The coverage stage's heatmap: documents meeting each (layer, expert) cell, the validation set beside a
 random subset of the same size.
 """
 

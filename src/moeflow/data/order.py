@@ -1,4 +1,6 @@
-"""The order the Trainer takes training rows in (``train.order``): a deterministic permutation per epoch
+"""The order the Trainer takes training rows in (``train.order``): shuffled per epoch or sequential.
+
+The order the Trainer takes training rows in (``train.order``): a deterministic permutation per epoch
 (``shuffled``), or the rows as they are stored, every epoch (``sequential``)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Packing documents into rows of ``seq_len`` tokens (the row format is ``moeflow.data.shards``'s), with
+"""Packing documents into rows of ``seq_len`` tokens, with the result's padding and boundary counts.
+
+Packing documents into rows of ``seq_len`` tokens (the row format is ``moeflow.data.shards``'s), with
 the padding and document-boundary counts of the result."""
 
 from __future__ import annotations

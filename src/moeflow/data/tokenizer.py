@@ -1,4 +1,6 @@
-"""The tokenizer: training a byte-level BPE one (or loading a pretrained model's), and encoding
+"""The tokenizer: train a byte-level BPE (or load a model's) and encode text and chat documents.
+
+The tokenizer: training a byte-level BPE one (or loading a pretrained model's), and encoding
 documents with it: text with EOS, chat rendered with its template and labelled on assistant turns."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Running HumanEval's samples: each sample's program (``moeflow.evaluation.humaneval.program``) in
+"""Running HumanEval's samples in the sandbox, never in this process, and how each ended.
+
+Running HumanEval's samples: each sample's program (``moeflow.evaluation.humaneval.program``) in
 moeflow.evaluation.sandbox, never in this process, and how it ended. Apart from moeflow.evaluation.humaneval so
 that the generation rule does not import the sandbox: editing the sandbox reruns the execution only.
 """

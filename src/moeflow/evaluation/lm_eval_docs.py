@@ -1,4 +1,6 @@
-"""The documents of moeflow's own lm-eval tasks (workflow/tasks/), built from an evaluation corpus's packed
+"""The documents of moeflow's own lm-eval tasks, from an evaluation corpus's packed test split.
+
+The documents of moeflow's own lm-eval tasks (workflow/tasks/), built from an evaluation corpus's packed
 test split (the data stage's rows, ``moeflow.data.shards``), and lm-eval's side of them (the dataset loader and
 the per-document scores the task YAMLs name with ``!function``).
 

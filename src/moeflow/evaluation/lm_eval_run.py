@@ -1,4 +1,6 @@
-"""One ``evaluate.tasks`` entry through lm-evaluation-harness (the lm-eval package's Python API) on a loaded
+"""One ``evaluate.tasks`` entry through lm-evaluation-harness on a loaded model, and its result record.
+
+One ``evaluate.tasks`` entry through lm-evaluation-harness (the lm-eval package's Python API) on a loaded
 model, and the stage's result record (``lm_eval/<model>/<task>.json``).
 
 lm-eval is imported inside the functions that use it (its import takes seconds). Where it is missing the stage

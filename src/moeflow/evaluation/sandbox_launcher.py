@@ -1,4 +1,6 @@
-"""The first code of a sandboxed interpreter (moeflow.evaluation.sandbox starts ``python -I -B -S`` on this file): it
+"""The first code of a sandboxed interpreter: resource limits, the audit hook, then the program.
+
+The first code of a sandboxed interpreter (moeflow.evaluation.sandbox starts ``python -I -B -S`` on this file): it
 sets
 the resource limits, installs the audit hook that refuses what a program may not do, then runs the program.
 

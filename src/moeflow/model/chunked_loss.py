@@ -1,4 +1,6 @@
-"""Next-token cross-entropy straight from the decoder's hidden states and the output layer, by chunks of
+"""Next-token cross-entropy from the hidden states by chunks of tokens, never the full logits.
+
+Next-token cross-entropy straight from the decoder's hidden states and the output layer, by chunks of
 tokens: the (tokens, vocab) logits never exist whole, nor does their gradient.
 
 At a real vocabulary the loss sets peak memory: 2 x 2,048 tokens at 151,936 entries are 2.5 GB of fp32

@@ -1,4 +1,6 @@
-"""A pretrained model folder: checked before loading (safetensors only, no remote code unless allowed), its
+"""A pretrained model folder: checked before loading, its tokenizer, the vocabulary check.
+
+A pretrained model folder: checked before loading (safetensors only, no remote code unless allowed), its
 tokenizer, and the vocabulary check against tokenized data.
 """
 

@@ -1,4 +1,6 @@
-"""The evaluation stages' results as the paper reads them: per run, the lm-eval task scores, HumanEval
+"""The evaluation stages' results as the paper reads them, and the rows of its tables.
+
+The evaluation stages' results as the paper reads them: per run, the lm-eval task scores, HumanEval
 pass@k and routing drift (the JSON files of the lm_eval, humaneval and routing_drift rules), and the rows
 of the paper's task, pass@k, drift and forgetting tables.
 

@@ -1,4 +1,6 @@
-"""What the paper reads of each run: the training log, the job's resource benchmark, the evaluation
+"""What the paper reads of each run: training log, resource benchmark, evaluation results.
+
+What the paper reads of each run: the training log, the job's resource benchmark, the evaluation
 results, and the per-run rows the tables and figures share.
 """
 

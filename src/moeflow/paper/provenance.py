@@ -1,4 +1,6 @@
-"""Provenance of the paper's artifacts: the code version each upstream stage recorded, the config's hash,
+"""Provenance of the paper's artifacts: code versions, config hash, fingerprints, SHA-256s.
+
+Provenance of the paper's artifacts: the code version each upstream stage recorded, the config's hash,
 the environment report's and the data manifests' fingerprints, every artifact's SHA-256.
 """
 

@@ -1,4 +1,6 @@
-"""Gradients across ranks: the sum over data-parallel ranks (the losses are normalised by the step's global
+"""Gradients across ranks: the data-parallel sum, clipping over every layout, FSDP1's flat gradients.
+
+Gradients across ranks: the sum over data-parallel ranks (the losses are normalised by the step's global
 token count), clipping over every layout's gradients, FSDP1's flat gradients released between steps.
 """
 

@@ -1,4 +1,6 @@
-"""The torchrun command a training rule starts its script with: CPU ranks, GPUs on one node, or one agent
+"""The torchrun command a training rule starts its script with.
+
+The torchrun command a training rule starts its script with: CPU ranks, GPUs on one node, or one agent
 per node of a SLURM allocation.
 """
 

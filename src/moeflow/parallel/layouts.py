@@ -1,4 +1,6 @@
-"""The layouts of ``parallel.strategy``: FSDP (FSDP2 ``fully_shard`` on the current stack, FSDP1 on the
+"""The layouts of ``parallel.strategy``: FSDP (FSDP2 or FSDP1) and transformers' expert parallelism.
+
+The layouts of ``parallel.strategy``: FSDP (FSDP2 ``fully_shard`` on the current stack, FSDP1 on the
 pinned one), transformers' expert parallelism, and what every layout answers the same way (reshard, the
 whole state dict).
 

@@ -1,4 +1,6 @@
-"""The process group torchrun describes: one from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, gloo on CPU, nccl
+"""The process group torchrun describes, this rank's place and device, and the collectives used.
+
+The process group torchrun describes: one from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, gloo on CPU, nccl
 on CUDA, nothing at all in one process (:func:`init` / :func:`teardown`, or the :func:`process_group`
 context), this rank's place and device (:class:`Ranks`), and the few collectives the library uses.
 """

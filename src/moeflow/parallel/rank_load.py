@@ -1,4 +1,6 @@
-"""A model built with its parameters on the meta device, then filled from its folder's safetensors files
+"""A model built on the meta device and filled with only the rows each rank owns.
+
+A model built with its parameters on the meta device, then filled from its folder's safetensors files
 with only the rows each rank owns, so that no rank materialises parameters it does not hold.
 
 * :func:`parameters_on_meta`: modules built inside it (moeflow.model.factory builds the folder's model class

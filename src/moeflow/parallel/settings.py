@@ -8,7 +8,7 @@ from typing import ClassVar
 
 @dataclass(frozen=True)
 class ParallelSettings:
-    """``parallel``: the torchrun ranks and how they share the model (moeflow.distributed)."""
+    """``parallel``: the torchrun ranks and how they share the model (moeflow.parallel)."""
 
     SCHEMA: ClassVar[str] = "#/properties/parallel"
     nproc_per_node: int

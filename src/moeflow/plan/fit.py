@@ -1,4 +1,6 @@
-"""Whether a job's phases fit, and the plan of a run: each phase of moeflow.plan.memory's per-rank memory
+"""Whether a job's phases fit, the plan of a run, and what would make a job fit.
+
+Whether a job's phases fit, and the plan of a run: each phase of moeflow.plan.memory's per-rank memory
 against one device's memory and a node's host memory, the smallest device count at which every phase
 fits, the longest sequence that does, and what changes would make a job that does not fit fit.
 

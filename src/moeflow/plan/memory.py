@@ -1,4 +1,6 @@
-"""The memory planner: count parameters from a model config (no weights) and estimate memory per rank in
+"""The memory planner's per-rank memory in every phase of a training job.
+
+The memory planner: count parameters from a model config (no weights) and estimate memory per rank in
 every phase of a training job (load, step, checkpoint, resume, export).
 
 Parameters
@@ -124,9 +126,10 @@ MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the wei
 
 # What a rank holds before its model: the CUDA context (with NCCL's and cuBLAS's buffers) on CUDA; on CPU the
 # resident set of a training rank's process, by transformers major version (the stack), measured as
-# /proc/self/status VmRSS after importing torch, transformers, moeflow.train.trainer/distributed/checkpoint/modeling
-# and the qwen3_moe modelling module and initialising a gloo group (docs/memory-plan.md): 597 MiB on the
-# pinned stack (torch 2.3.1+cu121, transformers 4.57.1), 403 MiB on the current one (torch 2.13 CPU, 5.24).
+# /proc/self/status VmRSS after importing torch, transformers, the training loop, process group, checkpoint and
+# model-loading modules (then the flat train, distributed, checkpoint and modeling) and the qwen3_moe modelling
+# module and initialising a gloo group (docs/memory-plan.md): 597 MiB on the pinned stack (torch 2.3.1+cu121,
+# transformers 4.57.1), 403 MiB on the current one (torch 2.13 CPU, 5.24).
 CPU_RANK_RUNTIME_BYTES = {4: 600 * 2**20, 5: 405 * 2**20}
 
 
@@ -241,7 +244,7 @@ class Job:
 
     @property
     def mixed_precision(self) -> bool:
-        """FSDP mixed precision (moeflow.distributed with precision bf16): bf16 parameters gathered and
+        """FSDP mixed precision (moeflow.parallel.layouts with precision bf16): bf16 parameters gathered and
         computed with, fp32 sharded master weights and an fp32 gradient reduce-scatter. On one device bf16
         is autocast over fp32 weights."""
         return self.sharded and self.precision == "bf16"
@@ -408,7 +411,8 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     * step: :func:`memory_per_device`;
     * checkpoint: the resident state (:func:`resident_state`) and, on CUDA, one tensor's shard staged on the host;
     * resume: the resident state (the loaded weights, the optimizer's shards read into), the zero gradients of
-      the step that initialises a fresh optimizer's state (``distributed.state_pieces``), one tensor's read buffer;
+      the step that initialises a fresh optimizer's state (``moeflow.checkpoint.pieces.state_pieces``), one
+      tensor's read buffer;
     * export: the resident state and one whole parameter gathered (all ranks take part), staged on the host on CUDA;
       rank 0 streams each tensor to its shard file (no buffer of ``export.max_shard_size``).
 
@@ -418,7 +422,7 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     :func:`rank_bytes` (device + host: what its peak RSS should be)."""
     state = resident_state(s, params, job)
     # a fresh optimizer's state is initialised by a step on zero gradients (torch.distributed.checkpoint's
-    # _init_optim_state, in distributed.state_pieces) before the checkpoint's moments are read into it
+    # _init_optim_state, in moeflow.checkpoint.pieces.state_pieces) before the checkpoint's moments are read into it
     _, trained = trained_parameters(s, params, job)
     zero_gradients = math.ceil(trained * PARAM_BYTES / job.shard_ranks)
     whole = params.largest_tensor * PARAM_BYTES

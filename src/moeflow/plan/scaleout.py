@@ -145,7 +145,7 @@ def request_problems(cfg: Mapping[str, Any], request: Request) -> list[str]:
 
 
 def layout(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Ranks and sharding of a config's ``parallel`` section, resolved (what moeflow.distributed sets up)."""
+    """Ranks and sharding of a config's ``parallel`` section, resolved (what moeflow.parallel sets up)."""
     par = cfg["parallel"]
     world = par["nproc_per_node"] * par["nnodes"]
     strategy = par["strategy"]
@@ -264,7 +264,7 @@ def scaleout_plan(
 
 
 def markdown_row(name: str, p: Mapping[str, Any]) -> str:
-    """One line of the README's scale-out table."""
+    """One Markdown line of a model's scale-out plan on its profile: per-GPU memory, fewest GPUs, cost."""
     lay, on, c = p["layout"], p["on_request"], p["cost"]
     g = on["per_gpu_gib"]
     states = g["weights"] + g["gradients"] + g["optimizer"]
@@ -280,8 +280,8 @@ def markdown_row(name: str, p: Mapping[str, Any]) -> str:
     )
 
 
-# The README's table of every phase at real scale (phase_table): each shipped large model on 1 to 8 nodes of the
-# slurm profile's node (8 x H100 80GB, its mem_mb), in the layout of the config its cluster runs use for a full
+# docs/memory-plan.md's table of every phase at real scale (phase_table): each shipped large model on 1 to 8 nodes
+# of the slurm profile's node (8 x H100 80GB, its mem_mb), in the layout of the config its cluster runs use for a full
 # fine-tune (the parallel section of that profile's overlay: Qwen3-30B-A3B's FSDP; Step-3.5-Flash's experts split
 # within a node, the rest FSDP), and LoRA in the one layout moeflow runs it in on several ranks (strategy none:
 # every rank holds the frozen base and the adapters).
@@ -308,7 +308,7 @@ VERDICT_WORDS = {"fits": "fits", "tight": "tight", "does_not_fit": "**no**"}
 
 
 def phase_rows(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHASE_TABLE_NODES) -> list[dict[str, Any]]:
-    """The plan of every phase for each model, fine-tune method and node count of the README's table."""
+    """The plan of every phase for each model, fine-tune method and node count of docs/memory-plan.md's table."""
     base = profile_request(profile)
     rows = []
     for name, (model, cluster) in PHASE_TABLE_MODELS.items():
@@ -326,7 +326,7 @@ def phase_rows(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHAS
 
 
 def phase_table(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHASE_TABLE_NODES) -> str:
-    """The README's table: per GPU and phase (GiB), a node's host memory in its worst phase, and whether it
+    """docs/memory-plan.md's table: per GPU and phase (GiB), a node's host memory in its worst phase, and whether it
     fits (the worst of the device and the host; "tight": within the card but not the planner's headroom)."""
     rows = phase_rows(profile, nodes)
     head = "| model | fine-tune | layout | GPUs | " + " | ".join(PHASES) + " | host per node | fits |"

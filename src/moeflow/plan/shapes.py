@@ -1,4 +1,6 @@
-"""A model's shape from its config: per-family readers of ``model.config`` (or a folder's config.json) into
+"""A model's shape from its config: per-family readers into the sizes the planner counts with.
+
+A model's shape from its config: per-family readers of ``model.config`` (or a folder's config.json) into
 the layer, attention, expert and vocabulary sizes the planner counts with.
 """
 

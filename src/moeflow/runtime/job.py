@@ -1,4 +1,6 @@
-"""The job a stage script runs: its rule, named inputs, outputs and params, threads, log file and typed
+"""The job a stage script runs: its rule, inputs, outputs, params, threads, log and typed settings.
+
+The job a stage script runs: its rule, named inputs, outputs and params, threads, log file and typed
 settings. A ``script:`` rule's ``snakemake`` object becomes one with :meth:`Job.from_snakemake`; a training
 script that a ``shell:`` rule starts through torchrun reads its own with :meth:`Job.from_argv`.
 """

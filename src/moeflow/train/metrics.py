@@ -1,4 +1,6 @@
-"""What training measures and writes: metrics.jsonl plus TensorBoard event files, memory readings, and
+"""What training measures and writes: metrics.jsonl, TensorBoard events, memory readings.
+
+What training measures and writes: metrics.jsonl plus TensorBoard event files, memory readings, and
 the active parameters per token behind the FLOP rates."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""What the Trainer's AdamW needs from the model and the settings: parameter groups, the learning-rate
+"""What the Trainer's AdamW needs: parameter groups, the learning-rate schedule, correction biases.
+
+What the Trainer's AdamW needs from the model and the settings: parameter groups, the learning-rate
 schedule, and the expert correction biases the loss-free balancing updates outside the optimizer."""
 
 from __future__ import annotations

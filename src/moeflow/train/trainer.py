@@ -4,7 +4,7 @@ One optimizer step: take the step's rows (a deterministic permutation per epoch)
 micro-batches, count the step's label and routed tokens, optionally run the counting forward (balance
 mode ``exact``), then per micro-batch: forward (``use_cache=False``, routing captured by hooks),
 the micro-batch's share of the step loss (``moeflow.train.losses``), backward, and drop the graph. Then sum
-gradients over ranks (``moeflow.distributed``: an all-reduce, or FSDP's reduce-scatter), clip, set the
+gradients over ranks (``moeflow.parallel.gradients``: an all-reduce, or FSDP's reduce-scatter), clip, set the
 learning rate (linear warmup, cosine to ``min_lr``), AdamW step, loss-free bias update, guards, logging
 (TensorBoard + metrics.jsonl, rank 0), checkpoint.
 
@@ -128,7 +128,7 @@ def accumulate_gradients(
 class Trainer:
     """The loop. ``rows``: any sequence of packed rows (a datasets.Dataset or a list of dicts).
 
-    ``model``: as ``moeflow.distributed`` laid it out (whole, FSDP-wrapped, or sharded by transformers).
+    ``model``: as ``moeflow.model.factory`` laid it out (whole, FSDP-wrapped, or sharded by transformers).
     With several ranks, each takes its share of the step's rows (``micro_batch_size x grad_accum_steps``
     per rank), the losses are normalised by the step's global counts, and the ranks' gradients are summed;
     every rank saves and loads its own shards of the checkpoints (``moeflow.checkpoint.state``), which load into

@@ -1,4 +1,6 @@
-"""The config's checks: the schema, then what a schema cannot express (each message names the key and
+"""The config's checks: the schema, then what a schema cannot express, per run.
+
+The config's checks: the schema, then what a schema cannot express (each message names the key and
 what to do), per run.
 """
 
@@ -198,7 +200,7 @@ def model_type_problems(folder: Path) -> list[str]:
     causal LM: refused before any job runs (a folder with its own code is checked when it loads)."""
     config_file = folder / "config.json"
     if not config_file.is_file():
-        return []  # moeflow.modeling names what the folder lacks when a stage loads it
+        return []  # moeflow.model.folder names what the folder lacks when a stage loads it
     try:
         model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError):

@@ -1,4 +1,6 @@
-"""Stage settings and keys: exactly the settings each stage depends on (a rule's ``params``), and the hash of
+"""Stage settings and keys: the settings each stage depends on, and the hash naming its output.
+
+Stage settings and keys: exactly the settings each stage depends on (a rule's ``params``), and the hash of
 them that names its cached output, so runs that agree on a stage's settings share it.
 """
 

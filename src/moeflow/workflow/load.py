@@ -1,4 +1,6 @@
-"""Load the configuration: ``config/config.yaml`` plus any overlays, merged (``moeflow.workflow.merge``),
+"""Load the configuration: the default, the overlays, the schema's defaults once, the checks.
+
+Load the configuration: ``config/config.yaml`` plus any overlays, merged (``moeflow.workflow.merge``),
 the schema's defaults filled in once, and checked (``moeflow.workflow.checks``); each run's config; the stack.
 
 A *run* is a named overlay of that tree (``runs: {dense: {model: ...}}``); every run's merged config is

@@ -1,4 +1,6 @@
-"""Advice for a copied recipe: flags of the widely copied MoE fine-tuning recipe (HF Trainer arguments and
+"""Advice for a copied recipe: its flags translated into moeflow's keys, or refused.
+
+Advice for a copied recipe: flags of the widely copied MoE fine-tuning recipe (HF Trainer arguments and
 the like) translated into moeflow's keys, or refused with what moeflow does instead.
 """
 

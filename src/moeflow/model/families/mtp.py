@@ -1,4 +1,6 @@
-"""Multi-token prediction (MTP) layers carried with a model: built, loaded, frozen, checkpointed and exported
+"""Multi-token prediction (MTP) layers carried with a model under the published checkpoints' names.
+
+Multi-token prediction (MTP) layers carried with a model: built, loaded, frozen, checkpointed and exported
 under the names of the published checkpoints, so that a fine-tuned folder still serves with speculative
 decoding (vLLM's MTP loaders raise when the tensors are missing).
 

@@ -1,4 +1,6 @@
-"""The families' registration with transformers' auto classes: Step-3.5-Flash's causal LM (transformers 5
+"""The families' registration with transformers' auto classes.
+
+The families' registration with transformers' auto classes: Step-3.5-Flash's causal LM (transformers 5
 only) and DeepSeek-V3 with its MTP layers (both stacks).
 
 :func:`register` is called wherever moeflow builds or loads a model (moeflow.model.factory, the sharded
