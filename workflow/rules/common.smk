@@ -326,8 +326,8 @@ def report_card_files(stage):
 
 
 def print_report_card():
-    """After a finished ``train`` or ``paper`` (or the default target; never a dry run, where
-    Snakemake calls no onsuccess): the card of every run, logged and written to REPORT_CARD."""
+    """After a finished ``train`` or ``paper`` (or no target: train), the card of every run, logged and written
+    to REPORT_CARD. Snakemake calls no onsuccess after a dry run or a run with nothing to be done."""
     from snakemake.logging import logger
 
     from moeflow.workflow.report_card import card_stage, write_card
@@ -336,4 +336,9 @@ def print_report_card():
     stage = card_stage(settings.targets, workflow.default_target)
     if stage is None or settings.until or settings.omit_from:
         return
-    logger.info(write_card(report_card_files(stage), REPORT_CARD) + f"(kept in {REPORT_CARD})")
+    try:
+        card = write_card(report_card_files(stage), REPORT_CARD)
+    except Exception as exc:  # the run's outputs are complete: an unreadable file costs the card, not the run
+        logger.warning(f"moeflow: no report card ({type(exc).__name__}: {exc}); the outputs are under {RESULTS}")
+        return
+    logger.info(card + f"(kept in {REPORT_CARD})")
