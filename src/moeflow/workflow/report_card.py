@@ -207,10 +207,10 @@ def routing_lines(
     lines = [gate_line(src.json(f"{files.warmup}/routing_report.json"), files)]
     if summary is not None:
         lines.append(health_line("end of training (the guard's window)", summary["routing"]["layers"]))
-        alarms = summary["alarms"]
-        lines.append(
-            f"- routing alarms during training: {len(alarms)}" + (f" ({'; '.join(map(str, alarms))})" * bool(alarms))
-        )
+        alarms, guard = summary["alarms"], summary["routing"]
+        verdict = "stable" if guard["stable"] else "unstable: " + "; ".join(guard["problems"])
+        listed = f" ({'; '.join(alarms)})" if alarms else ""
+        lines.append(f"- routing alarms during training: {len(alarms)}{listed}; the guard at the end: {verdict}")
     return [*lines, *eval_balance_line(metrics), *drift_line(files, src)]
 
 
