@@ -6,6 +6,8 @@
 #                                 -> the paper's figures and tables
 #   snakemake --cores 2 verify_env
 #
+# A finished train or paper ends with the report card of every run, kept in results/{stack}/report_card.md.
+#
 # Outputs live under results/{stack}/; each stage is one file in workflow/rules/, a thin script in
 # workflow/scripts/, over the moeflow package in src/moeflow/. A stage reruns when its params, its input files
 # or the library code it declares (moeflow.workflow.rule_code) change, and nothing else: docs/reruns.md.
@@ -42,6 +44,11 @@ include: "workflow/rules/lm_eval.smk"
 include: "workflow/rules/humaneval.smk"
 include: "workflow/rules/drift.smk"
 include: "workflow/rules/paper.smk"
+
+
+onsuccess:
+    # The report card of every run (losses, routing, memory, where things are): common.smk's print_report_card.
+    print_report_card()
 
 
 rule train:

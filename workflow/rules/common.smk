@@ -293,3 +293,52 @@ def final_model_dir(run):
 def train_logs_dir(run):
     """TensorBoard event files, metrics.jsonl and summary.json of a run's fine-tuning (warmup included)."""
     return f"{RESULTS}/runs/{run}/train"
+
+
+# --- the report card (moeflow.workflow.report_card): printed by the Snakefile's onsuccess, kept in RESULTS
+
+REPORT_CARD = f"{RESULTS}/report_card.md"
+
+
+def report_card_files(stage):
+    """Every run's output paths for the card of ``stage`` (train or paper): the rules' own paths, above."""
+    from moeflow.workflow.report_card import CardFiles, RunFiles
+
+    evaluated = stage == "paper"
+    runs = [
+        RunFiles(
+            run=run,
+            moe=is_moe_run(run),
+            plan=f"{RESULTS}/runs/{run}/plan.json",
+            warmup=warmup_dir(cfg),
+            model=final_model_dir(run),
+            train_logs=train_logs_dir(run),
+            train_log=log_path("train_model", run),
+            train_benchmark=bench_path("train_model", run),
+            evaluation=f"{run_eval_dir(run)}/metrics.json" if evaluated else None,
+            lm_eval=lm_eval_files(run) if evaluated else {},
+            humaneval=humaneval_files(run) if evaluated else {},
+            drift=drift_file(run) if evaluated else None,
+        )
+        for run, cfg in RUNS.items()
+    ]
+    return CardFiles(stack=STACK, stage=stage, runs=runs, logs=f"{RESULTS}/logs", paper=PAPER if evaluated else None)
+
+
+def print_report_card():
+    """After a finished ``train`` or ``paper`` (or no target: train), the card of every run, logged and written
+    to REPORT_CARD. Snakemake calls no onsuccess after a dry run or a run with nothing to be done."""
+    from snakemake.logging import logger
+
+    from moeflow.workflow.report_card import card_stage, write_card
+
+    settings = workflow.dag_settings
+    stage = card_stage(settings.targets, workflow.default_target)
+    if stage is None or settings.until or settings.omit_from:
+        return
+    try:
+        card = write_card(report_card_files(stage), REPORT_CARD)
+    except Exception as exc:  # the run's outputs are complete: an unreadable file costs the card, not the run
+        logger.warning(f"moeflow: no report card ({type(exc).__name__}: {exc}); the outputs are under {RESULTS}")
+        return
+    logger.info(card + f"(kept in {REPORT_CARD})")
