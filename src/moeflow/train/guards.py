@@ -27,6 +27,7 @@ from moeflow.data.order import DataOrder
 from moeflow.model.routing import adapter_or_none
 from moeflow.model.routing_stats import expert_load, layer_health
 from moeflow.model.wrappers import unwrap
+from moeflow.parallel.layouts import reshard
 from moeflow.train.settings import MemoryThresholds, RoutingThresholds, TrainSettings
 
 log = logging.getLogger("moeflow.train.guards")
@@ -216,13 +217,17 @@ def base_reference(
 ) -> list[list[int]] | None:
     """The base model's load per MoE layer on the rows of the gate's window, routed before any update
     (no grad, eval mode; every rank routes them all, so every rank holds the same reference): the
-    ``reference: base`` of ``RoutingGuard``. None for a model without MoE layers."""
+    ``reference: base`` of ``RoutingGuard``. None for a model without MoE layers. The model is left as it
+    came, in train mode and resharded: FSDP2 (ours, and transformers' expert-parallel units of the norm and
+    head, which do not reshard after forward) keeps the root unit gathered after a forward without backward,
+    and an optimizer built then would hold the gathered copies instead of the shards."""
     adapter = adapter_or_none(unwrap(model))
     if adapter is None:
         return None
     window = [rows[i] for i in gate_window_rows(len(rows), seed, settings, world_size)]
     batch_tokens = settings.micro_batch_size * len(window[0]["input_ids"])
     load = expert_load(model, window, batch_tokens, attn_implementation, precision, adapter)
+    reshard(model)
     model.train()
     return load
 

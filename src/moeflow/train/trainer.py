@@ -164,6 +164,9 @@ class Trainer:
             compat.enable_activation_checkpointing(inner)
         model.train()
         self.adapter = adapter_or_none(inner)
+        # The optimizer holds the shards: after a forward without backward (a base reference, an evaluation)
+        # FSDP2 leaves the root unit's gathered parameters registered, which no backward would ever update.
+        reshard(model)
         # train_step sets each group's learning rate (train.lr x its multiplier x the schedule) before its update
         self.optimizer = torch.optim.AdamW(
             param_groups(model, settings), lr=settings.lr, betas=settings.betas, eps=settings.eps
