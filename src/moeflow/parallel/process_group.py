@@ -128,10 +128,23 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks in place (a no-op in one process)."""
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum a tensor over ranks in place (over ``group``, default all ranks; a no-op in one process)."""
     if world_size() > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device of the tensors a collective on ``group`` (default all ranks) runs on where the ranks'
+    tensors live: this rank's CUDA device where the group's backend has NCCL (``cpu:gloo,cuda:nccl``
+    included: a CPU tensor there goes through gloo while the other ranks' CUDA tensors go through NCCL, and
+    the collective never completes), else the CPU. A rank that builds a tensor of its own for a collective
+    (a zero for gradients it does not hold) builds it here."""
+    import torch.distributed as dist
+
+    if not _initialized() or "nccl" not in str(dist.get_backend(group)).lower():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
