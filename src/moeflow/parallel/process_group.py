@@ -128,6 +128,17 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` (picklable) on every rank; ``obj`` itself in one process."""
+    import torch.distributed as dist
+
+    if not _initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum a tensor over ranks in place (over ``group``, default all ranks; a no-op in one process)."""
     if world_size() > 1:

@@ -209,8 +209,9 @@ class Trainer:
         log.info("%s: continuing from %s at step %d", self.stage, path, self.step)
 
     def resume(self) -> bool:
-        """Load the newest complete resumable checkpoint, if any (the folder's name is the key)."""
-        latest = C.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+        """Load the newest complete resumable checkpoint, if any (the folder's name is the key): rank 0's
+        choice, on every rank (``moeflow.checkpoint.state.resume_point``)."""
+        latest = C.resume_point(self.checkpoint_dir) if self.checkpoint_dir else None
         if latest is None:
             return False
         self.load(latest)
