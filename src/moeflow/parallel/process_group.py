@@ -139,6 +139,20 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def gather_floats(value: float) -> list[float]:
+    """Every rank's ``value``, in rank order, on every rank (``[value]`` in one process): one small all-reduce,
+    through gloo where the backend has it (no device sync), else on the collective device."""
+    import torch.distributed as dist
+
+    if not _initialized():
+        return [float(value)]
+    device = torch.device("cpu") if "gloo" in str(dist.get_backend()).lower() else collective_device()
+    values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    values[dist.get_rank()] = value
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values.tolist()
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum a tensor over ranks in place (over ``group``, default all ranks; a no-op in one process)."""
     if world_size() > 1:
