@@ -122,9 +122,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     total = float(squared_norm(model).sqrt())  # the one read-back of the step's clipping
     coef = max_norm / (total + 1e-6)
     if coef < 1:
-        with torch.no_grad():
-            for p in params:  # a DTensor's multiply is local: no collective
-                p.grad.mul_(coef)
+        with torch.no_grad():  # on the local tensors (a DTensor's to_local is a view of its shard): one kernel
+            torch._foreach_mul_([p.grad.to_local() if compat.is_dtensor(p.grad) else p.grad for p in params], coef)
     return total
 
 
