@@ -12,6 +12,10 @@
 * The Trainer's evaluation on 2 ranks (each takes its share of the validation batches, one rank a
   filler batch to keep step with a sharded model's collective forward) gives one process's sums: the
   same row and token counts and per-expert routed tokens, loss and perplexity within 1e-6 relative.
+* Warmup from a pretrained folder with ``routing_guard.reference: base`` (the base model routed without
+  backward before the Trainer is built) on FSDP and, on the current stack, expert parallelism: the optimizer
+  holds the shards, every parameter trains (embedding, final norm and head included), the losses are those of
+  the same layout without the reference forward, and the checkpoint saves.
 * Through the Snakefile: warmup and train_model of the smoke pipeline on 2 ranks complete, and a
   train_model killed with SIGKILL resumes from its checkpoint with the losses of the uninterrupted run.
 """
@@ -45,6 +49,7 @@ from moeflow.runtime import compat
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import KILL_ENV
 from moeflow.settings import REPO_ROOT, typed
+from moeflow.train.guards import base_reference
 from moeflow.train.settings import TrainSettings
 from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import training
@@ -160,7 +165,7 @@ def evaluation(model_dir, layout: ParallelSettings, ranks: Ranks) -> dict:
     }
 
 
-def run_ranks(saved_model: Path, out: Path, layout: str) -> None:
+def run_ranks(saved_model: Path, out: Path, layout: str, mode: str = "steps") -> None:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -172,6 +177,7 @@ def run_ranks(saved_model: Path, out: Path, layout: str) -> None:
         str(saved_model),
         str(out),
         json.dumps(parallel_section(layout)),
+        mode,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -218,6 +224,25 @@ def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly
             assert rank_eval[key] == pytest.approx(want_eval[key], rel=1e-6), key
         assert rank_eval["served_loss_sum"] == pytest.approx(want_eval["served_loss_sum"], rel=1e-6)
     assert want_eval["sequences"] == EVAL_ROWS
+
+
+SHARDED_LAYOUTS = ["fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
+
+
+@pytest.mark.parametrize("layout", SHARDED_LAYOUTS)
+def test_warmup_from_a_folder_with_the_base_reference_trains_the_shards(saved_models, tmp_path, layout):
+    """The warmup stage's order (moeflow's workflow/scripts/warmup.py): the model from a pretrained folder, the
+    base model's routing reference (a forward without backward), then the Trainer and its checkpoint. FSDP2
+    keeps the root unit gathered after that forward; an optimizer built over the gathered parameters leaves
+    the embedding, final norm and head untrained and the real gradients never zeroed."""
+    run_ranks(saved_models[MODEL_OF_LAYOUT[layout]], tmp_path, layout, mode="base-reference")
+    report = json.loads((tmp_path / "report.json").read_text())
+    experts = tiny_model_cfg()["config"]["num_experts"]
+    assert report["reference_experts"] == [experts, experts]  # the load of both MoE layers' every expert
+    assert report["optimizer_holds_the_parameters"], report
+    assert report["untrained"] == [], report["untrained"]
+    assert report["with_reference"] == report["without_reference"]  # the losses and gradient norms, exactly
+    assert report["saved"]
 
 
 def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
@@ -368,5 +393,38 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
     teardown()
 
 
+def _base_reference_main(model_dir: str, out: str, parallel_json: str) -> None:
+    """Warmup's order on this rank, with and without the base reference forward before the Trainer."""
+    torch.set_num_threads(1)
+    out = Path(out)
+    ranks = init("cpu")
+    layout = check_ranks(parallel(**json.loads(parallel_json)), ranks)
+    s = settings("running", 1)
+    runs, report = {}, {}
+    for with_reference in (True, False):
+        model_settings = typed(ModelSettings, {**tiny_model_cfg(), "loss_chunk_tokens": RANK_CHUNK_TOKENS})
+        model = make_model(model_settings, folder=model_dir, layout=Layout(ranks, layout, s))
+        before = full_state_dict(model)[0]
+        if with_reference:
+            attn = model.config._attn_implementation
+            reference = base_reference(model, packed_rows(), s, 0, ranks.world_size, attn, "fp32")
+            report["reference_experts"] = [len(layer) for layer in reference]
+        trainer = Trainer(model, s, packed_rows(), collate_fn=collate, seed=0)
+        optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+        trained = {id(p) for p in trainer.model.parameters() if p.requires_grad}
+        trainer.run()
+        runs[with_reference] = [(r["step"], r["loss"], r["grad_norm"]) for r in trainer.train_records()]
+        if with_reference:
+            report["optimizer_holds_the_parameters"] = optimized == trained
+            after = full_state_dict(trainer.model)[0]
+            report["untrained"] = sorted(name for name in before if torch.equal(before[name], after[name]))
+            trainer.save(out / "checkpoint")
+            report["saved"] = (out / "checkpoint" / "trainer_state.json").is_file()
+    report["with_reference"], report["without_reference"] = runs[True], runs[False]
+    if ranks.is_main:
+        (out / "report.json").write_text(json.dumps(report))
+    teardown()
+
+
 if __name__ == "__main__":
-    _main(*sys.argv[1:4])
+    {"steps": _main, "base-reference": _base_reference_main}[sys.argv[4]](*sys.argv[1:4])

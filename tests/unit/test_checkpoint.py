@@ -1,6 +1,7 @@
 """Checkpoints in one process: the folder's files (safetensors plus JSON, no pickle), an exact round trip,
 atomic saves (a kill between the writes and the rename leaves the previous checkpoint whole), partial folders
-ignored and removed, and the refusals (a missing file, the old format, another model's checkpoint).
+ignored and removed, and the refusals (a missing file, the old format, another model's checkpoint). On two gloo
+ranks that see different ``step-*`` folders, every rank resumes from rank 0's choice, or every rank fails.
 Resharding over ranks and layouts: tests/pipeline/test_resharding.py."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training_script, settings  # noqa: E402
 
+from moeflow.checkpoint import state as checkpoint_state  # noqa: E402
 from moeflow.checkpoint.safetensors_files import read_header  # noqa: E402
 from moeflow.checkpoint.state import CheckpointError, latest_checkpoint, partial_folder, step_folder  # noqa: E402
 from moeflow.checkpoint.storage import ShardWriter  # noqa: E402
@@ -201,3 +203,52 @@ def test_a_parameter_without_optimizer_state_resumes_as_the_uninterrupted_run(tm
     straight.run()
     resumed.run()
     assert losses(resumed) == losses(straight)
+
+
+def _fake_checkpoint(folder: Path, step: int, complete: bool = True) -> None:
+    path = step_folder(folder, step)
+    path.mkdir(parents=True)
+    if complete:
+        (path / checkpoint_state.STATE_FILE).write_text("{}")
+
+
+def _resume_rank(rank: int, root: str, results: dict) -> None:
+    """This rank's view of the checkpoint folder: rank 0 sees steps 2 and 4, rank 1 steps 2 and 6 (and a
+    partial 8); then rank 1 sees none of rank 0's checkpoints complete."""
+    import torch.distributed as dist
+
+    root = Path(root)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=2)
+    try:
+        view = root / f"view{rank}"
+        results[f"{rank}.own"] = latest_checkpoint(view)
+        results[f"{rank}.agreed"] = checkpoint_state.resume_point(view)
+        if rank == 1:
+            checkpoint_state.is_complete = lambda path: False  # the other rank's view is stale
+        try:
+            checkpoint_state.resume_point(view)
+        except CheckpointError as error:
+            results[f"{rank}.blind"] = str(error)
+        results[f"{rank}.nothing"] = checkpoint_state.resume_point(root / "empty" if rank == 0 else view)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_resumes_from_rank_0s_checkpoint_or_every_rank_fails(tmp_path):
+    import torch.multiprocessing as mp
+
+    for step in (2, 4):
+        _fake_checkpoint(tmp_path / "view0", step)
+    for step in (2, 6):
+        _fake_checkpoint(tmp_path / "view1", step)
+    _fake_checkpoint(tmp_path / "view1", 8, complete=False)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_resume_rank, args=(str(tmp_path), results), nprocs=2, join=True)
+        results = dict(results)
+    chosen = step_folder(tmp_path / "view0", 4)
+    assert (results["0.own"], results["1.own"]) == (chosen, step_folder(tmp_path / "view1", 6))  # alone: they differ
+    assert results["0.agreed"] == results["1.agreed"] == chosen
+    for rank in (0, 1):  # no rank goes on into a collective load the other never joins
+        assert "rank(s) [1] do not see complete" in results[f"{rank}.blind"] and str(chosen) in results[f"{rank}.blind"]
+    assert results["0.nothing"] is None and results["1.nothing"] is None  # rank 0 sees none: nobody resumes

@@ -374,3 +374,47 @@ def _main_bf16(saved_model: str, out: str, parallel_json: str) -> None:
 
 if __name__ == "__main__":
     {"step": _main, "bf16": _main_bf16}[sys.argv[4]](*sys.argv[1:4])
+
+
+NODE_INTERFACES = ["lo", "docker0", "eno1", "ib0", "ib1"]
+
+
+@pytest.mark.parametrize(
+    ("environ", "want"),
+    [
+        ({}, None),
+        ({"GLOO_SOCKET_IFNAME": "eno1"}, "eno1"),  # the launch environment's own choice
+        ({"GLOO_SOCKET_IFNAME": "ib1", "NCCL_SOCKET_IFNAME": "ib0"}, "ib1"),
+        ({"NCCL_SOCKET_IFNAME": "ib"}, "ib0"),  # a prefix: the first interface it matches
+        ({"NCCL_SOCKET_IFNAME": "=ib1"}, "ib1"),  # exact names
+        ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, "eno1"),  # excluded ones
+        ({"NCCL_SOCKET_IFNAME": "^eno,docker,ib"}, None),  # nothing left but the loopback: never that
+        ({"NCCL_SOCKET_IFNAME": "eth"}, None),
+    ],
+)
+def test_gloo_binds_to_the_interface_nccl_is_told_to_use(environ, want):
+    from moeflow.parallel.process_group import gloo_socket_ifname
+
+    assert gloo_socket_ifname(environ, NODE_INTERFACES) == want
+
+
+def test_ranks_on_several_nodes_set_gloos_interface_before_joining(monkeypatch, caplog):
+    import socket
+
+    from moeflow.parallel import process_group as pg
+
+    monkeypatch.setattr(socket, "if_nameindex", lambda: list(enumerate(NODE_INTERFACES, 1)))
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one node: left to gloo's default
+    pg._set_gloo_interface()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # two nodes
+    pg._set_gloo_interface()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    with caplog.at_level("WARNING", logger="moeflow.parallel.process_group"):
+        pg._set_gloo_interface()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ and "export NCCL_SOCKET_IFNAME" in caplog.text

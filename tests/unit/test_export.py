@@ -138,3 +138,54 @@ def test_a_lora_model_is_merged_as_merge_and_unload_merges_it(tmp_path):
     assert not torch.equal(
         want["model.layers.0.self_attn.q_proj.weight"], tiny().state_dict()["model.layers.0.self_attn.q_proj.weight"]
     )
+
+
+# --------------------------------------------------------------------------- FSDP1's whole tensors, exactly
+
+SPECIAL = [0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), float("nan"), 1e-40, 3.14159]
+
+
+def _ranks_buffers(whole: torch.Tensor) -> list[torch.Tensor]:
+    """Two ranks' zero buffers of the whole, each holding its range of the elements (FSDP1's flat shards)."""
+    cut = whole.numel() // 2 + 1
+    first, second = torch.zeros_like(whole), torch.zeros_like(whole)
+    first[:cut], second[cut:] = whole[:cut], whole[cut:]
+    return [first, second]
+
+
+def _reduce_rank(rank: int, init_file: str, results: dict) -> None:
+    import torch.distributed as dist
+
+    from moeflow.parallel.process_group import exact_sum_view
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        mine = _ranks_buffers(torch.tensor(SPECIAL, dtype=torch.bfloat16))[rank]
+        dist.reduce(exact_sum_view(mine), dst=0, op=dist.ReduceOp.SUM)
+        if rank == 0:
+            results["whole"] = mine.view(torch.int16).tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int16])
+def test_the_ranks_elements_sum_into_the_exact_whole_as_integers_nccl_has(dtype):
+    from moeflow.parallel.process_group import NCCL_INTEGER_DTYPES, exact_sum_view
+
+    values = SPECIAL if dtype.is_floating_point else [0, -1, 7, -32768, 32767, 12, 3, 5, 9]
+    whole = torch.tensor(values, dtype=dtype)
+    views = [exact_sum_view(b) for b in _ranks_buffers(whole)]
+    assert views[0].dtype in NCCL_INTEGER_DTYPES  # NCCL has no int16: 2-byte masters travel as bytes
+    summed = (views[0] + views[1]).view(dtype)  # what the reduce computes (integer adds, one rank nonzero)
+    same_bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    assert torch.equal(summed.view(same_bits), whole.view(same_bits))  # -0.0's sign and NaN's bits too
+
+
+def test_two_gloo_ranks_reduce_bf16_pieces_into_the_exact_whole(tmp_path):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_reduce_rank, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        got = results["whole"]
+    assert got == torch.tensor(SPECIAL, dtype=torch.bfloat16).view(torch.int16).tolist()

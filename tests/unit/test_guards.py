@@ -1,4 +1,5 @@
-"""The guards: a leaking step, a non-finite loss and a collapsing router stop or warn, quiet memory stays quiet."""
+"""The guards: a leaking step, a non-finite loss and a collapsing router stop or warn, quiet memory stays quiet,
+peaks that move with the routing are no leak, and on two gloo ranks a leak on one stops both at the same step."""
 
 from __future__ import annotations
 
@@ -39,6 +40,64 @@ def test_memory_guard_is_quiet_on_flat_memory(caplog):
     assert rates[:5] == [None] * 5 and all(r is not None and abs(r) <= 0.5 for r in rates[5:])
     assert guard.over == 0 and [s for s, _ in guard.samples] == [16, 17, 18, 19]
     assert not caplog.records
+
+
+def routing_noise(steps: int, seed: int = 0, leak: float = 0.0) -> list[float]:
+    """Peak memory under expert parallelism: a floor, a leak, and what each step routes (0-400 MiB above it)."""
+    g = torch.Generator().manual_seed(seed)
+    return [20_000.0 + leak * s + 400 * float(torch.rand((), generator=g)) for s in range(steps)]
+
+
+def memory_thresholds() -> MemoryThresholds:
+    return typed(MemoryThresholds, {})  # the schema's defaults: 10 steps, 16 MiB/step, patience 5
+
+
+def test_peaks_that_move_with_the_routing_are_no_leak_but_a_leak_under_them_is():
+    quiet, leaking = G.MemoryGuard(memory_thresholds()), G.MemoryGuard(memory_thresholds())
+    for step, mib in enumerate(routing_noise(200), 1):
+        rate = quiet.observe(step, mib)
+        assert rate is None or rate <= memory_thresholds().max_slope_mib_per_step, step
+    # a least-squares slope through the same peaks crosses 16 MiB/step in many windows
+    peaks, window = routing_noise(200), memory_thresholds().window_steps
+    xs = torch.arange(window, dtype=torch.float64)
+    slopes = [
+        float(((xs - xs.mean()) * (torch.tensor(peaks[i : i + window]) - sum(peaks[i : i + window]) / window)).sum())
+        / float(((xs - xs.mean()) ** 2).sum())
+        for i in range(len(peaks) - window)
+    ]
+    assert sum(s > memory_thresholds().max_slope_mib_per_step for s in slopes) > 10
+    with pytest.raises(G.MemoryLeak, match="memory leak: memory grows"):
+        for step, mib in enumerate(routing_noise(200, leak=100.0), 1):
+            leaking.observe(step, mib)
+
+
+def _memory_rank(rank: int, init_file: str, results: dict) -> None:
+    """Rank 0's peaks move with its routing; rank 1 leaks 100 MiB a step under the same kind of noise."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        guard = G.MemoryGuard(memory_thresholds())
+        memory = routing_noise(100, seed=rank, leak=100.0 * rank)
+        try:
+            for step, mib in enumerate(memory, 1):
+                guard.observe(step, mib)
+            results[rank] = None
+        except G.MemoryLeak as stopped:
+            results[rank] = (stopped.report["last_step"], stopped.report["rank"], str(stopped))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_leak_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_memory_rank, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        results = dict(results)
+    assert results[0] is not None and results[0] == results[1], results  # the same verdict, step and message
+    assert results[0][1] == 1 and "on rank 1" in results[0][2]
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

@@ -95,3 +95,128 @@ def test_two_gloo_ranks_give_the_per_parameter_sums_bit_for_bit(tmp_path):
         results = manager.dict()
         mp.spawn(_rank, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
         assert dict(results) == {0: True, 1: True}
+
+
+# --------------------------------------------------------------------------- clipping sharded gradients
+
+COLLECTIVE_NAMESPACES = {"c10d", "c10d_functional", "_c10d_functional"}
+
+
+def _count_collectives():
+    """A dispatch mode counting collectives (``dist.all_reduce``'s c10d op and DTensor's functional ones)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            namespace = getattr(func, "namespace", None) or str(func).split(".")[0]
+            if namespace in COLLECTIVE_NAMESPACES and not any(w in str(func) for w in ("wait", "wrap")):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
+def _dtensor_api():
+    try:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    except ImportError:  # torch 2.3
+        from torch.distributed._tensor import Replicate, Shard, distribute_tensor
+    return Replicate, Shard, distribute_tensor
+
+
+def _clip_rank(rank: int, world: int, init_file: str, results: dict) -> None:
+    """Parameters sharded as FSDP2 and expert parallelism shard them, on two meshes (the rest's, and a 2-D
+    one like the experts'), uneven and empty shards included; the norm and the clipped gradients against
+    torch's clip_grad_norm_ on the whole tensors, and the collectives it took."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        Replicate, Shard, distribute_tensor = _dtensor_api()
+        rest = init_device_mesh("cpu", (world,))
+        experts = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        layout = [  # (shape, mesh, placements)
+            ((7, 3), rest, [Shard(0)]),  # 4 + 3 rows
+            ((1, 5), rest, [Shard(0)]),  # rank 1 holds no rows
+            ((6, 2), rest, [Shard(0)]),
+            ((5,), rest, [Replicate()]),  # a copy on every rank: counted once
+            ((4, 3, 2), experts, [Replicate(), Shard(0)]),
+            ((3, 4, 2), experts, [Replicate(), Shard(0)]),
+            ((4,), None, None),  # a whole tensor
+        ]
+        g = torch.Generator().manual_seed(0)
+        model, whole = torch.nn.Module(), []
+        for i, (shape, mesh, placements) in enumerate(layout):
+            weight, grad = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+            whole.append(torch.nn.Parameter(weight.clone()))
+            whole[-1].grad = grad.clone()
+            if mesh is None:
+                param = torch.nn.Parameter(weight)
+                param.grad = grad
+            else:
+                param = torch.nn.Parameter(distribute_tensor(weight, mesh, placements))
+                param.grad = distribute_tensor(grad, mesh, placements)
+            model.register_parameter(f"p{i}", param)
+        want = float(torch.nn.utils.clip_grad_norm_(whole, 1.0, norm_type=2.0))
+        counter = _count_collectives()
+        with counter:
+            got = gradients.clip_grad_norm(model, 1.0)
+        clipped = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+        results[rank] = {
+            "norm": (got, want),
+            "collectives": counter.ops,
+            # the meshes' groups over the sharded dimensions (torch 2.13 hands both meshes the world's group)
+            "groups": len({id(rest.get_group(0)), id(experts.get_group(1))}),
+            "clipped": all(torch.allclose(a, b.grad, rtol=1e-6, atol=0) for a, b in zip(clipped, whole)),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_clipping_sharded_gradients_takes_one_all_reduce_per_group_and_gives_torchs_norm(tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_clip_rank, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
+        results = dict(results)
+    for rank, result in results.items():
+        got, want = result["norm"]
+        assert got == pytest.approx(want, rel=1e-6) and want > 1, rank
+        assert result["clipped"], rank
+        # one all-reduce per group the gradients are sharded over (the rest's mesh, the experts' sharded
+        # dimension), not one per sharded gradient (5 here)
+        ops = result["collectives"]
+        assert len(ops) == result["groups"] and all("allreduce" in op.replace("_", "") for op in ops), result
+    assert results[0]["norm"] == results[1]["norm"]
+
+
+def test_a_rank_builds_its_collective_zero_on_the_device_of_the_groups_backend(monkeypatch):
+    monkeypatch.setattr(process_group, "_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for backend, device in [
+        ("gloo", torch.device("cpu")),
+        ("cpu:gloo,cuda:nccl", torch.device("cuda", 3)),
+        ("nccl", torch.device("cuda", 3)),
+    ]:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert process_group.collective_device() == device, backend
+    assert process_group.collective_device.__module__ == "moeflow.parallel.process_group"
+
+
+def test_an_fsdp1_rank_without_gradients_adds_its_zero_on_the_collective_device(monkeypatch):
+    """A rank that holds no element of any gradient still joins the world's all-reduce, with a zero on the
+    device the other ranks' squares are on (a CPU zero under NCCL would go through gloo and hang)."""
+    model = model_with_gradients()
+    for p in model.parameters():
+        p.grad = None
+    devices = []
+    monkeypatch.setattr(gradients, "is_fsdp1", lambda m: True)
+    monkeypatch.setattr(process_group, "world_size", lambda: 2)
+    monkeypatch.setattr(gradients, "collective_device", lambda group=None: torch.device("meta"))
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: devices.append(tensor.device))
+    assert gradients.squared_norm(model).device == torch.device("meta")
+    assert devices == [torch.device("meta")]

@@ -46,7 +46,7 @@ from moeflow.model.parameters import clean_name
 from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel.layouts import original_shape, reshard
-from moeflow.parallel.process_group import barrier, rank
+from moeflow.parallel.process_group import barrier, exact_sum_view, rank
 from moeflow.parallel.rank_load import persistent_buffers
 from moeflow.runtime.files import atomic_dir
 
@@ -113,14 +113,13 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def _whole_on_rank0(piece: Piece, tensor: ModelTensor) -> torch.Tensor | None:
     """An FSDP1 parameter whole on rank 0: each rank puts its range of elements into a zero buffer of the
-    whole and the buffers are summed on rank 0 as integers of the same width (every element comes from one
+    whole and the buffers are summed on rank 0 as integers (``exact_sum_view``: every element comes from one
     rank and the others add zero bits: the exact values, a negative zero's sign too)."""
     import torch.distributed as dist
 
     whole = torch.zeros(piece.numel, dtype=tensor.dtype, device=piece.local.device)
     whole[piece.offset : piece.offset + piece.local.numel()] = piece.local
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(whole.element_size())
-    dist.reduce(whole.view(bits) if bits else whole, dst=0, op=dist.ReduceOp.SUM)
+    dist.reduce(exact_sum_view(whole), dst=0, op=dist.ReduceOp.SUM)  # NCCL has no int16: 2-byte masters as bytes
     return whole.view(tensor.shape) if rank() == 0 else None
 
 

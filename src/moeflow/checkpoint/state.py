@@ -106,12 +106,36 @@ def checkpoint_key(settings: Mapping[str, Any], inputs: Sequence[str | os.PathLi
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint (its trainer_state.json written) in ``folder``, or None; partial
-    folders (a save that was killed) never count."""
+    """The newest complete checkpoint (:func:`is_complete`) in ``folder``, as this process sees it, or None;
+    partial folders (a save that was killed) never count. Ranks resume from :func:`resume_point`."""
     if not folder.is_dir():
         return None
-    steps = sorted(p for p in folder.iterdir() if CHECKPOINT_DIR.match(p.name) and (p / "trainer_state.json").is_file())
+    steps = sorted(p for p in folder.iterdir() if CHECKPOINT_DIR.match(p.name) and is_complete(p))
     return steps[-1] if steps else None
+
+
+def is_complete(path: Path) -> bool:
+    """Whether the checkpoint ``path`` is complete here (rank 0 writes its trainer_state.json last)."""
+    return (path / STATE_FILE).is_file()
+
+
+def resume_point(folder: Path) -> Path | None:
+    """The checkpoint every rank resumes from: rank 0's :func:`latest_checkpoint`, broadcast (a collective).
+    On several nodes the ranks can see different ``step-*`` folders (a shared filesystem's caches, a node's
+    local disk); each rank deciding alone would load different states or hang in the collective load. A
+    rank that does not see rank 0's choice complete fails on every rank, naming the ranks and the folder."""
+    chosen = process_group.broadcast_object(latest_checkpoint(folder) if process_group.rank() == 0 else None)
+    if chosen is None:
+        return None
+    chosen = Path(chosen)
+    blind = [r for r, seen in enumerate(gather_objects(is_complete(chosen))) if not seen]
+    if blind:
+        raise CheckpointError(
+            f"rank 0 resumes from {chosen}, which rank(s) {blind} do not see complete: the checkpoint folder "
+            "(the training rule's params.checkpoints) must be on a filesystem every node shares, and "
+            "up to date there"
+        )
+    return chosen
 
 
 def step_folder(folder: Path, step: int) -> Path:

@@ -11,7 +11,7 @@ import torch
 from moeflow.model.parameters import clean_name
 from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel.layouts import is_sharded
-from moeflow.parallel.process_group import all_reduce_sum, world_size
+from moeflow.parallel.process_group import all_reduce_sum, collective_device, world_size
 from moeflow.runtime import compat
 
 GRADIENT_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket size
@@ -112,42 +112,69 @@ def _data_parallel_size(model: torch.nn.Module, world: int) -> int:
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clip the gradients of the whole (sharded) model to ``max_norm``; return the norm before clipping.
 
-    Sharded models sum the squares of per-tensor norms in parameter order, so that the norm is the same
-    from run to run (FSDP1's own ``clip_grad_norm_`` iterates a set of parameters: its last digits vary);
-    DTensor gradients may live on different meshes (experts vs the rest), so their norms are made whole
-    one by one."""
+    Sharded models (:func:`squared_norm`): each rank's local squared norms summed in parameter order, then
+    one all-reduce per process group the gradients are sharded over (FSDP1: the world; DTensors: their
+    meshes' sharded dimensions, the experts' and the rest's): a handful of collectives a step where a
+    ``full_tensor()`` per gradient took one each, and the same norm from run to run (FSDP1's own
+    ``clip_grad_norm_`` iterates a set of parameters: its last digits vary)."""
     params = [p for p in model.parameters() if p.grad is not None]
     fsdp1 = is_fsdp1(model)
-    dtensors = any(compat.is_dtensor(p.grad) for p in params)
-    if not fsdp1 and not dtensors:
+    if not fsdp1 and not any(compat.is_dtensor(p) or compat.is_dtensor(p.grad) for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    grads = [p.grad.detach() for p in params]
-    norms = _float32_norms(grads)
-    # The squares summed one after the other in parameter order, on the device: a cumulative sum is
-    # that sum (sequential on the CPU, so the same digits as a loop; a fixed scan on CUDA), where
-    # .sum() would add them pairwise.
-    squares = torch.cumsum(torch.stack(norms).double() ** 2, 0)[-1] if norms else torch.zeros((), dtype=torch.float64)
-    if fsdp1:  # each rank holds its shards of every gradient
-        squares = all_reduce_sum(squares)
-    total = float(squares.sqrt())  # the one read-back of the step's clipping
+    total = float(squared_norm(model).sqrt())  # the one read-back of the step's clipping
     coef = max_norm / (total + 1e-6)
     if coef < 1:
-        with torch.no_grad():
-            if dtensors:  # on several meshes (experts vs the rest): one at a time
-                for p in params:
-                    p.grad.mul_(coef)
-            else:
-                torch._foreach_mul_(grads, coef)
+        with torch.no_grad():  # on the local tensors (a DTensor's to_local is a view of its shard): one kernel
+            torch._foreach_mul_([p.grad.to_local() if compat.is_dtensor(p.grad) else p.grad for p in params], coef)
     return total
 
 
+def squared_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The squared 2-norm of all of a sharded model's gradients (float64, a 0-dim tensor on every rank).
+
+    Every parameter names the process groups its gradient is sharded over: none for a whole tensor, the
+    world for FSDP1's flat shards, for a DTensor the groups of its mesh's ``Shard`` dimensions (a
+    ``Replicate`` dimension holds copies, counted once). Per such key, in parameter order, the squares of
+    the local float32 norms are summed on this rank (a cumulative sum: the digits of a sequential loop),
+    then all-reduced once per group. The keys come from every parameter, with a gradient here or not, so
+    that every rank runs the same collectives in the same order; a key with no local gradient adds a zero
+    built on the device its group's collectives take (:func:`collective_device`)."""
+    fsdp1 = is_fsdp1(model)
+    keys: dict[tuple, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        grad = None if p.grad is None else p.grad.detach()
+        if compat.is_dtensor(grad) and any(placement.is_partial() for placement in grad.placements):
+            grad = grad.full_tensor()  # a pending sum (not what FSDP leaves): made whole, counted once
+        like = grad if compat.is_dtensor(grad) else p
+        if compat.is_dtensor(like):
+            mesh = like.device_mesh
+            key = tuple(mesh.get_group(dim) for dim, placement in enumerate(like.placements) if placement.is_shard())
+        else:
+            key = (None,) if fsdp1 else ()  # None: the default group
+        local = keys.setdefault(key, [])
+        if grad is not None:
+            local.append(grad.to_local() if compat.is_dtensor(grad) else grad)
+    total = None
+    for key, grads in keys.items():
+        if grads:
+            norms = _float32_norms(grads)
+            # sequential on the CPU (the digits of a loop), a fixed scan on CUDA, where .sum() adds pairwise
+            squares = torch.cumsum(torch.stack(norms).double() ** 2, 0)[-1]
+        else:
+            squares = torch.zeros((), dtype=torch.float64, device=collective_device(key[0] if key else None))
+        for group in key:
+            all_reduce_sum(squares, group)
+        total = squares if total is None else total + squares.to(total.device)
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
+
+
 def _float32_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each gradient's whole 2-norm in float32, on the device: one foreach kernel for float32 gradients
-    (torch 2.3's takes no dtype), else one norm at a time (DTensors: made whole one by one, as their
-    meshes may differ)."""
-    if any(compat.is_dtensor(g) or g.dtype != torch.float32 for g in grads):
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-        return [n.full_tensor() if compat.is_dtensor(n) else n for n in norms]
+    """Each (local) gradient's 2-norm in float32, on its device: one foreach kernel for float32 gradients
+    (torch 2.3's takes no dtype), else one norm at a time."""
+    if any(g.dtype != torch.float32 for g in grads):
+        return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
     return list(torch._foreach_norm(grads))
 
 

@@ -1,15 +1,17 @@
 """The process group torchrun describes, this rank's place and device, and the collectives used.
 
 The process group torchrun describes: one from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, gloo on CPU, nccl
-on CUDA, nothing at all in one process (:func:`init` / :func:`teardown`, or the :func:`process_group`
+on CUDA (and gloo for CPU tensors; across nodes on the interface :func:`gloo_socket_ifname` picks), nothing at
+all in one process (:func:`init` / :func:`teardown`, or the :func:`process_group`
 context), this rank's place and device (:class:`Ranks`), and the few collectives the library uses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,8 @@ import torch
 
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime.hardware import compute_device
+
+log = logging.getLogger("moeflow.parallel.process_group")
 
 
 class DistributedError(RuntimeError):
@@ -52,6 +56,53 @@ def check_ranks(parallel: ParallelSettings, ranks: Ranks) -> ParallelSettings:
     return parallel
 
 
+def gloo_socket_ifname(environ: Mapping[str, str], interfaces: Sequence[str]) -> str | None:
+    """The network interface gloo binds to across nodes: ``GLOO_SOCKET_IFNAME`` as the launch environment sets
+    it, else the first of this node's ``interfaces`` that ``NCCL_SOCKET_IFNAME`` selects (NCCL's syntax:
+    name prefixes, ``=`` exact names, ``^`` names to exclude, comma-separated; never the loopback); None
+    when neither says. Without one gloo binds to the address the host name resolves to, often a loopback
+    or a management network the other nodes cannot reach, and the ranks hang in their first CPU collective."""
+    if environ.get("GLOO_SOCKET_IFNAME"):
+        return environ["GLOO_SOCKET_IFNAME"]
+    spec = environ.get("NCCL_SOCKET_IFNAME", "").strip()
+    if not spec:
+        return None
+    exact, exclude = spec.startswith("="), spec.startswith("^")
+    names = [n for n in spec.lstrip("=^").split(",") if n]
+    for interface in interfaces:
+        if interface.startswith("lo"):
+            continue
+        if exact:
+            chosen = interface in names
+        elif exclude:
+            chosen = not any(interface.startswith(n) for n in names)
+        else:
+            chosen = any(interface.startswith(n) for n in names)
+        if chosen:
+            return interface
+    return None
+
+
+def _set_gloo_interface() -> None:
+    """Across nodes: ``GLOO_SOCKET_IFNAME`` from :func:`gloo_socket_ifname`, or a warning naming it."""
+    import socket
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= int(
+        os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    ):
+        return  # one node: gloo's default (the host name's address) reaches every rank
+    interface = gloo_socket_ifname(os.environ, [name for _, name in socket.if_nameindex()])
+    if interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    else:
+        log.warning(
+            "ranks on several nodes and neither GLOO_SOCKET_IFNAME nor NCCL_SOCKET_IFNAME selects a network "
+            "interface: gloo binds to the host name's address; if the ranks hang at the start, export "
+            "NCCL_SOCKET_IFNAME (or GLOO_SOCKET_IFNAME) = the interface the nodes reach each other on "
+            "(docs/scaling-out.md)"
+        )
+
+
 def init(device_type: str | None = None) -> Ranks:
     """Join the process group torchrun describes (only with more than one process) and pick the device.
 
@@ -69,6 +120,7 @@ def init(device_type: str | None = None) -> Ranks:
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            _set_gloo_interface()
             # With CUDA, nccl for the model's tensors and gloo for the CPU tensors the losses all-reduce
             # (token and expert counts, logged loss terms).
             dist.init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo")
@@ -130,10 +182,61 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks in place (a no-op in one process)."""
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` (picklable) on every rank; ``obj`` itself in one process."""
+    import torch.distributed as dist
+
+    if not _initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_floats(value: float) -> list[float]:
+    """Every rank's ``value``, in rank order, on every rank (``[value]`` in one process): one small all-reduce,
+    through gloo where the backend has it (no device sync), else on the collective device."""
+    import torch.distributed as dist
+
+    if not _initialized():
+        return [float(value)]
+    device = torch.device("cpu") if "gloo" in str(dist.get_backend()).lower() else collective_device()
+    values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    values[dist.get_rank()] = value
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values.tolist()
+
+
+# The integer dtypes NCCL reduces (ncclInt8/Uint8/Int32/Uint32/Int64/Uint64): no 16-bit integers.
+NCCL_INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int32, torch.int64)
+
+
+def exact_sum_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bits as integers that gloo and NCCL both sum, for a sum in which each element comes from
+    one rank and the others add zeros: the same bits back, a negative zero's sign and a NaN's payload too.
+    8- and 4-byte elements as int64/int32; other widths as their bytes (uint8: NCCL has no int16 for a
+    2-byte bf16/fp16 master, and a byte adds to zero bytes without a carry)."""
+    bits = {8: torch.int64, 4: torch.int32}.get(tensor.element_size(), torch.uint8)
+    return tensor.view(bits)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum a tensor over ranks in place (over ``group``, default all ranks; a no-op in one process)."""
     if world_size() > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device of the tensors a collective on ``group`` (default all ranks) runs on where the ranks'
+    tensors live: this rank's CUDA device where the group's backend has NCCL (``cpu:gloo,cuda:nccl``
+    included: a CPU tensor there goes through gloo while the other ranks' CUDA tensors go through NCCL, and
+    the collective never completes), else the CPU. A rank that builds a tensor of its own for a collective
+    (a zero for gradients it does not hold) builds it here."""
+    import torch.distributed as dist
+
+    if not _initialized() or "nccl" not in str(dist.get_backend(group)).lower():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

@@ -8,9 +8,10 @@
   compares equal and any difference is the update's, not sampling noise nor a pretrained model's hot
   experts); until the guard has that reference it judges nothing. ``reference: absolute``: fixed thresholds.
   A loss that falls fast while router entropy collapses early in training gets a warning.
-* ``MemoryGuard``: the least-squares slope of memory (RSS on CPU, each step's peak allocated memory on CUDA) over a
-  window of steps after a settling period; a slope above the threshold warns, and one that stays
-  above it for ``patience`` steps stops training with the step range and the slope.
+* ``MemoryGuard``: the least-squares slope of memory (RSS on CPU, each step's peak allocated memory on CUDA)
+  over a window of steps after a settling period, less twice its standard error (per-step noise is no
+  growth), the largest rank's on every rank; a rate above the threshold warns, and one that stays above it
+  for ``patience`` steps stops training (every rank) with the step range, the rank and the rate.
 * ``check_finite``: a NaN or Inf loss stops training (the last good checkpoint is kept).
 """
 
@@ -27,6 +28,8 @@ from moeflow.data.order import DataOrder
 from moeflow.model.routing import adapter_or_none
 from moeflow.model.routing_stats import expert_load, layer_health
 from moeflow.model.wrappers import unwrap
+from moeflow.parallel.layouts import reshard
+from moeflow.parallel.process_group import gather_floats
 from moeflow.train.settings import MemoryThresholds, RoutingThresholds, TrainSettings
 
 log = logging.getLogger("moeflow.train.guards")
@@ -216,27 +219,33 @@ def base_reference(
 ) -> list[list[int]] | None:
     """The base model's load per MoE layer on the rows of the gate's window, routed before any update
     (no grad, eval mode; every rank routes them all, so every rank holds the same reference): the
-    ``reference: base`` of ``RoutingGuard``. None for a model without MoE layers."""
+    ``reference: base`` of ``RoutingGuard``. None for a model without MoE layers. The model is left as it
+    came, in train mode and resharded: FSDP2 (ours, and transformers' expert-parallel units of the norm and
+    head, which do not reshard after forward) keeps the root unit gathered after a forward without backward,
+    and an optimizer built then would hold the gathered copies instead of the shards."""
     adapter = adapter_or_none(unwrap(model))
     if adapter is None:
         return None
     window = [rows[i] for i in gate_window_rows(len(rows), seed, settings, world_size)]
     batch_tokens = settings.micro_batch_size * len(window[0]["input_ids"])
     load = expert_load(model, window, batch_tokens, attn_implementation, precision, adapter)
+    reshard(model)
     model.train()
     return load
 
 
-def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Least-squares slope of ys over xs."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-
-
 class MemoryGuard:
-    """Stop when memory keeps growing across steps (a leak), with the step range and the slope."""
+    """Stop when memory keeps growing across steps (a leak), with the step range, the rank and the rate;
+    every rank decides the same.
+
+    The rate over a window of ``window_steps`` steps is the lower end of the least-squares slope's ~95%
+    interval (:func:`leak_rate`: the slope less twice its standard error from the residuals): a steady leak
+    (RSS on the CPU) has no residuals and is judged at its slope, while a step's peak that moves with what
+    it routes (under expert parallelism by 100+ MiB from step to step) widens the interval instead of
+    passing for growth; a longer window narrows it. The ranks' rates are exchanged each step
+    (``moeflow.parallel.process_group.gather_floats``) and the largest is judged on every rank, so a leak on
+    one rank stops all of them together with one message, rather than one rank raising while the others
+    wait in the next collective."""
 
     def __init__(self, thresholds: MemoryThresholds):
         self.t = thresholds
@@ -245,7 +254,8 @@ class MemoryGuard:
         self.over = 0
 
     def observe(self, step: int, memory_mib: float) -> float | None:
-        """Record memory after a step; return the current slope (MiB/step) once the window is full."""
+        """Record memory after a step; once the window is full (a collective from then on: every rank calls
+        it each step) return the largest rank's rate (MiB/step)."""
         self.seen += 1
         if self.seen <= self.t.skip_steps:
             return None
@@ -253,24 +263,45 @@ class MemoryGuard:
         if len(self.samples) < self.samples.maxlen:
             return None
         steps, mib = zip(*self.samples)
-        rate = slope(steps, mib)
+        slope, error = leak_rate(steps, mib)
+        rates = gather_floats(slope - 2 * error)
+        rate = max(rates)
         if rate <= self.t.max_slope_mib_per_step:
             self.over = 0
             return rate
         self.over += 1
+        worst = rates.index(rate)
         report = {
             "first_step": steps[0],
             "last_step": steps[-1],
             "slope_mib_per_step": rate,
+            "rank": worst,
+            "rank_slopes_mib_per_step": rates,
             "threshold_mib_per_step": self.t.max_slope_mib_per_step,
-            "memory_mib": list(mib),
+            "memory_mib": list(mib),  # this rank's
             "steps_over_threshold": self.over,
         }
+        on_rank = f" on rank {worst}" if len(rates) > 1 else ""
         message = (
-            f"memory grows {rate:.1f} MiB/step over steps {steps[0]}-{steps[-1]} "
+            f"memory grows {rate:.1f} MiB/step{on_rank} over steps {steps[0]}-{steps[-1]} "
             f"(threshold {self.t.max_slope_mib_per_step} MiB/step)"
         )
         if self.over >= self.t.patience:
             raise MemoryLeak(f"memory leak: {message} for {self.over} steps; training stopped", report)
         log.warning("possible memory leak: %s", message)
         return rate
+
+
+def leak_rate(steps: Sequence[float], mib: Sequence[float]) -> tuple[float, float]:
+    """The least-squares slope of ``mib`` over ``steps`` and its standard error (from the residuals; 0 with
+    two points)."""
+    n = len(steps)
+    mx, my = sum(steps) / n, sum(mib) / n
+    sxx = sum((x - mx) ** 2 for x in steps)
+    if not sxx:
+        return 0.0, 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(steps, mib)) / sxx
+    if n <= 2:
+        return slope, 0.0
+    residuals = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(steps, mib))
+    return slope, math.sqrt(residuals / (n - 2) / sxx)

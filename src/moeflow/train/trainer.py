@@ -164,6 +164,9 @@ class Trainer:
             compat.enable_activation_checkpointing(inner)
         model.train()
         self.adapter = adapter_or_none(inner)
+        # The optimizer holds the shards: after a forward without backward (a base reference, an evaluation)
+        # FSDP2 leaves the root unit's gathered parameters registered, which no backward would ever update.
+        reshard(model)
         # train_step sets each group's learning rate (train.lr x its multiplier x the schedule) before its update
         self.optimizer = torch.optim.AdamW(
             param_groups(model, settings), lr=settings.lr, betas=settings.betas, eps=settings.eps
@@ -206,8 +209,9 @@ class Trainer:
         log.info("%s: continuing from %s at step %d", self.stage, path, self.step)
 
     def resume(self) -> bool:
-        """Load the newest complete resumable checkpoint, if any (the folder's name is the key)."""
-        latest = C.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+        """Load the newest complete resumable checkpoint, if any (the folder's name is the key): rank 0's
+        choice, on every rank (``moeflow.checkpoint.state.resume_point``)."""
+        latest = C.resume_point(self.checkpoint_dir) if self.checkpoint_dir else None
         if latest is None:
             return False
         self.load(latest)
