@@ -52,7 +52,7 @@ from moeflow.train.losses import (
     real_token_positions,
     update_correction_bias,
 )
-from moeflow.train.metrics import MetricsLog, active_parameters, start_step_memory, step_memory_mib
+from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
 from moeflow.train.optim import correction_biases, lr_factor, param_groups
 from moeflow.train.settings import BalanceSettings, TrainSettings
 
@@ -177,7 +177,7 @@ class Trainer:
         self.memory_guard = G.MemoryGuard(settings.memory_guard)
         self.step = 0
         self.history: list[dict[str, Any]] = []
-        self.flops_per_token = 6 * active_parameters(model)
+        self.flops_per_token = 6 * flop_bearing_parameters(model)  # the MFU's: no embedding lookup
 
     # ---- state
 
