@@ -271,6 +271,14 @@ def _expert_count(model: torch.nn.Module) -> str | None:
     return None
 
 
+_LAYER_CHILD = re.compile(r"(?:^|\.)layers\.\d+\.[^.]+$")
+
+
+def _layer_module_classes(model: torch.nn.Module) -> list[str]:
+    """The class names of the decoder layers' direct children (attention, norms, the MLP or MoE block), sorted."""
+    return sorted({type(m).__name__ for name, m in model.named_modules() if _LAYER_CHILD.search(name)})
+
+
 def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
     """The routing adapter for a supported HF MoE model; ``NoMoELayers`` for a dense model,
     ``UnsupportedModel`` for an MoE model moeflow cannot read."""
@@ -322,9 +330,18 @@ def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
             )
         )
     if not sites:
+        found = ", ".join(_layer_module_classes(model)) or "none"
+        experts = _expert_count(model)
+        if experts:  # an MoE by its config whose blocks are named otherwise (remote code, a renamed class)
+            raise UnsupportedModel(
+                f"model_type {model_type!r}: its config has {experts}, but no {family.block_class} module was found "
+                f"in it (the decoder layers hold: {found}), so moeflow cannot read its routing and would train it "
+                f"as dense (no balancing, no routing guard, no bias update). Use the model's transformers class "
+                f"(not remote code), or add the block: {ADAPTER_NEEDS}. For a dense model, set num_experts to 0"
+            )
         raise NoMoELayers(
-            f"model_type {model_type!r}: no {family.block_class} module found, so the model has no MoE layer "
-            f"(a dense configuration?); routing telemetry needs at least one MoE layer"
+            f"model_type {model_type!r}: no {family.block_class} module found (the decoder layers hold: {found}), "
+            f"so the model has no MoE layer (a dense configuration); routing telemetry needs at least one MoE layer"
         )
     sites.sort(key=lambda s: s.layer)
     return RoutingAdapter(model_type=model_type, family=family, sites=sites, read=read)
