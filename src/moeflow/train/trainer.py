@@ -42,6 +42,7 @@ from moeflow.parallel.gradients import clip_grad_norm, reduce_gradients, release
 from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import gather_objects, rank, world_size
 from moeflow.runtime import compat
+from moeflow.runtime.hardware import to_device
 from moeflow.runtime.stage import kill_point, progress
 from moeflow.settings import PRECISIONS, enum
 from moeflow.train import guards as G
@@ -81,7 +82,7 @@ def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], ro
         return outputs, []
     positions = real_token_positions(batch)  # None for packed rows: padding only in a split's last row
     if positions is not None:
-        positions = positions.to(device)
+        positions = to_device(positions, device)  # pinned, non-blocking from the host
 
     def real(t: torch.Tensor) -> torch.Tensor:
         return t if positions is None else t.index_select(0, positions)
