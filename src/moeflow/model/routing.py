@@ -48,7 +48,7 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 # Config attributes that name an expert count: a model that has one but no adapter is an MoE we cannot read.
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 class UnsupportedModel(ValueError):
@@ -264,7 +264,7 @@ def _expert_count(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     configs = [config, getattr(config, "text_config", None)]
     for cfg in configs:
-        for key in _EXPERT_COUNT_KEYS:
+        for key in EXPERT_COUNT_KEYS:
             value = getattr(cfg, key, None)
             if isinstance(value, int) and value > 1:
                 return f"{key}={value}"
