@@ -66,7 +66,7 @@ def test_the_block_is_the_runs_first_moe_layer_materialised_alone(block):
     assert all(p.is_meta for p in block.model.get_input_embeddings().parameters())  # the rest is never allocated
 
 
-def test_a_real_timing_at_a_small_shape_picks_the_fastest_eligible():
+def test_a_real_timing_at_a_small_shape_reports_every_implementation():
     report = X.measure(auto(tiny_model_cfg()), MICRO_BATCH, SEQ_LEN, CPU, "fp32")
     results = report["implementations"]
     assert list(results) == X.candidates(CPU) and results["eager"]["max_relative_difference"] == 0
@@ -76,9 +76,20 @@ def test_a_real_timing_at_a_small_shape_picks_the_fastest_eligible():
     assert results["grouped_mm"]["eligible"], results["grouped_mm"]  # agrees with eager in fp32 on the CPU
     eligible = [n for n, r in results.items() if r["eligible"]]
     assert all(len(results[n]["rounds_s"]) == X.ROUNDS for n in eligible)
-    assert report["chosen"] == X.choose(results)[0] and report["chosen"] in eligible
-    assert f"{report['chosen']} " in report["reason"] and "ms" in report["reason"]
-    assert f"pin it with model.experts_implementation: {report['chosen']}" in report["reason"]
+    assert report["chosen"] == "eager" and "ms" in report["reason"]  # on the CPU: eager, whatever the timings
+    timed = X.choose(results)[0]
+    assert timed in eligible and (timed == "eager" or f"would pick {timed} " in report["reason"]), report["reason"]
+    assert "model.experts_implementation" in report["reason"]
+
+
+def test_on_a_gpu_the_timings_decide_and_on_the_cpu_eager():
+    rounds = {
+        "eager": {"eligible": True, "rounds_s": [0.01] * X.ROUNDS, "median_s": 0.01},
+        "grouped_mm": {"eligible": True, "rounds_s": [0.002] * X.ROUNDS, "median_s": 0.002},
+    }
+    assert X.decide("cuda", rounds)[0] == "grouped_mm"
+    chosen, reason = X.decide("cpu", rounds)
+    assert chosen == "eager" and "eager on the CPU" in reason and "would pick grouped_mm" in reason
 
 
 def test_the_block_is_fp32_whatever_dtype_the_config_names():
