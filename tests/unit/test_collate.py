@@ -1,5 +1,6 @@
 """The packing-aware collator: the rows' tensors, and the masks ``model_inputs`` gives each kind of model.
-Packed == alone for every family and stack is tests/unit/test_families.py's; flash_attention_2 (GPU) is here."""
+Packed == alone for every family and stack is tests/unit/test_families.py's; flash_attention_2 is here (on a GPU
+with flash-attn, and on CPU with a stand-in that attends as transformers' flash path does)."""
 
 from __future__ import annotations
 
@@ -126,12 +127,118 @@ def test_flash_attention_packed_logits_equal_each_document_alone():
     generator = torch.Generator().manual_seed(1)
     docs = [(i, torch.randint(3, VOCAB, (n,), generator=generator).tolist(), None) for i, n in enumerate([7, 9, 12], 1)]
     rows = list(pack_documents(docs, seq_len=16, pad_to_multiple_of=4, pad_id=0))
-    inputs = model_inputs(model, collate(rows))
+    batch = collate(rows)
+    inputs = model_inputs(model, batch)
     assert "attention_mask" not in inputs and inputs["input_ids"].device.type == "cuda"
+    assert inputs["input_ids"].shape == (1, batch["input_ids"].numel())  # one packed row
     with torch.no_grad():
-        packed = model(**inputs, use_cache=False).logits
+        packed = model(**inputs, use_cache=False).logits.view(*batch["input_ids"].shape, -1)
         for doc_id, ids, _ in docs:
             r = next(r for r, row in enumerate(rows) if (row["doc_ids"] == doc_id).any())
             where = (rows[r]["doc_ids"] == doc_id).nonzero()[0]
             alone = model(input_ids=torch.tensor([ids[: len(where)]], device="cuda"), use_cache=False).logits[0]
             assert (packed[r, where[0] : where[0] + len(where)] - alone).abs().max().item() < 2e-2
+
+
+VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class FakeFlash:
+    """flash_attention_2 on CPU: records what each attention call gets and attends as transformers' flash path
+    would (``_flash_attention_forward``): over the given cumulative lengths; else over the sequences
+    ``prepare_fa_kwargs_from_position_ids`` finds when ``_is_packed_sequence`` says the row is packed (batch size
+    1 only); else causally over each whole row, across its documents."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kw):
+        from transformers.modeling_flash_attention_utils import (
+            _is_packed_sequence,
+            prepare_fa_kwargs_from_position_ids,
+        )
+
+        batch, heads, length, _ = query.shape
+        position_ids = kw.get("position_ids")
+        self.calls.append(
+            {"batch": batch, "mask": attention_mask, "position_ids": position_ids, **{k: kw.get(k) for k in VARLEN}}
+        )
+        if all(kw.get(k) is not None for k in VARLEN):
+            cu = kw["cu_seq_lens_q"].tolist()
+        elif _is_packed_sequence(position_ids, batch):
+            cu = prepare_fa_kwargs_from_position_ids(position_ids)[0][0].tolist()
+        else:
+            cu = [r * length for r in range(batch + 1)]  # each row one sequence
+        q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[-1]) for t in (query, key, value))
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        out = torch.zeros(batch * length, heads, value.shape[-1], dtype=query.dtype)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        for start, end in zip(cu[:-1], cu[1:]):
+            scores = torch.einsum("qhd,khd->hqk", q[start:end], k[start:end]) * scale
+            distance = torch.arange(end - start)[:, None] - torch.arange(end - start)[None, :]
+            allowed = (distance >= 0) & (distance < sliding_window if sliding_window else True)
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            out[start:end] = torch.einsum("hqk,khd->qhd", probs, v[start:end])
+        return out.view(batch, length, heads, -1), None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_flash_attention_gets_one_packed_row_with_the_documents_lengths(family):
+    """Rows of several documents reach a flash model as ONE packed row with the cumulative lengths transformers'
+    own varlen preparation finds from its position_ids; the per-token losses equal the per-document (masked)
+    attention's, and the next-token shift does not cross from one row into the next."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from moeflow.model.chunked_loss import token_losses
+
+    dtype = C.dtype_for(family)
+    model = build_family(family, "eager", dtype).eval()
+    batch = collate(C.packed_rows())
+    assert batch["input_ids"].shape[0] == 3 and (batch["position_ids"] == 0).sum(1).tolist() == [2, 2, 4]
+    with torch.no_grad():
+        reference = token_losses(model, model_inputs(model, batch), batch["labels"]).token_loss
+    fake = FakeFlash()
+    ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = fake
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        inputs = model_inputs(model, batch)
+        with torch.no_grad():
+            flash = token_losses(model, inputs, batch["labels"]).token_loss
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
+        model.config._attn_implementation = "eager"
+    assert "attention_mask" not in inputs and inputs["input_ids"].shape == (1, 3 * 32)
+    assert torch.equal(inputs["input_ids"], batch["input_ids"].reshape(1, -1))
+    (want_cu, _), (want_max, _) = prepare_fa_kwargs_from_position_ids(batch["position_ids"].reshape(1, -1))
+    assert fake.calls and all(call["batch"] == 1 and call["mask"] is None for call in fake.calls)
+    for call in fake.calls:
+        assert torch.equal(call["cu_seq_lens_q"], want_cu) and torch.equal(call["cu_seq_lens_k"], want_cu)
+        assert call["max_length_q"] == call["max_length_k"] == int(want_max)
+    assert want_cu.tolist() == [0, 12, 32, 37, 64, 73, 80, 84, 96]  # the last row's padding: a block of its own
+    assert flash.shape == batch["labels"].shape
+    assert (flash - reference).abs().max() < C.tolerance(dtype)
+
+
+def test_unflattened_rows_would_attend_across_documents():
+    """The fake is a faithful check: rows of several documents given to it as they are (B > 1) attend across
+    their documents, and the losses move."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from moeflow.model.chunked_loss import token_losses
+
+    model = build_family("qwen3_moe", "eager", torch.float64).eval()
+    batch = collate(C.packed_rows())
+    with torch.no_grad():
+        reference = token_losses(model, model_inputs(model, batch), batch["labels"]).token_loss
+        fake = FakeFlash()
+        ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = fake
+        model.config._attn_implementation = "flash_attention_2"
+        try:
+            rows = {k: batch[k] for k in ("input_ids", "position_ids")}
+            crossing = token_losses(model, rows, batch["labels"]).token_loss
+        finally:
+            del ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
+            model.config._attn_implementation = "eager"
+    assert fake.calls and fake.calls[0]["batch"] == 3
+    assert (crossing - reference).abs().max() > 1e-3

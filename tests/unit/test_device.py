@@ -167,3 +167,40 @@ def test_cuda_memory_reading_is_the_steps_peak(monkeypatch):
         allocate(-activations)  # ...freed by the update and zero_grad
         readings.append(metrics.step_memory_mib(cuda))
     assert readings == [300, 100]
+
+
+def test_host_tensors_go_to_a_gpu_through_pinned_memory():
+    """The decision: a CPU tensor bound for CUDA is staged in pinned memory and copied without blocking; to the
+    CPU (or from a device tensor) it is a plain ``.to``."""
+    host = torch.zeros(2, 3, dtype=torch.long)
+    assert hardware.copies_through_pinned_memory(host, torch.device("cuda"))
+    assert hardware.copies_through_pinned_memory(host, "cuda:1")
+    assert not hardware.copies_through_pinned_memory(host, torch.device("cpu"))
+    assert not hardware.copies_through_pinned_memory(torch.zeros(2, device="meta"), "cuda")
+    assert hardware.to_device(host, torch.device("cpu")) is host
+
+
+def test_every_host_copy_of_a_training_forward_asks_for_pinned_memory(monkeypatch):
+    """The inputs, the positions, the labels (the chunked loss) and the real-token positions (the routing) of a
+    forward all go through ``hardware.to_device``: on a GPU each is a pinned, non-blocking copy."""
+    from moeflow.model.routing import adapter_for, capture
+    from moeflow.train.losses import real_token_positions
+    from moeflow.train.trainer import routed_forward
+
+    asked = []
+
+    def decide(source, device):
+        asked.append(source.clone())
+        return False  # copy as on the CPU, having asked
+
+    monkeypatch.setattr(hardware, "copies_through_pinned_memory", decide)
+    model = make_model(typed(ModelSettings, model_config("qwen3_moe", "sdpa")), vocab_size=VOCAB, seed=0)
+    batch = collate(rows(2))
+    assert real_token_positions(batch) is not None  # the rows' lengths differ: padding
+    with capture(model, adapter_for(model)) as routing:
+        routed_forward(model, batch, routing)
+    wanted = {k: batch[k] for k in ("input_ids", "position_ids", "labels")} | {
+        "real token positions": real_token_positions(batch)
+    }
+    for name, tensor in wanted.items():
+        assert any(a.shape == tensor.shape and torch.equal(a, tensor) for a in asked), f"{name}: a pageable copy"

@@ -51,7 +51,7 @@ def test_a_healthy_eight_gpu_node_passes_strict_verification(monkeypatch):
     node = gpu_node.check(CUDA_LAYOUT)
     assert node["nvidia_driver"] == "550.54.15" and node["gpus"] == 8 and node["gpu_count_matches"]
     assert node["all_reduce"]["ok"] and node["problems"] == []
-    assert len(probes) == 1 and probes[0][1] == "-c"  # in a subprocess
+    assert len(probes) == 1 and probes[0][1:3] == ["-m", gpu_node.ALL_REDUCE_PROBE]  # in a subprocess
     assert gpu_node.enforce(node, strict=True) == []
     assert "550.54.15" in gpu_node.render_markdown(node)
 
@@ -112,3 +112,10 @@ def test_the_layout_names_nproc_per_node_on_cuda_only():
     assert gpu_node.layout(cfg) == {"device": "cpu", "nproc_per_node": None}
     cfg["hardware"]["device"] = "cuda"
     assert gpu_node.layout(cfg) == {"device": "cuda", "nproc_per_node": 2}
+
+
+def test_the_probe_runs_under_spawn_on_two_gloo_processes():
+    """The real probe subprocess, with gloo in place of NCCL: torch.multiprocessing.spawn's children must be able
+    to import the worker (a function of a ``python -c`` program cannot be unpickled in a spawned child)."""
+    result = gpu_node.all_reduce_check(2, backend="gloo")
+    assert result == {"ran": True, "ok": True, "reason": "GLOO all-reduce over 2 process(es): the sum is right"}

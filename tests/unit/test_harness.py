@@ -108,6 +108,44 @@ def test_perplexity_task_agrees_with_moeflow_evaluation(corpus, model, tmp_path)
     assert record["num_samples"] == sum(len(docs) for docs, _ in documents.values())
 
 
+def test_lm_eval_scores_a_bf16_model_with_an_fp32_log_softmax(corpus, model, tmp_path, monkeypatch):
+    """On GPU the model's logits are bf16: lm-eval's log-softmax over them must run in fp32 (HFLM's
+    softmax_dtype), or its scores round to bf16 and the 1e-6 cross-check cannot hold."""
+    import torch.nn.functional as F
+
+    tokenizer, folders, _ = corpus
+    bf16 = make_model(
+        typed(ModelSettings, tiny_model_cfg("sdpa", max_position_embeddings=128)), vocab_size=len(tokenizer), seed=1
+    )
+    bf16 = bf16.to(torch.bfloat16).eval()
+    seen = []
+    log_softmax = F.log_softmax
+
+    def recording(*args, **kwargs):
+        out = log_softmax(*args, **kwargs)
+        seen.append((args[0].dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(F, "log_softmax", recording)
+    settings = {**SETTINGS, "limit": 2}
+    documents = harness.corpus_documents(PERPLEXITY, {"prose": folders["prose"]}, tokenizer, settings, SEQ_LEN, 0)
+    lm_eval_docs.write_docs(tmp_path / "prose.jsonl", documents["prose"][0])
+    output = harness.evaluate_task(
+        bf16,
+        tokenizer,
+        PERPLEXITY,
+        settings,
+        SEQ_LEN,
+        0,
+        tmp_path / "prose.jsonl",
+        True,
+        {d["text"]: d["input_ids"] for d in documents["prose"][0]},
+    )
+    assert harness.num_samples(output) == 2
+    assert seen and all(out == torch.float32 for _, out in seen), seen
+    assert any(logits == torch.bfloat16 for logits, _ in seen)  # the logits were bf16: the softmax upcast them
+
+
 def test_perplexity_limit_compares_the_same_segments(corpus, model, tmp_path):
     tokenizer, folders, _ = corpus
     settings = {**SETTINGS, "limit": 3}

@@ -123,3 +123,26 @@ def test_active_parameters_count_top_k_of_the_routed_experts_and_every_other_par
     assert P.active_per_token(dense.config, {n: p.numel() for n, p in dense.named_parameters()}) == sum(
         p.numel() for p in dense.parameters()
     )
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_mfu_counts_no_embedding_lookup_and_a_tied_head_once(tied):
+    """Counted by hand for tiny_model_cfg (hidden 32, 2 heads of 16, 1 KV head, 4 experts of 16, top-2, vocab
+    64): the input embedding is a lookup, not a matmul; the head (tied or not) is one 64x32 matmul."""
+    from tiny_models import tiny_model_cfg
+
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
+    from moeflow.train.metrics import flop_bearing_parameters
+
+    model = make_model(typed(ModelSettings, tiny_model_cfg(tie_word_embeddings=tied)), vocab_size=64, seed=0)
+    attention = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 16 + 16  # q, k, v, o projections, q and k norms
+    layer_norms = 32 + 32
+    router = 32 * 4
+    active_experts = 2 * 3 * 32 * 16  # top-2 of 4 experts, each gate, up and down of 32x16
+    head = 64 * 32
+    want = 2 * (attention + layer_norms + router + active_experts) + 32 + head  # final norm, the head
+    assert flop_bearing_parameters(model) == want
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    assert P.active_per_token(model.config, sizes) == want + (0 if tied else 64 * 32)  # the embedding's table

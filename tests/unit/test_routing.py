@@ -8,7 +8,7 @@ import torch
 from tiny_models import COMMON, FAMILY_CONFIGS, SEQ, TRANSFORMERS_5_ONLY, VOCAB
 
 from moeflow.model.factory import make_model
-from moeflow.model.routing import UnsupportedModel, adapter_for, capture
+from moeflow.model.routing import NoMoELayers, UnsupportedModel, adapter_for, adapter_or_none, capture
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat
 from moeflow.settings import typed
@@ -97,10 +97,39 @@ def test_unsupported_moe_family_names_what_an_adapter_needs():
     assert "class name of the family's MoE block" in message and "qwen3_moe" in message
 
 
-def test_supported_family_without_moe_layers_is_a_clear_error():
+def test_a_configured_moe_whose_layers_are_all_dense_is_refused():
+    """num_experts in the config but no MoE block (every layer in mlp_only_layers): refused, not trained dense."""
     cfg = {"model_type": "qwen3_moe", **COMMON, **FAMILY_CONFIGS["qwen3_moe"], "mlp_only_layers": [0, 1]}
     model = make_model(
         typed(ModelSettings, {"config": cfg, "experts_implementation": STACK_DEFAULT_EXPERTS}), vocab_size=VOCAB
     )
-    with pytest.raises(UnsupportedModel, match="no Qwen3MoeSparseMoeBlock module found"):
+    with pytest.raises(UnsupportedModel, match="no Qwen3MoeSparseMoeBlock module was found") as err:
         adapter_for(model)
+    assert not isinstance(err.value, NoMoELayers) and "Qwen3MoeMLP" in str(err.value)
+
+
+def test_a_renamed_moe_block_is_refused_with_the_class_names_found():
+    """A remote-code or renamed MoE block that no adapter matches: every consumer (the trainer, the guards, the
+    experts choice, evaluation) is refused, naming the classes found, instead of training the model as dense."""
+    model = C.build("qwen3_moe")
+    blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+    assert blocks
+    renamed = type("RemoteSparseMoeBlock", (type(blocks[0]),), {})
+    for block in blocks:
+        block.__class__ = renamed
+    for reader in (adapter_for, adapter_or_none):
+        with pytest.raises(UnsupportedModel, match="num_experts=8.*RemoteSparseMoeBlock") as err:
+            reader(model)
+        assert not isinstance(err.value, NoMoELayers)
+        assert "no Qwen3MoeSparseMoeBlock module was found" in str(err.value)
+
+
+def test_a_dense_configuration_of_a_moe_family_has_no_moe_layers():
+    """num_experts 0 (the dense run of the default config): no MoE layer, and adapter_or_none says so."""
+    cfg = {"model_type": "qwen3_moe", **COMMON, **FAMILY_CONFIGS["qwen3_moe"], "num_experts": 0}
+    model = make_model(
+        typed(ModelSettings, {"config": cfg, "experts_implementation": STACK_DEFAULT_EXPERTS}), vocab_size=VOCAB
+    )
+    with pytest.raises(NoMoELayers, match="Qwen3MoeMLP"):
+        adapter_for(model)
+    assert adapter_or_none(model) is None

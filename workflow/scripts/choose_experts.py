@@ -1,6 +1,6 @@
 """Stage choose_experts: time one MoE block under each experts implementation at the run's layer shape, on
-its device and in its precision (moeflow.model.experts_choice); write the choice, which the rules that load the
-model take as input, and the timings, which only the reports read."""
+its device, in its precision and as its layout holds the experts (moeflow.model.experts_choice); write the
+choice, which the rules that load the model take as input, and the timings, which only the reports read."""
 
 from moeflow.model import experts_choice
 from moeflow.model.settings import ModelSettings
@@ -18,6 +18,8 @@ report = experts_choice.measure(
     settings["seq_len"],
     compute_device(settings["device"]),
     settings["precision"],
+    strategy=settings["parallel"]["strategy"],
+    ep_size=settings["parallel"]["ep_size"],
 )
 write_json(snakemake.output.timings, report | {"provenance": stage.provenance()})  # noqa: F821
 write_json(snakemake.output.choice, experts_choice.choice_record(report))  # noqa: F821

@@ -7,8 +7,12 @@
 document's logits equal the document run alone (verified per family and stack by tests/unit/test_families.py):
 
 - No mask where the model's own mask builders take document boundaries from restarting ``position_ids``:
-  transformers 5 (every family but gpt_oss) and ``flash_attention_2``. ``use_cache=False`` is required (a
-  cache silently disables the per-document masking).
+  transformers 5 (every family but gpt_oss) with eager or sdpa. ``use_cache=False`` is required (a cache
+  silently disables the per-document masking).
+- ``flash_attention_2``: no mask, and the micro-batch flattened to ONE packed row (1, B * L) with the
+  documents' cumulative lengths (``cu_seq_lens_q/k``, ``max_length_q/k``) for flash's varlen kernel: with more
+  than one row, transformers 4.57 does not read packing from ``position_ids`` and 5 leaves the flattening to
+  the caller, so flash would attend across the documents of a row.
 - Otherwise 4D additive masks (B, 1, L, L) in the model's dtype on its device: 0 where a query may attend
   (same document, causal, and inside the layer's sliding window where it has one), the dtype's most negative
   value elsewhere (a 4D boolean mask is silently wrong with eager attention). That is transformers 4.57 with
@@ -39,6 +43,10 @@ SLIDING = "sliding_attention"  # transformers' layer type of a sliding-window at
 
 # Families whose decoder stack takes a dict {layer type: mask} (the others take one mask for every layer).
 MASK_PER_LAYER_TYPE = ("gpt_oss", "step3p5")
+
+
+# The attention implementations that get a micro-batch as one packed row (``flattens_rows``).
+FLASH_ATTENTION = ("flash_attention_2",)
 
 
 # Families whose transformers 5 mask builders are not given position_ids, so they cannot see documents.
@@ -97,13 +105,49 @@ def token_mask(batch: Mapping[str, Any]) -> torch.Tensor:
 
 def model_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
     """The forward's ``input_ids``, ``position_ids`` and, where the model needs it, ``attention_mask``
-    (see the module doc), on the model's device. Call the model with ``use_cache=False``."""
+    (see the module doc), on the model's device. Call the model with ``use_cache=False``.
+
+    With flash attention (:func:`flattens_rows`) the micro-batch is one packed row: ``input_ids`` and
+    ``position_ids`` (1, B * L), row after row, with :func:`varlen_kwargs`. The model's outputs are then per
+    token in the same order as the (B, L) batch flattened: the loss and the routing read them by token, and
+    the labels stay (B, L), so the next-token shift never crosses from one row into the next."""
+    from moeflow.runtime.hardware import to_device
+
     parameter = next(model.parameters())
-    inputs = {k: batch[k].to(parameter.device) for k in ("input_ids", "position_ids")}
+    if flattens_rows(model.config):
+        flat = {k: batch[k].reshape(1, -1) for k in ("input_ids", "position_ids")}
+        inputs = {k: to_device(v, parameter.device) for k, v in flat.items()}
+        inputs.update(varlen_kwargs(batch["position_ids"], parameter.device))
+        return inputs
+    inputs = {k: to_device(batch[k], parameter.device) for k in ("input_ids", "position_ids")}
     mask = packed_attention_mask(model.config, inputs["position_ids"], parameter.dtype)
     if mask is not None:
         inputs["attention_mask"] = mask
     return inputs
+
+
+def flattens_rows(config: Any) -> bool:
+    """Whether the model gets each micro-batch as one packed row: flash attention keeps documents apart only
+    as varlen sequences of one row (transformers 4.57 reads packing from ``position_ids`` at batch size 1
+    only, transformers 5 leaves the flattening to the caller); with more rows it attends across documents."""
+    return config._attn_implementation in FLASH_ATTENTION
+
+
+def varlen_kwargs(position_ids: Any, device: Any) -> dict[str, Any]:
+    """flash attention's varlen arguments for the (B, L) ``position_ids`` of a collated batch flattened to
+    one row: ``cu_seq_lens_q/k`` (int32, a new sequence wherever the position is 0, then the total length) and
+    ``max_length_q/k`` (the longest, a Python int), as transformers' ``prepare_fa_kwargs_from_position_ids``
+    would compute in every layer, computed once on the host (no device sync)."""
+    import torch
+
+    from moeflow.runtime.hardware import to_device
+
+    flat = torch.as_tensor(position_ids).reshape(-1)
+    starts = (flat == 0).nonzero().view(-1)
+    cu = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    cu = to_device(cu, device)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -120,7 +164,7 @@ def layer_windows(config: Any) -> list[int | None]:
 
 def model_masks_documents(config: Any) -> bool:
     """Whether the model keeps packed documents apart from restarting position_ids alone (no mask given)."""
-    if config._attn_implementation == "flash_attention_2":
+    if flattens_rows(config):
         return True
     return compat.is_transformers_v5() and config.model_type not in POSITIONS_NOT_IN_MASKS_V5
 
@@ -137,7 +181,9 @@ def packed_attention_mask(config: Any, position_ids: Any, dtype: Any):
             f"packed sequences with {config.model_type!r} on transformers {compat.version_of('transformers')} and "
             f"{config._attn_implementation} attention: its layers mix sliding-window and full attention, and its "
             "decoder takes one mask for every layer, so one per-document mask would drop or impose the window. "
-            "Use flash_attention_2 (GPU) or a configuration with the same window in every layer"
+            "Use flash_attention_2 (GPU: each micro-batch goes to it as one packed row with its documents' "
+            "cumulative lengths, and each layer applies its own window) or a configuration with the same window "
+            "in every layer"
         )
     return {kind: block_causal_mask(position_ids, dtype, window) for kind, window in zip(config.layer_types, windows)}
 

@@ -159,6 +159,9 @@ def evaluate_task(
         backend="causal",
         batch_size=settings["batch_size"],
         max_length=max_length,
+        # the log-softmax over the logits in fp32 whatever the model's dtype (bf16 logits on GPU): the 1e-6
+        # cross-check against moeflow's evaluation (fp32 cross-entropy) holds on GPU too
+        softmax_dtype="float32",
     )
     if token_ids:
         lm.tok_encode = exact_tokens(lm.tok_encode, token_ids)

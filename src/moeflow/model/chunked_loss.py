@@ -31,6 +31,7 @@ from transformers.utils import ModelOutput
 
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.wrappers import unwrap
+from moeflow.runtime.hardware import to_device
 
 LOSS_KWARG = "loss_labels"  # the installed forward's keyword: labels as in the batch (unshifted)
 
@@ -150,7 +151,7 @@ def linear_cross_entropy(
     else:
         weight = weight.to(hidden.dtype)
         bias = None if bias is None else bias.to(hidden.dtype)
-    targets = targets.to(hidden.device)
+    targets = to_device(targets, hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         if needs_grad:
@@ -191,7 +192,7 @@ def _loss_forward(self, loss_labels: torch.Tensor, chunk_tokens: int, kwargs: di
             raise TypeError(f"{name} cannot be combined with {LOSS_KWARG}")
     hidden = self.base_model(**kwargs).last_hidden_state
     head = self.get_output_embeddings()
-    targets = next_token_targets(loss_labels.to(hidden.device))
+    targets = next_token_targets(to_device(loss_labels, hidden.device))  # pinned, non-blocking from the host
     loss, token_loss = linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
         head.weight,

@@ -152,3 +152,15 @@ def active_per_token(config: Any, sizes: Mapping[str, int]) -> int:
         return total
     expert_params = sum(k for n, k in sizes.items() if counted_category(n) == ROUTED_EXPERTS)
     return int(total - expert_params + expert_params * top_k / experts)
+
+
+def flop_bearing_per_token(config: Any, sizes: Mapping[str, int]) -> int:
+    """The active parameters per token that do a matmul (the MFU's count, ``6 *`` this per trained token):
+    :func:`active_per_token` without the input embedding, whose lookup is a gather, not a matmul. A head tied to
+    the embedding is one parameter in ``sizes`` (under the embedding's name, no ``lm_head`` entry): it counts
+    once, as the head."""
+    names = {clean_name(n): k for n, k in sizes.items()}
+    embedding = {n: k for n, k in names.items() if category(n) == EMBEDDING}
+    tied_head = not any(category(n) == LM_HEAD for n in names)
+    kept = {n: k for n, k in names.items() if n not in embedding}
+    return active_per_token(config, kept) + (sum(embedding.values()) if tied_head else 0)

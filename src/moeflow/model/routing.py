@@ -48,7 +48,7 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 # Config attributes that name an expert count: a model that has one but no adapter is an MoE we cannot read.
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 class UnsupportedModel(ValueError):
@@ -264,11 +264,19 @@ def _expert_count(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     configs = [config, getattr(config, "text_config", None)]
     for cfg in configs:
-        for key in _EXPERT_COUNT_KEYS:
+        for key in EXPERT_COUNT_KEYS:
             value = getattr(cfg, key, None)
             if isinstance(value, int) and value > 1:
                 return f"{key}={value}"
     return None
+
+
+_LAYER_CHILD = re.compile(r"(?:^|\.)layers\.\d+\.[^.]+$")
+
+
+def _layer_module_classes(model: torch.nn.Module) -> list[str]:
+    """The class names of the decoder layers' direct children (attention, norms, the MLP or MoE block), sorted."""
+    return sorted({type(m).__name__ for name, m in model.named_modules() if _LAYER_CHILD.search(name)})
 
 
 def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
@@ -322,9 +330,18 @@ def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
             )
         )
     if not sites:
+        found = ", ".join(_layer_module_classes(model)) or "none"
+        experts = _expert_count(model)
+        if experts:  # an MoE by its config whose blocks are named otherwise (remote code, a renamed class)
+            raise UnsupportedModel(
+                f"model_type {model_type!r}: its config has {experts}, but no {family.block_class} module was found "
+                f"in it (the decoder layers hold: {found}), so moeflow cannot read its routing and would train it "
+                f"as dense (no balancing, no routing guard, no bias update). Use the model's transformers class "
+                f"(not remote code), or add the block: {ADAPTER_NEEDS}. For a dense model, set num_experts to 0"
+            )
         raise NoMoELayers(
-            f"model_type {model_type!r}: no {family.block_class} module found, so the model has no MoE layer "
-            f"(a dense configuration?); routing telemetry needs at least one MoE layer"
+            f"model_type {model_type!r}: no {family.block_class} module found (the decoder layers hold: {found}), "
+            f"so the model has no MoE layer (a dense configuration); routing telemetry needs at least one MoE layer"
         )
     sites.sort(key=lambda s: s.layer)
     return RoutingAdapter(model_type=model_type, family=family, sites=sites, read=read)

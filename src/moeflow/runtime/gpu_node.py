@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("moeflow.runtime.gpu_node")
@@ -23,28 +25,23 @@ NVML_LIBRARY = "libnvidia-ml.so.1"
 ALL_REDUCE_TIMEOUT_S = 120
 
 
-# One process per GPU, each all-reduces a 1 on its GPU over NCCL; the sum must be the GPU count.
-ALL_REDUCE_PROBE = """
-import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+# One process per GPU, each all-reduces a 1 on its GPU over NCCL; the sum must be the GPU count. A module run
+# with -m (not a -c program): torch.multiprocessing.spawn's children import the worker by its module's name.
+ALL_REDUCE_PROBE = "moeflow.runtime.all_reduce_probe"
 
-def rank(index, world, port):
-    torch.cuda.set_device(index)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
-    value = torch.ones(1, device="cuda")
-    dist.all_reduce(value)
-    torch.cuda.synchronize()
-    assert int(value.item()) == world, f"rank {index}: all-reduce gave {value.item()}, want {world}"
-    dist.destroy_process_group()
 
-if __name__ == "__main__":
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world = torch.cuda.device_count()
-    mp.spawn(rank, args=(world, port), nprocs=world, join=True)
-    print(f"all-reduce over {world} GPU(s): ok")
-"""
+def probe_command(backend: str = "nccl", world: int | None = None) -> list[str]:
+    """The probe's command line (``--backend gloo --world N`` runs the same code on CPU processes)."""
+    return [sys.executable, "-m", ALL_REDUCE_PROBE, "--backend", backend] + (
+        [] if world is None else ["--world", str(world)]
+    )
+
+
+def probe_env() -> dict[str, str]:
+    """This environment with the moeflow package this process imports first on PYTHONPATH."""
+    src = str(Path(__file__).resolve().parents[2])
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, *rest])}
 
 
 class NodeProblem(RuntimeError):
@@ -72,27 +69,26 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def all_reduce_check(gpus: int) -> dict[str, Any]:
-    """A tiny NCCL all-reduce over the node's GPUs, in a subprocess with a timeout (a broken NCCL hangs)."""
+def all_reduce_check(gpus: int, backend: str = "nccl") -> dict[str, Any]:
+    """A tiny all-reduce over the node's GPUs (NCCL), in a subprocess with a timeout (a broken NCCL hangs).
+    ``backend="gloo"`` runs the same probe over ``gpus`` CPU processes (the unit test's stand-in)."""
+    what = f"{backend.upper()} all-reduce over {gpus} {'GPU(s)' if backend == 'nccl' else 'process(es)'}"
     if gpus == 0:
         return {"ran": False, "ok": None, "reason": "no CUDA GPU here: no NCCL all-reduce to try"}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", ALL_REDUCE_PROBE],
+            probe_command(backend, gpus),
             capture_output=True,
+            env=probe_env(),
             text=True,
             timeout=ALL_REDUCE_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        return {
-            "ran": True,
-            "ok": False,
-            "reason": f"NCCL all-reduce over {gpus} GPU(s) hung: killed after {ALL_REDUCE_TIMEOUT_S} s",
-        }
+        return {"ran": True, "ok": False, "reason": f"{what} hung: killed after {ALL_REDUCE_TIMEOUT_S} s"}
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"ran": True, "ok": False, "reason": f"NCCL all-reduce over {gpus} GPU(s) failed: {tail[0]}"}
-    return {"ran": True, "ok": True, "reason": f"NCCL all-reduce over {gpus} GPU(s): the sum is right"}
+        return {"ran": True, "ok": False, "reason": f"{what} failed: {tail[0]}"}
+    return {"ran": True, "ok": True, "reason": f"{what}: the sum is right"}
 
 
 def layout(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """What training measures and writes: metrics.jsonl, TensorBoard events, memory readings.
 
 What training measures and writes: metrics.jsonl plus TensorBoard event files, memory readings, and
-the active parameters per token behind the FLOP rates."""
+the FLOP-bearing parameters per token behind the FLOP rates."""
 
 from __future__ import annotations
 
@@ -86,3 +86,10 @@ def active_parameters(model: torch.nn.Module) -> int:
     sharded model)."""
     sizes = {n: math.prod(original_shape(p)) for n, p in model.named_parameters()}
     return P.active_per_token(unwrap(model).config, sizes)
+
+
+def flop_bearing_parameters(model: torch.nn.Module) -> int:
+    """``moeflow.model.parameters.flop_bearing_per_token`` of a model in any layout: the MFU's count (the
+    active parameters without the input embedding's lookup; a tied head counted once, as the head)."""
+    sizes = {n: math.prod(original_shape(p)) for n, p in model.named_parameters()}
+    return P.flop_bearing_per_token(unwrap(model).config, sizes)

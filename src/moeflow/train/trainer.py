@@ -42,6 +42,7 @@ from moeflow.parallel.gradients import clip_grad_norm, reduce_gradients, release
 from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import gather_objects, rank, world_size
 from moeflow.runtime import compat
+from moeflow.runtime.hardware import to_device
 from moeflow.runtime.stage import kill_point, progress
 from moeflow.settings import PRECISIONS, enum
 from moeflow.train import guards as G
@@ -52,7 +53,7 @@ from moeflow.train.losses import (
     real_token_positions,
     update_correction_bias,
 )
-from moeflow.train.metrics import MetricsLog, active_parameters, start_step_memory, step_memory_mib
+from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
 from moeflow.train.optim import correction_biases, lr_factor, param_groups
 from moeflow.train.settings import BalanceSettings, TrainSettings
 
@@ -81,7 +82,7 @@ def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], ro
         return outputs, []
     positions = real_token_positions(batch)  # None for packed rows: padding only in a split's last row
     if positions is not None:
-        positions = positions.to(device)
+        positions = to_device(positions, device)  # pinned, non-blocking from the host
 
     def real(t: torch.Tensor) -> torch.Tensor:
         return t if positions is None else t.index_select(0, positions)
@@ -180,7 +181,7 @@ class Trainer:
         self.memory_guard = G.MemoryGuard(settings.memory_guard)
         self.step = 0
         self.history: list[dict[str, Any]] = []
-        self.flops_per_token = 6 * active_parameters(model)
+        self.flops_per_token = 6 * flop_bearing_parameters(model)  # the MFU's: no embedding lookup
 
     # ---- state
 

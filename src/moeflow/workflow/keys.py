@@ -93,7 +93,7 @@ EXPERTS_PARTS = ("train", "pretrain")
 
 def experts_settings(cfg: Mapping[str, Any], part: str = "train") -> dict[str, Any]:
     """What the experts choice depends on (rule choose_experts, moeflow.model.experts_choice): the model, one
-    micro-batch of ``part`` (one of EXPERTS_PARTS), the device and the precision."""
+    micro-batch of ``part`` (one of EXPERTS_PARTS), the device, the precision and the parallel layout."""
     model = cfg["model"]
     return {
         "model": {k: model[k] for k in ("pretrained", "trust_remote_code", "config", "experts_implementation")},
@@ -101,6 +101,8 @@ def experts_settings(cfg: Mapping[str, Any], part: str = "train") -> dict[str, A
         "seq_len": cfg["data"]["seq_len"],
         "device": cfg["hardware"]["device"],
         "precision": cfg["precision"],
+        # as training holds the experts: bf16 weights under FSDP's mixed precision, one rank's experts under ep
+        "parallel": {"strategy": cfg["parallel"]["strategy"], "ep_size": cfg["parallel"]["ep_size"]},
     }
 
 
