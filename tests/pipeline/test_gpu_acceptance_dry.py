@@ -56,7 +56,10 @@ def test_the_dry_run_reports_both_trainers_numbers(tmp_path):
         flops = numbers["flops_per_token"]
         # by hand: the tiny slice's head is 512 x 64, its 2 layers' experts 8 x 3 x 64 x 32 of which top-2 of 8 run
         assert flops["head"] == 6 * 512 * 64 and flops["experts"] == 6 * 2 * (8 * 3 * 64 * 32) * 2 / 8
-        assert flops["total"] == flops["head"] + flops["experts"] + flops["layers"] > 0
+        # each layer's attention (q and o 64 x 64, k and v 64 x 32, q/k norms), router (64 x 8) and 2 norms, and the
+        # final norm; the input embedding is a lookup and counts nothing
+        assert flops["layers"] == 6 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 2 * 32 + 64 * 8 + 2 * 64) + 64)
+        assert flops["total"] == flops["head"] + flops["experts"] + flops["layers"]
         assert 0 < numbers["mfu_layers"] < numbers["mfu"]
         assert numbers["mfu"] == pytest.approx(flops["total"] * numbers["tokens_per_s"] / report["peak_flops_per_s"])
     assert is_number(report["peak_flops_per_s"]) and is_number(report["moeflow_over_hf_tokens_per_s"])
