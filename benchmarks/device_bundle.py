@@ -266,6 +266,9 @@ def build(out: Path) -> dict:
             print(f"fetching {name}=={version}", flush=True)
             fetch(name, version, out)
     files = {wheel_name(p): p for p in sorted(out.glob("*.whl"))}
+    impure = [p.name for n, p in files.items() if n in BUILT_HERE and not p.name.endswith("-py3-none-any.whl")]
+    if impure:
+        raise SystemExit(f"wheels built here must be pure Python (py3-none-any) to run on the machine: {impure}")
     found = {name: {**wheel_metadata(path), "file": path} for name, path in files.items()}
     missing = sorted(set(pins) - set(found))
     wrong = sorted(n for n in pins if n in found and found[n]["version"] != pins[n])
