@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: env train test lint format clean gpu-check slurm-up slurm-down
+.PHONY: env train test lint format clean gpu-check gpu-bundle device-env slurm-up slurm-down
 
 $(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/runtime/pins.py
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,24 @@ format: env
 # Qwen3-30B-A3B-shaped slice -> results/bench/gpu_acceptance.json (benchmarks/gpu_acceptance.sh)
 gpu-check:
 	STACK=$(STACK) benchmarks/gpu_acceptance.sh
+
+# The lent GPU machine (no network) needs its missing packages as wheels carried with the tree: .device-bundle/
+# (benchmarks/device_bundle.py; under 64 MiB). There: benchmarks/gpu_acceptance.sh --bundle (docs/gpu.md).
+gpu-bundle: env
+	$(BIN)/python benchmarks/device_bundle.py
+
+# The CPU mimic of that machine for benchmarks/gpu_acceptance.sh --dry: Python 3.12 with its torch and transformers
+# and nothing it lacks (envs/device.txt), in .venvs/device; rebuilt when envs/device.txt changes.
+DEVICE_PYTHON ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12; do \
+  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
+.venvs/device/.installed: envs/device.txt
+	@test -n "$(DEVICE_PYTHON)" || { echo "device-env needs a Python 3.12 (python3.12 on PATH, or DEVICE_PYTHON=...)"; exit 1; }
+	rm -rf .venvs/device
+	$(DEVICE_PYTHON) -m venv .venvs/device
+	.venvs/device/bin/python -m pip install --quiet -r envs/device.txt
+	touch $@
+
+device-env: .venvs/device/.installed
 
 # A real SLURM on this machine (as root; Debian's packages installed if missing): this machine as one node, in the
 # profiles' partitions (cpu, gpu), daemons in .slurm/ (tests/slurm_cluster.py, what tests/pipeline/test_slurm.py uses).

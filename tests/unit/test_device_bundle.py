@@ -1,0 +1,69 @@
+"""The device bundle's rules (benchmarks/device_bundle.py), without downloading: what ships is the current stack's
+pins and never torch, a requirement the bundle and the machine both miss is named with the line to add, a version
+read on the machine that a bundled package rejects is caught, and the install check finds a bundled package that
+does not import from the bundle's folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from moeflow.runtime.pins import pip_requirements
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import device_bundle as B  # noqa: E402
+
+
+def test_the_bundle_carries_the_current_stacks_pins_and_never_torch():
+    pins = B.bundle_pins()
+    stack = dict(line.split("==") for line in pip_requirements(REPO / "envs" / "current.yaml"))
+    for name in B.FROM_CURRENT_STACK:
+        assert pins[name] == stack[name], name
+    assert "torch" not in pins and not any(n.startswith("nvidia-") for n in pins)
+    assert not set(pins) & (B.DEVICE_IMAGE - {"transformers", "packaging"})  # nothing the machine has, but these two
+
+
+def test_the_mimic_installs_only_what_the_machine_has():
+    """envs/device.txt (the CPU mimic's packages) names nothing the machine's image lacks."""
+    names = [B.canonical(line.split("#")[0].split("==")[0].strip()) for line in (REPO / "envs" / "device.txt").open()]
+    assert {n for n in names if n} <= B.DEVICE_IMAGE
+
+
+def fake(name: str, version: str, *requires: str) -> dict:
+    return {"name": name, "version": version, "requires": list(requires)}
+
+
+def test_an_unmet_requirement_is_named_with_the_line_to_add():
+    found = {
+        "snakemake": fake(
+            "snakemake", "9.27.1", "pulp<3.4,>=2.3.1", "jinja2<4", "tabulate", "colorama; sys_platform == 'win32'"
+        ),
+        "pulp": fake("pulp", "3.3.2"),
+        "lm-eval": fake("lm-eval", "0.4.13", "word2number", "datasets>=2.16; extra == 'x'", "numpy>=3"),
+    }
+    problems = B.unmet_requirements(found, B.on_the_machine)
+    assert any("word2number" in p and "LOCK in benchmarks/device_bundle.py" in p for p in problems), problems
+    assert any("numpy>=3" in p and "the machine has numpy 2.5.2" in p for p in problems), problems
+    assert len(problems) == 2  # the Windows-only and the extra's requirements do not count; jinja2, tabulate are there
+    found["pulp"] = fake("pulp", "3.5.0")
+    assert any("the bundle has pulp 3.5.0" in p for p in B.unmet_requirements(found, B.on_the_machine))
+
+
+def test_the_install_check_refuses_a_package_that_does_not_import_from_the_bundle(tmp_path, monkeypatch):
+    bundle, site = tmp_path / "bundle", tmp_path / "site"
+    bundle.mkdir()
+    site.mkdir()
+    (bundle / B.REQUIREMENTS).write_text("some-tool==1.0\n")
+    dist = site / "some_tool-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: some-tool\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(site))
+    report = B.check(bundle, site, mimic=False)
+    assert report["bundled"] == 1 and report["torch"]  # torch: this environment's own
+    (bundle / B.REQUIREMENTS).write_text("some-tool==1.1\n")
+    with pytest.raises(SystemExit, match="some-tool: 1.0 from .* imports, not the bundle's 1.1"):
+        B.check(bundle, site, mimic=False)
