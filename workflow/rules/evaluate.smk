@@ -24,6 +24,8 @@ rule evaluate_run:
         finetune_corpus=lambda wc: RUNS[wc.run]["data"]["finetune_corpus"],
         device=lambda wc: RUNS[wc.run]["hardware"]["device"],
         runtime=lambda wc: runtime(wc.run),
+    resources:
+        gpu=lambda wc: forward_gpus(RUNS[wc.run]),  # common.smk's gpus_of
     threads: config["threads"]
     log:
         log_path("evaluate_run", "{run}"),
