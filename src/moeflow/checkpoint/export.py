@@ -190,21 +190,45 @@ class ShardedWriter:
             (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def write_weights(model: torch.nn.Module, folder: Path | None, max_shard_size: int | str) -> None:
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_dtype(setting: str, source: str | os.PathLike | None, model: torch.nn.Module) -> torch.dtype:
+    """The final model's floating-point dtype for ``export.dtype``: as set, or (``auto``) the ``source`` folder's
+    own (its config.json's ``torch_dtype``/``dtype``: the published model's), else the model's parameters'."""
+    if setting != "auto":
+        return EXPORT_DTYPES[setting]
+    if source is not None and (Path(source) / "config.json").is_file():
+        config = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+        named = config.get("torch_dtype") or config.get("dtype")
+        if isinstance(named, str) and isinstance(getattr(torch, named, None), torch.dtype):
+            dtype = getattr(torch, named)
+            if dtype.is_floating_point:
+                return dtype
+    return next(unwrap(model).parameters()).dtype
+
+
+def _cast(dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
+    return to if to is not None and dtype.is_floating_point else dtype
+
+
+def write_weights(
+    model: torch.nn.Module, folder: Path | None, max_shard_size: int | str, dtype: torch.dtype | None = None
+) -> None:
     """The model's weights as save_pretrained writes them, streamed into ``folder`` by rank 0 (the other
-    ranks pass None). A collective for a sharded model."""
+    ranks pass None), floating-point ones in ``dtype`` (None: their own). A collective for a sharded model."""
     inner = unwrap(model)
     tensors = model_tensors(model)
     saved = []
     for t in tensors:
         for name, meta in saved_format(inner, {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items():
-            saved.append((name, meta.dtype, tuple(meta.shape)))
+            saved.append((name, _cast(meta.dtype, dtype), tuple(meta.shape)))
     writer = ShardedWriter(folder, shard_layouts(saved, size_in_bytes(max_shard_size))) if folder else None
     try:
         for name, whole in whole_tensors(model, tensors):
             if writer is not None:
                 for saved_name, piece in saved_format(inner, {name: whole}).items():
-                    writer.write(saved_name, piece)
+                    writer.write(saved_name, piece.to(_cast(piece.dtype, dtype)))
             del whole
     except BaseException as exc:
         if writer is not None:
@@ -214,14 +238,14 @@ def write_weights(model: torch.nn.Module, folder: Path | None, max_shard_size: i
         writer.finish()
 
 
-def _saved_config(model: torch.nn.Module):
+def _saved_config(model: torch.nn.Module, dtype: torch.dtype | None = None):
     """The model's config as the folder holds it: generation with a cache (training turned it off), and
     no DistributedConfig (the folder loads whole; the layout is the run's, not the model's)."""
     inner = unwrap(model)
     config = copy.deepcopy(inner.config)
     config.use_cache = True
     config.architectures = [type(inner).__name__.removeprefix("FSDP")]  # as save_pretrained records them
-    config.dtype = str(next(inner.parameters()).dtype).split(".")[1]
+    config.dtype = str(dtype or next(inner.parameters()).dtype).split(".")[1]
     if getattr(config, "distributed_config", None) is not None:
         config.distributed_config = None
     return config
@@ -243,12 +267,13 @@ def write_model_folder(
     folder: str | os.PathLike | None,
     max_shard_size: int | str,
     source: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """The model's weights into an existing folder (rank 0's; the other ranks pass None), and with them the
-    ``source`` folder's own files (:func:`companion_files`), or without a source the model's config and
-    generation config and (if given) the tokenizer. A collective for a sharded model."""
+    """The model's weights into an existing folder (rank 0's; the other ranks pass None), in ``dtype`` (None:
+    their own), and with them the ``source`` folder's own files (:func:`companion_files`), or without a source
+    the model's config and generation config and (if given) the tokenizer. A collective for a sharded model."""
     folder = Path(folder) if folder is not None else None
-    write_weights(model, folder, max_shard_size)
+    write_weights(model, folder, max_shard_size, dtype)
     if folder is None:
         return
     if source is not None:
@@ -256,7 +281,7 @@ def write_model_folder(
             shutil.copy2(file, folder / file.name)
         return
     inner = unwrap(model)
-    _saved_config(model).save_pretrained(folder)
+    _saved_config(model, dtype).save_pretrained(folder)
     generation = getattr(inner, "generation_config", None)
     if generation is not None and inner.can_generate():
         generation.save_pretrained(folder)
@@ -270,16 +295,18 @@ def save_final_model(
     folder: str | os.PathLike,
     max_shard_size: int | str,
     source: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Any:
     """A folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load, written atomically by rank 0
     (LoRA adapters merged in, on every rank), with the ``source`` folder's own files where given (the base
-    model a fine-tune started from: :func:`write_model_folder`). A collective: every rank calls it. Returns
-    the model written (a LoRA model's merged base model: merging consumes the peft wrapper)."""
+    model a fine-tune started from: :func:`write_model_folder`), its floating-point weights in ``dtype``
+    (:func:`export_dtype`; None: their own). A collective: every rank calls it. Returns the model written (a
+    LoRA model's merged base model: merging consumes the peft wrapper)."""
     if is_lora_model(model):
         model = merge_adapters(model)
     reshard(model)  # the parameters as their shards, also after a last evaluation's forward
     with atomic_dir(folder) if rank() == 0 else contextlib.nullcontext() as out:
-        write_model_folder(model, tokenizer, out, max_shard_size, source)
+        write_model_folder(model, tokenizer, out, max_shard_size, source, dtype)
     barrier()  # the folder is in place before any rank goes on
     return model
 
@@ -290,3 +317,4 @@ class ExportSettings:
 
     SCHEMA: ClassVar[str] = "#/properties/export"
     max_shard_size: str
+    dtype: str

@@ -230,6 +230,16 @@ class Trainer:
         if self.rank == 0:
             C.remove_other_checkpoints(self.checkpoint_dir, path)
 
+    def free_optimizer(self) -> None:
+        """Drop AdamW's states (two fp32 tensors per parameter, on the device) once the last step is taken and
+        checkpointed: the export that follows gathers the weights into the room they held."""
+        self.optimizer.state.clear()
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def remove_checkpoints(self) -> None:
         """Once the stage has succeeded: the resumable checkpoints are no longer needed."""
         if self.checkpoint_dir is not None and self.rank == 0:
