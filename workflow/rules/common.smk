@@ -246,10 +246,10 @@ def training_gpus(cfg):
     return gpus_of(cfg, cfg["parallel"]["nproc_per_node"] * cfg["parallel"]["nnodes"])
 
 
-def forward_gpus(cfg):
-    """The GPUs of a forward-only job of ``cfg`` (choose_experts, coverage_valset, evaluate_run, lm_eval_task,
-    humaneval_generate, routing_drift): they load the whole model on one device."""
-    return gpus_of(cfg, 1)
+def forward_gpus(cfg, ranks=1):
+    """The GPUs of a forward-only job of ``cfg`` on ``ranks`` ranks (evaluate_run: evaluate.ranks; choose_experts,
+    coverage_valset, lm_eval_task, humaneval_generate and routing_drift load the whole model on one device)."""
+    return gpus_of(cfg, ranks)
 
 
 def training_python():
@@ -259,11 +259,11 @@ def training_python():
     return "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
 
 
-def torchrun_launcher(rule, cfg_of=None):
+def torchrun_launcher(rule, cfg_of=None, ranks_of=lambda cfg: cfg["parallel"]["nproc_per_node"]):
     """``params.launcher`` of the training rules, from moeflow.parallel.launch.torchrun_command. One rank per GPU
     of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile; on several nodes,
     each node's torchrun gets the rule's threads); without
-    that resource, ``parallel.nproc_per_node`` ranks of the run config ``cfg_of(wildcards)`` (GPUs with
+    that resource, ``ranks_of(cfg)`` ranks (default parallel.nproc_per_node) of the run config ``cfg_of(wildcards)`` (GPUs with
     hardware.device cuda, gloo CPU ranks with cpu), or one rank without ``cfg_of``. The script checks
     that the ranks it finds are what the config's parallel section asks for."""
     from moeflow.parallel.launch import torchrun_command
@@ -271,7 +271,7 @@ def torchrun_launcher(rule, cfg_of=None):
 
     def launcher(wildcards, resources, threads):
         cfg = cfg_of(wildcards) if cfg_of else None
-        per_node = cfg["parallel"]["nproc_per_node"] if cfg else 1
+        per_node = ranks_of(cfg) if cfg else 1
         gpus = int(getattr(resources, "gpu", 0) or 0)
         if gpus:
             nodes = int(getattr(resources, "nodes", 1) or 1)
