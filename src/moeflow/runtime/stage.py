@@ -76,6 +76,8 @@ def kill_point(name: str) -> None:
         if scope == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         if scope == "group":
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker has a session of its own: its agent's too
+                os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
