@@ -2,8 +2,10 @@
 whole tensor at a time, so that no process ever holds the whole model.
 
 :func:`save_final_model` is a collective for a sharded model (every rank calls it): each tensor is made
-whole in turn (FSDP2 and transformers' expert parallelism: ``DTensor.full_tensor``; FSDP1: the ranks'
-ranges of its elements summed into one buffer on rank 0), and rank 0 streams it into the open
+whole in turn on rank 0 alone (FSDP2's row shards: each rank sends rank 0 its rows, received one shard at a
+time into host memory; FSDP1: the ranks' ranges of its elements summed into one buffer on rank 0; other
+DTensors, such as transformers' expert-parallel 2-D layouts: ``DTensor.full_tensor`` on every rank), and
+rank 0 streams it into the open
 shard file (``moeflow.checkpoint.safetensors_files.SafetensorsWriter``: the layout is known in advance from the
 tensors' whole shapes and dtypes). A file is closed when the next tensor would take it past
 ``export.max_shard_size`` (a tensor larger than that gets a file of its own, as ``save_pretrained`` does);
@@ -46,6 +48,7 @@ from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel.layouts import original_shape, reshard
 from moeflow.parallel.process_group import barrier, rank
 from moeflow.parallel.rank_load import persistent_buffers
+from moeflow.runtime import compat
 from moeflow.runtime.files import atomic_dir
 
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -101,12 +104,58 @@ def whole_tensors(model: torch.nn.Module, tensors: Sequence[ModelTensor]) -> Ite
     lookup = {clean_name(n): t for n, t in model.named_parameters()}
     lookup |= {clean_name(n): b for n, b in model.named_buffers()}
     for t in tensors:
-        yield t.name, _whole(lookup[t.name])
+        tensor = lookup[t.name]
+        yield t.name, (_rows_on_rank0(tensor) if _rows_over_all_ranks(tensor) else _whole(tensor))
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     full_tensor = getattr(tensor, "full_tensor", None)  # a DTensor
     return (full_tensor() if full_tensor is not None else tensor).detach()
+
+
+def _rows_over_all_ranks(tensor: torch.Tensor) -> bool:
+    """A DTensor whose dim-0 rows are split over all ranks in order (FSDP2's shards): gathered on rank 0 alone."""
+    import torch.distributed as dist
+
+    if not compat.is_dtensor(tensor) or not dist.is_initialized() or tensor.device_mesh.ndim != 1:
+        return False
+    placement = tensor.placements[0]
+    mesh_group = tensor.device_mesh.get_group()
+    return (
+        getattr(placement, "dim", None) == 0
+        and placement.is_shard()
+        and dist.get_world_size(mesh_group) == dist.get_world_size()
+        and all(dist.get_global_rank(mesh_group, r) == r for r in range(dist.get_world_size()))
+    )
+
+
+def _rows_on_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A row-sharded DTensor whole in rank 0's host memory (None on the other ranks): each rank sends rank 0
+    its rows, which rank 0 receives one rank at a time into a buffer of one shard on its device and copies
+    into place, so no rank holds the whole tensor on its device (12 GB for one fused expert tensor of
+    Step-3.5-Flash) and the others hold nothing more than their shard."""
+    import torch.distributed as dist
+
+    local = tensor.to_local().detach().contiguous()
+    world, me = dist.get_world_size(), dist.get_rank()
+    rows = tensor.shape[0]
+    per_rank = -(-rows // world)  # torch.chunk's split, as FSDP2 shards
+    if me != 0:
+        if local.numel():
+            dist.send(local, dst=0)
+        return None
+    whole = torch.empty(tuple(tensor.shape), dtype=local.dtype, device="cpu")
+    for r in range(world):
+        lo, hi = min(r * per_rank, rows), min((r + 1) * per_rank, rows)
+        if hi <= lo:
+            continue
+        if r == 0:
+            piece = local
+        else:
+            piece = torch.empty((hi - lo, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
+            dist.recv(piece, src=r)
+        whole[lo:hi].copy_(piece)
+    return whole
 
 
 def _whole_on_rank0(piece: Piece, tensor: ModelTensor) -> torch.Tensor | None:
