@@ -404,7 +404,10 @@ def test_ranks_on_several_nodes_set_gloos_interface_before_joining(monkeypatch, 
     from moeflow.parallel import process_group as pg
 
     monkeypatch.setattr(socket, "if_nameindex", lambda: list(enumerate(NODE_INTERFACES, 1)))
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # set before deleting, so that monkeypatch restores the variable's state before the test (delenv of an
+    # absent variable records nothing, and the value _set_gloo_interface sets would outlive the test)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset-by-this-test")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib")
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one node: left to gloo's default

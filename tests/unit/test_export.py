@@ -16,6 +16,7 @@ from moeflow.checkpoint import export
 from moeflow.checkpoint.safetensors_files import weight_files
 from moeflow.model import lora
 from moeflow.model.factory import make_model
+from moeflow.model.saved_names import saved_format
 from moeflow.model.settings import ModelSettings
 from moeflow.settings import typed
 from moeflow.train.settings import LoraSettings
@@ -189,3 +190,24 @@ def test_two_gloo_ranks_reduce_bf16_pieces_into_the_exact_whole(tmp_path):
         mp.spawn(_reduce_rank, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
         got = results["whole"]
     assert got == torch.tensor(SPECIAL, dtype=torch.bfloat16).view(torch.int16).tolist()
+
+
+def test_the_export_is_written_in_the_base_folders_own_dtype_unless_configured(tmp_path):
+    """``export.dtype: auto``: a model fine-tuned from a bf16 folder (fp32 masters) is written in bf16, as published,
+    not at twice the size; a set dtype wins; without a source, the parameters' own dtype."""
+    source = tmp_path / "bf16-base"
+    tiny().to(torch.bfloat16).save_pretrained(source)
+    assert json.loads((source / "config.json").read_text()).get("torch_dtype", "bfloat16") == "bfloat16"
+    model = tiny()  # fp32, as training holds it
+    assert export.export_dtype("auto", source, model) == torch.bfloat16
+    assert export.export_dtype("fp32", source, model) == torch.float32
+    assert export.export_dtype("auto", None, model) == torch.float32
+    export.save_final_model(model, None, tmp_path / "out", "5GB", source=source, dtype=torch.bfloat16)
+    written = folder_tensors(tmp_path / "out")
+    state = saved_format(model, {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
+    assert written and all(t.dtype == torch.bfloat16 for t in written.values())
+    assert all(torch.equal(t, state[name].to(torch.bfloat16)) for name, t in written.items())
+    fp32 = tmp_path / "fp32"
+    export.save_final_model(model, None, fp32, "5GB", dtype=export.export_dtype("auto", None, model))
+    assert {t.dtype for t in folder_tensors(fp32).values()} == {torch.float32}
+    assert json.loads((fp32 / "config.json").read_text()).get("torch_dtype", "float32") == "float32"

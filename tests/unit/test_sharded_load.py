@@ -188,3 +188,80 @@ def test_fsdp_at_one_rank_fills_from_the_files_and_none_loads_with_from_pretrain
     model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("full")))
     assert len(calls) == 1
     assert_same_state(model, loaded)
+
+
+def test_a_rank_places_only_the_file_tensors_of_its_rows_and_builds_no_whole_tensor_index(tmp_path, monkeypatch):
+    """``file_sources`` for a rank's rows (experts 1..2 of 4): every file tensor is named and placed by rows,
+    but element positions are kept only for that rank's, and the probes given to transformers' conversion are
+    broadcast (one index per row, one per position in a row), never an index per element of the whole tensor."""
+    loaded = whole(saved(tmp_path, tied=False))
+    fused = [(n, p) for n, p in loaded.named_parameters() if ".experts." in n and p.dim() == 3]
+    assert len(fused) == (4 if compat.is_transformers_v5() else 0)
+    probes = []
+    saved_format = rank_load.saved_format
+
+    def recording(model, tensors):
+        probes.extend(tensors.values())
+        return saved_format(model, tensors)
+
+    monkeypatch.setattr(rank_load, "saved_format", recording)
+    for name, param in fused:
+        probes.clear()
+        sources = rank_load.file_sources(loaded, name, tuple(param.shape), range(1, 3))
+        assert len(sources) == param.shape[0] * (2 if "gate_up" in name else 1)  # per expert: gate and up, or down
+        assert probes and all(p.untyped_storage().nbytes() <= 4 * max(p.shape[0], p[0].numel()) for p in probes)
+        for stored, source in sources.items():  # each per-expert tensor lies in its expert's row
+            expert = int(stored.split(".experts.")[1].split(".")[0])
+            assert source.first_row == source.last_row == expert, stored
+            assert (source.within is not None) == (expert in (1, 2)), stored
+
+
+def _permuted_folder(tmp_path, weight):
+    """A folder whose file tensor ``w.shuffled`` holds the model's ``w`` with each row's elements permuted (the
+    layout of no real model, one the contiguous-block path cannot read): file row i holds model row i."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "permuted"
+    folder.mkdir()
+    rows, cols = weight.shape
+    save_file(
+        {"w.shuffled": weight.reshape(rows, 2, cols // 2).transpose(1, 2).contiguous()},
+        str(folder / "model.safetensors"),
+    )
+    return folder
+
+
+def _permuted_format(model, tensors):
+    ((name, t),) = tensors.items()
+    rows, cols = t.shape
+    return {f"{name}.shuffled": t.reshape(rows, 2, cols // 2).transpose(1, 2)}
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_partly_owned_file_tensor_is_read_by_its_rows_onto_the_shards_device(tmp_path, monkeypatch, device):
+    """The fallback for a file tensor that is no contiguous block of the model's: the rank reads only the file
+    rows holding its elements (rows 1..2 of 4 here), and writes them on its shard's device (a CUDA shard on a
+    GPU; the meta device stands in here, which refuses values from another device)."""
+    weight = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    folder = _permuted_folder(tmp_path, weight)
+    monkeypatch.setattr(rank_load, "saved_format", _permuted_format)
+    files = weight_files(folder)
+    headers = {f: read_header(f)[0] for f in set(files.values())}
+    sources = rank_load.file_sources(None, "w", (4, 6))
+    assert list(sources) == ["w.shuffled"] and sources["w.shuffled"].first_row == 0
+    reads = []
+    read_tensor = rank_load.read_tensor
+
+    def recording(file, entry, rows=None, out=None):
+        reads.append(rows)
+        return read_tensor(file, entry, rows, out)
+
+    monkeypatch.setattr(rank_load, "read_tensor", recording)
+    local = torch.full((2, 6), float("nan"), device=device)
+    rank_load._fill_piece(folder, files, headers, "w", (4, 6), sources, local, 1)
+    assert reads == [range(1, 3)]
+    if device == "cpu":
+        assert torch.equal(local, weight[1:3])
+    reads.clear()
+    rank_load._fill_piece(folder, files, headers, "w", (4, 6), sources, torch.empty(1, 6), 0)
+    assert reads == [range(0, 1)]

@@ -233,6 +233,25 @@ def paper_output_files():
 # through torchrun; the script reads its job, and its typed settings, with moeflow.runtime.job.Job.from_argv.
 
 
+def gpus_of(cfg, ranks=1):
+    """``resources.gpu`` of a job that runs ``ranks`` ranks of the run config ``cfg``: one GPU each with
+    hardware.device cuda, none on the CPU. Snakemake's ``--resources gpu=N`` then runs no more GPU jobs at once
+    than the machine has GPUs, and each job claims its own (moeflow.runtime.devices). A SLURM profile's
+    set-resources replaces it per rule (profiles/slurm)."""
+    return ranks if cfg["hardware"]["device"] == "cuda" else 0
+
+
+def training_gpus(cfg):
+    """The GPUs of a training job of ``cfg`` (warmup, train_model): parallel.nproc_per_node on each of parallel.nnodes."""
+    return gpus_of(cfg, cfg["parallel"]["nproc_per_node"] * cfg["parallel"]["nnodes"])
+
+
+def forward_gpus(cfg, ranks=1):
+    """The GPUs of a forward-only job of ``cfg`` on ``ranks`` ranks (evaluate_run: evaluate.ranks; choose_experts,
+    coverage_valset, lm_eval_task, humaneval_generate and routing_drift load the whole model on one device)."""
+    return gpus_of(cfg, ranks)
+
+
 def training_python():
     """The job's Python: the rule's conda env with --sdm conda, else Snakemake's own."""
     from snakemake_interface_executor_plugins.settings import DeploymentMethod
@@ -240,22 +259,25 @@ def training_python():
     return "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
 
 
-def torchrun_launcher(cfg_of=None):
+def torchrun_launcher(rule, cfg_of=None, ranks_of=lambda cfg: cfg["parallel"]["nproc_per_node"]):
     """``params.launcher`` of the training rules, from moeflow.parallel.launch.torchrun_command. One rank per GPU
     of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile; on several nodes,
     each node's torchrun gets the rule's threads); without
-    that resource, ``parallel.nproc_per_node`` ranks of the run config ``cfg_of(wildcards)`` (GPUs with
+    that resource, ``ranks_of(cfg)`` ranks (default parallel.nproc_per_node) of the run config ``cfg_of(wildcards)`` (GPUs with
     hardware.device cuda, gloo CPU ranks with cpu), or one rank without ``cfg_of``. The script checks
     that the ranks it finds are what the config's parallel section asks for."""
     from moeflow.parallel.launch import torchrun_command
+    from moeflow.runtime.devices import claim_command
 
     def launcher(wildcards, resources, threads):
         cfg = cfg_of(wildcards) if cfg_of else None
-        per_node = cfg["parallel"]["nproc_per_node"] if cfg else 1
+        per_node = ranks_of(cfg) if cfg else 1
         gpus = int(getattr(resources, "gpu", 0) or 0)
         if gpus:
             nodes = int(getattr(resources, "nodes", 1) or 1)
-            return torchrun_command(training_python(), gpus=gpus, nodes=nodes, threads=threads)
+            command = torchrun_command(training_python(), gpus=gpus, nodes=nodes, threads=threads)
+            # on one node, the job's own GPUs first (moeflow.runtime.devices); several nodes are SLURM's
+            return (claim_command(training_python(), gpus, f"rule {rule}") if nodes == 1 else "") + command
         if cfg is not None and cfg["hardware"]["device"] == "cuda":
             return torchrun_command(training_python(), gpus=per_node)
         return torchrun_command(training_python(), cpu_ranks=per_node)

@@ -15,6 +15,8 @@ rule coverage_valset:
         settings=lambda wc: stage_keys.coverage_settings(COVERAGES[wc.covkey]),
         device=lambda wc: COVERAGES[wc.covkey]["hardware"]["device"],
         runtime=runtime(),
+    resources:
+        gpu=lambda wc: forward_gpus(COVERAGES[wc.covkey]),  # common.smk's gpus_of
     threads: config["threads"]
     log:
         log_path("coverage_valset", "{covkey}"),

@@ -17,6 +17,8 @@ rule routing_drift:
         model=lambda wc: RUNS[wc.run]["model"],
         device=lambda wc: RUNS[wc.run]["hardware"]["device"],
         runtime=lambda wc: runtime(wc.run),
+    resources:
+        gpu=lambda wc: forward_gpus(RUNS[wc.run]),  # common.smk's gpus_of
     threads: config["threads"]
     log:
         log_path("routing_drift", "{run}"),

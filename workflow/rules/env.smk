@@ -46,6 +46,8 @@ rule choose_experts:
         runtime=runtime(),
     wildcard_constraints:
         expkey="e-[0-9a-f]+",
+    resources:
+        gpu=lambda wc: 1 if EXPERTS[wc.expkey]["device"] == "cuda" else 0,  # times one MoE block on one GPU
     threads: config["threads"]
     log:
         log_path("choose_experts", "{expkey}"),

@@ -18,7 +18,9 @@ rule pretrain_base:
             runtime=lambda wc: runtime() | {"precision": BASES[wc.basekey]["precision"], "seed": BASES[wc.basekey]["seed"]},
             checkpoints=f"{RESULTS}/checkpoints",
         ),
-        launcher=torchrun_launcher(),  # the rule's GPUs, else one CPU rank: the base model does not depend on parallel
+        launcher=torchrun_launcher("pretrain_base"),  # the rule's GPUs, else one CPU rank: the base model does not depend on parallel
+    resources:
+        gpu=lambda wc: gpus_of(BASES[wc.basekey]),  # one rank: the base model does not depend on parallel
     threads: config["threads"]
     log:
         log_path("pretrain_base", "{basekey}"),

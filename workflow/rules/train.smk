@@ -23,7 +23,10 @@ rule warmup:
             checkpoints=CHECKPOINTS,
             failed_report=lambda wc: f"{RESULTS}/logs/warmup/{wc.warmkey}.routing_report.json",
         ),
-        launcher=torchrun_launcher(lambda wc: RUNS[WARMUPS[wc.warmkey]]),
+        launcher=torchrun_launcher("warmup", lambda wc: RUNS[WARMUPS[wc.warmkey]]),
+    resources:
+        gpu=lambda wc: training_gpus(RUNS[WARMUPS[wc.warmkey]]),  # one rank per GPU (common.smk's gpus_of)
+        nodes=lambda wc: RUNS[WARMUPS[wc.warmkey]]["parallel"]["nnodes"],
     threads: config["threads"]
     log:
         log_path("warmup", "{warmkey}"),
@@ -63,7 +66,10 @@ rule train_model:
             runtime=lambda wc: runtime(wc.run),
             checkpoints=CHECKPOINTS,
         ),
-        launcher=torchrun_launcher(lambda wc: RUNS[wc.run]),
+        launcher=torchrun_launcher("train_model", lambda wc: RUNS[wc.run]),
+    resources:
+        gpu=lambda wc: training_gpus(RUNS[wc.run]),  # one rank per GPU (common.smk's gpus_of)
+        nodes=lambda wc: RUNS[wc.run]["parallel"]["nnodes"],
     threads: config["threads"]
     log:
         log_path("train_model", "{run}"),

@@ -9,7 +9,7 @@ runs this script, the layout is the config's ``parallel`` section (moeflow.model
 
 from pathlib import Path
 
-from moeflow.checkpoint.export import ExportSettings, save_final_model
+from moeflow.checkpoint.export import ExportSettings, export_dtype, save_final_model
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
 from moeflow.model.factory import Layout, make_model
@@ -69,6 +69,14 @@ if trainer.rank == 0:
     # before the merge, which consumes LoRA's wrapper
     save_adapter_output(unwrap(trainer.model), job.output.adapter)
 # every rank; the base folder's config, tokenizer and other files go with the weights (a drop-in for it)
-save_final_model(trainer.model, None, job.output.model, export.max_shard_size, source=job.input.model)
+trainer.free_optimizer()  # the export gathers weights where AdamW's states were
+save_final_model(
+    trainer.model,
+    None,
+    job.output.model,
+    export.max_shard_size,
+    source=job.input.model,
+    dtype=export_dtype(export.dtype, job.input.model, trainer.model),
+)
 trainer.remove_checkpoints()
 teardown()

@@ -4,8 +4,10 @@ The final model folder (HF-sharded safetensors, config, tokenizer), written by e
 whole tensor at a time, so that no process ever holds the whole model.
 
 :func:`save_final_model` is a collective for a sharded model (every rank calls it): each tensor is made
-whole in turn (FSDP2 and transformers' expert parallelism: ``DTensor.full_tensor``; FSDP1: the ranks'
-ranges of its elements summed into one buffer on rank 0), and rank 0 streams it into the open
+whole in turn on rank 0 alone (FSDP2's row shards: each rank sends rank 0 its rows, received one shard at a
+time into host memory; FSDP1: the ranks' ranges of its elements summed into one buffer on rank 0; other
+DTensors, such as transformers' expert-parallel 2-D layouts: ``DTensor.full_tensor`` on every rank), and
+rank 0 streams it into the open
 shard file (``moeflow.checkpoint.safetensors_files.SafetensorsWriter``: the layout is known in advance from the
 tensors' whole shapes and dtypes). A file is closed when the next tensor would take it past
 ``export.max_shard_size`` (a tensor larger than that gets a file of its own, as ``save_pretrained`` does);
@@ -48,6 +50,7 @@ from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel.layouts import original_shape, reshard
 from moeflow.parallel.process_group import barrier, exact_sum_view, rank
 from moeflow.parallel.rank_load import persistent_buffers
+from moeflow.runtime import compat
 from moeflow.runtime.files import atomic_dir
 
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -103,12 +106,58 @@ def whole_tensors(model: torch.nn.Module, tensors: Sequence[ModelTensor]) -> Ite
     lookup = {clean_name(n): t for n, t in model.named_parameters()}
     lookup |= {clean_name(n): b for n, b in model.named_buffers()}
     for t in tensors:
-        yield t.name, _whole(lookup[t.name])
+        tensor = lookup[t.name]
+        yield t.name, (_rows_on_rank0(tensor) if _rows_over_all_ranks(tensor) else _whole(tensor))
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     full_tensor = getattr(tensor, "full_tensor", None)  # a DTensor
     return (full_tensor() if full_tensor is not None else tensor).detach()
+
+
+def _rows_over_all_ranks(tensor: torch.Tensor) -> bool:
+    """A DTensor whose dim-0 rows are split over all ranks in order (FSDP2's shards): gathered on rank 0 alone."""
+    import torch.distributed as dist
+
+    if not compat.is_dtensor(tensor) or not dist.is_initialized() or tensor.device_mesh.ndim != 1:
+        return False
+    placement = tensor.placements[0]
+    mesh_group = tensor.device_mesh.get_group()
+    return (
+        getattr(placement, "dim", None) == 0
+        and placement.is_shard()
+        and dist.get_world_size(mesh_group) == dist.get_world_size()
+        and all(dist.get_global_rank(mesh_group, r) == r for r in range(dist.get_world_size()))
+    )
+
+
+def _rows_on_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A row-sharded DTensor whole in rank 0's host memory (None on the other ranks): each rank sends rank 0
+    its rows, which rank 0 receives one rank at a time into a buffer of one shard on its device and copies
+    into place, so no rank holds the whole tensor on its device (12 GB for one fused expert tensor of
+    Step-3.5-Flash) and the others hold nothing more than their shard."""
+    import torch.distributed as dist
+
+    local = tensor.to_local().detach().contiguous()
+    world, me = dist.get_world_size(), dist.get_rank()
+    rows = tensor.shape[0]
+    per_rank = -(-rows // world)  # torch.chunk's split, as FSDP2 shards
+    if me != 0:
+        if local.numel():
+            dist.send(local, dst=0)
+        return None
+    whole = torch.empty(tuple(tensor.shape), dtype=local.dtype, device="cpu")
+    for r in range(world):
+        lo, hi = min(r * per_rank, rows), min((r + 1) * per_rank, rows)
+        if hi <= lo:
+            continue
+        if r == 0:
+            piece = local
+        else:
+            piece = torch.empty((hi - lo, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
+            dist.recv(piece, src=r)
+        whole[lo:hi].copy_(piece)
+    return whole
 
 
 def _whole_on_rank0(piece: Piece, tensor: ModelTensor) -> torch.Tensor | None:
@@ -191,21 +240,45 @@ class ShardedWriter:
             (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def write_weights(model: torch.nn.Module, folder: Path | None, max_shard_size: int | str) -> None:
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_dtype(setting: str, source: str | os.PathLike | None, model: torch.nn.Module) -> torch.dtype:
+    """The final model's floating-point dtype for ``export.dtype``: as set, or (``auto``) the ``source`` folder's
+    own (its config.json's ``torch_dtype``/``dtype``: the published model's), else the model's parameters'."""
+    if setting != "auto":
+        return EXPORT_DTYPES[setting]
+    if source is not None and (Path(source) / "config.json").is_file():
+        config = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+        named = config.get("torch_dtype") or config.get("dtype")
+        if isinstance(named, str) and isinstance(getattr(torch, named, None), torch.dtype):
+            dtype = getattr(torch, named)
+            if dtype.is_floating_point:
+                return dtype
+    return next(unwrap(model).parameters()).dtype
+
+
+def _cast(dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
+    return to if to is not None and dtype.is_floating_point else dtype
+
+
+def write_weights(
+    model: torch.nn.Module, folder: Path | None, max_shard_size: int | str, dtype: torch.dtype | None = None
+) -> None:
     """The model's weights as save_pretrained writes them, streamed into ``folder`` by rank 0 (the other
-    ranks pass None). A collective for a sharded model."""
+    ranks pass None), floating-point ones in ``dtype`` (None: their own). A collective for a sharded model."""
     inner = unwrap(model)
     tensors = model_tensors(model)
     saved = []
     for t in tensors:
         for name, meta in saved_format(inner, {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items():
-            saved.append((name, meta.dtype, tuple(meta.shape)))
+            saved.append((name, _cast(meta.dtype, dtype), tuple(meta.shape)))
     writer = ShardedWriter(folder, shard_layouts(saved, size_in_bytes(max_shard_size))) if folder else None
     try:
         for name, whole in whole_tensors(model, tensors):
             if writer is not None:
                 for saved_name, piece in saved_format(inner, {name: whole}).items():
-                    writer.write(saved_name, piece)
+                    writer.write(saved_name, piece.to(_cast(piece.dtype, dtype)))
             del whole
     except BaseException as exc:
         if writer is not None:
@@ -215,14 +288,14 @@ def write_weights(model: torch.nn.Module, folder: Path | None, max_shard_size: i
         writer.finish()
 
 
-def _saved_config(model: torch.nn.Module):
+def _saved_config(model: torch.nn.Module, dtype: torch.dtype | None = None):
     """The model's config as the folder holds it: generation with a cache (training turned it off), and
     no DistributedConfig (the folder loads whole; the layout is the run's, not the model's)."""
     inner = unwrap(model)
     config = copy.deepcopy(inner.config)
     config.use_cache = True
     config.architectures = [type(inner).__name__.removeprefix("FSDP")]  # as save_pretrained records them
-    config.dtype = str(next(inner.parameters()).dtype).split(".")[1]
+    config.dtype = str(dtype or next(inner.parameters()).dtype).split(".")[1]
     if getattr(config, "distributed_config", None) is not None:
         config.distributed_config = None
     return config
@@ -244,12 +317,13 @@ def write_model_folder(
     folder: str | os.PathLike | None,
     max_shard_size: int | str,
     source: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """The model's weights into an existing folder (rank 0's; the other ranks pass None), and with them the
-    ``source`` folder's own files (:func:`companion_files`), or without a source the model's config and
-    generation config and (if given) the tokenizer. A collective for a sharded model."""
+    """The model's weights into an existing folder (rank 0's; the other ranks pass None), in ``dtype`` (None:
+    their own), and with them the ``source`` folder's own files (:func:`companion_files`), or without a source
+    the model's config and generation config and (if given) the tokenizer. A collective for a sharded model."""
     folder = Path(folder) if folder is not None else None
-    write_weights(model, folder, max_shard_size)
+    write_weights(model, folder, max_shard_size, dtype)
     if folder is None:
         return
     if source is not None:
@@ -257,7 +331,7 @@ def write_model_folder(
             shutil.copy2(file, folder / file.name)
         return
     inner = unwrap(model)
-    _saved_config(model).save_pretrained(folder)
+    _saved_config(model, dtype).save_pretrained(folder)
     generation = getattr(inner, "generation_config", None)
     if generation is not None and inner.can_generate():
         generation.save_pretrained(folder)
@@ -271,16 +345,18 @@ def save_final_model(
     folder: str | os.PathLike,
     max_shard_size: int | str,
     source: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Any:
     """A folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load, written atomically by rank 0
     (LoRA adapters merged in, on every rank), with the ``source`` folder's own files where given (the base
-    model a fine-tune started from: :func:`write_model_folder`). A collective: every rank calls it. Returns
-    the model written (a LoRA model's merged base model: merging consumes the peft wrapper)."""
+    model a fine-tune started from: :func:`write_model_folder`), its floating-point weights in ``dtype``
+    (:func:`export_dtype`; None: their own). A collective: every rank calls it. Returns the model written (a
+    LoRA model's merged base model: merging consumes the peft wrapper)."""
     if is_lora_model(model):
         model = merge_adapters(model)
     reshard(model)  # the parameters as their shards, also after a last evaluation's forward
     with atomic_dir(folder) if rank() == 0 else contextlib.nullcontext() as out:
-        write_model_folder(model, tokenizer, out, max_shard_size, source)
+        write_model_folder(model, tokenizer, out, max_shard_size, source, dtype)
     barrier()  # the folder is in place before any rank goes on
     return model
 
@@ -291,3 +367,4 @@ class ExportSettings:
 
     SCHEMA: ClassVar[str] = "#/properties/export"
     max_shard_size: str
+    dtype: str

@@ -27,9 +27,13 @@ import numpy as np
 import torch
 
 from moeflow.data.shards import iter_rows
-from moeflow.evaluation.loop import SetStats, batches, evaluate_batches
+from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
+from moeflow.model.parameters import active_per_token, clean_name
 from moeflow.model.routing import adapter_or_none
 from moeflow.model.routing_stats import cell_table, layer_health, route_pool
+from moeflow.model.wrappers import unwrap
+from moeflow.parallel.layouts import original_shape, reshard
+from moeflow.parallel.process_group import Ranks, gather_objects
 from moeflow.runtime.stage import progress
 
 
@@ -179,22 +183,27 @@ class EvalSet:
 
 
 def evaluate_model(
-    model, sets: Sequence[EvalSet], settings: Mapping[str, Any], precision: str = "fp32"
+    model, sets: Sequence[EvalSet], settings: Mapping[str, Any], precision: str = "fp32", ranks: Ranks | None = None
 ) -> dict[str, SetStats]:
-    """Every set through one model (``settings``: the config's ``evaluate`` section)."""
-    adapter = adapter_or_none(model)
-    attn = model.config._attn_implementation
+    """Every set through one model (``settings``: the config's ``evaluate`` section). With ``ranks`` (several
+    ranks holding the model in a layout), each rank runs its share of the batches (moeflow.evaluation.loop's
+    ``batches``) and every rank gets the whole set's sums, added in rank order."""
+    adapter = adapter_or_none(unwrap(model))
+    attn = unwrap(model).config._attn_implementation
+    rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     out = {}
     for s in sets:
-        out[s.name] = evaluate_batches(
-            model,
-            progress(
-                batches(s.rows, settings["batch_size"], attn, settings["max_sequences"]), desc=f"evaluate {s.name}"
-            ),
-            adapter,
-            precision,
-        )
+        shard = batches(s.rows, settings["batch_size"], attn, settings["max_sequences"], rank=rank, world=world)
+        part = evaluate_batches(model, progress(shard, desc=f"evaluate {s.name}"), adapter, precision)
+        out[s.name] = sum_stats(gather_objects(part)) if world > 1 else part
+    reshard(model)  # FSDP2 keeps the root unit gathered after a forward without backward
     return out
+
+
+def parameter_counts(model) -> dict[str, int]:
+    """The model's parameters, total and active per token, by their whole sizes in any layout."""
+    sizes = {clean_name(name): math.prod(original_shape(p)) for name, p in model.named_parameters()}
+    return {"total": sum(sizes.values()), "active_per_token": active_per_token(unwrap(model).config, sizes)}
 
 
 def run_metrics(
@@ -226,10 +235,10 @@ def valset_coverage(
     """Per (layer, expert) of ``model``'s router: validation documents with at least ``min_tokens`` tokens
     routed there (``moeflow.model.routing_stats.route_pool`` and ``cell_table``, as the coverage stage counts them).
     None for a model without experts."""
-    adapter = adapter_or_none(model)
+    adapter = adapter_or_none(unwrap(model))
     if adapter is None:
         return None
-    attn = model.config._attn_implementation
+    attn = unwrap(model).config._attn_implementation
     stats = route_pool(
         model, [("valset", iter_rows(rows))], int(coverage_settings["batch_tokens"]), attn, precision, adapter
     )

@@ -14,7 +14,9 @@ token count), the same in every chunking up to float rounding.
 
 The model's own forward would compute the full logits, so :func:`install` gives a causal LM a second
 entry: called with ``loss_labels`` it runs the decoder body (``model.base_model``), then this loss
-(:class:`TokenLosses`); without, it is the model's forward unchanged (generation, tests). It patches
+(:class:`TokenLosses`); with ``decoder_only=True`` the decoder body alone (:func:`decoder_forward`: the
+routing-only passes, which read the routers and need no output layer, ~10% of a real model's forward FLOPs);
+without either, it is the model's forward unchanged (generation, tests). It patches
 the instance, not the class, inside any FSDP or PEFT wrapper, so the wrapper's forward (FSDP's
 parameter gathering) still surrounds the head: the output weight is whole while the loss uses it.
 """
@@ -34,6 +36,7 @@ from moeflow.model.wrappers import unwrap
 from moeflow.runtime.hardware import to_device
 
 LOSS_KWARG = "loss_labels"  # the installed forward's keyword: labels as in the batch (unshifted)
+DECODER_KWARG = "decoder_only"  # the installed forward's keyword for the decoder body alone (no output layer)
 
 
 class LinearLossError(ValueError):
@@ -220,6 +223,10 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         labels = kwargs.pop(LOSS_KWARG, None)
+        if kwargs.pop(DECODER_KWARG, False):
+            if labels is not None or args or any(kwargs.get(name) is not None for name in HEAD_ONLY_KWARGS):
+                raise TypeError(f"{DECODER_KWARG} runs the decoder body alone: pass the inputs by keyword, no labels")
+            return self.base_model(**kwargs)
         if labels is None:
             return original(self, *args, **kwargs)
         if args:
@@ -243,3 +250,16 @@ def token_losses(model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> 
             "or call moeflow.model.chunked_loss.install(model, chunk_tokens) first"
         )
     return model(**inputs, use_cache=False, **{LOSS_KWARG: labels})
+
+
+def decoder_forward(model: torch.nn.Module, inputs: dict) -> ModelOutput:
+    """The decoder body's forward on ``inputs`` (``use_cache=False``), through the model itself (so FSDP's
+    and PEFT's wrappers, and moeflow.model.routing's capture, see a forward of the model), without the output
+    layer: for the passes that only read the routers (the exact balance mode's counting forward, the coverage
+    pool pass, the warmup gate's base reference)."""
+    if not installed(model):
+        raise LinearLossError(
+            "this model has no decoder-only entry: build or load it with moeflow.model.factory.make_model, "
+            "or call moeflow.model.chunked_loss.install(model, chunk_tokens) first"
+        )
+    return model(**inputs, use_cache=False, **{DECODER_KWARG: True})

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from moeflow.data.collate import collate, model_inputs
-from moeflow.model.chunked_loss import token_losses
+from moeflow.model.chunked_loss import decoder_forward
 from moeflow.model.routing import adapter_for, capture
 from moeflow.runtime.stage import kill_point, progress
 
@@ -201,7 +201,7 @@ def route_pool(
             doc_ids = batch["doc_ids"].numpy()
             inputs = model_inputs(model, batch)
             with torch.no_grad(), autocast, capture(model, adapter) as routing:
-                token_losses(model, inputs, batch["labels"])  # the chunked loss: never the full logits
+                decoder_forward(model, inputs)  # the routers only: no output layer
             collector.add(corpus_index, doc_ids.reshape(-1), [r.topk_index.cpu().numpy() for r in routing.layers])
             kill_point("coverage.batch")
     stats = collector.finish([name for name, _ in pools])

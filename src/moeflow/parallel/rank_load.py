@@ -18,15 +18,17 @@ with only the rows each rank owns, so that no rank materialises parameters it do
 transformers 5 stores some weights in the model in another layout than in the files (fused experts:
 ``experts.gate_up_proj`` of shape (experts, 2 x inner, hidden) from the files' per-expert ``gate_proj`` and
 ``up_proj``): :func:`file_sources` finds each such parameter's file tensors with transformers' own reverse
-conversion (what ``save_pretrained`` writes), applied to the parameter's element indices, and a rank reads
-the file tensors that overlap its rows.
+conversion (what ``save_pretrained`` writes), applied to broadcast probes of each element's row and offset
+(no whole-tensor index), and a rank reads only the file tensors, and of those the rows, that overlap its rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,16 +114,72 @@ def local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     return [(value, (0,) * value.dim())]
 
 
-def file_sources(model: torch.nn.Module, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """The file tensors ``save_pretrained`` writes for the model's tensor ``name``, each as the indices
-    (into the flattened whole tensor ``name``) of its elements: ``{name: arange}`` when the files hold it
-    as the model does."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    index_dtype = torch.int32 if numel < 2**31 else torch.int64
-    probe = torch.arange(numel, dtype=index_dtype).reshape(shape)
-    return saved_format(model, {name: probe})
+@dataclass(frozen=True)
+class Source:
+    """Where a file tensor's elements sit in the model's tensor: its shape, the first and last dim-0 row of the
+    model's tensor it holds elements of, and, for a file tensor that overlaps the rows asked for
+    (:func:`file_sources`), each element's row (``rows``) and offset within that row (``within``)."""
+
+    shape: tuple[int, ...]
+    first_row: int
+    last_row: int
+    rows: torch.Tensor | None = None
+    within: torch.Tensor | None = None
+
+    def overlaps(self, rows: range) -> bool:
+        return self.first_row < rows.stop and self.last_row >= rows.start
+
+    def indices(self, row_numel: int) -> torch.Tensor:
+        """The flat index (into the whole model tensor) of every element of the file tensor, int64."""
+        if self.rows is None or self.within is None:
+            raise RuntimeError("moeflow: file_sources was asked for other rows than this piece's (a bug)")
+        return self.rows.long() * row_numel + self.within.long()
+
+
+def _distinct(view: torch.Tensor) -> torch.Tensor:
+    """A broadcast view without its repeated (stride-0) dimensions: the same values, each once per position."""
+    return view[tuple(0 if stride == 0 else slice(None) for stride in view.stride())]
+
+
+def _index_dtype(n: int) -> torch.dtype:
+    return torch.int16 if n < 2**15 else torch.int32 if n < 2**31 else torch.int64
+
+
+def file_sources(
+    model: torch.nn.Module, name: str, shape: tuple[int, ...], rows: range | None = None
+) -> dict[str, Source]:
+    """The file tensors ``save_pretrained`` writes for the model's tensor ``name``, each as a :class:`Source`
+    (``{name: ...}`` when the files hold it as the model does), with element positions kept only for those
+    that overlap the model rows ``rows`` (a rank's; None: all). transformers' own reverse conversion is applied
+    to broadcast probes (each element's row, then its offset in the row, in the smallest integer type that
+    holds them): no whole-tensor index is built (24 GB of int32 for one fused expert tensor of Step-3.5-Flash),
+    though transformers' conversion may copy each expert's part of a probe while it runs."""
+    shape = shape or (1,)
+    row_numel = math.prod(shape[1:])
+    ones = [1] * (len(shape) - 1)
+    row_probe = torch.arange(shape[0], dtype=_index_dtype(shape[0])).reshape(-1, *ones).expand(shape)
+    placed = {}
+    for stored, view in saved_format(model, {name: row_probe}).items():
+        distinct = _distinct(view)
+        placed[stored] = (view, int(distinct.min()), int(distinct.max()))
+    del row_probe
+    wanted = {s for s, (_, first, last) in placed.items() if rows is None or (first < rows.stop and last >= rows.start)}
+    within = {}
+    if wanted:
+        within_probe = torch.arange(row_numel, dtype=_index_dtype(row_numel)).reshape(1, *shape[1:]).expand(shape)
+        within = {s: v for s, v in saved_format(model, {name: within_probe}).items() if s in wanted}
+        if set(within) != wanted:
+            raise SafetensorsError(f"the saved format of {name!r} is not one layout of its elements ({sorted(placed)})")
+    return {
+        stored: Source(
+            tuple(view.shape),
+            first,
+            last,
+            view if stored in wanted else None,
+            within.get(stored),
+        )
+        for stored, (view, first, last) in placed.items()
+    }
 
 
 def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: Mapping[str, list[str]]) -> None:
@@ -142,15 +200,17 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
         for name, value in state.items():
             shape = tuple(value.shape)
             stored = next((n for n in names_of.get(name, [name]) if n in files), None)
+            pieces = [(local, offset[0] if offset else 0) for local, offset in local_pieces(value) if local.numel()]
             if stored is not None:
                 sources = {stored: None}
-            else:
-                sources = file_sources(model, name, shape)
+            else:  # only this rank's rows' file tensors are placed element by element
+                starts = [first for _, first in pieces]
+                stops = [first + (local.shape[0] if local.dim() else 1) for local, first in pieces]
+                sources = file_sources(model, name, shape, range(min(starts, default=0), max(stops, default=0)))
                 if set(sources) == {name}:
                     raise SafetensorsError(f"{folder}: the model's tensor {name!r} is in none of its weight files")
-            for local, offset in local_pieces(value):
-                if local.numel():
-                    _fill_piece(folder, files, headers, name, shape, sources, local, offset[0] if offset else 0)
+            for local, first in pieces:
+                _fill_piece(folder, files, headers, name, shape, sources, local, first)
     set_model_state_dict(model, state)
 
 
@@ -200,25 +260,31 @@ def _fill_fsdp1(model: torch.nn.Module, folder: Path, files, headers, names_of: 
 
 
 def _fill_piece(folder, files, headers, name, shape, sources, local: torch.Tensor, first_row: int) -> None:
+    """This rank's piece ``local`` (rows ``first_row``... of the model's tensor ``name``) from the file tensors
+    ``sources`` name (:func:`file_sources`; ``None``: the file tensor is the model's). Only file tensors that
+    overlap the piece's rows are looked at and read, and of those only the rows that hold the piece's elements;
+    every value lands on the piece's device."""
     rows = range(first_row, first_row + (local.shape[0] if local.dim() else 1))
-    for stored, indices in sources.items():
+    for stored, source in sources.items():
         if stored not in files:
             raise SafetensorsError(f"{folder}: tensor {stored!r} (of the model's {name!r}) is in none of its files")
         file = files[stored]
         entry = headers[file].get(stored)
         if entry is None:
             raise SafetensorsError(f"{file}: the index maps tensor {stored!r} to this file, which does not hold it")
-        want = shape if indices is None else tuple(indices.shape)
+        want = shape if source is None else source.shape
         if entry.shape != want:
             raise SafetensorsError(
                 f"{file}: tensor {stored!r} has shape {list(entry.shape)}, the model's {name!r} needs {list(want)}"
             )
-        if indices is None:
+        if source is None:
             _read_rows(file, entry, rows, local)
             continue
+        if not source.overlaps(rows):
+            continue  # another rank's: not read
         row_numel = local[0].numel() if local.dim() else 1
         lo, hi = rows.start * row_numel, rows.stop * row_numel
-        flat = indices.reshape(-1)
+        flat = source.indices(row_numel).reshape(-1)
         first = int(flat[0])
         if _is_range(flat) and first >= lo and first + flat.numel() <= hi:
             # a block of the whole tensor (one expert's matrix): read straight into its place
@@ -226,10 +292,21 @@ def _fill_piece(folder, files, headers, name, shape, sources, local: torch.Tenso
                 file, entry, range(entry.shape[0]), local.view(-1)[first - lo :][: flat.numel()].view(entry.shape)
             )
             continue
-        owned = (indices >= lo) & (indices < hi)
-        if owned.any():
-            data = read_tensor(file, entry)
-            local.view(-1)[indices[owned].long() - lo] = data[owned].to(local.dtype)
+        _scatter_owned(file, entry, flat.view(entry.shape or (1,)), lo, hi, local)
+
+
+def _scatter_owned(file: Path, entry, indices: torch.Tensor, lo: int, hi: int, local: torch.Tensor) -> None:
+    """The elements of a file tensor whose model indices fall in ``lo:hi`` into ``local`` (flat from ``lo``):
+    only the file rows that hold some are read, and the values are copied on ``local``'s device."""
+    owned = (indices >= lo) & (indices < hi)
+    has = owned.reshape(owned.shape[0], -1).any(dim=1).nonzero().reshape(-1)
+    if not has.numel():
+        return
+    first, last = int(has[0]), int(has[-1]) + 1
+    data = read_tensor(file, entry, range(first, last)) if entry.shape else read_tensor(file, entry).reshape(1)
+    mine = owned[first:last]
+    index = (indices[first:last][mine] - lo).to(local.device)
+    local.view(-1).index_copy_(0, index, data[mine].to(device=local.device, dtype=local.dtype))
 
 
 def _is_range(flat: torch.Tensor) -> bool:

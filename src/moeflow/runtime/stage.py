@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from moeflow.runtime import compat
+from moeflow.runtime.devices import claim as claim_gpus
 from moeflow.runtime.job import Job
 
 T = TypeVar("T")
@@ -75,6 +76,8 @@ def kill_point(name: str) -> None:
         if scope == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         if scope == "group":
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker has a session of its own: its agent's too
+                os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -129,10 +132,14 @@ class Stage:
     def start(cls, job: Job | Any) -> Stage:
         """The stage of a job (a ``script:`` rule's ``snakemake`` object, or a torchrun script's
         moeflow.runtime.job.Job): logging to its log file, threads from the rule's ``threads:``, stack,
-        precision and seed from ``params.runtime`` (every rule passes it: common.smk's runtime())."""
+        precision and seed from ``params.runtime`` (every rule passes it: common.smk's runtime()). A ``script:``
+        rule's job claims its ``resources.gpu`` GPUs here, before anything touches CUDA (moeflow.runtime.devices;
+        a torchrun script's launcher claimed them before it started)."""
+        gpus = 0 if isinstance(job, Job) else int(getattr(getattr(job, "resources", None), "gpu", 0) or 0)
         job = job if isinstance(job, Job) else Job.from_snakemake(job)
         runtime = job.params.runtime
         setup_logging(job.log_file)
+        claim_gpus(gpus, what=f"rule {job.rule}")
         stage = cls(
             name=job.rule,
             threads=job.threads,

@@ -34,7 +34,7 @@ from moeflow.checkpoint import state as C
 from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.order import DataOrder
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
-from moeflow.model.chunked_loss import count_label_tokens, token_losses
+from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.routing_stats import layer_health
 from moeflow.model.wrappers import unwrap
@@ -64,7 +64,13 @@ class TrainConfigError(ValueError):
     """A training setting that cannot work, naming the key and what to do."""
 
 
-def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], routing=None, router_grad: bool = True):
+def routed_forward(
+    model: torch.nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    routing=None,
+    router_grad: bool = True,
+    loss: bool = True,
+):
     """One training forward (``use_cache=False``) with its summed cross-entropy on the batch's labels
     (``moeflow.model.chunked_loss.TokenLosses``: the full logits are never built) and its MoE layers' routing
     restricted to the non-padding tokens. ``routing``: an open ``moeflow.model.routing.capture`` of the model, or
@@ -72,12 +78,15 @@ def routed_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], ro
     model without MoE layers. ``router_grad``: False when no loss term differentiates through the
     router (the statistics are then built without a graph). Keep the capture open through the backward
     pass: under non-reentrant checkpointing the recomputation must run the same router hooks as the
-    forward did."""
+    forward did. ``loss=False``: the decoder body alone, no output layer and no loss (outputs None), for a
+    pass that only counts the routing."""
     device = next(model.parameters()).device
     inputs = model_inputs(model, batch)
     # Routing comes from the hooks: output_router_logits=True would make transformers 4.57 compute
     # its own aux loss, which raises on the 4D per-document mask.
-    outputs = token_losses(model, inputs, batch["labels"])
+    outputs = token_losses(model, inputs, batch["labels"]) if loss else None
+    if not loss:
+        decoder_forward(model, inputs)
     if routing is None:
         return outputs, []
     positions = real_token_positions(batch)  # None for packed rows: padding only in a split's last row
@@ -113,7 +122,7 @@ def accumulate_gradients(
             with torch.no_grad():
                 for batch in micro_batches:
                     with autocast():
-                        _, layers = routed_forward(model, batch, routing, router_grad=False)
+                        _, layers = routed_forward(model, batch, routing, router_grad=False, loss=False)
                     counts = expert_counts(layers)
                     step_counts = counts if step_counts is None else step_counts + counts
         step = StepLoss.for_step(settings, label_tokens, routed_tokens, len(micro_batches), step_counts)
@@ -225,6 +234,16 @@ class Trainer:
         self.save(path)
         if self.rank == 0:
             C.remove_other_checkpoints(self.checkpoint_dir, path)
+
+    def free_optimizer(self) -> None:
+        """Drop AdamW's states (two fp32 tensors per parameter, on the device) once the last step is taken and
+        checkpointed: the export that follows gathers the weights into the room they held."""
+        self.optimizer.state.clear()
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def remove_checkpoints(self) -> None:
         """Once the stage has succeeded: the resumable checkpoints are no longer needed."""

@@ -117,6 +117,12 @@ def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {key: cfg["evaluate"][key] for key in ("batch_size", "max_sequences")}
 
 
+def forward_parallel(cfg: Mapping[str, Any], ranks: int) -> dict[str, Any]:
+    """The ``parallel`` section of a forward-only job of ``cfg`` on ``ranks`` ranks of one node: the run's
+    strategy (the model sharded as training shards it), its own number of ranks."""
+    return {**cfg["parallel"], "nproc_per_node": int(ranks), "nnodes": 1}
+
+
 HUMANEVAL_GENERATION_KEYS = ("problems", "n_samples", "temperature", "top_p", "max_new_tokens", "batch_size")
 
 

@@ -1,0 +1,55 @@
+"""The evaluation stage sharded like training: ``evaluate.ranks: 2`` with ``parallel.strategy: fsdp`` starts
+evaluate_run through torchrun on two gloo ranks, each loading its FSDP shard of the base and the fine-tuned
+model from their folders (moeflow.parallel.rank_load) and evaluating half the batches; its metrics.json equals
+the one-rank result of the finished smoke pipeline (sums added in another order: 1e-9 relative)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SMOKE, results, snakemake, write_overlay
+
+pytestmark = pytest.mark.pipeline
+
+
+def assert_close(got, want, path="metrics"):
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), path
+        for key in want:
+            assert_close(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), path
+    else:
+        assert got == want, path
+
+
+def test_evaluate_run_on_two_fsdp_ranks_equals_one_rank(pipeline_copy):
+    out = results(pipeline_copy) / "runs" / "moe" / "eval"
+    one = json.loads((out / "metrics.json").read_text())
+    overlay = write_overlay(pipeline_copy, {"evaluate": {"ranks": 2}, "parallel": {"strategy": "fsdp"}})
+    target = str(out.relative_to(pipeline_copy) / "metrics.json")
+    # only evaluate_run reruns: the strategy would restart training, whose outputs are kept (mtime triggers)
+    done = snakemake(
+        pipeline_copy,
+        target,
+        "--cores",
+        "2",
+        *SMOKE,
+        overlay,
+        "--forcerun",
+        "evaluate_run",
+        "--rerun-triggers",
+        "mtime",
+    )
+    log = done.stdout + done.stderr  # Snakemake logs to stderr
+    assert "torch.distributed.run --standalone --monitor-interval 0.5 --nproc_per_node 2" in log
+    assert "rule evaluate_run:" in log and "rule warmup:" not in log and "rule train_model:" not in log
+    two = json.loads((out / "metrics.json").read_text())
+    assert json.loads((out / "speed.json").read_text())["ranks"] == 2
+    one.pop("provenance"), two.pop("provenance")
+    assert_close(two, one)

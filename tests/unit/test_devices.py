@@ -1,0 +1,76 @@
+"""moeflow.runtime.devices: a job's claim of GPUs of its own (on stand-in GPUs: nothing touches CUDA)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from moeflow.runtime.devices import DeviceError, claim, claim_command
+from moeflow.settings import REPO_ROOT
+
+HOLD = (
+    "from moeflow.runtime.devices import claim; import os; claim({n}); "
+    "print(os.environ['CUDA_VISIBLE_DEVICES'], flush=True); input()"
+)
+TRY = (
+    "from moeflow.runtime.devices import claim; import os; claim({n}, timeout_s=1.0, poll_s=0.1); "
+    "print(os.environ['CUDA_VISIBLE_DEVICES'])"
+)
+
+
+def env(tmp_path, visible="0,1,2"):
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT / "src"),
+        "CUDA_VISIBLE_DEVICES": visible,
+        "MOEFLOW_GPU_LOCK_DIR": str(tmp_path / "locks"),
+    }
+
+
+def test_a_claim_gets_gpus_no_other_job_holds_and_waits_when_none_are_free(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.format(n=2)],
+        env=env(tmp_path),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        held = holder.stdout.readline().split()[0].split(",")
+        assert held == ["0", "1"]
+        other = subprocess.run(
+            [sys.executable, "-c", TRY.format(n=1)], env=env(tmp_path), capture_output=True, text=True
+        )
+        assert other.returncode == 0 and other.stdout.split() == ["2"], other.stderr  # the one GPU left
+        busy = subprocess.run(
+            [sys.executable, "-c", TRY.format(n=2)], env=env(tmp_path), capture_output=True, text=True
+        )
+        assert busy.returncode != 0 and "did not come free" in busy.stderr
+    finally:
+        holder.communicate("\n")
+    # the holder exited: its GPUs are free again
+    again = subprocess.run([sys.executable, "-c", TRY.format(n=3)], env=env(tmp_path), capture_output=True, text=True)
+    assert again.stdout.split() == ["0,1,2"], again.stderr
+
+
+def test_the_launcher_prefix_keeps_the_claim_while_its_command_runs(tmp_path):
+    child = (
+        "import os, subprocess, sys; print(os.environ['CUDA_VISIBLE_DEVICES']); "
+        f"print(subprocess.run([sys.executable, '-c', {TRY.format(n=1)!r}], capture_output=True).returncode)"
+    )
+    command = claim_command(sys.executable, 2, "rule warmup") + f"{sys.executable} -c {shlex.quote(child)}"
+    done = subprocess.run(["bash", "-c", command], env=env(tmp_path), capture_output=True, text=True)
+    assert done.stdout.split() == ["0,1", "1"], done.stderr  # the exec'd command still holds both
+    assert claim_command(sys.executable, 0, "rule x") == ""
+
+
+def test_more_gpus_than_the_machine_shows_is_refused_naming_the_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("MOEFLOW_GPU_LOCK_DIR", str(tmp_path))
+    with pytest.raises(DeviceError, match="asks for 2 GPU.*resources.gpu.*parallel.nproc_per_node"):
+        claim(2, what="rule warmup")
+    assert claim(0) == [] and os.environ["CUDA_VISIBLE_DEVICES"] == "0"
