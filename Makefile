@@ -1,6 +1,7 @@
 # Two commands from a fresh clone:
 #   make train     runs the pipeline's main target on the embedded default
-#   make test      runs the test suite
+#   make test      runs the fast tier of the test suite (unit tests, the smoke pipeline and the cheap tests
+#                  that read it); make test-all runs every test (docs/testing.md)
 # Each creates its Python environment (.venvs/$(STACK)) from envs/$(STACK).yaml if it is missing or
 # older than the env file, and reuses it otherwise. STACK=pinned (default) or STACK=current.
 
@@ -12,7 +13,7 @@ BIN := $(VENV)/bin
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: env train test lint format clean gpu-check gpu-bundle device-env slurm-up slurm-down
+.PHONY: env train test test-all lint format clean gpu-check gpu-bundle device-env slurm-up slurm-down
 
 $(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/runtime/pins.py
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,9 @@ train: env
 	STACK=$(STACK) $(BIN)/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) train
 
 test: env
+	STACK=$(STACK) $(BIN)/python -m pytest -m "not full" $(PYTEST_ARGS)
+
+test-all: env
 	STACK=$(STACK) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: env

@@ -2,6 +2,9 @@
 
 The smoke pipeline runs once per test session (``smoke_pipeline``); a test that changes something
 works on its own copy (``pipeline_copy``), made with mtimes preserved so Snakemake sees it up to date.
+
+Two tiers (docs/testing.md): every test under tests/pipeline is marked ``full`` (``make test-all``) unless it
+is marked ``fast`` (``make test``: the unit tests, the smoke pipeline and the cheap tests that read it).
 """
 
 from __future__ import annotations
@@ -33,6 +36,22 @@ WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs", "src", "tools", "pr
 def active_stack() -> str:
     """The stack this interpreter belongs to (tests run in .venvs/pinned or .venvs/current)."""
     return "current" if int(metadata.version("transformers").split(".")[0]) >= 5 else "pinned"
+
+
+def only_on(stack: str, why: str) -> pytest.MarkDecorator:
+    """Run a stack-independent test on one stack only (``why``: what makes it the same on both). .ci/run runs the
+    two stacks' suites side by side, so such a test is put on the stack that keeps their times even."""
+    return pytest.mark.skipif(active_stack() != stack, reason=f"runs on the {stack} stack only: {why}")
+
+
+PIPELINE_TESTS = Path(__file__).resolve().parent / "pipeline"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers: a test under tests/pipeline is ``full`` unless marked ``fast``."""
+    for item in items:
+        if PIPELINE_TESTS in item.path.parents and item.get_closest_marker("fast") is None:
+            item.add_marker(pytest.mark.full)
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from conftest import copy_workflow, snakemake
 
-pytestmark = pytest.mark.pipeline
+pytestmark = [pytest.mark.pipeline, pytest.mark.fast]  # dry runs only
 
 BAD_OVERLAYS = {
     "hub id": (

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NOT_REPRODUCED, active_stack, snakemake  # noqa: E402
+from conftest import NOT_REPRODUCED, active_stack, only_on, snakemake  # noqa: E402
 
 from moeflow.runtime.files import DiskFull  # noqa: E402
 from moeflow.runtime.stage import KILL_ENV, KILL_SCOPE_ENV  # noqa: E402
@@ -59,10 +59,7 @@ def snakemake_killed_with_its_jobs(workdir: Path, *args: str, kill_at: str) -> s
 
 # The fault matrix reruns real stages (about a minute each on 2 shared cores), so it runs on one stack; the
 # code it exercises (kill points, atomic outputs, checkpoints, Snakemake's incomplete markers) is the same on both.
-fault_matrix = pytest.mark.skipif(
-    active_stack() != "pinned",
-    reason="the kill -9 fault matrix runs on the pinned stack only (slow; same code on both)",
-)
+fault_matrix = only_on("pinned", "the kill -9 fault matrix is slow and exercises the same code on both")
 
 
 def rerun_after_a_crash(workdir: Path, *args: str, incomplete: Path) -> None:

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import SMOKE, active_stack, results, scheduled_rules, snakemake, write_overlay
 
-pytestmark = pytest.mark.pipeline
+pytestmark = [pytest.mark.pipeline, pytest.mark.fast]  # dry runs and reads of the smoke pipeline
 
 
 def test_smoke_pipeline_produces_every_stage_output(smoke_pipeline):

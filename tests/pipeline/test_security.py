@@ -217,6 +217,7 @@ def test_a_training_checkpoint_with_a_pickle_instead_of_safetensors_is_refused(t
 
 
 @pytest.mark.pipeline
+@pytest.mark.fast
 def test_the_pipeline_writes_weights_as_safetensors_only(smoke_pipeline):
     from moeflow.model.folder import PICKLE_WEIGHTS
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SMOKE, active_stack, copy_workflow
+from conftest import SMOKE, active_stack, copy_workflow, only_on
 from slurm_cluster import Cluster, Unavailable
 
 from moeflow.runtime.stage import KILL_ENV, KILL_SCOPE_ENV
@@ -42,7 +42,7 @@ from moeflow.workflow.load import load, run_config
 
 # A real SLURM on one stack: its plugin (2.6.1) is the stricter one, and the other stack's (2.8.0) writes the same
 # sbatch lines (test_docs_show_the_sbatch_lines_the_plugin_writes runs on both).
-real_slurm = pytest.mark.skipif(active_stack() != "pinned", reason="the real-SLURM tests run on the pinned stack only")
+real_slurm = only_on("pinned", "the real-SLURM tests; the other stack's plugin writes the same sbatch lines")
 
 PROFILES = REPO_ROOT / "profiles"
 RECORDER = Path(__file__).resolve().parents[1] / "torchrun_recorder"
@@ -250,11 +250,20 @@ class PlannedJob:
         self.wildcards_dict = wildcards
 
 
+def profile_config(workdir: Path) -> tuple[str, ...]:
+    """The smoke config with config/config.yaml's ``threads`` (a rule's CPUs per job, as a user's config has them;
+    the smoke overlay runs one thread per job): what the emulated GPU nodes' jobs are planned and run with."""
+    overlay = workdir / "config" / "profile_threads.yaml"
+    overlay.write_text(yaml.safe_dump({"threads": load()["threads"]}))
+    return (*SMOKE, str(overlay.relative_to(workdir)))
+
+
 def planned_jobs(workdir: Path, profile: str) -> list[PlannedJob]:
     """Every job of the smoke pipeline's DAG (train, evaluate, paper), as ``snakemake --dry-run --forceall``
     with ``profile`` lists it: rule, wildcards, outputs, threads and resources. (``--cores``: a dry run caps
     threads at its cores, a cluster run does not.)"""
-    args = ("paper", "train", "evaluate", *SMOKE, "--workflow-profile", str(PROFILES / profile), "-n", "--forceall")
+    config = profile_config(workdir)
+    args = ("paper", "train", "evaluate", *config, "--workflow-profile", str(PROFILES / profile), "-n", "--forceall")
     args += ("--cores", "1024")
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
@@ -350,7 +359,7 @@ def on_gpu_nodes(planned, tmp_path_factory):
                 path.mkdir(parents=True, exist_ok=True)
             os.utime(path, (stamp, stamp))
         env = {"PYTHONPATH": os.pathsep.join([str(RECORDER), os.environ.get("PYTHONPATH", "")])}
-        args = (train.outputs[0], *SMOKE, "--workflow-profile", str(PROFILES / profile), *FAST_STATUS)
+        args = (train.outputs[0], *profile_config(workdir), "--workflow-profile", str(PROFILES / profile), *FAST_STATUS)
         proc = run_snakemake(workdir, cluster, *args, "--slurm-keep-successful-logs", env=env)
         calls = [c for c in cluster.sbatch_calls() if call_comment(c) == "rule_train_model_wildcards_moe"]
         assert len(calls) == 1, f"train_model was not submitted once ({len(calls)}): {failure(proc)}"

@@ -307,7 +307,12 @@ def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_afte
 
     results = pipeline_copy / "results" / active_stack()
     target = f"results/{active_stack()}/runs/moe/model"
-    two_ranks = {"parallel": {"nproc_per_node": RANKS, "strategy": "fsdp"}, "hardware": {"num_devices": RANKS}}
+    # 2 threads for the rule (the smoke config's 1 would hide how the node's ranks share them)
+    two_ranks = {
+        "parallel": {"nproc_per_node": RANKS, "strategy": "fsdp"},
+        "hardware": {"num_devices": RANKS},
+        "threads": RANKS,
+    }
     (pipeline_copy / "config" / "ranks.yaml").write_text(json.dumps(two_ranks))
     args = ("--cores", "2", "--configfile", "config/smoke.yaml", "config/ranks.yaml")
     # only the training stages (and the memory plan, which plans for the devices) rerun

@@ -194,6 +194,7 @@ def _final_model_target(workdir: Path, run: str = "moe") -> str:
 
 
 @pytest.mark.pipeline
+@pytest.mark.fast
 def test_a_second_part_setting_reruns_train_model_but_not_warmup(smoke_pipeline):
     from conftest import scheduled_rules, write_overlay
 

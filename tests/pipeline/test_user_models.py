@@ -43,8 +43,12 @@ def save_family_folder(family: str, folder: Path, tokenizer) -> None:
 
 
 def overlay(folders: dict[str, str]) -> dict:
+    """The user's overlay. For the test's time only: one thread per job (``--cores 2`` runs two jobs at once), and
+    the coverage stage's micro-batch (``pretrain``) equal to fine-tuning's, so each family's experts are timed once
+    (one choose_experts job per family instead of two)."""
     first = next(iter(folders.values()))
     return {
+        "threads": 1,
         "model": {"pretrained": first, "attn_implementation": "eager"},  # gpt_oss has no sdpa
         "data": {
             "seq_len": 64,
@@ -55,6 +59,7 @@ def overlay(folders: dict[str, str]) -> dict:
             "eval_corpora": ["user"],
         },
         "coverage": {"pool_corpora": ["user"], "min_docs_per_expert": 1, "token_budget": 2048, "batch_tokens": 1024},
+        "pretrain": {"micro_batch_size": 2},
         "train": {
             "steps": 3,
             "warmup_steps": 2,
