@@ -116,15 +116,20 @@ def test_an_output_flood_is_bounded(namespaces):
     assert outcome.status == "output_limit" and len(outcome.stdout) == Limits().keep_output_bytes
 
 
+# the seconds the refused programs would sleep: this process's own number, so that a `sleep` another suite or
+# user runs on the machine is never mistaken for one that escaped
+SLEEP = str(30 + os.getpid() % 10_000)
+
+
 @pytest.mark.parametrize(
     "code",
     [
         "import os\nwhile True:\n    os.fork()",
         "import os\nwhile True:\n    try:\n        os.fork()\n    except BaseException:\n        pass",
-        "import subprocess\nsubprocess.run(['sleep', '30'])",
-        "import os\nos.system('sleep 30')",
+        f"import subprocess\nsubprocess.run(['sleep', '{SLEEP}'])",
+        f"import os\nos.system('sleep {SLEEP}')",
         "import multiprocessing\nmultiprocessing.Process(target=print).start()",
-        "import os\nos.posix_spawn('/bin/sleep', ['sleep', '30'], {})",
+        f"import os\nos.posix_spawn('/bin/sleep', ['sleep', '{SLEEP}'], {{}})",
         "import sys, _posixsubprocess\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess",
     ],
     ids=["fork_bomb", "fork_bomb_catching", "subprocess", "system", "multiprocessing", "posix_spawn", "reimport"],
@@ -132,7 +137,7 @@ def test_an_output_flood_is_bounded(namespaces):
 def test_starting_a_process_is_refused_and_nothing_survives(namespaces, code):
     outcome = run(code, FAST, namespaces)
     assert outcome.status == "fork" and "refused (fork)" in outcome.stderr
-    assert processes_with("sleep 30") == [] and processes_with("sleep\x0030") == []
+    assert processes_with(f"sleep {SLEEP}") == [] and processes_with(f"sleep\x00{SLEEP}") == []
 
 
 @pytest.mark.skipif(not sandbox.namespaces_available(), reason="unshare cannot make namespaces here")
