@@ -1,5 +1,5 @@
 """Which finished Snakemake runs get a report card (moeflow.workflow.report_card.card_stage); what the card says
-is checked on a finished smoke pipeline's files in tests/pipeline/test_report_card.py."""
+is checked on a finished smoke pipeline's files in tests/pipeline/test_report_card_pipeline.py."""
 
 from __future__ import annotations
 

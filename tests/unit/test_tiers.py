@@ -52,3 +52,9 @@ def test_only_on_skips_on_the_other_stack():
     here, there = conftest.only_on(this, "why"), conftest.only_on(other, "why")
     assert isinstance(here, pytest.MarkDecorator) and here.args == (False,)
     assert there.args == (True,) and there.kwargs["reason"] == f"runs on the {other} stack only: why"
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test files by their base name (no packages under tests/): two of one name fail collection."""
+    names = [p.name for p in (REPO_ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
