@@ -299,6 +299,12 @@ def torchrun_job(rule, **params):
     return job
 
 
+def compared_params(**params):
+    """A param of the same settings as ``torchrun_job(rule, **params)``'s, but built from the wildcards only:
+    Snakemake's params trigger skips params derived from input or output, as the job description is."""
+    return lambda wildcards: {k: (v(wildcards) if callable(v) else v) for k, v in params.items()}
+
+
 WARMUPS = {stage_keys.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}
 CHECKPOINTS = f"{RESULTS}/checkpoints"  # resumable checkpoints, outside every declared output
 

@@ -3,6 +3,21 @@
 # balance), and the validation set's coverage rechecked with the fine-tuned router.
 
 
+EVALUATE_RUN_PARAMS = dict(
+    settings=lambda wc: stage_keys.eval_batch_settings(RUNS[wc.run]),  # not lm-eval's or HumanEval's keys
+    model=lambda wc: RUNS[wc.run]["model"],
+    coverage=lambda wc: coverage_source(RUNS[wc.run])["coverage"],
+    pool_corpora=lambda wc: coverage_source(RUNS[wc.run])["coverage"]["pool_corpora"],
+    eval_corpora=lambda wc: RUNS[wc.run]["data"]["eval_corpora"],
+    finetune_corpus=lambda wc: RUNS[wc.run]["data"]["finetune_corpus"],
+    device=lambda wc: RUNS[wc.run]["hardware"]["device"],
+    run=lambda wc: wc.run,
+    # the layout changes no number (tests/pipeline/test_sharded_evaluation.py), but starts the stage anew
+    parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),
+    runtime=lambda wc: runtime(wc.run),
+)
+
+
 rule evaluate_run:
     # Started through torchrun like the training rules: evaluate.ranks ranks share the model in parallel.strategy's
     # layout (fsdp: sharded, loaded as training loads it) and the batches; one rank by default.
@@ -19,20 +34,9 @@ rule evaluate_run:
         speed=f"{RESULTS}/runs/{{run}}/eval/speed.json",
         summary=report(f"{RESULTS}/runs/{{run}}/eval/summary.md", caption="../report/evaluate.rst", category="Evaluation", subcategory="{run}"),
     params:
-        job=torchrun_job(
-            "evaluate_run",
-            settings=lambda wc: stage_keys.eval_batch_settings(RUNS[wc.run]),  # not lm-eval's or HumanEval's keys
-            model=lambda wc: RUNS[wc.run]["model"],
-            coverage=lambda wc: coverage_source(RUNS[wc.run])["coverage"],
-            pool_corpora=lambda wc: coverage_source(RUNS[wc.run])["coverage"]["pool_corpora"],
-            eval_corpora=lambda wc: RUNS[wc.run]["data"]["eval_corpora"],
-            finetune_corpus=lambda wc: RUNS[wc.run]["data"]["finetune_corpus"],
-            device=lambda wc: RUNS[wc.run]["hardware"]["device"],
-            run=lambda wc: wc.run,
-            # the layout changes no number (tests/pipeline/test_sharded_evaluation.py), but starts the stage anew
-            parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),
-            runtime=lambda wc: runtime(wc.run),
-        ),
+        job=torchrun_job("evaluate_run", **EVALUATE_RUN_PARAMS),
+        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
+        compared=compared_params(**EVALUATE_RUN_PARAMS),
         launcher=torchrun_launcher("evaluate_run", lambda wc: RUNS[wc.run], lambda cfg: cfg["evaluate"]["ranks"]),
     resources:
         gpu=lambda wc: forward_gpus(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),  # common.smk's gpus_of
