@@ -315,9 +315,11 @@ def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_afte
     }
     (pipeline_copy / "config" / "ranks.yaml").write_text(json.dumps(two_ranks))
     args = ("--cores", "2", "--configfile", "config/smoke.yaml", "config/ranks.yaml")
-    # only the training stages (and the memory plan, which plans for the devices) rerun
+    # the training stages and the memory plan, which plans for the devices; and the experts choice, timed in the
+    # layout training runs (#24 item 11), with the stages that take it (the base and its coverage pass)
     rules = scheduled_rules(pipeline_copy, "config/ranks.yaml", target=target)
-    assert rules == {"plan_memory", "warmup", "train_model"}, rules
+    expected = {"plan_memory", "warmup", "train_model", "choose_experts", "pretrain_base", "coverage_valset"}
+    assert rules == expected, rules
     snakemake(pipeline_copy, target, *args)
     metrics = results / "runs" / "moe" / "train" / "metrics.jsonl"
     straight = [json.loads(x) for x in metrics.read_text().splitlines()]
