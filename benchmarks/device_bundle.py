@@ -353,7 +353,10 @@ def check(bundle: Path, site: Path, mimic: bool) -> dict:
     conflicts = unmet_requirements(found, installed)
     errors += [c for c in conflicts if "is not installed" in c]
     if mimic:
-        extra = sorted(n for n, (_, where) in versions.items() if where != site and n not in DEVICE_IMAGE)
+        # moeflow travels as the tree's source (src/; `make env` leaves its egg-info there), never as a package
+        extra = sorted(
+            n for n, (_, where) in versions.items() if where != site and n not in DEVICE_IMAGE and n != "moeflow"
+        )
         errors += [f"the mimic has {n}, which the machine's image lacks: remove it from envs/device.txt" for n in extra]
     report = {
         "bundled": len(found),
