@@ -4,6 +4,7 @@ with flash-attn, and on CPU with a stand-in that attends as transformers' flash 
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import family_checks as C
@@ -182,13 +183,27 @@ class FakeFlash:
         return out.view(batch, length, heads, -1), None
 
 
+@contextlib.contextmanager
+def fake_flash(model):
+    """``model`` attends through a recording FakeFlash registered as flash_attention_2, for the block only."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    fake = FakeFlash()
+    ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = fake
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        yield fake
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
+        model.config._attn_implementation = "eager"
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_flash_attention_gets_one_packed_row_with_the_documents_lengths(family):
     """Rows of several documents reach a flash model as ONE packed row with the cumulative lengths transformers'
     own varlen preparation finds from its position_ids; the per-token losses equal the per-document (masked)
     attention's, and the next-token shift does not cross from one row into the next."""
     from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from moeflow.model.chunked_loss import token_losses
 
@@ -198,16 +213,9 @@ def test_flash_attention_gets_one_packed_row_with_the_documents_lengths(family):
     assert batch["input_ids"].shape[0] == 3 and (batch["position_ids"] == 0).sum(1).tolist() == [2, 2, 4]
     with torch.no_grad():
         reference = token_losses(model, model_inputs(model, batch), batch["labels"]).token_loss
-    fake = FakeFlash()
-    ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = fake
-    model.config._attn_implementation = "flash_attention_2"
-    try:
+    with fake_flash(model) as fake, torch.no_grad():
         inputs = model_inputs(model, batch)
-        with torch.no_grad():
-            flash = token_losses(model, inputs, batch["labels"]).token_loss
-    finally:
-        del ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
-        model.config._attn_implementation = "eager"
+        flash = token_losses(model, inputs, batch["labels"]).token_loss
     assert "attention_mask" not in inputs and inputs["input_ids"].shape == (1, 3 * 32)
     assert torch.equal(inputs["input_ids"], batch["input_ids"].reshape(1, -1))
     (want_cu, _), (want_max, _) = prepare_fa_kwargs_from_position_ids(batch["position_ids"].reshape(1, -1))
@@ -223,7 +231,6 @@ def test_flash_attention_gets_one_packed_row_with_the_documents_lengths(family):
 def test_unflattened_rows_would_attend_across_documents():
     """The fake is a faithful check: rows of several documents given to it as they are (B > 1) attend across
     their documents, and the losses move."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from moeflow.model.chunked_loss import token_losses
 
@@ -231,14 +238,8 @@ def test_unflattened_rows_would_attend_across_documents():
     batch = collate(C.packed_rows())
     with torch.no_grad():
         reference = token_losses(model, model_inputs(model, batch), batch["labels"]).token_loss
-        fake = FakeFlash()
-        ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = fake
-        model.config._attn_implementation = "flash_attention_2"
-        try:
+        with fake_flash(model) as fake:
             rows = {k: batch[k] for k in ("input_ids", "position_ids")}
             crossing = token_losses(model, rows, batch["labels"]).token_loss
-        finally:
-            del ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
-            model.config._attn_implementation = "eager"
     assert fake.calls and fake.calls[0]["batch"] == 3
     assert (crossing - reference).abs().max() > 1e-3
