@@ -185,10 +185,13 @@ def route_pool(
     attn_implementation: str,
     precision: str = "fp32",
     adapter: Any = None,
+    observers: Sequence[Any] = (),
 ) -> PoolStats:
     """Route each pool's packed rows through ``model`` and collect per-document statistics.
 
     ``pools``: ``(corpus name, rows)`` with rows as the data stage writes them (``moeflow.data.shards``).
+    ``observers``: objects whose ``add(routing_layers, keep)`` also sees each batch's captured routing and its
+    real-token mask (e.g. ``moeflow.train.esft.TotalsCollector``), so other statistics share this one pass.
     """
     adapter = adapter or adapter_for(model)
     collector = StatsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
@@ -203,6 +206,8 @@ def route_pool(
             with torch.no_grad(), autocast, capture(model, adapter) as routing:
                 decoder_forward(model, inputs)  # the routers only: no output layer
             collector.add(corpus_index, doc_ids.reshape(-1), [r.topk_index.cpu().numpy() for r in routing.layers])
+            for observer in observers:
+                observer.add(routing.layers, batch["doc_ids"].reshape(-1) >= 0)
             kill_point("coverage.batch")
     stats = collector.finish([name for name, _ in pools])
     log.info(

@@ -1,0 +1,108 @@
+"""Expert relevance and per-layer expert selection for expert-specialised fine-tuning (ESFT, arXiv 2407.01906).
+
+Relevance of expert ``e`` in MoE layer ``l`` over the task's tokens ``t = 1..N`` (padding excluded), with
+``k`` experts chosen per token and ``w[t, e]`` the routing weight the chosen expert's output is multiplied by:
+
+- ``token``: the share of the layer's top-k selections that went to ``e``:
+  ``count(t : e in topk(t)) / (N * k)``; a layer's token scores sum to 1.
+- ``gate``: the mean over tokens of the normalised gate weight, ``0`` where ``e`` was not chosen:
+  ``(1/N) * sum_t g[t, e]`` with ``g[t, e] = w[t, e] / sum_{e' in topk(t)} w[t, e']`` (ESFT's average gate
+  score; normalising per token removes routed scaling factors, so a layer's gate scores also sum to 1).
+
+Per layer, ESFT keeps the smallest set of experts whose cumulative relevance, experts sorted by relevance
+descending (ties: lower expert index first), reaches ``top_p``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SCORES = ("token", "gate")
+
+
+@dataclass
+class RoutingTotals:
+    """Per (MoE layer, expert) sums over a task's tokens: top-k selections and normalised gate weights."""
+
+    layers: list[int]  # decoder layer indices, in the order of the rows below
+    top_k: int
+    tokens: int  # tokens routed (padding excluded)
+    selections: np.ndarray  # (L, E) int64: tokens on which the expert was among the top-k
+    gate_sums: np.ndarray  # (L, E) float64: sum over tokens of the normalised gate weight
+
+    def scores(self, score: str) -> np.ndarray:
+        """(L, E) relevance by ``score`` (``token`` or ``gate``, see the module docstring)."""
+        if score not in SCORES:
+            raise ValueError(f"train.esft.score: {score!r} is not one of {list(SCORES)}")
+        if self.tokens <= 0:
+            raise ValueError("ESFT relevance: no tokens were routed (is the token budget or the training split empty?)")
+        if score == "token":
+            return self.selections / float(self.tokens * self.top_k)
+        return self.gate_sums / float(self.tokens)
+
+
+class TotalsCollector:
+    """Accumulates ``RoutingTotals`` from captured routing (``moeflow.model.routing.LayerRouting``) batch by batch."""
+
+    def __init__(self, layers: Sequence[int], num_experts: int, top_k: int):
+        self.layers = list(layers)
+        self.top_k = top_k
+        self.tokens = 0
+        self.selections = np.zeros((len(self.layers), num_experts), dtype=np.int64)
+        self.gate_sums = np.zeros((len(self.layers), num_experts), dtype=np.float64)
+
+    def add(self, routing_layers: Sequence, keep: torch.Tensor) -> None:
+        """Add one batch: ``routing_layers`` in ``layers`` order, ``keep`` the (tokens,) bool mask of real tokens."""
+        keep = keep.reshape(-1).bool()
+        self.tokens += int(keep.sum())
+        for row, routing in enumerate(routing_layers):
+            index = routing.topk_index[keep].cpu()
+            weight = routing.topk_weight[keep].detach().to(torch.float64).cpu()
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+            flat = index.reshape(-1).numpy()
+            self.selections[row] += np.bincount(flat, minlength=self.selections.shape[1])
+            self.gate_sums[row] += np.bincount(
+                flat, weights=weight.reshape(-1).numpy(), minlength=self.gate_sums.shape[1]
+            )
+
+    def finish(self) -> RoutingTotals:
+        return RoutingTotals(self.layers, self.top_k, self.tokens, self.selections.copy(), self.gate_sums.copy())
+
+
+def select_layer(scores: np.ndarray, top_p: float) -> list[int]:
+    """The smallest set of experts (indices, ascending) whose cumulative relevance reaches ``top_p``.
+
+    Experts are taken by relevance descending, ties by lower index first. ``top_p`` is compared with a relative
+    tolerance of 1e-9 so that a threshold equal to a cumulative sum (e.g. 0.5 = 0.25 + 0.25) is reached despite
+    float rounding; a layer whose scores never reach it keeps every expert.
+    """
+    if not 0 < top_p <= 1:
+        raise ValueError(f"train.esft.top_p: {top_p} must be in (0, 1]")
+    order = sorted(range(len(scores)), key=lambda e: (-float(scores[e]), e))
+    chosen, total = [], 0.0
+    target = top_p * (1 - 1e-9)
+    for e in order:
+        chosen.append(e)
+        total += float(scores[e])
+        if total >= target:
+            break
+    return sorted(chosen)
+
+
+def select_experts(totals: RoutingTotals, score: str, top_p: float) -> dict:
+    """The selection as the selection JSON holds it: settings, every score, the chosen experts per layer."""
+    scores = totals.scores(score)
+    return {
+        "score": score,
+        "top_p": top_p,
+        "tokens": totals.tokens,
+        "top_k": totals.top_k,
+        "layers": [
+            {"layer": layer, "scores": scores[row].tolist(), "selected": select_layer(scores[row], top_p)}
+            for row, layer in enumerate(totals.layers)
+        ],
+    }
