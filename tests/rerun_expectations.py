@@ -114,6 +114,7 @@ ROWS = (
         (
             "src/moeflow/model/factory.py",
             "src/moeflow/model/chunked_loss.py",
+            "src/moeflow/model/mtp_loss.py",
             "src/moeflow/model/wrappers.py",
             "src/moeflow/model/lora.py",
             "src/moeflow/model/saved_names.py",
