@@ -6,6 +6,23 @@
 # number, not the rule. Resumable checkpoints live outside the outputs, under {RESULTS}/checkpoints.
 
 
+WARMUP_PARAMS = dict(
+    settings=lambda wc: stage_keys.warmup_settings(RUNS[WARMUPS[wc.warmkey]]),
+    runtime=lambda wc: runtime(WARMUPS[wc.warmkey]),
+    checkpoints=CHECKPOINTS,
+    failed_report=lambda wc: f"{RESULTS}/logs/warmup/{wc.warmkey}.routing_report.json",
+)
+
+
+TRAIN_MODEL_PARAMS = dict(
+    settings=lambda wc: stage_keys.train_model_settings(RUNS[wc.run]),
+    # its own key: a change reruns train_model, but is no part of the checkpoints' key
+    export=lambda wc: stage_keys.export_settings(RUNS[wc.run]),
+    runtime=lambda wc: runtime(wc.run),
+    checkpoints=CHECKPOINTS,
+)
+
+
 rule warmup:
     input:
         model=lambda wc: base_model_dir(RUNS[WARMUPS[wc.warmkey]]),
@@ -16,13 +33,9 @@ rule warmup:
     output:
         checkpoint=directory(f"{RESULTS}/warmup/{{warmkey}}"),
     params:
-        job=torchrun_job(
-            "warmup",
-            settings=lambda wc: stage_keys.warmup_settings(RUNS[WARMUPS[wc.warmkey]]),
-            runtime=lambda wc: runtime(WARMUPS[wc.warmkey]),
-            checkpoints=CHECKPOINTS,
-            failed_report=lambda wc: f"{RESULTS}/logs/warmup/{wc.warmkey}.routing_report.json",
-        ),
+        job=torchrun_job("warmup", **WARMUP_PARAMS),
+        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
+        compared=compared_params(**WARMUP_PARAMS),
         launcher=torchrun_launcher("warmup", lambda wc: RUNS[WARMUPS[wc.warmkey]]),
     resources:
         gpu=lambda wc: training_gpus(RUNS[WARMUPS[wc.warmkey]]),  # one rank per GPU (common.smk's gpus_of)
@@ -57,15 +70,9 @@ rule train_model:
         # a method marker here, so the output always exists (moeflow.model.lora.save_adapter_output).
         adapter=directory(f"{RESULTS}/runs/{{run}}/adapter"),
     params:
-        job=torchrun_job(
-            "train_model",
-            settings=lambda wc: stage_keys.train_model_settings(RUNS[wc.run]),
-            # its own param: a change reruns train_model (Snakemake's params rule), but is no part of the
-            # checkpoints' key
-            export=lambda wc: stage_keys.export_settings(RUNS[wc.run]),
-            runtime=lambda wc: runtime(wc.run),
-            checkpoints=CHECKPOINTS,
-        ),
+        job=torchrun_job("train_model", **TRAIN_MODEL_PARAMS),
+        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
+        compared=compared_params(**TRAIN_MODEL_PARAMS),
         launcher=torchrun_launcher("train_model", lambda wc: RUNS[wc.run]),
     resources:
         gpu=lambda wc: training_gpus(RUNS[wc.run]),  # one rank per GPU (common.smk's gpus_of)

@@ -118,9 +118,10 @@ def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def forward_parallel(cfg: Mapping[str, Any], ranks: int) -> dict[str, Any]:
-    """The ``parallel`` section of a forward-only job of ``cfg`` on ``ranks`` ranks of one node: the run's
-    strategy (the model sharded as training shards it), its own number of ranks."""
-    return {**cfg["parallel"], "nproc_per_node": int(ranks), "nnodes": 1}
+    """The ``parallel`` section of an evaluation job of ``cfg`` on ``ranks`` ranks of one node: evaluate.strategy's
+    layout (null: the run's parallel.strategy, the model sharded as training shards it), its own number of ranks."""
+    strategy = cfg["evaluate"]["strategy"] or cfg["parallel"]["strategy"]
+    return {**cfg["parallel"], "strategy": strategy, "nproc_per_node": int(ranks), "nnodes": 1}
 
 
 HUMANEVAL_GENERATION_KEYS = ("problems", "n_samples", "temperature", "top_p", "max_new_tokens", "batch_size")
