@@ -70,7 +70,7 @@ def test_wrong_type_and_unknown_key_in_a_run_overlay():
     )
     assert config_error(evaluate={"batchsize": 4}) == (
         "invalid configuration:\n  - config key 'evaluate': unknown key(s) 'batchsize'; allowed keys are: batch_size, "
-        "humaneval, lm_eval, max_sequences, ranks, tasks\n(schema: config/schema.yaml)"
+        "humaneval, lm_eval, max_sequences, ranks, strategy, tasks\n(schema: config/schema.yaml)"
     )
 
 
