@@ -188,12 +188,19 @@ def packed_attention_mask(config: Any, position_ids: Any, dtype: Any):
     return {kind: block_causal_mask(position_ids, dtype, window) for kind, window in zip(config.layer_types, windows)}
 
 
+def document_ids(position_ids: Any):
+    """(B, L): the packed document each position belongs to (a new one wherever the position is 0)."""
+    import torch
+
+    return torch.cumsum((position_ids == 0).to(torch.int64), dim=1)
+
+
 def block_causal_mask(position_ids: Any, dtype: Any, sliding_window: int | None = None):
     """(B, 1, L, L) additive mask from position_ids, on their device: a new block starts wherever the position
     is 0; a query attends to earlier keys of its block, the last ``sliding_window`` positions only if given."""
     import torch
 
-    block = torch.cumsum((position_ids == 0).to(torch.int64), dim=1)
+    block = document_ids(position_ids)
     same_block = block[:, :, None] == block[:, None, :]
     length = position_ids.shape[1]
     index = torch.arange(length, device=position_ids.device)

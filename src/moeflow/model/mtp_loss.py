@@ -16,15 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeflow.data.collate import SLIDING, block_causal_mask, flattens_rows
+from moeflow.data.collate import SLIDING, block_causal_mask, document_ids, flattens_rows
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import linear_cross_entropy, logit_scale
 from moeflow.model.families.mtp import mtp_layers
-
-
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, L): the packed document each position belongs to (a new one wherever the position is 0)."""
-    return torch.cumsum((position_ids == 0).to(torch.int64), dim=1)
 
 
 def depth_targets(labels: torch.Tensor, position_ids: torch.Tensor, depth: int) -> torch.Tensor:
