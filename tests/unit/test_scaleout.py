@@ -3,6 +3,7 @@ copied recipe's expert-parallel flags."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -27,6 +28,7 @@ from moeflow.plan.scaleout import (
 )
 from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, ConfigError
+from moeflow.workflow.keys import plan_settings
 from moeflow.workflow.load import load, run_config
 from moeflow.workflow.merge import deep_merge
 from moeflow.workflow.recipe import translate_recipe_flags
@@ -95,15 +97,29 @@ def test_layouts_at_real_scale():
     )
 
 
-def test_cost_is_six_n_active_tokens_at_the_assumed_mfu():
-    c = cost(active_parameters=3_000_000_000, tokens=10**9, gpus=8, peak_flops=1e15, mfu=0.25)
+def test_cost_is_six_n_flop_bearing_tokens_at_the_assumed_mfu():
+    c = cost(flop_bearing_parameters=3_000_000_000, tokens=10**9, gpus=8, peak_flops=1e15, mfu=0.25)
     assert c["flops"] == 6 * 3e9 * 1e9
     assert c["gpu_hours"] == pytest.approx(1.8e19 / 2.5e14 / 3600)
     assert c["wall_hours"] == pytest.approx(c["gpu_hours"] / 8)
     step = scaleout_plan(cluster_config("step3p5-flash", "slurm-multinode"), profile_request("slurm-multinode"))
     assert step["cost"]["assumed_mfu"] == ASSUMED_MFU
-    assert step["cost"]["flops"] == 6 * step["parameters"]["active_per_token"] * DEFAULT_TOKEN_BUDGET
+    assert step["cost"]["flops"] == 6 * step["parameters"]["flop_bearing_per_token"] * DEFAULT_TOKEN_BUDGET
     assert wall_hours_fit(profile_request("slurm-multinode").runtime_min, step)
+
+
+def test_the_cost_counts_the_input_embedding_lookup_as_no_flops():
+    """An untied head's matmul counts, the input embedding's lookup does not; a tied one counts once, as the head."""
+    for name in ("qwen3-30b-a3b", "step3p5-flash"):
+        settings = plan_settings(cluster_config(name, "slurm-multinode"))
+        _, params, _ = counts.count_parameters(settings["model"], settings["vocab_size"])
+        embedding, head = params.by_category["embedding"], params.by_category["lm_head"]
+        assert head == embedding > 0  # both untie their head: two vocab x hidden matrices
+        assert params.flop_bearing == params.active - embedding
+        planned = scaleout_plan(cluster_config(name, "slurm-multinode"), profile_request("slurm-multinode"))
+        assert planned["cost"]["flops"] == 6 * (params.active - embedding) * DEFAULT_TOKEN_BUDGET
+    tied = dataclasses.replace(params, by_category={**params.by_category, "lm_head": 0})
+    assert tied.flop_bearing == tied.active
 
 
 def test_profile_without_gpus_for_the_rule_is_an_error(tmp_path):

@@ -69,6 +69,14 @@ class ParamCount:
     def embeddings(self) -> int:
         return self.by_category["embedding"] + self.by_category["lm_head"]
 
+    @property
+    def flop_bearing(self) -> int:
+        """:attr:`active` without the input embedding, whose lookup is a gather, not a matmul: the count behind
+        ``6 N`` FLOPs per trained token (as moeflow.model.parameters.flop_bearing_per_token counts a built model).
+        A head tied to the embedding is counted once, as the head."""
+        tied = self.by_category["lm_head"] == 0
+        return self.active - (0 if tied else self.by_category["embedding"])
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "method": self.method,
@@ -76,6 +84,7 @@ class ParamCount:
             "without_mtp": self.without_mtp,
             "active_per_token": self.active,
             "active_per_token_without_embeddings": self.active - self.embeddings,
+            "flop_bearing_per_token": self.flop_bearing,
             "by_category": dict(self.by_category),
             "largest_layer": self.largest_layer,
             "largest_layer_without_routed_experts": self.largest_layer_without_routed,

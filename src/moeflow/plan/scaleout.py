@@ -7,11 +7,12 @@ request from the profile, :func:`layout` the ranks and sharding from the config,
 :func:`scaleout_plan` combines them with the memory planner (:mod:`moeflow.plan`, unchanged numbers)
 and a cost estimate.
 
-Cost: training FLOPs are ``6 x N_active x tokens`` (forward 2N, backward 4N per token; attention's
-sequence-length term and the recomputation of gradient checkpointing are not counted as useful work),
-at an assumed model-FLOP utilisation of the GPU's dense bf16 peak. ``ASSUMED_MFU`` is an assumption, not
-a measurement: MoE fine-tuning with expert-parallel all-to-all and checkpointing typically reaches
-0.2-0.35 of peak on H100s; 0.25 is used unless the caller gives another value.
+Cost: training FLOPs are ``6 x N x tokens``, ``N`` the FLOP-bearing active parameters (the input embedding's
+lookup is no matmul; forward 2N, backward 4N per token; attention's sequence-length term and the recomputation
+of gradient checkpointing are not counted as useful work), at an assumed model-FLOP utilisation of the GPU's
+dense bf16 peak. ``ASSUMED_MFU`` is an assumption, not a measurement: MoE fine-tuning with expert-parallel
+all-to-all and checkpointing typically reaches 0.2-0.35 of peak on H100s; 0.25 is used unless the caller gives
+another value.
 
 No torch or transformers at import time (the Snakefile may import this module while building the DAG).
 """
@@ -175,10 +176,11 @@ def _num_experts(cfg: Mapping[str, Any]) -> int:
 
 
 def cost(
-    active_parameters: int, tokens: int, gpus: int, peak_flops: float, mfu: float = ASSUMED_MFU
+    flop_bearing_parameters: int, tokens: int, gpus: int, peak_flops: float, mfu: float = ASSUMED_MFU
 ) -> dict[str, float]:
-    """GPU-hours and wall-clock hours for ``tokens`` training tokens from ``6 N_active tokens`` FLOPs."""
-    flops = 6 * active_parameters * tokens
+    """GPU-hours and wall-clock hours for ``tokens`` training tokens from ``6 N tokens`` FLOPs, ``N`` the
+    FLOP-bearing active parameters per token (ParamCount.flop_bearing)."""
+    flops = 6 * flop_bearing_parameters * tokens
     gpu_seconds = flops / (peak_flops * mfu)
     return {
         "tokens": tokens,
@@ -187,7 +189,7 @@ def cost(
         "peak_flops_per_gpu": peak_flops,
         "gpu_hours": gpu_seconds / 3600,
         "wall_hours": gpu_seconds / 3600 / gpus,
-        "tokens_per_s_per_gpu": peak_flops * mfu / (6 * active_parameters),
+        "tokens_per_s_per_gpu": peak_flops * mfu / (6 * flop_bearing_parameters),
     }
 
 
@@ -252,14 +254,18 @@ def scaleout_plan(
         "profile": request.profile,
         "request": dataclasses.asdict(request) | {"gpu_memory_gib": request.gpu_memory_gib},
         "model_type": shape.model_type,
-        "parameters": {"total": params.total, "active_per_token": params.active},
+        "parameters": {
+            "total": params.total,
+            "active_per_token": params.active,
+            "flop_bearing_per_token": params.flop_bearing,
+        },
         "layout": lay,
         "job": job.as_dict() | {"num_devices": request.gpus},
         "on_request": at(request.gpus),
         "on_fewer": at(max(1, fewer_gpus)),
         "min_gpus": min_devices(shape, params, job, memory),
         "usable_fraction": 1 - HEADROOM,
-        "cost": cost(params.active, tokens, request.gpus, request.gpu_peak_flops, mfu),
+        "cost": cost(params.flop_bearing, tokens, request.gpus, request.gpu_peak_flops, mfu),
     }
 
 
