@@ -22,7 +22,7 @@ from moeflow.plan.counts import count_parameters  # noqa: E402
 from moeflow.plan.memory import Job, resident_state  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
 from moeflow.settings import typed  # noqa: E402
-from moeflow.train.settings import LoraSettings  # noqa: E402
+from moeflow.train.settings import LoraSettings, TrainSettings  # noqa: E402
 from moeflow.train.trainer import Trainer  # noqa: E402
 from moeflow.workflow.checks import optimizer_problems  # noqa: E402
 
@@ -191,3 +191,15 @@ def test_muon_is_refused_on_the_pinned_stack_naming_the_key():
 
     with pytest.raises(OptimizerConfigError, match="train.optimizer"):
         build_optimizer(_model(), settings(optimizer="muon"))
+
+
+@needs_muon
+def test_the_muon_settings_reach_training_only_with_optimizer_muon():
+    from moeflow.workflow.keys import train_settings
+    from moeflow.workflow.load import load
+
+    smoke = Path(__file__).resolve().parents[2] / "config" / "smoke.yaml"
+    assert train_settings(load(smoke))["muon"] is None  # adamw: muon's settings never rerun it
+    tuned = load(smoke, overrides={"train": {"optimizer": "muon", "muon": {"ns_steps": 3}}})
+    s = typed(TrainSettings, train_settings(tuned))
+    assert (s.optimizer, s.muon.ns_steps, s.muon.adjust_lr) == ("muon", 3, "match_rms_adamw")
