@@ -4,7 +4,10 @@ in the memory planner; its refusal where it is not implemented."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -203,3 +206,102 @@ def test_the_muon_settings_reach_training_only_with_optimizer_muon():
     tuned = load(smoke, overrides={"train": {"optimizer": "muon", "muon": {"ns_steps": 3}}})
     s = typed(TrainSettings, train_settings(tuned))
     assert (s.optimizer, s.muon.ns_steps, s.muon.adjust_lr) == ("muon", 3, "match_rms_adamw")
+
+
+# --------------------------------------------------------------------------- FSDP2: each matrix gathered whole
+
+
+def _set_gradients(model: torch.nn.Module) -> None:
+    """The same seeded gradient of every parameter in every layout (this rank's shard of it under FSDP2)."""
+    from moeflow.model.parameters import clean_name
+    from moeflow.parallel.layouts import original_shape
+
+    generator = torch.Generator().manual_seed(5)
+    for _, p in sorted(model.named_parameters(), key=lambda np: clean_name(np[0])):
+        whole = torch.randn(tuple(original_shape(p)), generator=generator) * 1e-2
+        if compat.is_dtensor(p):
+            from torch.distributed.tensor import distribute_tensor
+
+            whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+        p.grad = whole
+
+
+def _muon_steps(model: torch.nn.Module, steps: int, fresh=None, folder: Path | None = None):
+    """``steps`` Muon steps on the seeded gradients; with ``fresh`` (a model) the state goes through a checkpoint
+    at ``folder`` after the first step and the fresh model and optimizer take the rest. Returns (model,
+    optimizer) that took the last step."""
+    from moeflow.checkpoint.state import load_checkpoint, save_checkpoint
+    from moeflow.train.optimizers import build_optimizer
+
+    s = settings(optimizer="muon", router_lr_multiplier=ROUTER_LR)
+    optimizer = build_optimizer(model, s)
+    for step in range(steps):
+        if step == 1 and fresh is not None:
+            save_checkpoint(folder, model, optimizer, {"history": []}, [])
+            model, optimizer = fresh, build_optimizer(fresh, s)
+            load_checkpoint(folder, model, optimizer)
+        _set_gradients(model)
+        for group in optimizer.param_groups:
+            group["lr"] = s.lr * group["lr_multiplier"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def _main_fsdp(out: str) -> None:
+    """One of two ranks: FSDP2, two Muon steps with a checkpoint between them; rank 0 saves the whole state."""
+    from safetensors.torch import save_file
+
+    from moeflow.parallel.layouts import full_state_dict, shard_model
+    from moeflow.parallel.process_group import process_group
+    from moeflow.parallel.settings import ParallelSettings
+
+    torch.set_num_threads(1)
+    parallel = typed(ParallelSettings, {"strategy": "fsdp"})
+    with process_group("cpu") as ranks:
+        model, fresh = (shard_model(_model(seed), parallel, ranks, "fp32") for seed in (0, 1))
+        assert any(compat.is_dtensor(p) for p in model.parameters())
+        model, optimizer = _muon_steps(model, 2, fresh, Path(out) / "checkpoint")
+        weights, optim_state = full_state_dict(model, optimizer)
+        names = {i: n for i, n in enumerate(n for g in optim_state["param_groups"] for n in g["params"])}
+        buffers = {
+            f"{names.get(k, k)}/momentum_buffer": v["momentum_buffer"]
+            for k, v in optim_state["state"].items()
+            if "momentum_buffer" in v
+        }
+        if ranks.is_main:
+            save_file(
+                {k: v.contiguous() for k, v in {**weights, **buffers}.items()}, str(Path(out) / "state.safetensors")
+            )
+
+
+@needs_muon
+def test_fsdp2_muon_updates_each_whole_matrix_as_one_process_does_through_a_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    from moeflow.parallel.launch import torchrun_command
+    from moeflow.parallel.layouts import full_state_dict
+    from moeflow.settings import REPO_ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT / "tests"), env.get("PYTHONPATH", "")])
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=2)) + [__file__, str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    got = load_file(str(tmp_path / "state.safetensors"))
+    model, optimizer = _muon_steps(_model(), 2)
+    weights, optim_state = full_state_dict(model, optimizer)
+    names = {i: n for i, n in enumerate(n for g in optim_state["param_groups"] for n in g["params"])}
+    want = dict(weights)
+    want |= {
+        f"{names.get(k, k)}/momentum_buffer": v["momentum_buffer"]
+        for k, v in optim_state["state"].items()
+        if "momentum_buffer" in v
+    }
+    assert sorted(got) == sorted(want) and any(k.endswith("momentum_buffer") for k in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+
+
+if __name__ == "__main__":
+    _main_fsdp(sys.argv[1])

@@ -63,7 +63,8 @@ class SlicedMuon(torch.optim.Optimizer):
     """torch.optim.Muon's update (its functional ``torch.optim._muon.muon``) on every matrix of each parameter
     (:func:`matrices`): a 2-D weight as torch.optim.Muon updates it, a fused expert tensor one expert's slice at
     a time, through views of the parameter, its gradient and its one momentum buffer (state
-    ``momentum_buffer``, shaped as the parameter, as torch.optim.Muon's)."""
+    ``momentum_buffer``, shaped as the parameter, as torch.optim.Muon's). A parameter FSDP2 shards is updated
+    whole (:func:`gathered_step`)."""
 
     def __init__(self, params, *, lr: float, weight_decay: float, settings: MuonSettings):
         from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
@@ -81,11 +82,6 @@ class SlicedMuon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
-                if compat.is_dtensor(p):
-                    raise OptimizerConfigError(
-                        "config key 'train.optimizer': muon orthogonalises each whole matrix, and this one is "
-                        "sharded (a DTensor of parallel.strategy fsdp or ep); use parallel.strategy: none or adamw"
-                    )
                 if p.dim() not in (2, 3):
                     raise OptimizerConfigError(
                         f"Muon takes 2-D matrices or fused [E, out, in] experts, got {list(p.shape)}"
@@ -100,6 +96,8 @@ class SlicedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            settings = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov", "eps", "ns_steps")}
+            settings |= {"ns_coefficients": tuple(group["ns_coefficients"]), "adjust_lr_fn": group["adjust_lr_fn"]}
             params, grads, buffers = [], [], []
             for p in group["params"]:
                 if p.grad is None:
@@ -107,24 +105,28 @@ class SlicedMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                if compat.is_dtensor(p):
+                    gathered_step(p, state["momentum_buffer"], settings)
+                    continue
                 params += matrices(p)
                 grads += matrices(p.grad)
                 buffers += matrices(state["momentum_buffer"])
-            muon(
-                params,
-                grads,
-                buffers,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
-                ns_coefficients=tuple(group["ns_coefficients"]),
-                eps=group["eps"],
-                ns_steps=group["ns_steps"],
-                adjust_lr_fn=group["adjust_lr_fn"],
-                has_complex=False,
-            )
+            muon(params, grads, buffers, **settings, has_complex=False)
         return loss
+
+
+def gathered_step(param: torch.Tensor, buffer: torch.Tensor, settings: dict[str, Any]) -> None:
+    """Muon's update of a sharded (DTensor, FSDP2) parameter: its weight, gradient and momentum buffer gathered
+    whole on every rank, updated as an unsharded one, and each rank keeps its own shard of the result (every
+    rank computes the same whole update from the same gathered values)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.optim._muon import muon
+
+    whole, momentum = param.full_tensor(), buffer.full_tensor()
+    muon(matrices(whole), matrices(param.grad.full_tensor()), matrices(momentum), **settings, has_complex=False)
+    for target, value in ((param, whole), (buffer, momentum)):
+        mine = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(mine.to_local())
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
