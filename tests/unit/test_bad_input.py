@@ -55,10 +55,11 @@ def test_warmup_steps_and_warmup_ratio_together_are_refused():
 
 
 def test_muon_is_refused_where_it_is_not_implemented_naming_train_optimizer():
-    message = config_error(train={"optimizer": "muon"}, parallel={"strategy": "fsdp"})
+    ep = {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2}
+    message = config_error(train={"optimizer": "muon"}, parallel=ep, hardware={"num_devices": 2})
     if hasattr(torch.optim, "Muon"):
         assert "config key 'train.optimizer': muon orthogonalises each whole matrix" in message
-        assert "parallel.strategy: none" in message
+        assert "parallel.strategy: fsdp or none" in message
     else:  # the pinned stack (torch 2.3) refuses it in every layout, first
         assert "config key 'train.optimizer': muon needs torch.optim.Muon" in message and "STACK=current" in message
         assert config_error(train={"optimizer": "muon"}) == message

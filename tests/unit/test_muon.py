@@ -4,6 +4,8 @@ in the memory planner; its refusal where it is not implemented."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import shlex
@@ -22,7 +24,7 @@ from moeflow.data.collate import collate  # noqa: E402
 from moeflow.model.factory import make_model  # noqa: E402
 from moeflow.model.settings import ModelSettings  # noqa: E402
 from moeflow.plan.counts import count_parameters  # noqa: E402
-from moeflow.plan.memory import Job, resident_state  # noqa: E402
+from moeflow.plan.memory import Job, memory_per_device, resident_state  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
 from moeflow.settings import typed  # noqa: E402
 from moeflow.train.settings import LoraSettings, TrainSettings  # noqa: E402
@@ -165,6 +167,11 @@ def test_the_planners_optimizer_state_is_the_state_the_optimizer_holds_after_a_s
         optimizer=optimizer,
     )
     assert resident_state(shape, params, job)["optimizer"] == held
+    # FSDP over 2 ranks: each holds half of it; Muon's step also gathers one parameter whole (3 fp32 copies)
+    fsdp = dataclasses.replace(job, num_devices=2, ranks_per_node=2)
+    assert resident_state(shape, params, fsdp)["optimizer"] == math.ceil(held / 2)
+    gathered = 3 * params.largest_tensor * 4 if optimizer == "muon" else 0
+    assert memory_per_device(shape, params, fsdp)["optimizer"] == math.ceil(held / 2) + gathered
 
 
 def _config(optimizer: str, strategy: str = "none", method: str = "full") -> dict:
@@ -178,9 +185,9 @@ def test_muon_is_refused_at_config_check_where_it_is_not_implemented():
     problems = optimizer_problems(_config("muon"))
     assert [p for p in problems if "torch.optim.Muon" in p] == ([problems[0]] if stack else [])
     assert all(p.startswith("config key 'train.optimizer'") for p in problems)
-    for strategy in ("fsdp", "ep"):
-        sharded = optimizer_problems(_config("muon", strategy))
-        assert len(sharded) == len(stack) + 1 and "parallel.strategy: none" in sharded[-1]
+    assert len(optimizer_problems(_config("muon", "fsdp"))) == len(stack)
+    ep = optimizer_problems(_config("muon", "ep"))
+    assert len(ep) == len(stack) + 1 and "parallel.strategy 'ep'" in ep[-1]
     lora = optimizer_problems(_config("muon", method="lora"))
     assert len(lora) == len(stack) + 1 and "method: full" in lora[-1]
 

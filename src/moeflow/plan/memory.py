@@ -20,7 +20,8 @@ buffers and the gathered layers of the backward pass are not all live at the sam
     * weights: parameters x 2 (bf16) or 4 (fp32);
     * gradients: trainable parameters x the same width (a full fine-tune trains all but the MTP layers);
     * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16
-      (``train.optimizer: muon``: the hidden matrices keep one fp32 momentum buffer, 4, :func:`optimizer_state_bytes`);
+      (``train.optimizer: muon``: the hidden matrices keep one fp32 momentum buffer, 4, :func:`optimizer_state_bytes`;
+      sharded, plus one parameter gathered whole for its update, :func:`muon_gathered_bytes`);
       either way 16 bytes per trainable parameter, the same total as moeflow.train.trainer's bf16 autocast
       (fp32 weights 4 + fp32 gradients 4 + moments 8) and as FSDP mixed precision (fp32 sharded master
       weights 4 + fp32 sharded gradients 4 + moments 8);
@@ -351,7 +352,8 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         "gradients": math.ceil(trainable * width / shards),
         "optimizer": math.ceil(
             (optimizer_state_bytes(params, trainable, job) + trainable * MASTER_WEIGHT_BYTES[job.precision]) / shards
-        ),
+        )
+        + muon_gathered_bytes(params, job),
         "unsharded_layer": (gathered * width + unit_trainable * width) if job.sharded else 0,
         "prefetched_layer": gathered * width if job.sharded else 0,
         "layer_gradient_reduce": unit_trainable * FP32_BYTES if job.sharded else 0,
@@ -399,6 +401,14 @@ def optimizer_state_bytes(params: ParamCount, trained: int, job: Job) -> int:
     if job.optimizer != "muon" or job.method == "lora":
         return trained * ADAM_MOMENT_BYTES
     return params.hidden_matrices * MUON_BUFFER_BYTES + (trained - params.hidden_matrices) * ADAM_MOMENT_BYTES
+
+
+def muon_gathered_bytes(params: ParamCount, job: Job) -> int:
+    """Muon under FSDP (moeflow.train.optimizers.gathered_step): one parameter's weight, gradient and momentum
+    buffer gathered whole in fp32 for its update (the largest tensor counted: a conservative bound)."""
+    if job.optimizer != "muon" or job.method == "lora" or not job.sharded:
+        return 0
+    return 3 * params.largest_tensor * FP32_BYTES
 
 
 def resident_state(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:

@@ -289,8 +289,8 @@ def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 def optimizer_problems(cfg: Mapping[str, Any]) -> list[str]:
     """``optimizer: muon`` where it is implemented only: the current stack (torch.optim.Muon), full fine-tuning,
-    and for ``train`` the layout ``parallel.strategy: none`` (pretraining runs on one rank). Muon orthogonalises
-    each whole matrix, and under fsdp or ep a rank holds only rows of it (a DTensor shard)."""
+    and for ``train`` the layouts ``parallel.strategy`` none and fsdp (FSDP2 gathers each matrix whole for its
+    update; pretraining runs on one rank). Under ep transformers places the experts itself: not implemented."""
     problems = []
     for section in ("train", "pretrain"):
         train = cfg[section]
@@ -308,10 +308,10 @@ def optimizer_problems(cfg: Mapping[str, Any]) -> list[str]:
                 "use optimizer: adamw"
             )
         strategy = cfg["parallel"]["strategy"]
-        if section == "train" and strategy != "none":
+        if section == "train" and strategy == "ep":
             problems.append(
-                f"{key}: muon orthogonalises each whole matrix, and parallel.strategy {strategy!r} shards the "
-                "matrices over the ranks (a rank holds rows of each); it is implemented for parallel.strategy: none "
-                "only. Use strategy: none (every rank holds the whole model) or optimizer: adamw"
+                f"{key}: muon orthogonalises each whole matrix; under parallel.strategy 'ep' transformers shards the "
+                "experts itself, and gathering them for Muon's update is not implemented. Use parallel.strategy: "
+                "fsdp or none, or optimizer: adamw"
             )
     return problems
