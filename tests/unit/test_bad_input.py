@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_coverage_stage
 from tiny_models import folder_settings
 
@@ -51,6 +52,17 @@ def test_warmup_steps_and_warmup_ratio_together_are_refused():
         "invalid configuration: config keys 'train.warmup_steps' and 'train.warmup_ratio' are both set; give one of "
         "them (set the other to null), e.g. warmup_steps: 1000 or warmup_ratio: 0.1"
     )
+
+
+def test_muon_is_refused_where_it_is_not_implemented_naming_train_optimizer():
+    ep = {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2}
+    message = config_error(train={"optimizer": "muon"}, parallel=ep, hardware={"num_devices": 2})
+    if hasattr(torch.optim, "Muon"):
+        assert "config key 'train.optimizer': muon orthogonalises each whole matrix" in message
+        assert "parallel.strategy: fsdp or none" in message
+    else:  # the pinned stack (torch 2.3) refuses it in every layout, first
+        assert "config key 'train.optimizer': muon needs torch.optim.Muon" in message and "STACK=current" in message
+        assert config_error(train={"optimizer": "muon"}) == message
 
 
 def test_a_global_batch_size_is_refused_with_how_the_global_batch_is_made():

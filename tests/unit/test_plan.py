@@ -144,6 +144,7 @@ def test_formula_matches_the_meta_device_count(name):
     assert formula.largest_tensor == exact.largest_tensor  # the export's one whole gathered tensor
     assert formula.largest_layer_routed == exact.largest_layer_routed
     assert formula.moe_layer_without_routed == exact.moe_layer_without_routed
+    assert formula.hidden_matrices == exact.hidden_matrices > 0  # Muon's matrices (train.optimizer: muon)
     assert exact.by_category["routed_experts"] > 0 and exact.by_category["router"] > 0
 
 

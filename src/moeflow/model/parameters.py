@@ -126,6 +126,18 @@ def takes_weight_decay(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and category(name) != NORMS and not is_bias(name)
 
 
+# The categories whose weights are linear maps between hidden features (Muon's matrices); the embedding, the LM
+# head, the routers, the shared-expert gate and the MTP modules are not.
+HIDDEN_MATRIX_CATEGORIES = (ATTENTION, DENSE_FFN, ROUTED_EXPERTS, SHARED_EXPERTS)
+
+
+def is_hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """A hidden layer's weight matrix, which Muon updates (moeflow.train.optimizers): an attention, dense-FFN or
+    expert weight of 2 dimensions, or of 3 where the stack fuses a layer's experts into one ``[E, out, in]``
+    tensor (each expert's slice is one matrix). Never a norm or bias. ``shape``: as in the model."""
+    return category(name) in HIDDEN_MATRIX_CATEGORIES and takes_weight_decay(name, shape)
+
+
 def layer_index(name: str) -> int | None:
     """The decoder layer a parameter belongs to (None outside the layers)."""
     match = _LAYER.search(name)

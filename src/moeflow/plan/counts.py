@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moeflow.model.parameters import counted_category, layer_index
+from moeflow.model.parameters import counted_category, is_hidden_matrix, layer_index
 from moeflow.plan.shapes import (
     PlanError,
     Shape,
@@ -50,6 +50,7 @@ class ParamCount:
     largest_tensor: int  # elements of the largest single parameter (what the export gathers whole at once)
     largest_layer_routed: int = 0  # routed-expert parameters of the decoder layer with the most (what EP splits)
     moe_layer_without_routed: int = 0  # the largest MoE layer without its routed experts
+    hidden_matrices: int = 0  # the main layers' weight matrices (moeflow.model.parameters.is_hidden_matrix): Muon's
 
     @property
     def total(self) -> int:
@@ -91,6 +92,7 @@ class ParamCount:
             "largest_tensor": self.largest_tensor,
             "largest_layer_routed_experts": self.largest_layer_routed,
             "moe_layer_without_routed_experts": self.moe_layer_without_routed,
+            "hidden_matrices": self.hidden_matrices,
         }
 
 
@@ -173,7 +175,22 @@ def formula_count(s: Shape) -> ParamCount:
         largest_tensor(s),
         moe["routed_experts"] if s.moe_layers else 0,
         max((without_routed[i] for i in moe_set), default=0),
+        hidden_matrix_count(s),
     )
+
+
+def hidden_matrix_count(s: Shape) -> int:
+    """The main layers' weight matrices (Muon's, moeflow.model.parameters.is_hidden_matrix): attention
+    projections, dense and shared-expert FFNs, every routed expert's three matrices; no norm, bias or router."""
+    h, moe_set = s.hidden_size, set(s.moe_layers)
+    total = 0
+    for layer in range(s.num_layers):
+        total += sum(i * o for i, o in attention_matrices(s, s.heads(layer)))
+        if layer in moe_set:
+            total += 3 * h * (s.num_experts * s.expert_ffn + s.shared_ffn)
+        else:
+            total += 3 * h * s.dense_ffn
+    return total
 
 
 def largest_tensor(s: Shape) -> int:
@@ -198,6 +215,7 @@ def count_module(model: Any, shape: Shape) -> ParamCount:
     by_category = dict.fromkeys(CATEGORIES, 0)
     per_layer: dict[int, int] = {}
     routed_per_layer: dict[int, int] = {}
+    hidden = 0
     for name, param in model.named_parameters():
         layer = layer_index(name)
         mtp = layer is not None and layer >= shape.num_layers  # the MTP layers come after the main ones
@@ -205,6 +223,7 @@ def count_module(model: Any, shape: Shape) -> ParamCount:
         if category is None:
             raise PlanError(f"parameter {name!r}: the planner cannot tell what it belongs to")
         by_category[category] += param.numel()
+        hidden += param.numel() if not mtp and is_hidden_matrix(name, tuple(param.shape)) else 0
         if layer is not None and not mtp:
             per_layer[layer] = per_layer.get(layer, 0) + param.numel()
             if category == "routed_experts":
@@ -215,7 +234,16 @@ def count_module(model: Any, shape: Shape) -> ParamCount:
     routed = max(routed_per_layer.values(), default=0)
     moe_without = max((per_layer[i] - n for i, n in routed_per_layer.items()), default=0)
     return ParamCount(
-        "meta", by_category, largest, without_routed, shape.num_experts, shape.top_k, biggest, routed, moe_without
+        "meta",
+        by_category,
+        largest,
+        without_routed,
+        shape.num_experts,
+        shape.top_k,
+        biggest,
+        routed,
+        moe_without,
+        hidden,
     )
 
 

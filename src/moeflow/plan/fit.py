@@ -31,6 +31,7 @@ from moeflow.plan.memory import (
     Job,
     host_per_node_bytes,
     memory_per_device,
+    muon_gathered_bytes,
     phase_memory,
     rank_bytes,
     worst_device_total,
@@ -87,8 +88,10 @@ def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int 
     if fits(s, params, dataclasses.replace(job, num_devices=1), memory):
         return 1
     # the step's sharded states give the first count to try (no phase fits before the step does)
-    at_two = memory_per_device(s, params, dataclasses.replace(job, num_devices=2))
-    sharded = 2 * (at_two["weights"] + at_two["gradients"] + at_two["optimizer"])
+    two = dataclasses.replace(job, num_devices=2)
+    at_two = memory_per_device(s, params, two)
+    # (the optimizer term holds Muon's whole gathered parameter, which sharding does not shrink)
+    sharded = 2 * (at_two["weights"] + at_two["gradients"] + at_two["optimizer"] - muon_gathered_bytes(params, two))
     replicated = at_two["total"] - sharded / 2
     room = (1 - HEADROOM) * memory - replicated
     if room <= 0:
@@ -168,7 +171,7 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
         at = dataclasses.replace(variant, num_devices=devices or variant.num_devices, replicated=False)
         spread = dataclasses.replace(variant, num_devices=max(2, variant.num_devices), replicated=False)
         sharded = memory_per_device(s, params, spread)
-        states = sharded["weights"] + sharded["gradients"] + sharded["optimizer"]
+        states = sharded["weights"] + sharded["gradients"] + sharded["optimizer"] - muon_gathered_bytes(params, spread)
         options.append(
             {
                 "change": change,

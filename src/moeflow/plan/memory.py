@@ -19,7 +19,9 @@ Memory per device in a training step (bytes, :func:`memory_per_device`, the ``st
 buffers and the gathered layers of the backward pass are not all live at the same instant):
     * weights: parameters x 2 (bf16) or 4 (fp32);
     * gradients: trainable parameters x the same width (a full fine-tune trains all but the MTP layers);
-    * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16;
+    * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16
+      (``train.optimizer: muon``: the hidden matrices keep one fp32 momentum buffer, 4, :func:`optimizer_state_bytes`;
+      sharded, plus one parameter gathered whole for its update, :func:`muon_gathered_bytes`);
       either way 16 bytes per trainable parameter, the same total as moeflow.train.trainer's bf16 autocast
       (fp32 weights 4 + fp32 gradients 4 + moments 8) and as FSDP mixed precision (fp32 sharded master
       weights 4 + fp32 sharded gradients 4 + moments 8);
@@ -121,6 +123,9 @@ WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
 ADAM_MOMENT_BYTES = 8  # two fp32 moments
 
 
+MUON_BUFFER_BYTES = 4  # Muon's one fp32 momentum buffer
+
+
 MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the weights are bf16
 
 
@@ -187,6 +192,7 @@ class Job:
     replicated: bool = False  # parallel.strategy: none on several ranks: every rank holds the whole model
     fsdp_size: int | None = None  # parallel.fsdp_size: the ranks that shard the states (None: all of them)
     ep_size: int = 1  # parallel.ep_size: the ranks one layer's experts are split over (1 with expert_parallel: all)
+    optimizer: str = "adamw"  # train.optimizer: muon keeps one buffer for the hidden matrices (optimizer_state_bytes)
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> Job:
@@ -194,8 +200,10 @@ class Job:
         no ranks (``parallel`` of one process) but several ``hardware.num_devices`` is a plan on paper: FSDP
         over that many devices of one node."""
         train, hardware, parallel = settings["train"], settings["hardware"], settings["parallel"]
-        if train["optimizer"] != "adamw":
-            raise PlanError(f"config key 'train.optimizer': the planner knows adamw, got {train['optimizer']!r}")
+        if train["optimizer"] not in ("adamw", "muon"):
+            raise PlanError(
+                f"config key 'train.optimizer': the planner knows adamw and muon, got {train['optimizer']!r}"
+            )
         on_paper = parallel["nproc_per_node"] * parallel["nnodes"] == 1
         return cls(
             precision=settings["precision"],
@@ -214,6 +222,7 @@ class Job:
             replicated=parallel["strategy"] == "none" and not on_paper,
             fsdp_size=parallel["fsdp_size"],
             ep_size=int(parallel["ep_size"]),
+            optimizer=train["optimizer"],
         )
 
     @property
@@ -341,7 +350,10 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     out = {
         "weights": math.ceil((params.total + added) * width / shards),
         "gradients": math.ceil(trainable * width / shards),
-        "optimizer": math.ceil(trainable * (ADAM_MOMENT_BYTES + MASTER_WEIGHT_BYTES[job.precision]) / shards),
+        "optimizer": math.ceil(
+            (optimizer_state_bytes(params, trainable, job) + trainable * MASTER_WEIGHT_BYTES[job.precision]) / shards
+        )
+        + muon_gathered_bytes(params, job),
         "unsharded_layer": (gathered * width + unit_trainable * width) if job.sharded else 0,
         "prefetched_layer": gathered * width if job.sharded else 0,
         "layer_gradient_reduce": unit_trainable * FP32_BYTES if job.sharded else 0,
@@ -382,13 +394,31 @@ def trained_parameters(s: Shape, params: ParamCount, job: Job) -> tuple[int, int
     return adapters.added, adapters.trainable
 
 
+def optimizer_state_bytes(params: ParamCount, trained: int, job: Job) -> int:
+    """The optimizer's state of ``trained`` parameters, whole: AdamW's two fp32 moments each, or with
+    ``train.optimizer: muon`` (a full fine-tune) one fp32 momentum buffer for each hidden matrix's element
+    (``ParamCount.hidden_matrices``) and AdamW's moments for the rest. AdamW's 0-d step counters are left out."""
+    if job.optimizer != "muon" or job.method == "lora":
+        return trained * ADAM_MOMENT_BYTES
+    return params.hidden_matrices * MUON_BUFFER_BYTES + (trained - params.hidden_matrices) * ADAM_MOMENT_BYTES
+
+
+def muon_gathered_bytes(params: ParamCount, job: Job) -> int:
+    """Muon under FSDP (moeflow.train.optimizers.gathered_step): one parameter's weight, gradient and momentum
+    buffer gathered whole in fp32 for its update (the largest tensor counted: a conservative bound)."""
+    if job.optimizer != "muon" or job.method == "lora" or not job.sharded:
+        return 0
+    return 3 * params.largest_tensor * FP32_BYTES
+
+
 def resident_state(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     """What a rank keeps between steps: its share of the parameters (fp32, frozen ones included) and of
-    AdamW's two moments of the trained ones. The gradients are freed after each step."""
+    the optimizer's state of the trained ones (:func:`optimizer_state_bytes`). The gradients are freed after
+    each step."""
     added, trained = trained_parameters(s, params, job)
     return {
         "weights": math.ceil((params.total + added) * PARAM_BYTES / job.shard_ranks),
-        "optimizer": math.ceil(trained * ADAM_MOMENT_BYTES / job.shard_ranks),
+        "optimizer": math.ceil(optimizer_state_bytes(params, trained, job) / job.shard_ranks),
     }
 
 

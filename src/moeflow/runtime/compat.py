@@ -50,6 +50,12 @@ def fsdp2_available() -> bool:
     return version_of("torch").release[:2] >= (2, 6)
 
 
+def torch_has_muon() -> bool:
+    """Whether torch ships ``torch.optim.Muon`` (torch >= 2.9: the current stack), read from the installed version
+    without importing torch (config check)."""
+    return version_of("torch").release[:2] >= (2, 9)
+
+
 def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a DTensor (FSDP2's and transformers 5's sharded parameters and gradients); it lives
     in ``torch.distributed._tensor`` on torch 2.3."""

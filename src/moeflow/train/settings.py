@@ -59,6 +59,17 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
+class MuonSettings:
+    """``train.muon`` (moeflow.train.optimizers)."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/muon"
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    adjust_lr: str
+
+
+@dataclass(frozen=True)
 class RoutingThresholds:
     """``train.routing_guard`` (moeflow.train.guards.RoutingGuard)."""
 
@@ -89,7 +100,8 @@ class MemoryThresholds:
 @dataclass(frozen=True)
 class TrainSettings:
     """The training loop's settings: a ``train:`` or ``pretrain:`` section after moeflow.workflow.keys.training
-    (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora)."""
+    (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora, ``muon`` None
+    unless ``optimizer`` is muon)."""
 
     SCHEMA: ClassVar[str] = "#/$defs/training"
     method: str
@@ -110,6 +122,7 @@ class TrainSettings:
     router_lr_multiplier: float
     freeze_router: bool
     lora: LoraSettings | None
+    muon: MuonSettings | None
     balance: BalanceSettings
     routing_guard: RoutingThresholds
     memory_guard: MemoryThresholds

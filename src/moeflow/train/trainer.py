@@ -5,7 +5,8 @@ micro-batches, count the step's label and routed tokens, optionally run the coun
 mode ``exact``), then per micro-batch: forward (``use_cache=False``, routing captured by hooks),
 the micro-batch's share of the step loss (``moeflow.train.losses``), backward, and drop the graph. Then sum
 gradients over ranks (``moeflow.parallel.gradients``: an all-reduce, or FSDP's reduce-scatter), clip, set the
-learning rate (linear warmup, cosine to ``min_lr``), AdamW step, loss-free bias update, guards, logging
+learning rate (linear warmup, cosine to ``min_lr``), optimizer step (AdamW, or Muon with AdamW:
+``moeflow.train.optimizers``), loss-free bias update, guards, logging
 (TensorBoard + metrics.jsonl, rank 0), checkpoint.
 
 Resumable checkpoints live in a folder keyed by the stage's settings, inputs and code, outside the
@@ -54,7 +55,8 @@ from moeflow.train.losses import (
     update_correction_bias,
 )
 from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
-from moeflow.train.optim import correction_biases, lr_factor, param_groups
+from moeflow.train.optim import correction_biases, lr_factor
+from moeflow.train.optimizers import build_optimizer
 from moeflow.train.settings import BalanceSettings, TrainSettings
 
 log = logging.getLogger("moeflow.train.trainer")
@@ -178,9 +180,7 @@ class Trainer:
         # FSDP2 leaves the root unit's gathered parameters registered, which no backward would ever update.
         reshard(model)
         # train_step sets each group's learning rate (train.lr x its multiplier x the schedule) before its update
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, settings), lr=settings.lr, betas=settings.betas, eps=settings.eps
-        )
+        self.optimizer = build_optimizer(model, settings)
         self.biases = correction_biases(model)
         self.order = DataOrder(len(rows), seed, settings.order)
         # Dropout (LoRA's too) draws from the global generator: seeded here, its state saved in checkpoints,

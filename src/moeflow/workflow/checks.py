@@ -17,6 +17,7 @@ import jsonschema
 
 from moeflow.evaluation.lm_eval_tasks import task_problems
 from moeflow.model.families import registry
+from moeflow.runtime import compat
 from moeflow.settings import (
     REPO_ROOT,
     SCHEMA_PATH,
@@ -134,6 +135,7 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
                 f"config key '{section}.min_lr' ({train['min_lr']}) must not exceed '{section}.lr' ({train['lr']})"
             )
     problems += parallel_problems(cfg)
+    problems += optimizer_problems(cfg)
     problems += attention_problems(cfg)
     problems += humaneval_problems(cfg)
     problems += lm_eval_problems(cfg)
@@ -282,4 +284,34 @@ def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:
         problems.append(
             "config key 'parallel.fsdp_size' is set but parallel.strategy is 'none': use strategy: fsdp or ep"
         )
+    return problems
+
+
+def optimizer_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """``optimizer: muon`` where it is implemented only: the current stack (torch.optim.Muon), full fine-tuning,
+    and for ``train`` the layouts ``parallel.strategy`` none and fsdp (FSDP2 gathers each matrix whole for its
+    update; pretraining runs on one rank). Under ep transformers places the experts itself: not implemented."""
+    problems = []
+    for section in ("train", "pretrain"):
+        train = cfg[section]
+        if train["optimizer"] != "muon":
+            continue
+        key = f"config key '{section}.optimizer'"
+        if not compat.torch_has_muon():
+            problems.append(
+                f"{key}: muon needs torch.optim.Muon (torch 2.9+, the current stack); this environment has torch "
+                f"{compat.version_of('torch')}. Run with STACK=current, or use optimizer: adamw"
+            )
+        if train["method"] != "full":
+            problems.append(
+                f"{key}: muon is implemented for method: full only ({section}.method is {train['method']!r}); "
+                "use optimizer: adamw"
+            )
+        strategy = cfg["parallel"]["strategy"]
+        if section == "train" and strategy == "ep":
+            problems.append(
+                f"{key}: muon orthogonalises each whole matrix; under parallel.strategy 'ep' transformers shards the "
+                "experts itself, and gathering them for Muon's update is not implemented. Use parallel.strategy: "
+                "fsdp or none, or optimizer: adamw"
+            )
     return problems
