@@ -64,3 +64,17 @@ def test_the_stages_that_need_no_torch_do_not_import_it():
 
 def test_the_schema_reads_the_same_with_the_fast_loader():
     assert schema() == yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def test_transformers_does_not_import_scikit_learn_in_a_moeflow_process():
+    """transformers 4.57's generation code imports scikit-learn at import for an option moeflow never uses
+    (moeflow.runtime.compat.skip_transformers_sklearn_import); lm-eval still imports it where a metric needs it."""
+    got = run_python(
+        "import json, sys\n"
+        "import moeflow.model.configs\n"
+        "import transformers.generation.utils, transformers.modeling_utils\n"
+        "before = 'sklearn' in sys.modules\n"
+        "import sklearn.metrics\n"
+        "print(json.dumps({'before': before, 'after': 'sklearn.metrics' in sys.modules}))"
+    )
+    assert got == {"before": False, "after": True}
