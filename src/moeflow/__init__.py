@@ -5,3 +5,7 @@ wrappers over these modules, and the tests import them directly.
 """
 
 __version__ = "0.1.0"
+
+from moeflow.runtime.compat import skip_transformers_sklearn_import
+
+skip_transformers_sklearn_import()

@@ -6,6 +6,10 @@ Every stack-dependent branch in the package asks these functions instead of pars
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable
 from importlib import metadata
 
 from packaging.version import Version
@@ -73,3 +77,46 @@ def enable_activation_checkpointing(model: object, reentrant: bool = False) -> N
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
+# transformers 4.57's generation code imports scikit-learn at import when it is installed (lm-eval brings it), for
+# one option of assisted generation (a confidence threshold) that moeflow never uses: 1-5 s of every job that
+# imports transformers on the pinned stack. transformers 5 imports it where that option runs.
+SKLEARN_FLAG_MODULE = "transformers.utils.import_utils"
+
+
+def _without_sklearn(module: object) -> None:
+    if version_of("transformers") is not None and version_of("transformers").major < 5:
+        module._sklearn_available = False
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` right after the module ``name`` is executed, the first time it is imported."""
+
+    def __init__(self, name: str, then: Callable[[object], None]):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute, then = spec.loader.exec_module, self.then
+
+        def exec_module(module):
+            execute(module)
+            then(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def skip_transformers_sklearn_import() -> None:
+    """Keep transformers 4.57 from importing scikit-learn (lm-eval imports it itself where a metric needs it);
+    called once per process by ``moeflow/__init__.py``, before anything imports transformers."""
+    if SKLEARN_FLAG_MODULE in sys.modules:
+        _without_sklearn(sys.modules[SKLEARN_FLAG_MODULE])
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(SKLEARN_FLAG_MODULE, _without_sklearn))

@@ -11,6 +11,7 @@ A stage script reads top to bottom::
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -63,6 +64,17 @@ def code_version() -> str:
         digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def torch_version() -> str:
+    """``torch.__version__`` (local tag included, e.g. ``2.3.1+cu121``, which the distribution's metadata lacks),
+    read from torch/version.py without importing torch: a stage that never uses torch does not pay its import."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    folder = importlib.util.find_spec("torch").submodule_search_locations[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(Path(folder, "version.py").read_text(encoding="utf-8"), "torch/version.py", "exec"), namespace)
+    return namespace["__version__"]
 
 
 def kill_point(name: str) -> None:
@@ -122,11 +134,19 @@ class Stage:
 
     def __post_init__(self) -> None:
         set_offline()
-        import torch
-
-        torch.set_num_threads(max(1, int(self.threads)))
         os.environ["OMP_NUM_THREADS"] = str(self.threads)
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if self.threads > 1 else "false"
+        self.torch_threads()
+
+    def torch_threads(self) -> int:
+        """torch's intra-op threads set to the stage's, if torch is imported: a stage whose library imports it
+        imports it before the stage starts; one that imports it later (the planner's meta count) gets them set
+        here again when it records its provenance. A stage that never imports torch does not pay its import
+        (about 3 s of every small job)."""
+        threads = max(1, int(self.threads))
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
+        return threads
 
     @classmethod
     def start(cls, job: Job | Any) -> Stage:
@@ -152,16 +172,14 @@ class Stage:
 
     def provenance(self) -> dict[str, Any]:
         """Facts that identify how an output was made. No timestamps: same inputs give the same bytes."""
-        import torch
-
         return {
             "stage": self.name,
             "moeflow_code": code_version(),
             "stack": self.stack,
             "python": platform.python_version(),
-            "torch": torch.__version__,
+            "torch": torch_version(),
             "transformers": str(compat.version_of("transformers")),
-            "threads": torch.get_num_threads(),
+            "threads": self.torch_threads(),
             "precision": self.precision,
             "seed": self.seed,
         }
