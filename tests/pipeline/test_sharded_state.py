@@ -7,6 +7,8 @@
 * ``moeflow.checkpoint.export.save_final_model`` on the sharded model (fsdp; ep on transformers 5) writes an
   HF-sharded folder that ``from_pretrained`` loads with the ranks' (changed) weights, within
   ``max_shard_size``, and rank 0's writer is fed one gathered tensor at a time.
+
+For CI's time the fsdp load and the fsdp export share one torchrun launch (module fixture ``launched``).
 """
 
 from __future__ import annotations
@@ -64,16 +66,39 @@ def saved_models(tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
-def run_ranks(*args: str) -> None:
+def run_ranks(jobs: dict, out: Path) -> None:
+    """One torchrun launch of 2 ranks running ``jobs`` ({"load" | "export": its job}) in one process group;
+    each writes under ``out/<command>``."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
     env.pop(KILL_ENV, None)
-    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [__file__, *args]
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [__file__, json.dumps(jobs), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+LOAD_KINDS = ["tied", "untied", "untied-sharded"]
+
+
+@pytest.fixture(scope="module")
+def launched(saved_models, tmp_path_factory):
+    """A layout's rank outputs, from one torchrun launch per layout: fsdp loads and exports, ep exports."""
+    folders = {}
+
+    def launch(layout: str) -> Path:
+        if layout not in folders:
+            out = tmp_path_factory.mktemp(f"ranks-{layout}")
+            jobs = {"export": {"model": str(saved_models["untied"]), "layout": layout}}
+            if layout == "fsdp":
+                jobs = {"load": {k: str(saved_models[k]) for k in LOAD_KINDS}} | jobs
+            run_ranks(jobs, out)
+            folders[layout] = out
+        return folders[layout]
+
+    return launch
 
 
 def whole_load(folder: Path) -> dict[str, torch.Tensor]:
@@ -83,13 +108,12 @@ def whole_load(folder: Path) -> dict[str, torch.Tensor]:
     return make_model(typed(ModelSettings, tiny_model_cfg()), folder=folder).state_dict()
 
 
-def test_fsdp_ranks_load_their_rows_exactly_as_a_whole_load(saved_models, tmp_path):
+def test_fsdp_ranks_load_their_rows_exactly_as_a_whole_load(saved_models, launched):
     from safetensors.torch import load_file
 
-    kinds = ["tied", "untied", "untied-sharded"]
-    run_ranks("load", json.dumps({k: str(saved_models[k]) for k in kinds}), str(tmp_path))
-    for kind in kinds:
-        got = load_file(str(tmp_path / f"{kind}.safetensors"))
+    out = launched("fsdp") / "load"
+    for kind in LOAD_KINDS:
+        got = load_file(str(out / f"{kind}.safetensors"))
         want = whole_load(saved_models[kind])
         want = {k: v for k, v in want.items() if k in got or k != "lm_head.weight"}  # tied: saved once
         assert sorted(got) == sorted(want), kind
@@ -97,13 +121,13 @@ def test_fsdp_ranks_load_their_rows_exactly_as_a_whole_load(saved_models, tmp_pa
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_sharded_export_streams_a_folder_from_pretrained_loads_with_the_trained_weights(saved_models, tmp_path, layout):
+def test_sharded_export_streams_a_folder_from_pretrained_loads_with_the_trained_weights(saved_models, launched, layout):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     source = saved_models["untied"]
-    run_ranks("export", json.dumps({"model": str(source), "layout": layout}), str(tmp_path))
-    folder = tmp_path / "export"
+    out = launched(layout) / "export"
+    folder = out / "export"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and files == sorted(p.name for p in folder.glob("model-*.safetensors"))
@@ -120,14 +144,14 @@ def test_sharded_export_streams_a_folder_from_pretrained_loads_with_the_trained_
     )
     config = json.loads((folder / "config.json").read_text())
     assert config["use_cache"] is True and "distributed_config" not in config
-    trained = load_file(str(tmp_path / "trained.safetensors"))
+    trained = load_file(str(out / "trained.safetensors"))
     loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     assert sorted(loaded) == sorted(trained)
     assert all(torch.equal(loaded[k], trained[k]) for k in trained)
     base = whole_load(source)
     assert not any(torch.equal(base[k], trained[k]) for k in trained if trained[k].is_floating_point())
     # rank 0's writer gets each gathered tensor's pieces before the next tensor is gathered
-    events = json.loads((tmp_path / "events.json").read_text())
+    events = json.loads((out / "events.json").read_text())
     gathered = [e for e in events if e[0] == "gather"]
     assert len(gathered) == len({n for kind, n in events if kind == "gather"}) > 10
     for i, (kind, _) in enumerate(events[:-1]):
@@ -178,18 +202,25 @@ def _export(job: dict, out: Path, ranks: Ranks) -> None:
     export._whole = lambda t: (events.append(("gather", f"#{len(events)}")), gather[1](t))[1]
     export._rows_on_rank0 = lambda t: (events.append(("gather", f"rows:{len(events)}")), gather[2](t))[1]
     export.ShardedWriter.write = lambda self, n, t: (events.append(("write", n)), write(self, n, t))[1]
-    export.save_final_model(model, None, out / "export", max_shard_size=SHARD_BYTES)
+    try:
+        export.save_final_model(model, None, out / "export", max_shard_size=SHARD_BYTES)
+    finally:
+        export._whole_on_rank0, export._whole, export._rows_on_rank0 = gather
+        export.ShardedWriter.write = write
     if ranks.is_main:
         save_file({k: v.contiguous() for k, v in trained.items()}, str(out / "trained.safetensors"))
         (out / "events.json").write_text(json.dumps(events))
 
 
-def _main(command: str, job_json: str, out: str) -> None:
+def _main(jobs_json: str, out: str) -> None:
     torch.set_num_threads(1)
     ranks = init("cpu")
-    {"load": _load, "export": _export}[command](json.loads(job_json), Path(out), ranks)
+    for command, job in json.loads(jobs_json).items():
+        folder = Path(out) / command
+        folder.mkdir(parents=True, exist_ok=True)
+        {"load": _load, "export": _export}[command](job, folder, ranks)
     teardown()
 
 
 if __name__ == "__main__":
-    _main(*sys.argv[1:4])
+    _main(*sys.argv[1:3])

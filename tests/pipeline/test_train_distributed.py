@@ -16,6 +16,7 @@
   backward before the Trainer is built) on FSDP and, on the current stack, expert parallelism: the optimizer
   holds the shards, every parameter trains (embedding, final norm and head included), the losses are those of
   the same layout without the reference forward, and the checkpoint saves.
+* The cases of a layout share one torchrun launch (each launch starts 2 interpreters that import torch).
 * Through the Snakefile: warmup and train_model of the smoke pipeline on 2 ranks complete, and a
   train_model killed with SIGKILL resumes from its checkpoint with the losses of the uninterrupted run.
 """
@@ -165,7 +166,9 @@ def evaluation(model_dir, layout: ParallelSettings, ranks: Ranks) -> dict:
     }
 
 
-def run_ranks(saved_model: Path, out: Path, layout: str, mode: str = "steps") -> None:
+def run_ranks(saved_model: Path, out: Path, layout: str, parts: tuple[str, ...]) -> None:
+    """One torchrun launch of 2 ranks running ``parts`` (names of PARTS) one after the other in one process group;
+    each part writes ``out/<part>/report.json``."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -177,10 +180,30 @@ def run_ranks(saved_model: Path, out: Path, layout: str, mode: str = "steps") ->
         str(saved_model),
         str(out),
         json.dumps(parallel_section(layout)),
-        mode,
+        ",".join(parts),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+SHARDED_LAYOUTS = ["fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
+
+
+@pytest.fixture(scope="module")
+def launched(saved_models, tmp_path_factory):
+    """A layout's rank reports, from one torchrun launch per layout (for CI's time: a launch starts 2 interpreters
+    that import torch and transformers): the steps and, for a sharded layout, the base-reference warmup too."""
+    folders = {}
+
+    def launch(layout: str) -> Path:
+        if layout not in folders:
+            out = tmp_path_factory.mktemp(f"ranks-{layout}")
+            parts = ("steps", "base-reference") if layout in SHARDED_LAYOUTS else ("steps",)
+            run_ranks(saved_models[MODEL_OF_LAYOUT[layout]], out, layout, parts)
+            folders[layout] = out
+        return folders[layout]
+
+    return launch
 
 
 def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -190,16 +213,15 @@ def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly(saved_models, tmp_path, layout):
+def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly(saved_models, launched, layout):
     from safetensors.torch import load_file
 
-    model_dir = saved_models[MODEL_OF_LAYOUT[layout]]
-    reference = one_process(model_dir)
-    run_ranks(model_dir, tmp_path, layout)
-    report = json.loads((tmp_path / "report.json").read_text())
+    reference = one_process(saved_models[MODEL_OF_LAYOUT[layout]])
+    out = launched(layout) / "steps"
+    report = json.loads((out / "report.json").read_text())
     for mode in CASES:
         want_grads, want_terms = reference[mode]
-        error = relative_error(load_file(str(tmp_path / f"grads-{mode}.safetensors")), want_grads)
+        error = relative_error(load_file(str(out / f"grads-{mode}.safetensors")), want_grads)
         print(f"{layout} {mode}: relative gradient error vs one process {error:.1e}")  # shown with pytest -s
         assert error < 1e-5, (mode, error)
         got_terms = report["terms"][mode]
@@ -226,17 +248,13 @@ def test_two_ranks_through_the_trainer_give_one_process_steps_and_resume_exactly
     assert want_eval["sequences"] == EVAL_ROWS
 
 
-SHARDED_LAYOUTS = ["fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
-
-
 @pytest.mark.parametrize("layout", SHARDED_LAYOUTS)
-def test_warmup_from_a_folder_with_the_base_reference_trains_the_shards(saved_models, tmp_path, layout):
+def test_warmup_from_a_folder_with_the_base_reference_trains_the_shards(launched, layout):
     """The warmup stage's order (moeflow's workflow/scripts/warmup.py): the model from a pretrained folder, the
     base model's routing reference (a forward without backward), then the Trainer and its checkpoint. FSDP2
     keeps the root unit gathered after that forward; an optimizer built over the gathered parameters leaves
     the embedding, final norm and head untrained and the real gradients never zeroed."""
-    run_ranks(saved_models[MODEL_OF_LAYOUT[layout]], tmp_path, layout, mode="base-reference")
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = json.loads((launched(layout) / "base-reference" / "report.json").read_text())
     experts = tiny_model_cfg()["config"]["num_experts"]
     assert report["reference_experts"] == [experts, experts]  # the load of both MoE layers' every expert
     assert report["optimizer_holds_the_parameters"], report
@@ -356,15 +374,11 @@ def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_afte
 # --------------------------------------------------------------------------- one rank (run by torchrun)
 
 
-def _main(model_dir: str, out: str, parallel_json: str) -> None:
+def _steps(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> None:
     """Per balancing mode: one step's gradients and loss terms; then a run resumed from its checkpoint
     against the same run straight through. Rank 0 writes what it found under ``out``."""
     from safetensors.torch import save_file
 
-    torch.set_num_threads(1)
-    out = Path(out)
-    ranks = init("cpu")
-    layout = check_ranks(parallel(**json.loads(parallel_json)), ranks)
     report: dict = {"terms": {}, "terms_rank1": {}}
     for mode, accum in CASES.items():
         trainer = make_trainer(model_dir, layout, ranks, settings(mode, accum))
@@ -397,15 +411,10 @@ def _main(model_dir: str, out: str, parallel_json: str) -> None:
     report["mfu"], report["flops_per_s"] = record["mfu"], record["flops_per_s"]
     if ranks.is_main:
         (out / "report.json").write_text(json.dumps(report))
-    teardown()
 
 
-def _base_reference_main(model_dir: str, out: str, parallel_json: str) -> None:
+def _base_reference(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> None:
     """Warmup's order on this rank, with and without the base reference forward before the Trainer."""
-    torch.set_num_threads(1)
-    out = Path(out)
-    ranks = init("cpu")
-    layout = check_ranks(parallel(**json.loads(parallel_json)), ranks)
     s = settings("running", 1)
     runs, report = {}, {}
     for with_reference in (True, False):
@@ -430,8 +439,22 @@ def _base_reference_main(model_dir: str, out: str, parallel_json: str) -> None:
     report["with_reference"], report["without_reference"] = runs[True], runs[False]
     if ranks.is_main:
         (out / "report.json").write_text(json.dumps(report))
+
+
+PARTS = {"steps": _steps, "base-reference": _base_reference}
+
+
+def _main(model_dir: str, out: str, parallel_json: str, parts: str) -> None:
+    """The parts named in ``parts`` (comma-separated), in one process group, each in its own folder under ``out``."""
+    torch.set_num_threads(1)
+    ranks = init("cpu")
+    layout = check_ranks(parallel(**json.loads(parallel_json)), ranks)
+    for part in parts.split(","):
+        folder = Path(out) / part
+        folder.mkdir(parents=True, exist_ok=True)
+        PARTS[part](model_dir, folder, ranks, layout)
     teardown()
 
 
 if __name__ == "__main__":
-    {"steps": _main, "base-reference": _base_reference_main}[sys.argv[4]](*sys.argv[1:4])
+    _main(*sys.argv[1:5])

@@ -1,7 +1,11 @@
 """A user's pretrained folder of every family through `snakemake train`: a tiny pretrained-style folder per family
 (random weights, ``save_pretrained``, a BPE tokenizer trained on the user's corpus saved next to it), the user's
 JSONL corpus in an overlay, one run per family. No dense run appears (it belongs to the embedded default), the
-warmup gate, judging against each folder's own base routing, passes, and each final model loads."""
+warmup gate, judging against each folder's own base routing, passes, and each final model loads.
+
+For CI's time the coverage validation set is built once, by the first family's run, and the other runs evaluate on
+it (``coverage.valset_of_run``; the folders share one tokenizer): 38 Snakemake jobs instead of 44. The coverage
+stage of every family is tested in process, in tests/unit/test_coverage.py."""
 
 from __future__ import annotations
 
@@ -36,6 +40,12 @@ def write_corpus(path: Path, docs: int = 300) -> list[str]:
     return texts
 
 
+def job_count(dry_run: str, rule: str) -> int:
+    """The count of ``rule`` in a dry run's job-stats table."""
+    table = dry_run.split("Job stats:", 1)[1]
+    return next(int(line.split()[1]) for line in table.splitlines() if line.split()[:1] == [rule])
+
+
 def save_family_folder(family: str, folder: Path, tokenizer) -> None:
     model = make_model(typed(ModelSettings, model_config(family)), vocab_size=len(tokenizer), seed=0)
     model.save_pretrained(folder)
@@ -45,8 +55,9 @@ def save_family_folder(family: str, folder: Path, tokenizer) -> None:
 def overlay(folders: dict[str, str]) -> dict:
     """The user's overlay. For the test's time only: one thread per job (``--cores 2`` runs two jobs at once), and
     the coverage stage's micro-batch (``pretrain``) equal to fine-tuning's, so each family's experts are timed once
-    (one choose_experts job per family instead of two)."""
-    first = next(iter(folders.values()))
+    (one choose_experts job per family instead of two), and one coverage validation set for every run (the first
+    run's: the folders share the tokenizer, so its token ids mean the same to every model)."""
+    first_run, first = next(iter(folders.items()))
     return {
         "threads": 1,
         "model": {"pretrained": first, "attn_implementation": "eager"},  # gpt_oss has no sdpa
@@ -70,8 +81,15 @@ def overlay(folders: dict[str, str]) -> dict:
             "checkpoint_every": 0,
             "routing_guard": {"window_steps": 2},
         },
-        "runs": {"moe": None, **{family: {"model": {"pretrained": path}} for family, path in folders.items()}},
-        "paper": {"moe_run": next(iter(folders))},
+        "runs": {
+            "moe": None,
+            **{
+                family: {"model": {"pretrained": path}}
+                | ({} if family == first_run else {"coverage": {"valset_of_run": first_run}})
+                for family, path in folders.items()
+            },
+        },
+        "paper": {"moe_run": first_run},
     }
 
 
@@ -89,10 +107,13 @@ def test_a_pretrained_folder_of_every_trainable_family_goes_through_snakemake_tr
 
     dry = snakemake(workdir, "train", "--dry-run", "--cores", "2", "--configfile", "config/user.yaml").stdout
     assert "dense" not in dry and "pretrain_base" not in dry  # the embedded default's runs and stages only
+    for rule in ("warmup", "train_model", "plan_memory"):  # every family through its own training stages
+        assert job_count(dry, rule) == len(TRAINED), rule
     snakemake(workdir, "train", "--cores", "2", "--configfile", "config/user.yaml")
 
     res = results(workdir)
     assert sorted(p.name for p in (res / "runs").iterdir()) == sorted(TRAINED)
+    assert len(list((res / "coverage").iterdir())) == 1  # the first run's, evaluated on by every run
     for warmup in (res / "warmup").iterdir():
         report = json.loads((warmup / "routing_report.json").read_text())
         assert report["stable"] and report["thresholds"]["reference"] == "base" and report["base_layers"], warmup

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import run_coverage_stage
+from tiny_models import FAMILIES, MOE_LAYERS, TRANSFORMERS_5_ONLY, model_config
 
 from moeflow.coverage.bitsets import masked_popcounts, pack_word_bits, unpack_word_bits
 from moeflow.coverage.cover import (
@@ -29,6 +30,7 @@ from moeflow.coverage.cover import (
 from moeflow.coverage.heatmap import coverage_heatmap
 from moeflow.data.valset import open_valset
 from moeflow.model.routing_stats import PoolStats, StatsCollector, cell_table, route_pool
+from moeflow.runtime import compat
 
 LAYERS, E, K = [1, 3], 8, 2
 
@@ -332,3 +334,28 @@ def test_stage_fails_on_an_unmet_constraint_unless_allowed(coverage_inputs, tmp_
     assert not (tmp_path / "a" / "coverage.json").exists() and not (tmp_path / "a" / "valset").exists()
     report, _ = run_coverage_stage(root, model_cfg, tmp_path / "b", min_docs_per_expert=10_000, allow_unmet=True)
     assert report["unmet"] and all(u["reason"] == "pool" for u in report["unmet"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_stage_covers_every_expert_of_every_family(coverage_inputs, tmp_path, family):
+    """The coverage stage on each family's tiny model (moved here from tests/pipeline/test_user_models.py, whose
+    runs share the first family's validation set): every MoE layer of the family is reported, and every expert
+    of it is met by the validation set."""
+    from moeflow.data.tokenizer import load_fast_tokenizer
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
+
+    if family in TRANSFORMERS_5_ONLY and not compat.is_transformers_v5():
+        pytest.skip(f"{family} needs transformers 5 (the current stack)")
+    root, _ = coverage_inputs
+    model_cfg = model_config(family)
+    (tmp_path / "code").symlink_to(root / "code")
+    model = make_model(typed(ModelSettings, model_cfg), vocab_size=len(load_fast_tokenizer(root / "tokenizer")), seed=0)
+    model.save_pretrained(tmp_path / "base")
+    report, outputs = run_coverage_stage(tmp_path, model_cfg, tmp_path / "out", min_docs_per_expert=1)
+    config = model_cfg["config"]
+    (experts,) = {config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config}
+    assert [layer["layer"] for layer in report["layers"]] == MOE_LAYERS.get(family, [0, 1])
+    assert report["unmet"] == [] and report["valset"]["docs"] > 0
+    assert all(len(layer["docs"]) == experts and min(layer["docs"]) >= 1 for layer in report["layers"])
