@@ -178,12 +178,14 @@ def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
 def training(section: Mapping[str, Any]) -> dict[str, Any]:
     """A ``train:`` or ``pretrain:`` section as :class:`TrainSettings` takes it: the schema's defaults
     filled in, the warmup length resolved, ``balance.mode`` off for YAML's unquoted ``off`` (false), and
-    ``lora`` only with ``method: lora`` (null otherwise, so that LoRA settings never rerun a full run)."""
+    ``lora`` only with ``method: lora`` and ``esft`` only with ``method: esft`` (null otherwise, so that their
+    settings never rerun a full run)."""
     train = with_defaults(section, "#/$defs/training")
     return train | {
         "warmup_steps": resolve_warmup_steps(train),
         "balance": train["balance"] | {"mode": train["balance"]["mode"] or "off"},
         "lora": train["lora"] if train["method"] == "lora" else None,
+        "esft": train["esft"] if train["method"] == "esft" else None,
     }
 
 
