@@ -201,3 +201,24 @@ def test_train_settings_carry_esft_settings_for_esft_only():
         "train_shared_experts": False,
         "train_non_expert": False,
     }
+
+
+def test_a_resumed_run_continues_bit_for_bit_with_the_unselected_experts_untouched(tmp_path):
+    def trainer():
+        return Trainer(model(), esft(), packed_rows(), collate_fn=collate, seed=0, expert_selection=selection())
+
+    whole = trainer()
+    before = snapshot(whole.model)
+    whole.run()
+    first = trainer()
+    first.run(until=1)
+    first.save(tmp_path / "step1")
+    second = trainer()
+    second.load(tmp_path / "step1")
+    second.run()
+    assert [r["loss"] for r in second.train_records()] == [r["loss"] for r in whole.train_records()]
+    resumed, uninterrupted = snapshot(second.model), snapshot(whole.model)
+    for key, value in resumed.items():
+        assert torch.equal(value, uninterrupted[key]), key
+        if not is_selected(key):
+            assert torch.equal(value, before[key]), key
