@@ -1,4 +1,4 @@
-"""ESFT's masked training (moeflow.train.esft.mask_experts) on a tiny qwen3_moe, whose experts are one fused
+"""ESFT's masked training (moeflow.train.expert_mask.mask_experts) on a tiny qwen3_moe, whose experts are one fused
 tensor per layer on transformers 5 and one module per expert on 4.57: gradients and updates reach exactly the
 selected experts, everything else stays bit-identical through Trainer steps with weight decay, and the memory
 planner's optimizer state is the trainable parameter count the optimizer really holds."""
@@ -21,7 +21,7 @@ from moeflow.plan import memory as plan
 from moeflow.plan.counts import count_parameters, esft_trainable
 from moeflow.plan.shapes import experts_fused
 from moeflow.settings import typed
-from moeflow.train.esft import EsftError
+from moeflow.train.expert_mask import EsftError
 from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import training
 
@@ -139,7 +139,9 @@ def test_configured_non_expert_modules_train_and_the_router_stays_frozen():
 def test_selected_rows_follow_adamw_with_weight_decay_exactly_as_full_training_does():
     """One step without clipping: a selected expert's update (decoupled decay, then Adam) equals full fine-tuning's
     on the same step, where AdamW decays the whole tensor itself."""
-    full = Trainer(model(), settings(steps=3, warmup_steps=1, max_grad_norm=0), packed_rows(), collate_fn=collate, seed=0)
+    full = Trainer(
+        model(), settings(steps=3, warmup_steps=1, max_grad_norm=0), packed_rows(), collate_fn=collate, seed=0
+    )
     full.train_step()
     masked = Trainer(
         model(), esft(max_grad_norm=0), packed_rows(), collate_fn=collate, seed=0, expert_selection=selection()

@@ -349,7 +349,7 @@ def lora_activation_elements(s: Shape, lora: LoraSettings, moe: bool, heads: int
 
 
 def esft_trainable(s: Shape, params: ParamCount, esft: EsftSettings, selected_experts: int | None) -> int:
-    """Parameters with gradients and optimizer state under ``train.method: esft`` (moeflow.train.esft):
+    """Parameters with gradients and optimizer state under ``train.method: esft`` (moeflow.train.expert_mask):
     ``selected_experts`` (layer, expert) pairs where each expert is its own module, or every MoE layer's whole
     fused expert tensors where they are fused (each layer keeps at least one expert, and the tensor trains with
     its unselected rows masked); plus the shared experts and the non-expert parameters where configured.

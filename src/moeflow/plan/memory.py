@@ -97,7 +97,7 @@ Activations add, per adapted matrix a token passes through (k of the routed expe
 intermediate and, with dropout, a copy of the matrix's input. A full fine-tune that does not fit is
 offered LoRA (the ``train.lora`` settings) among moeflow.plan.fit's suggestions, with the devices it needs.
 
-``train.method: esft`` (moeflow.train.esft): gradients and AdamW's state for the selected experts only where each
+``train.method: esft`` (moeflow.train.expert_mask): gradients and AdamW's state for the selected experts only where each
 expert is its own module (transformers 4.57; ``Job.esft_selected`` pairs, all of them while no selection is
 known), for every MoE layer's whole fused expert tensors where they are fused (transformers 5: the unselected rows
 carry zero moments), plus the shared experts and non-expert parameters where configured

@@ -46,6 +46,7 @@ from moeflow.runtime.hardware import to_device
 from moeflow.runtime.stage import kill_point, progress
 from moeflow.settings import PRECISIONS, enum
 from moeflow.train import guards as G
+from moeflow.train.expert_mask import masked_training
 from moeflow.train.losses import (
     LayerRouter,
     StepLoss,
@@ -53,7 +54,6 @@ from moeflow.train.losses import (
     real_token_positions,
     update_correction_bias,
 )
-from moeflow.train.esft import masked_training
 from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
 from moeflow.train.optim import correction_biases, lr_factor, param_groups
 from moeflow.train.settings import BalanceSettings, TrainSettings
@@ -179,7 +179,7 @@ class Trainer:
         # The optimizer holds the shards: after a forward without backward (a base reference, an evaluation)
         # FSDP2 leaves the root unit's gathered parameters registered, which no backward would ever update.
         reshard(model)
-        # train.method esft: only the selected experts train (moeflow.train.esft); None for other methods
+        # train.method esft: only the selected experts train (moeflow.train.expert_mask); None for other methods
         self.expert_mask = masked_training(model, settings, expert_selection)
         groups = param_groups(model, settings)
         if self.expert_mask is not None:
