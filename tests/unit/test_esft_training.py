@@ -20,7 +20,7 @@ from moeflow.model.settings import ModelSettings
 from moeflow.plan import memory as plan
 from moeflow.plan.counts import count_parameters, esft_trainable
 from moeflow.plan.shapes import experts_fused
-from moeflow.settings import typed
+from moeflow.settings import REPO_ROOT, typed
 from moeflow.train.expert_mask import EsftError
 from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import training
@@ -224,3 +224,23 @@ def test_a_resumed_run_continues_bit_for_bit_with_the_unselected_experts_untouch
         assert torch.equal(value, uninterrupted[key]), key
         if not is_selected(key):
             assert torch.equal(value, before[key]), key
+
+
+def test_the_routing_pass_is_keyed_apart_from_the_score_and_top_p():
+    """A score or top_p change keys a new selection over the same routing totals; a token budget a new routing."""
+    from moeflow.workflow.keys import esft_routing_key, esft_selection_key
+    from moeflow.workflow.load import load
+
+    cfg = load(REPO_ROOT / "config" / "smoke.yaml", overrides={"runs": {"moe": {"train": {"method": "esft"}}}})
+
+    from moeflow.workflow.merge import merged_run
+
+    cfg = merged_run(cfg, "moe")
+
+    def with_esft(**esft):
+        return {**cfg, "train": {**cfg["train"], "esft": {**cfg["train"]["esft"], **esft}}}
+
+    for change in ({"top_p": 0.7}, {"score": "gate"}):
+        assert esft_routing_key(with_esft(**change)) == esft_routing_key(cfg)
+        assert esft_selection_key(with_esft(**change)) != esft_selection_key(cfg)
+    assert esft_routing_key(with_esft(token_budget=1024)) != esft_routing_key(cfg)
