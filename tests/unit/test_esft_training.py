@@ -10,18 +10,21 @@ import re
 
 import pytest
 import torch
-from tiny_models import tiny_model_cfg
+from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, build_family, tiny_model_cfg
 from tiny_training import VOCAB, packed_rows, settings
 
 from moeflow.data.collate import collate
 from moeflow.model import parameters as P
 from moeflow.model.factory import make_model
+from moeflow.model.routing import adapter_for
 from moeflow.model.settings import ModelSettings
 from moeflow.plan import memory as plan
 from moeflow.plan.counts import count_parameters, esft_trainable
 from moeflow.plan.shapes import experts_fused
+from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, typed
-from moeflow.train.expert_mask import EsftError
+from moeflow.train.expert_mask import EsftError, mask_experts
+from moeflow.train.settings import EsftSettings
 from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import training
 
@@ -244,3 +247,41 @@ def test_the_routing_pass_is_keyed_apart_from_the_score_and_top_p():
         assert esft_routing_key(with_esft(**change)) == esft_routing_key(cfg)
         assert esft_selection_key(with_esft(**change)) != esft_selection_key(cfg)
     assert esft_routing_key(with_esft(token_budget=1024)) != esft_routing_key(cfg)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_only_the_selected_experts_after_a_backward_pass(family):
+    """Each family's experts (separate modules, fused tensors, GPT-OSS's fused biases, DeepSeek-V3's shared expert and
+    MTP layer, Step-3.5's) take the mask: after a backward pass and the mask, only expert 1 of each MoE layer has a
+    non-zero gradient (where it got tokens), and nothing but routed experts trains."""
+    if family in TRANSFORMERS_5_ONLY and not compat.is_transformers_v5():
+        pytest.skip(f"{family} exists in transformers 5 only")
+    m = build_family(family, dtype=torch.float32).train()
+    adapter = adapter_for(m)
+    chosen = {layer: [1] for layer in adapter.moe_layers}
+    mask = mask_experts(
+        m,
+        typed(EsftSettings, training({"steps": 1, "lr": 1e-3, "method": "esft"})["esft"]),
+        {"layers": [{"layer": layer, "scores": [0.0] * adapter.num_experts, "selected": [1]} for layer in chosen]},
+    )
+    trainable = [n for n, p in m.named_parameters() if p.requires_grad]
+    assert trainable and all(P.category(n) in (P.ROUTED_EXPERTS, P.EXPERT_BIASES) for n in trainable), trainable
+    ids = torch.randint(0, m.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    optimizer = torch.optim.AdamW(
+        mask.param_groups(
+            [
+                {
+                    "params": [p for p in m.parameters() if p.requires_grad],
+                    "weight_decay": 0.1,
+                    "lr_multiplier": 1.0,
+                    "name": "other",
+                }
+            ]
+        )
+    )
+    mask.before_step(optimizer)
+    grads = pieces({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    moved = {(layer, expert) for (_, layer, expert), g in grads.items() if g.any()}
+    # an expert that got no token of this batch has a zero gradient too
+    assert moved and moved <= {(layer, 1) for layer in chosen}
