@@ -49,8 +49,8 @@ class ExpertMask:
     as zeros at the first step; a row whose gradient is 0 at every step keeps ``exp_avg = b1 * 0 + (1 - b1) * 0
     = 0`` and ``exp_avg_sq = 0``, so its update is ``-lr_t * 0 / (sqrt(0) + eps) = -0``, and ``p + -0 == p`` for
     every float (no weight decay reaches it: the group's is 0). Gradient clipping scales 0 to 0; a resumed run
-    loads the same zero moments. This holds for any optimizer whose update of a zero-gradient, zero-state,
-    zero-decay element is 0 (Muon's orthogonalised update of a zero slice is 0 too).
+    loads the same zero moments. Another optimizer keeps the rows only if its update of a zero-gradient,
+    zero-state, zero-decay element is exactly 0 (Muon's Newton-Schulz step maps a zero slice to 0, not tested here).
     """
 
     def __init__(self, fused: list[FusedRows]):
