@@ -319,7 +319,7 @@ def esft_totals(cfg):
 
 
 def esft_selection(cfg):
-    """The expert selection the training stages of ``cfg`` take (rule esft_select); none unless train.method: esft."""
+    """The expert selection (esft_select's output) the training stages of ``cfg`` take; none for other methods."""
     if cfg["train"]["method"] != "esft":
         return []
     return f"{RESULTS}/esft/selection/{stage_keys.esft_selection_key(cfg)}/selection.json"
