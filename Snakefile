@@ -31,6 +31,8 @@ wildcard_constraints:
     basekey="b-[0-9a-f]+",
     covkey="c-[0-9a-f]+",
     warmkey="w-[0-9a-f]+",
+    routkey="r-[0-9a-f]+",
+    selkey="s-[0-9a-f]+",
 
 
 include: "workflow/rules/env.smk"

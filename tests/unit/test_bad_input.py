@@ -251,3 +251,32 @@ def test_a_held_out_pool_too_small_for_the_constraints(coverage_inputs, tmp_path
         "To proceed: add held-out documents to 'coverage.pool_corpora' or lower 'coverage.min_docs_per_expert'/"
         "'coverage.min_tokens'; or set 'coverage.allow_unmet: true' to record them as unmet instead."
     )
+
+
+def test_esft_on_a_dense_model_an_unknown_family_or_a_sharded_layout_is_refused():
+    dense = config_error(train={"method": "esft"}, model={"config": {"num_experts": 0}})
+    assert dense == (
+        "invalid configuration: config key 'train.method': esft trains a task's routed experts, but the model is "
+        "dense (num_experts=0): use train.method: full or lora"
+    )
+    llama = config_error(train={"method": "esft"}, model={"config": {"model_type": "llama"}})
+    assert llama.startswith(
+        "invalid configuration: config key 'train.method': esft scores and masks experts through a routing adapter, "
+        "and model_type 'llama' has none (moeflow.model.routing.FAMILIES: qwen2_moe, "
+    ) and llama.endswith("): use train.method: full or lora")
+    sharded = config_error(
+        train={"method": "esft"}, parallel={"strategy": "fsdp", "nproc_per_node": 2}, hardware={"num_devices": 2}
+    )
+    assert sharded == (
+        "invalid configuration: config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine yet: "
+        "the expert mask is built for whole models. Use parallel.strategy: none (every rank holds the model)"
+    )
+    assert config_error(train={"method": "esft", "balance": {"bias_update_rate": 0.001}}) == (
+        "invalid configuration: config keys 'train.method': esft and 'train.balance.bias_update_rate' > 0 do not "
+        "combine: ESFT keeps the routing frozen, and the loss-free bias update moves it. Set "
+        "train.balance.bias_update_rate: 0"
+    )
+    assert config_error(train={"method": "esft", "esft": {"top_p": 0}}) == (
+        "invalid configuration:\n  - config key 'train.esft.top_p': 0 is less than or equal to the minimum of 0\n"
+        "(schema: config/schema.yaml)"
+    )

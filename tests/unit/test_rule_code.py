@@ -126,7 +126,7 @@ def test_the_rerun_table_covers_every_library_file_and_task_file():
     used = {E.row_of(f) for f in files}
     assert [row.code for row in E.ROWS if row not in used] == [], "a row that covers no file"
     assert all(set(row.reruns) <= set(E.RULE_ORDER) for row in E.ROWS)
-    assert set(E.RULE_ORDER) == set(R.RULES)
+    assert set(E.RULE_ORDER) | E.OUTSIDE_SMOKE == set(R.RULES) and not set(E.RULE_ORDER) & E.OUTSIDE_SMOKE
 
 
 def test_docs_show_the_rerun_table():

@@ -306,6 +306,23 @@ def compared_params(**params):
 
 
 WARMUPS = {stage_keys.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}
+
+# ESFT (train.method: esft): the routing totals (expensive) and the selection from them (cheap), keyed apart.
+# Key -> the (first) run it serves, as WARMUPS.
+ESFT_RUNS = [(run, cfg) for run, cfg in reversed(list(RUNS.items())) if cfg["train"]["method"] == "esft"]
+ESFT_ROUTINGS = {stage_keys.esft_routing_key(cfg): run for run, cfg in ESFT_RUNS}
+ESFT_SELECTIONS = {stage_keys.esft_selection_key(cfg): run for run, cfg in ESFT_RUNS}
+
+
+def esft_totals(cfg):
+    return f"{RESULTS}/esft/routing/{stage_keys.esft_routing_key(cfg)}/totals.json"
+
+
+def esft_selection(cfg):
+    """The expert selection (esft_select's output) the training stages of ``cfg`` take; none for other methods."""
+    if cfg["train"]["method"] != "esft":
+        return []
+    return f"{RESULTS}/esft/selection/{stage_keys.esft_selection_key(cfg)}/selection.json"
 CHECKPOINTS = f"{RESULTS}/checkpoints"  # resumable checkpoints, outside every declared output
 
 

@@ -23,11 +23,57 @@ TRAIN_MODEL_PARAMS = dict(
 )
 
 
+rule esft_routing:
+    # The expensive pass of train.method esft: the fine-tuning corpus's tokens routed through the base model.
+    input:
+        model=lambda wc: base_model_dir(RUNS[ESFT_ROUTINGS[wc.routkey]]),
+        data=lambda wc: data_dir(RUNS[ESFT_ROUTINGS[wc.routkey]], RUNS[ESFT_ROUTINGS[wc.routkey]]["data"]["finetune_corpus"]),
+        experts=lambda wc: experts_choice(RUNS[ESFT_ROUTINGS[wc.routkey]]),
+        lib=code("esft_routing"),
+    output:
+        totals=f"{RESULTS}/esft/routing/{{routkey}}/totals.json",
+    params:
+        settings=lambda wc: stage_keys.esft_routing_settings(RUNS[ESFT_ROUTINGS[wc.routkey]]),
+        device=lambda wc: RUNS[ESFT_ROUTINGS[wc.routkey]]["hardware"]["device"],
+        runtime=lambda wc: runtime(ESFT_ROUTINGS[wc.routkey]),
+    resources:
+        gpu=lambda wc: forward_gpus(RUNS[ESFT_ROUTINGS[wc.routkey]]),  # common.smk's gpus_of
+    threads: config["threads"]
+    log:
+        log_path("esft_routing", "{routkey}"),
+    benchmark:
+        bench_path("esft_routing", "{routkey}")
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/esft_routing.py"
+
+
+rule esft_select:
+    # Cheap: a change to train.esft.score or top_p reruns this and training, not the routing pass.
+    input:
+        totals=lambda wc: esft_totals(RUNS[ESFT_SELECTIONS[wc.selkey]]),
+        lib=code("esft_select"),
+    output:
+        selection=f"{RESULTS}/esft/selection/{{selkey}}/selection.json",
+        figure=report(f"{RESULTS}/esft/selection/{{selkey}}/selection.png", category="ESFT"),
+    params:
+        settings=lambda wc: stage_keys.esft_selection_settings(RUNS[ESFT_SELECTIONS[wc.selkey]]),
+        runtime=lambda wc: runtime(ESFT_SELECTIONS[wc.selkey]),
+    log:
+        log_path("esft_select", "{selkey}"),
+    conda:
+        ENV_FILE
+    script:
+        "../scripts/esft_select.py"
+
+
 rule warmup:
     input:
         model=lambda wc: base_model_dir(RUNS[WARMUPS[wc.warmkey]]),
         data=lambda wc: data_dir(RUNS[WARMUPS[wc.warmkey]], RUNS[WARMUPS[wc.warmkey]]["data"]["finetune_corpus"]),
         experts=lambda wc: experts_choice(RUNS[WARMUPS[wc.warmkey]]),
+        selection=lambda wc: esft_selection(RUNS[WARMUPS[wc.warmkey]]),  # train.method esft only
         script="workflow/scripts/warmup.py",
         lib=code("warmup"),
     output:
@@ -61,6 +107,7 @@ rule train_model:
         # The memory plan gates train_model only: plan_memory's settings include all of train:, so as a
         # warmup input it would rerun warmup on a second-part change (train.steps).
         plan=lambda wc: f"{RESULTS}/runs/{wc.run}/plan.json",
+        selection=lambda wc: esft_selection(RUNS[wc.run]),  # train.method esft only
         script="workflow/scripts/train_model.py",
         lib=code("train_model"),
     output:

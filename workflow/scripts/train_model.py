@@ -17,7 +17,7 @@ from moeflow.model.families.mtp import mtp_report
 from moeflow.model.lora import save_adapter_output
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.process_group import teardown
-from moeflow.runtime.files import write_json
+from moeflow.runtime.files import read_json, write_json
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
@@ -38,6 +38,9 @@ model = make_model(
     weights=False,
     data=[job.input.data],
 )
+# train.method esft: rule esft_select's experts (the only ones that train); its file keys the checkpoints too
+selection = read_json(job.input.selection) if settings.train.method == "esft" else None
+selection_inputs = [job.input.selection] if selection else []
 trainer = train_stage(
     stage,
     model,
@@ -46,9 +49,10 @@ trainer = train_stage(
     log_dir=job.output.logs,
     checkpoint_root=job.params.checkpoints,
     key_settings=job.params.settings,
-    key_inputs=[job.input.model, job.input.data, job.input.warmup, job.input.valset],
+    key_inputs=[job.input.model, job.input.data, job.input.warmup, job.input.valset, *selection_inputs],
     start_from=job.input.warmup,
     eval_rows=open_valset(job.input.valset),
+    expert_selection=selection,
 )
 if trainer.rank == 0:
     last = trainer.train_records()[-1]

@@ -10,7 +10,7 @@ train_model. Started through torchrun by its rule: every rank runs this script; 
 from moeflow.data.shards import open_split
 from moeflow.model.factory import Layout, make_model
 from moeflow.parallel.process_group import teardown
-from moeflow.runtime.files import dumps_json, write_json
+from moeflow.runtime.files import dumps_json, read_json, write_json
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, log
 from moeflow.train.guards import UnstableRouting, base_reference
@@ -25,6 +25,9 @@ model = make_model(
     settings.model, experts=job.input.experts, folder=job.input.model, layout=layout, data=[job.input.data]
 )
 rows = open_split(job.input.data, "train")
+# train.method esft: rule esft_select's experts (the only ones that train); its file keys the checkpoints too
+selection = read_json(job.input.selection) if settings.train.method == "esft" else None
+selection_inputs = [job.input.selection] if selection else []
 reference = None
 if settings.train.routing_guard.reference == "base":  # before train_stage: a resumed run has the base model here too
     reference = base_reference(
@@ -44,7 +47,8 @@ trainer = train_stage(
     log_dir=None,
     checkpoint_root=job.params.checkpoints,
     key_settings=job.params.settings,
-    key_inputs=[job.input.model, job.input.data],
+    key_inputs=[job.input.model, job.input.data, *selection_inputs],
+    expert_selection=selection,
 )
 trainer.routing_guard.set_reference(reference)
 # The routing report is the all-reduced counts': the same verdict on every rank.

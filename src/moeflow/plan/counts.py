@@ -22,7 +22,7 @@ from moeflow.plan.shapes import (
     model_shape,
     resolve_vocab_size,
 )
-from moeflow.train.settings import LoraSettings
+from moeflow.train.settings import EsftSettings, LoraSettings
 
 CATEGORIES = (
     "embedding",
@@ -383,3 +383,18 @@ def lora_activation_elements(s: Shape, lora: LoraSettings, moe: bool, heads: int
             seen = min(copies, s.top_k) if category == "routed_experts" else copies
             total += seen * (lora.rank + (in_features if lora.dropout else 0))
     return total
+
+
+def esft_trainable(s: Shape, params: ParamCount, esft: EsftSettings, selected_experts: int | None) -> int:
+    """Parameters with gradients and optimizer state under ``train.method: esft`` (moeflow.train.expert_mask):
+    ``selected_experts`` (layer, expert) pairs where each expert is its own module, or every MoE layer's whole
+    fused expert tensors where they are fused (each layer keeps at least one expert, and the tensor trains with
+    its unselected rows masked); plus the shared experts and the non-expert parameters where configured.
+    ``selected_experts`` None (no selection yet): every expert, the upper bound."""
+    routed = params.by_category["routed_experts"]
+    fused = experts_fused(s.model_type) or s.model_type == "granitemoe"
+    if not fused and selected_experts is not None:
+        routed = routed * selected_experts // (s.num_experts * len(s.moe_layers))
+    shared = params.by_category["shared_experts"]
+    others = params.without_mtp - params.by_category["routed_experts"] - shared - params.by_category["router"]
+    return routed + (shared if esft.train_shared_experts else 0) + (others if esft.train_non_expert else 0)

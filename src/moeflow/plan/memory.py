@@ -98,6 +98,12 @@ linear layers) or its fused gate_up ``rank x (hidden + 2 I_e)`` and down project
 Activations add, per adapted matrix a token passes through (k of the routed experts), the rank-r
 intermediate and, with dropout, a copy of the matrix's input. A full fine-tune that does not fit is
 offered LoRA (the ``train.lora`` settings) among moeflow.plan.fit's suggestions, with the devices it needs.
+
+``train.method: esft`` (moeflow.train.expert_mask): gradients and AdamW's state for the selected experts only where each
+expert is its own module (transformers 4.57; ``Job.esft_selected`` pairs, all of them while no selection is
+known), for every MoE layer's whole fused expert tensors where they are fused (transformers 5: the unselected rows
+carry zero moments), plus the shared experts and non-expert parameters where configured
+(moeflow.plan.counts.esft_trainable).
 """
 
 from __future__ import annotations
@@ -108,11 +114,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moeflow.plan.counts import ParamCount, lora_activation_elements, lora_count
+from moeflow.plan.counts import ParamCount, esft_trainable, lora_activation_elements, lora_count
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.runtime import compat
 from moeflow.settings import typed
-from moeflow.train.settings import LoraSettings
+from moeflow.train.settings import EsftSettings, LoraSettings
 
 GIB = 2**30
 
@@ -193,6 +199,8 @@ class Job:
     fsdp_size: int | None = None  # parallel.fsdp_size: the ranks that shard the states (None: all of them)
     ep_size: int = 1  # parallel.ep_size: the ranks one layer's experts are split over (1 with expert_parallel: all)
     optimizer: str = "adamw"  # train.optimizer: muon keeps one buffer for the hidden matrices (optimizer_state_bytes)
+    esft: EsftSettings | None = None  # train.esft: used when method is esft
+    esft_selected: int | None = None  # (layer, expert) pairs ESFT selected; None: not yet known, plan for all
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> Job:
@@ -223,6 +231,7 @@ class Job:
             fsdp_size=parallel["fsdp_size"],
             ep_size=int(parallel["ep_size"]),
             optimizer=train["optimizer"],
+            esft=typed(EsftSettings, train["esft"]) if train.get("esft") else None,
         )
 
     @property
@@ -323,7 +332,7 @@ def loss_bytes(s: Shape, job: Job) -> int:
     chunk = min(job.loss_chunk_tokens, tokens)
     width = WEIGHT_BYTES[job.precision]
     per_logit = LOSS_BYTES_PER_LOGIT + (width if width < FP32_BYTES else 0)
-    output_trains = job.method != "lora"
+    output_trains = job.method == "full" or (job.method == "esft" and job.esft.train_non_expert)
     kept = tokens * (s.hidden_size + 1) + (s.vocab_size * s.hidden_size if output_trains else 0)
     return chunk * s.vocab_size * per_logit + kept * FP32_BYTES
 
@@ -345,7 +354,8 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         unit_added, unit_trainable = adapters.largest_layer(job.expert_parallel)
         root_trainable = 0  # no adapters on the embedding or the LM head
     else:
-        added, trainable, unit_added, unit_trainable, root_trainable = 0, params.without_mtp, 0, unit, root
+        added, unit_added, unit_trainable, root_trainable = 0, 0, unit, root
+        trainable = trained_parameters(s, params, job)[1]
     gathered = unit + unit_added
     out = {
         "weights": math.ceil((params.total + added) * width / shards),
@@ -387,7 +397,10 @@ def runtime_bytes(device: str) -> int:
 
 
 def trained_parameters(s: Shape, params: ParamCount, job: Job) -> tuple[int, int]:
-    """(parameters added to the model, parameters trained): LoRA's adapters and what they train, else (0, all)."""
+    """(parameters added to the model, parameters trained): LoRA's adapters and what they train, ESFT's
+    (moeflow.plan.counts.esft_trainable), else (0, all)."""
+    if job.method == "esft":
+        return 0, esft_trainable(s, params, job.esft, job.esft_selected)
     if job.method != "lora":
         return 0, params.without_mtp
     adapters = lora_count(s, job.lora)

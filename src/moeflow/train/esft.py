@@ -11,12 +11,19 @@ Relevance of expert ``e`` in MoE layer ``l`` over the task's tokens ``t = 1..N``
 
 Per layer, ESFT keeps the smallest set of experts whose cumulative relevance, experts sorted by relevance
 descending (ties: lower expert index first), reaches ``top_p``.
+
+Rule esft_routing routes the fine-tuning corpus through the base model into :class:`RoutingTotals` (with
+:class:`TotalsCollector` as an observer of the coverage stage's routing pass); rule esft_select scores and selects
+from them (:func:`select_experts`) and draws :func:`selection_figure`. Training on the selection:
+moeflow.train.expert_mask.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,3 +113,61 @@ def select_experts(totals: RoutingTotals, score: str, top_p: float) -> dict:
             for row, layer in enumerate(totals.layers)
         ],
     }
+
+
+def task_rows(rows: Iterable[Mapping[str, Any]], token_budget: int) -> Iterator[Mapping[str, Any]]:
+    """The split's first rows, whole, until ``token_budget`` tokens are reached (at least one row)."""
+    tokens = 0
+    for row in rows:
+        if tokens >= token_budget:
+            return
+        tokens += len(row["input_ids"])
+        yield row
+
+
+def totals_json(totals: RoutingTotals) -> dict[str, Any]:
+    return {
+        "layers": totals.layers,
+        "top_k": totals.top_k,
+        "tokens": totals.tokens,
+        "selections": totals.selections.tolist(),
+        "gate_sums": totals.gate_sums.tolist(),
+    }
+
+
+def totals_from_json(data: Mapping[str, Any]) -> RoutingTotals:
+    return RoutingTotals(
+        [int(x) for x in data["layers"]],
+        int(data["top_k"]),
+        int(data["tokens"]),
+        np.asarray(data["selections"], dtype=np.int64),
+        np.asarray(data["gate_sums"], dtype=np.float64),
+    )
+
+
+def selection_figure(selection: Mapping[str, Any], path: str | Path, dpi: int = 120) -> None:
+    """A heatmap of every (layer, expert) relevance, the selected experts outlined."""
+    from matplotlib.patches import Rectangle
+
+    from moeflow.runtime.figures import pyplot
+
+    plt = pyplot()
+
+    layers = selection["layers"]
+    scores = np.asarray([entry["scores"] for entry in layers])
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.25 * scores.shape[1] + 2), max(2.5, 0.35 * len(layers) + 1.5)))
+    image = ax.imshow(scores, aspect="auto", cmap="viridis", interpolation="nearest")
+    for row, entry in enumerate(layers):
+        for expert in entry["selected"]:
+            ax.add_patch(Rectangle((expert - 0.5, row - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
+    ax.set_yticks(range(len(layers)), [str(entry["layer"]) for entry in layers])
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    chosen = sum(len(entry["selected"]) for entry in layers)
+    ax.set_title(
+        f"ESFT relevance ({selection['score']}), top_p {selection['top_p']}\n{chosen} of {scores.size} experts (red)"
+    )
+    fig.colorbar(image, ax=ax, label="relevance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

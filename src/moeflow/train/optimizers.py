@@ -28,10 +28,13 @@ class OptimizerConfigError(ValueError):
     """``train.optimizer`` asked for what this stack or layout cannot do."""
 
 
-def build_optimizer(model: torch.nn.Module, settings: Any) -> torch.optim.Optimizer:
-    """The optimizer ``settings`` (a ``moeflow.train.settings.TrainSettings``) name, over ``param_groups``
-    (each group's ``lr_multiplier`` kept; the Trainer sets every group's learning rate before each step)."""
-    groups = param_groups(model, settings)
+def build_optimizer(
+    model: torch.nn.Module, settings: Any, groups: list[dict[str, Any]] | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer ``settings`` (a ``moeflow.train.settings.TrainSettings``) name, over ``groups`` (default
+    ``param_groups``; ESFT's masked groups from the Trainer), each group's ``lr_multiplier`` kept: the Trainer
+    sets every group's learning rate before each step."""
+    groups = param_groups(model, settings) if groups is None else groups
     if settings.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
     if settings.optimizer != "muon":

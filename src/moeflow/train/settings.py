@@ -70,6 +70,18 @@ class MuonSettings:
 
 
 @dataclass(frozen=True)
+class EsftSettings:
+    """``train.esft`` (moeflow.train.esft): how the experts are chosen and what else trains."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/esft"
+    score: str
+    top_p: float
+    token_budget: int
+    train_shared_experts: bool
+    train_non_expert: bool
+
+
+@dataclass(frozen=True)
 class RoutingThresholds:
     """``train.routing_guard`` (moeflow.train.guards.RoutingGuard)."""
 
@@ -100,8 +112,8 @@ class MemoryThresholds:
 @dataclass(frozen=True)
 class TrainSettings:
     """The training loop's settings: a ``train:`` or ``pretrain:`` section after moeflow.workflow.keys.training
-    (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora, ``muon`` None
-    unless ``optimizer`` is muon)."""
+    (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora, ``esft`` unless it
+    is esft, ``muon`` unless ``optimizer`` is muon)."""
 
     SCHEMA: ClassVar[str] = "#/$defs/training"
     method: str
@@ -123,6 +135,7 @@ class TrainSettings:
     freeze_router: bool
     lora: LoraSettings | None
     muon: MuonSettings | None
+    esft: EsftSettings | None
     balance: BalanceSettings
     routing_guard: RoutingThresholds
     memory_guard: MemoryThresholds

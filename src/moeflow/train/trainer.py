@@ -47,6 +47,7 @@ from moeflow.runtime.hardware import to_device
 from moeflow.runtime.stage import kill_point, progress
 from moeflow.settings import PRECISIONS, enum
 from moeflow.train import guards as G
+from moeflow.train.expert_mask import masked_training
 from moeflow.train.losses import (
     LayerRouter,
     StepLoss,
@@ -55,7 +56,7 @@ from moeflow.train.losses import (
     update_correction_bias,
 )
 from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
-from moeflow.train.optim import correction_biases, lr_factor
+from moeflow.train.optim import correction_biases, lr_factor, param_groups
 from moeflow.train.optimizers import build_optimizer
 from moeflow.train.settings import BalanceSettings, TrainSettings
 
@@ -160,6 +161,7 @@ class Trainer:
         log_dir: str | os.PathLike | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         step_hook: Callable[[int, torch.nn.Module], None] | None = None,
+        expert_selection: Mapping[str, Any] | None = None,
     ):
         if precision not in enum(PRECISIONS):
             raise TrainConfigError(f"config key 'precision': {precision!r}; use one of {', '.join(enum(PRECISIONS))}")
@@ -179,8 +181,13 @@ class Trainer:
         # The optimizer holds the shards: after a forward without backward (a base reference, an evaluation)
         # FSDP2 leaves the root unit's gathered parameters registered, which no backward would ever update.
         reshard(model)
+        # train.method esft: only the selected experts train (moeflow.train.expert_mask); None for other methods
+        self.expert_mask = masked_training(model, settings, expert_selection)
+        groups = param_groups(model, settings)
+        if self.expert_mask is not None:
+            groups = self.expert_mask.param_groups(groups)
         # train_step sets each group's learning rate (train.lr x its multiplier x the schedule) before its update
-        self.optimizer = build_optimizer(model, settings)
+        self.optimizer = build_optimizer(model, settings, groups)
         self.biases = correction_biases(model)
         self.order = DataOrder(len(rows), seed, settings.order)
         # Dropout (LoRA's too) draws from the global generator: seeded here, its state saved in checkpoints,
@@ -284,6 +291,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = s.lr * group["lr_multiplier"] * factor
         summary = self.step_gradients()
+        if self.expert_mask is not None:  # before clipping: the unselected rows' gradients count in no norm
+            self.expert_mask.before_step(self.optimizer)
         grad_norm = clip_grad_norm(self.model, s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
         loss = summary["ce"] + s.balance.coef * summary["balance"] + s.balance.z_loss_coef * summary["z_loss"]
         G.check_finite({"loss": loss, "grad_norm": grad_norm}, self.step + 1)
@@ -414,6 +423,7 @@ def train_stage(
     start_from: str | os.PathLike | None = None,
     until: int | None = None,
     eval_rows: Sequence[Mapping[str, Any]] | None = None,
+    expert_selection: Mapping[str, Any] | None = None,
 ) -> Trainer:
     """Run one training stage: resume from its keyed checkpoint folder if one matches, else start
     (from ``start_from``, a full checkpoint, if given), train until ``until``. The caller writes its
@@ -431,6 +441,7 @@ def train_stage(
         eval_rows=eval_rows,
         log_dir=log_dir,
         checkpoint_dir=Path(checkpoint_root) / f"{stage.name}-{key}",
+        expert_selection=expert_selection,
     )
     if not trainer.resume() and start_from is not None:
         trainer.load(start_from)

@@ -136,6 +136,7 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
             )
     problems += parallel_problems(cfg)
     problems += optimizer_problems(cfg)
+    problems += esft_problems(cfg)
     problems += attention_problems(cfg)
     problems += humaneval_problems(cfg)
     problems += lm_eval_problems(cfg)
@@ -166,6 +167,55 @@ def humaneval_problems(cfg: Mapping[str, Any]) -> list[str]:
         for i, k in enumerate(humaneval["k"])
         if k > n
     ]
+
+
+def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """``train.method: esft`` needs an MoE model whose experts moeflow can address (a routing adapter's family,
+    moeflow.model.routing.FAMILIES), one process per model copy (the masked training is not built for sharded
+    parameters), and routing left alone (the routers are frozen, so no loss-free bias update)."""
+    train = cfg["train"]
+    if train["method"] != "esft":
+        return []
+    problems = []
+    model_type, experts = _model_type_and_experts(cfg["model"])
+    from moeflow.model.routing import EXPERT_COUNT_KEYS, FAMILIES  # imports torch: only for an ESFT config
+
+    dense = [f"{k}={experts[k]}" for k in EXPERT_COUNT_KEYS if k in experts and int(experts[k] or 0) <= 1]
+    if dense:
+        problems.append(
+            f"config key 'train.method': esft trains a task's routed experts, but the model is dense ({dense[0]}): "
+            "use train.method: full or lora"
+        )
+    elif model_type is not None and model_type not in FAMILIES:
+        problems.append(
+            f"config key 'train.method': esft scores and masks experts through a routing adapter, and model_type "
+            f"{model_type!r} has none (moeflow.model.routing.FAMILIES: {', '.join(FAMILIES)}): use train.method: "
+            "full or lora"
+        )
+    if cfg["parallel"]["strategy"] != "none":
+        problems.append(
+            f"config keys 'train.method': esft and 'parallel.strategy': {cfg['parallel']['strategy']} do not combine "
+            "yet: the expert mask is built for whole models. Use parallel.strategy: none (every rank holds the model)"
+        )
+    if train["balance"]["bias_update_rate"] > 0:
+        problems.append(
+            "config keys 'train.method': esft and 'train.balance.bias_update_rate' > 0 do not combine: ESFT keeps the "
+            "routing frozen, and the loss-free bias update moves it. Set train.balance.bias_update_rate: 0"
+        )
+    return problems
+
+
+def _model_type_and_experts(model: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The model type and the config's keys (expert counts among them) of ``model.config``, or of the pretrained
+    folder's config.json (None, {} where it cannot be read: the stage that loads it says why)."""
+    if not model["pretrained"]:
+        config = model["config"] or {}
+    else:
+        try:
+            config = json.loads((Path(model["pretrained"]) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None, {}
+    return config.get("model_type"), {**(config.get("text_config") or {}), **config}
 
 
 def attention_problems(cfg: Mapping[str, Any]) -> list[str]:

@@ -178,14 +178,15 @@ def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
 def training(section: Mapping[str, Any]) -> dict[str, Any]:
     """A ``train:`` or ``pretrain:`` section as :class:`TrainSettings` takes it: the schema's defaults
     filled in, the warmup length resolved, ``balance.mode`` off for YAML's unquoted ``off`` (false), and
-    ``lora`` only with ``method: lora`` and ``muon`` only with ``optimizer: muon`` (null otherwise, so that their
-    settings never rerun a run that does not use them)."""
+    ``lora`` only with ``method: lora``, ``esft`` only with ``method: esft`` and ``muon`` only with ``optimizer: muon``
+    (null otherwise, so that their settings never rerun a run that does not use them)."""
     train = with_defaults(section, "#/$defs/training")
     return train | {
         "warmup_steps": resolve_warmup_steps(train),
         "balance": train["balance"] | {"mode": train["balance"]["mode"] or "off"},
         "lora": train["lora"] if train["method"] == "lora" else None,
         "muon": train["muon"] if train["optimizer"] == "muon" else None,
+        "esft": train["esft"] if train["method"] == "esft" else None,
     }
 
 
@@ -233,3 +234,30 @@ def export_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 warmup_key = settings_key("w", warmup_settings)
+
+
+def esft_routing_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What rule esft_routing's totals depend on (the expensive routing pass of ``train.method: esft``): the base
+    model, the fine-tuning corpus's training split, the token budget, the routing batch and precision. Not the
+    score or ``top_p``: changing those reruns the selection only."""
+    return {
+        "base": base_key(cfg),
+        "data": data_key(cfg),
+        "finetune_corpus": cfg["data"]["finetune_corpus"],
+        "model": cfg["model"],
+        "token_budget": cfg["train"]["esft"]["token_budget"],
+        "batch_tokens": cfg["coverage"]["batch_tokens"],
+        "precision": cfg["precision"],
+    }
+
+
+esft_routing_key = settings_key("r", esft_routing_settings)
+
+
+def esft_selection_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What rule esft_select depends on: the routing totals (by key), the score and ``top_p``."""
+    esft = cfg["train"]["esft"]
+    return {"routing": esft_routing_key(cfg), "score": esft["score"], "top_p": esft["top_p"]}
+
+
+esft_selection_key = settings_key("s", esft_selection_settings)

@@ -88,6 +88,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "coverage_valset": ("coverage", *ROUTING, *MODEL, *ROWS, *VALSET),
     # the plan reads the model's shapes from the config the factory builds, and the typed training settings
     "plan_memory": ("plan", *MODEL_CONFIG, "model.parameters", "train.settings", "parallel.settings"),
+    # ESFT: the routing totals of the fine-tuning corpus (the coverage stage's routing pass), the selection
+    "esft_routing": ("train.esft", *ROUTING, *MODEL, *ROWS),
+    "esft_select": ("train.esft",),
     "warmup": TRAINING,
     "train_model": (*TRAINING, *VALSET),
     "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters"),
