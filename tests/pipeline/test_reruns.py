@@ -90,6 +90,8 @@ RERUN_TABLE = {
         {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"},
     ),
     "coverage setting": ({"coverage": {"token_budget": 8192}}, {"coverage_valset", "train_model"} | EVALUATION),
+    # The coverage stage's own layout: no part of the coverage key, so its params start it again (same outputs).
+    "coverage layout": ({"coverage": {"strategy": "fsdp"}}, {"coverage_valset", "train_model"} | EVALUATION),
     "peak learning rate": ({"train": {"lr": 1e-3}}, TRAINING),
     "total steps": ({"train": {"steps": 10}}, TRAINING - {"warmup"}),
     # The experts implementation is timed at the micro-batch's token count.
