@@ -377,4 +377,3 @@ def test_stage_fails_on_an_unmet_constraint_unless_allowed(coverage_inputs, tmp_
     assert not (tmp_path / "a" / "coverage.json").exists() and not (tmp_path / "a" / "valset").exists()
     report, _ = run_coverage_stage(root, model_cfg, tmp_path / "b", min_docs_per_expert=10_000, allow_unmet=True)
     assert report["unmet"] and all(u["reason"] == "pool" for u in report["unmet"])
-
