@@ -143,6 +143,21 @@ def test_ranks_parts_merge_into_the_one_process_statistics(world):
     assert (got.corpora, got.layers, got.num_experts, got.top_k) == (want.corpora, want.layers, E, K)
 
 
+@pytest.mark.parametrize(("batches", "world"), [(7, 2), (7, 3), (2, 3), (0, 2), (6, 3)])
+def test_each_rank_runs_as_many_forwards_and_the_ranks_count_each_batch_once(batches, world):
+    """A sharded model's forward is a collective: every rank the same number of forwards, the fillers
+    (place -1, the pool's first batch) not counted, every batch counted by one rank."""
+    from moeflow.model.routing_stats import _rank_batches
+
+    rows = [{"input_ids": [i] * 10} for i in range(batches)]  # 10 tokens a row: one row a batch
+    shares = [list(_rank_batches(rows, 10, rank, world)) for rank in range(world)]
+    assert len({len(share) for share in shares}) == 1
+    counted = sorted(place for share in shares for place, _ in share if place >= 0)
+    assert counted == list(range(batches))
+    assert all(batch == [rows[0]] for share in shares for place, batch in share if place < 0)
+    assert all(batch == [rows[place]] for share in shares for place, batch in share if place >= 0)
+
+
 def test_top_pairs_are_the_most_frequent_per_layer():
     docs = synthetic_routing(30, seed=2)
     stats = collect(docs)
