@@ -147,10 +147,10 @@ def test_ranks_parts_merge_into_the_one_process_statistics(world):
 def test_each_rank_runs_as_many_forwards_and_the_ranks_count_each_batch_once(batches, world):
     """A sharded model's forward is a collective: every rank the same number of forwards, the fillers
     (place -1, the pool's first batch) not counted, every batch counted by one rank."""
-    from moeflow.model.routing_stats import _rank_batches
+    from moeflow.model.routing_stats import rank_batches
 
     rows = [{"input_ids": [i] * 10} for i in range(batches)]  # 10 tokens a row: one row a batch
-    shares = [list(_rank_batches(rows, 10, rank, world)) for rank in range(world)]
+    shares = [list(rank_batches(rows, 10, rank, world)) for rank in range(world)]
     assert len({len(share) for share in shares}) == 1
     counted = sorted(place for share in shares for place, _ in share if place >= 0)
     assert counted == list(range(batches))

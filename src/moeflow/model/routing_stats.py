@@ -232,7 +232,7 @@ def _row_batches(rows: Iterable[Mapping[str, Any]], batch_tokens: int) -> Iterat
         yield batch
 
 
-def _rank_batches(
+def rank_batches(
     rows: Iterable[Mapping[str, Any]], batch_tokens: int, rank: int, world: int
 ) -> Iterator[tuple[int, list[Mapping[str, Any]]]]:
     """``(place in the pool, rows)`` of this rank's batches of one pool: batches rank, rank + world, ...; then, so
@@ -272,7 +272,7 @@ def route_pool(
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     model.eval()
     for corpus_index, (corpus, rows) in enumerate(pools):
-        for place, batch_rows in progress(_rank_batches(rows, batch_tokens, rank, world), desc=f"route {corpus}"):
+        for place, batch_rows in progress(rank_batches(rows, batch_tokens, rank, world), desc=f"route {corpus}"):
             batch = collate(batch_rows)
             doc_ids = batch["doc_ids"].numpy()
             inputs = model_inputs(model, batch)
