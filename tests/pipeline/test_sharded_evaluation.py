@@ -52,4 +52,11 @@ def test_evaluate_run_on_two_fsdp_ranks_equals_one_rank(pipeline_copy):
     assert_close(two, one)
     two_drift = json.loads((out / "drift.json").read_text())
     one_drift.pop("provenance"), two_drift.pop("provenance")
-    assert_close(two_drift, one_drift, "drift")
+    # routing entropies: the sharded forward's probabilities differ from one process's in the last digits
+    # (1e-9 relative on 2 FSDP2 gloo ranks); the chosen experts, loads and divergences are the same
+    for layer in one_drift["layers"] + two_drift["layers"]:
+        layer["entropies"] = [layer.pop(k) for k in ("entropy_base", "entropy_finetuned", "entropy_change")]
+    for got, want in zip(two_drift.pop("layers"), one_drift.pop("layers")):
+        assert got.pop("entropies") == pytest.approx(want.pop("entropies"), rel=1e-6, abs=1e-8)
+        assert_close(got, want, "drift")
+    assert two_drift == one_drift
