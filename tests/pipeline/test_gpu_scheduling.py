@@ -1,7 +1,8 @@
 """GPU jobs and their GPUs, on the CPU: every rule that uses a GPU declares ``resources.gpu`` from the config (the
-training layout's ranks for warmup and train_model, evaluate.ranks for evaluate_run, one for the other forward-only
-stages), so ``--resources gpu=N`` keeps the GPU jobs that run at once within N GPUs; and each job claims GPUs of
-its own (moeflow.runtime.devices), so jobs that overlap never share one.
+training layout's ranks for warmup and train_model, evaluate.ranks for evaluate_run and routing_drift,
+coverage.ranks for coverage_valset, one for the other forward-only stages), so ``--resources gpu=N`` keeps the GPU
+jobs that run at once within N GPUs; and each job claims GPUs of its own (moeflow.runtime.devices), so jobs that
+overlap never share one.
 
 The dry run reads the declarations of the real workflow with a CUDA config. The run executes jobs of those
 declared sizes for real, through the same two doors the rules use (a shell rule's launcher prefix,
@@ -26,16 +27,16 @@ pytestmark = pytest.mark.pipeline
 
 FORWARD_ONLY = {
     "choose_experts",
-    "coverage_valset",
     "lm_eval_task",
     "humaneval_generate",
-    "routing_drift",
 }
-TRAINING = {"warmup", "train_model", "evaluate_run"}  # evaluate_run: evaluate.ranks, sharded like training
+# evaluate_run and routing_drift: evaluate.ranks; coverage_valset: coverage.ranks; sharded like training
+TRAINING = {"warmup", "train_model", "evaluate_run", "routing_drift", "coverage_valset"}
 CUDA = {
     "hardware": {"device": "cuda", "num_devices": 2, "memory_gib_per_device": 80},
     "parallel": {"nproc_per_node": 2, "strategy": "fsdp"},
     "evaluate": {"ranks": 2},
+    "coverage": {"ranks": 2},
 }
 
 

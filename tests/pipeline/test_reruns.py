@@ -90,6 +90,8 @@ RERUN_TABLE = {
         {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"},
     ),
     "coverage setting": ({"coverage": {"token_budget": 8192}}, {"coverage_valset", "train_model"} | EVALUATION),
+    # The coverage stage's own layout: no part of the coverage key, so its params start it again (same outputs).
+    "coverage layout": ({"coverage": {"strategy": "fsdp"}}, {"coverage_valset", "train_model"} | EVALUATION),
     "peak learning rate": ({"train": {"lr": 1e-3}}, TRAINING),
     "total steps": ({"train": {"steps": 10}}, TRAINING - {"warmup"}),
     # The experts implementation is timed at the micro-batch's token count.
@@ -97,8 +99,8 @@ RERUN_TABLE = {
     "evaluation setting": ({"evaluate": {"max_sequences": 4}}, {"evaluate_run", "routing_drift", "paper"}),
     # The export's settings travel in train_model's job description only: its compared param reruns it.
     "export setting": ({"export": {"max_shard_size": "1GB"}}, TRAINING - {"plan_memory", "warmup"}),
-    # Evaluation's own layout: training and coverage are reused. routing_drift's layout is still one rank.
-    "evaluation layout": ({"evaluate": {"strategy": "fsdp"}}, {"evaluate_run", "paper"}),
+    # Evaluation's own layout (evaluate_run's and routing_drift's): training and coverage are reused.
+    "evaluation layout": ({"evaluate": {"strategy": "fsdp"}}, {"evaluate_run", "routing_drift", "paper"}),
     # Each lm-eval task of each model is its own job: dropping one reruns none of the others.
     "lm-eval task list": ({"evaluate": {"tasks": ["moeflow_perplexity"]}}, {"paper"}),
     "lm-eval setting": ({"evaluate": {"lm_eval": {"batch_size": 2}}}, {"lm_eval_task", "paper"}),

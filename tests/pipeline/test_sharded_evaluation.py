@@ -1,7 +1,8 @@
 """The evaluation stage sharded like training: ``evaluate.ranks: 2`` with ``evaluate.strategy: fsdp`` starts
 evaluate_run through torchrun on two gloo ranks, each loading its FSDP shard of the base and the fine-tuned
 model from their folders (moeflow.parallel.rank_load) and evaluating half the batches; its metrics.json equals
-the one-rank result of the finished smoke pipeline (sums added in another order: 1e-9 relative)."""
+the one-rank result of the finished smoke pipeline (sums added in another order: 1e-9 relative). routing_drift
+runs in the same layout, and its drift.json equals the one-rank record (the batches put back in order)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,31 @@ def assert_close(got, want, path="metrics"):
 def test_evaluate_run_on_two_fsdp_ranks_equals_one_rank(pipeline_copy):
     out = results(pipeline_copy) / "runs" / "moe" / "eval"
     one = json.loads((out / "metrics.json").read_text())
+    one_drift = json.loads((out / "drift.json").read_text())
     # evaluation's own layout (evaluate.strategy): the trained model and its coverage set are reused
     overlay = write_overlay(pipeline_copy, {"evaluate": {"ranks": 2, "strategy": "fsdp"}})
     target = str(out.relative_to(pipeline_copy) / "metrics.json")
-    done = snakemake(pipeline_copy, target, "--cores", "2", *SMOKE, overlay)
+    drift = str(out.relative_to(pipeline_copy) / "drift.json")
+    done = snakemake(pipeline_copy, target, drift, "--cores", "2", *SMOKE, overlay)
     log = done.stdout + done.stderr  # Snakemake logs to stderr
     assert "torch.distributed.run --standalone --monitor-interval 0.5 --nproc_per_node 2" in log
-    assert "rule evaluate_run:" in log and "rule warmup:" not in log and "rule train_model:" not in log
+    assert (
+        "rule evaluate_run:" in log
+        and "rule routing_drift:" in log
+        and "rule warmup:" not in log
+        and "rule train_model:" not in log
+    )
     two = json.loads((out / "metrics.json").read_text())
     assert json.loads((out / "speed.json").read_text())["ranks"] == 2
     one.pop("provenance"), two.pop("provenance")
     assert_close(two, one)
+    two_drift = json.loads((out / "drift.json").read_text())
+    one_drift.pop("provenance"), two_drift.pop("provenance")
+    # routing entropies: the sharded forward's probabilities differ from one process's in the last digits
+    # (1e-9 relative on 2 FSDP2 gloo ranks); the chosen experts, loads and divergences are the same
+    for layer in one_drift["layers"] + two_drift["layers"]:
+        layer["entropies"] = [layer.pop(k) for k in ("entropy_base", "entropy_finetuned", "entropy_change")]
+    for got, want in zip(two_drift.pop("layers"), one_drift.pop("layers")):
+        assert got.pop("entropies") == pytest.approx(want.pop("entropies"), rel=1e-6, abs=1e-8)
+        assert_close(got, want, "drift")
+    assert two_drift == one_drift

@@ -29,7 +29,7 @@ from moeflow.coverage.cover import (
 )
 from moeflow.coverage.heatmap import coverage_heatmap
 from moeflow.data.valset import open_valset
-from moeflow.model.routing_stats import PoolStats, StatsCollector, cell_table, route_pool
+from moeflow.model.routing_stats import PoolStats, StatsCollector, cell_table, merge_parts, route_pool
 from moeflow.runtime import compat
 
 LAYERS, E, K = [1, 3], 8, 2
@@ -98,6 +98,66 @@ def test_collector_counts_match_the_tokens_and_merge_across_batches():
         }
     )
     assert got_pairs == Counter({(d, *key): n for d, cnt in pairs.items() for key, n in cnt.items()})
+
+
+def pool_batches(seed: int, batch_tokens: int = 23):
+    """``(corpus, place, doc_ids, routes)`` of two corpora's packed batches: doc ids out of order, documents
+    spanning batches, padding at each corpus's end."""
+    batches = []
+    for corpus in range(2):
+        docs = synthetic_routing(12, seed=seed + corpus)
+        ids = np.random.default_rng(seed).permutation(len(docs)) * 3 + 5  # appearance order is not id order
+        doc_ids = np.concatenate([np.full(len(r[0]), i) for i, r in zip(ids, docs.values())] + [np.full(4, -1)])
+        routes = [
+            np.concatenate([r[p] for r in docs.values()] + [np.zeros((4, K), dtype=np.int64)])
+            for p in range(len(LAYERS))
+        ]
+        for place, start in enumerate(range(0, len(doc_ids), batch_tokens)):
+            sl = slice(start, start + batch_tokens)
+            batches.append((corpus, place, doc_ids[sl], [r[sl] for r in routes]))
+    return batches
+
+
+@pytest.mark.parametrize("world", [2, 3, 40])
+def test_ranks_parts_merge_into_the_one_process_statistics(world):
+    """Each rank collects batches rank, rank + world, ... of each pool (route_pool's share); merge_parts gives
+    the statistics one collector gets from every batch in order: the same documents in the same order (the
+    selection's tie-breaks follow it), the same counts. world 40 leaves ranks without a batch."""
+    batches = pool_batches(seed=3)
+    one = StatsCollector(LAYERS, E, K)
+    for corpus, place, doc_ids, routes in batches:
+        one.add(corpus, doc_ids, routes, batch=place)
+    want = one.finish(["a", "b"])
+    parts = []
+    for rank in range(world):
+        part = StatsCollector(LAYERS, E, K)
+        for corpus, place, doc_ids, routes in batches:
+            if place % world == rank:
+                part.add(corpus, doc_ids, routes, batch=place)
+        parts.append((part.finish(["a", "b"]), part.first_batches()))
+    got = merge_parts(parts)
+    assert want.doc_id[:12].tolist() != sorted(want.doc_id[:12].tolist())  # the order is not the ids'
+    for name in ("doc_corpus", "doc_id", "doc_tokens"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    for name in ("cells", "pairs"):
+        for field in ("doc", "code", "count"):
+            assert np.array_equal(getattr(getattr(got, name), field), getattr(getattr(want, name), field)), name
+    assert (got.corpora, got.layers, got.num_experts, got.top_k) == (want.corpora, want.layers, E, K)
+
+
+@pytest.mark.parametrize(("batches", "world"), [(7, 2), (7, 3), (2, 3), (0, 2), (6, 3)])
+def test_each_rank_runs_as_many_forwards_and_the_ranks_count_each_batch_once(batches, world):
+    """A sharded model's forward is a collective: every rank the same number of forwards, the fillers
+    (place -1, the pool's first batch) not counted, every batch counted by one rank."""
+    from moeflow.model.routing_stats import rank_batches
+
+    rows = [{"input_ids": [i] * 10} for i in range(batches)]  # 10 tokens a row: one row a batch
+    shares = [list(rank_batches(rows, 10, rank, world)) for rank in range(world)]
+    assert len({len(share) for share in shares}) == 1
+    counted = sorted(place for share in shares for place, _ in share if place >= 0)
+    assert counted == list(range(batches))
+    assert all(batch == [rows[0]] for share in shares for place, batch in share if place < 0)
+    assert all(batch == [rows[place]] for share in shares for place, batch in share if place >= 0)
 
 
 def test_top_pairs_are_the_most_frequent_per_layer():

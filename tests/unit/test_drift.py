@@ -144,3 +144,19 @@ def test_a_dense_model_has_no_routing_to_compare(rows):
     )
     with pytest.raises(NoMoELayers, match="MoE"):
         drift.model_routing(dense, rows[0], SETTINGS, label="base")
+
+
+@pytest.mark.parametrize("world", [4, 5])
+def test_ranks_shares_in_batch_order_give_the_one_process_routing(base, rows, world):
+    """Each rank routes batches rank, rank + world, ... (fillers run, not kept); put back in batch order they
+    give one process's routing, entropies added in the same order (the same bits)."""
+    packed, _, _ = rows
+    assert len(packed) % world  # some rank runs a filler
+    adapter = adapter_for(base)
+    want = drift.route_tokens(base, batches(packed, 1, "eager"), adapter)
+    parts = [drift.route_batches(base, batches(packed, 1, "eager", rank=r, world=world), adapter) for r in range(world)]
+    assert sum(map(len, parts)) == len(packed)
+    got = drift.layer_tokens(drift.in_batch_order(parts))
+    assert [g.layer for g in got] == [w.layer for w in want]
+    for g, w in zip(got, want):
+        assert np.array_equal(g.expert_sets, w.expert_sets) and g.entropy_sum == w.entropy_sum

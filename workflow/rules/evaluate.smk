@@ -13,7 +13,7 @@ EVALUATE_RUN_PARAMS = dict(
     device=lambda wc: RUNS[wc.run]["hardware"]["device"],
     run=lambda wc: wc.run,
     # the layout changes no number (tests/pipeline/test_sharded_evaluation.py), but starts the stage anew
-    parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),
+    parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], "evaluate"),
     runtime=lambda wc: runtime(wc.run),
 )
 

@@ -22,6 +22,7 @@ from moeflow.data.shards import iter_rows, open_split
 from moeflow.data.valset import VALSET_SPLIT, write_valset
 from moeflow.model.routing import UnsupportedModel, adapter_for
 from moeflow.model.routing_stats import route_pool
+from moeflow.parallel.process_group import Ranks
 from moeflow.runtime.files import write_json
 from moeflow.runtime.stage import kill_point
 
@@ -42,8 +43,11 @@ def build_valset(
     seed: int,
     precision: str = "fp32",
     provenance: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The coverage stage: route the pools, select, check, write the valset, coverage.json and the heatmap."""
+    ranks: Ranks | None = None,
+) -> dict[str, Any] | None:
+    """The coverage stage: route the pools, select, check, write the valset, coverage.json and the heatmap.
+    ``ranks`` (several ranks holding ``model`` in a layout): the ranks share the routing pass, and the main rank
+    selects, writes and returns the report (None on the others)."""
     corpora = list(settings["pool_corpora"])
     if len(corpora) != len(pool_dirs):
         raise ValueError(f"{len(pool_dirs)} pool folders for {len(corpora)} corpora in 'coverage.pool_corpora'")
@@ -56,7 +60,11 @@ def build_valset(
             "set 'coverage.valset_of_run' to an MoE run"
         ) from None
     pools = [(name, iter_rows(open_split(path, VALSET_SPLIT))) for name, path in zip(corpora, pool_dirs)]
-    stats = route_pool(model, pools, int(settings["batch_tokens"]), attn_implementation, precision, adapter)
+    stats = route_pool(
+        model, pools, int(settings["batch_tokens"]), attn_implementation, precision, adapter, ranks=ranks
+    )
+    if stats is None:  # not the main rank
+        return None
     min_docs, min_tokens = int(settings["min_docs_per_expert"]), int(settings["min_tokens"])
     if stats.num_docs == 0:
         raise CoverageInfeasible(

@@ -13,6 +13,10 @@ Per MoE layer, over the non-padding tokens:
   (``LOAD_CHANGE``); an expert the base never chose gains as soon as it is chosen;
 * ``entropy_base`` / ``entropy_finetuned`` / ``entropy_change``: the mean per-token entropy (nats) of the
   routing probabilities (``moeflow.model.routing.LayerRouting.probs``).
+
+With several ranks holding the model in a layout, each routes its share of the batches (``moeflow.evaluation.loop``'s
+``batches``) and the main rank puts the batches back in their order before anything is added up: the same chosen
+experts, loads and divergences as one process, the entropies to the last digits the sharded forward changes.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import numpy as np
 import torch
 
 from moeflow.data.collate import model_inputs, token_mask
-from moeflow.evaluation.loop import batches
+from moeflow.evaluation.loop import FILLER, batches
 from moeflow.model.routing import NoMoELayers, RoutingAdapter, adapter_or_none, capture
+from moeflow.model.wrappers import unwrap
+from moeflow.parallel.process_group import Ranks, gather_to_main
 from moeflow.runtime.stage import progress
 
 LOAD_CHANGE = 0.5  # an expert gained or lost load: its share moved by more than half the base's share
@@ -60,29 +66,62 @@ def token_entropy(probs: torch.Tensor) -> torch.Tensor:
     return torch.special.entr(probs.double()).sum(dim=-1)
 
 
-def route_tokens(
+# One batch's routing: per MoE layer, (number of experts, (tokens, k) sorted chosen experts, summed entropy).
+BatchRouting = dict[int, tuple[int, np.ndarray, float]]
+
+
+def route_batches(
     model, collated: Iterable[Mapping[str, Any]], adapter: RoutingAdapter, precision: str = "fp32"
-) -> list[LayerTokens]:
-    """Every MoE layer's chosen experts and routing entropy for each real token of the batches ``collated``
-    (``moeflow.data.collate.collate`` output), in batch order."""
+) -> list[BatchRouting]:
+    """Every MoE layer's chosen experts and routing entropy for each real token, batch by batch, of the batches
+    ``collated`` (``moeflow.data.collate.collate`` output; a :data:`FILLER` batch is run, not kept)."""
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    sets: dict[int, list[np.ndarray]] = {}
-    entropy: dict[int, float] = {}
-    experts: dict[int, int] = {}
+    out: list[BatchRouting] = []
     model.eval()
     with torch.no_grad(), autocast:
         for batch in collated:
             real = token_mask(batch).reshape(-1)
             with capture(model, adapter) as routing:
                 model(**model_inputs(model, batch), use_cache=False)
+            if FILLER in batch:
+                continue
+            layers: BatchRouting = {}
             for layer in routing.layers:
                 chosen = layer.topk_index.reshape(real.shape[0], -1).cpu()[real]
-                sets.setdefault(layer.layer, []).append(torch.sort(chosen, dim=-1).values.numpy())
                 probs = layer.probs().reshape(real.shape[0], -1).cpu()[real]
-                entropy[layer.layer] = entropy.get(layer.layer, 0.0) + float(token_entropy(probs).sum())
-                experts[layer.layer] = layer.num_experts
+                entropy = float(token_entropy(probs).sum())
+                layers[layer.layer] = (layer.num_experts, torch.sort(chosen, dim=-1).values.numpy(), entropy)
+            out.append(layers)
+    return out
+
+
+def layer_tokens(routed: Sequence[BatchRouting]) -> list[LayerTokens]:
+    """Each MoE layer's :class:`LayerTokens` over batches in their order (entropies added in that order)."""
+    sets: dict[int, list[np.ndarray]] = {}
+    entropy: dict[int, float] = {}
+    experts: dict[int, int] = {}
+    for layers in routed:
+        for layer, (num_experts, chosen, batch_entropy) in layers.items():
+            sets.setdefault(layer, []).append(chosen)
+            entropy[layer] = entropy.get(layer, 0.0) + batch_entropy
+            experts[layer] = num_experts
     return [LayerTokens(layer, experts[layer], np.concatenate(sets[layer]), entropy[layer]) for layer in sorted(sets)]
+
+
+def route_tokens(
+    model, collated: Iterable[Mapping[str, Any]], adapter: RoutingAdapter, precision: str = "fp32"
+) -> list[LayerTokens]:
+    """Every MoE layer's chosen experts and routing entropy for each real token of the batches ``collated``
+    (``moeflow.data.collate.collate`` output), in batch order."""
+    return layer_tokens(route_batches(model, collated, adapter, precision))
+
+
+def in_batch_order(parts: Sequence[Sequence[BatchRouting]]) -> list[BatchRouting]:
+    """The ranks' batches (rank r's: batches r, r + ranks, ..., as ``moeflow.evaluation.loop.batches`` shares
+    them out) back in the one-process order."""
+    world, total = len(parts), sum(len(p) for p in parts)
+    return [parts[k % world][k // world] for k in range(total)]
 
 
 def js_divergence(p: Sequence[float], q: Sequence[float]) -> float:
@@ -149,13 +188,22 @@ def drift_record(base: Sequence[LayerTokens], finetuned: Sequence[LayerTokens]) 
 
 
 def model_routing(
-    model, rows, settings: Mapping[str, Any], precision: str = "fp32", label: str = ""
-) -> list[LayerTokens]:
+    model, rows, settings: Mapping[str, Any], precision: str = "fp32", label: str = "", ranks: Ranks | None = None
+) -> list[LayerTokens] | None:
     """``route_tokens`` of an MoE model over a set of packed rows in the evaluation's batches (``settings``:
-    ``moeflow.workflow.keys.eval_batch_settings``); ``NoMoELayers`` for a model without experts."""
-    adapter = adapter_or_none(model)
+    ``moeflow.workflow.keys.eval_batch_settings``); ``NoMoELayers`` for a model without experts. ``ranks``
+    (several ranks holding ``model`` in a layout): each routes its share of the batches, and the main rank gets
+    the whole set's routing, the other ranks None."""
+    adapter = adapter_or_none(unwrap(model))
     if adapter is None:
         raise NoMoELayers(f"routing drift compares the routers of MoE models; the {label or 'given'} model has none")
-    attn = model.config._attn_implementation
-    collated = batches(rows, settings["batch_size"], attn, settings["max_sequences"])
-    return route_tokens(model, progress(collated, desc=f"routing drift: {label}"), adapter, precision)
+    attn = unwrap(model).config._attn_implementation
+    rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
+    collated = batches(rows, settings["batch_size"], attn, settings["max_sequences"], rank=rank, world=world)
+    routed = route_batches(model, progress(collated, desc=f"routing drift: {label}"), adapter, precision)
+    if world > 1:
+        parts = gather_to_main(routed)
+        if parts is None:
+            return None
+        routed = in_batch_order(parts)
+    return layer_tokens(routed)

@@ -7,6 +7,10 @@ sparse: tokens routed to each (layer, expert) and tokens on which each pair of e
 together (``PoolStats``). Memory grows with the number of distinct (document, layer, expert) and
 (document, layer, pair) entries, never with tokens x experts.
 
+With several ranks (``route_pool``'s ``ranks``) each routes its share of each pool's batches, every rank as many
+forwards (a sharded model's forward is a collective), and the main rank merges the parts into the statistics
+one process would have collected (``merge_parts``: the same documents in the same order, the same counts).
+
 ``layer_health`` is the balance of one layer's expert load, as the training guards, the Trainer's log and
 the evaluation report it.
 """
@@ -25,6 +29,7 @@ import torch
 from moeflow.data.collate import collate, model_inputs
 from moeflow.model.chunked_loss import decoder_forward
 from moeflow.model.routing import adapter_for, capture
+from moeflow.parallel.process_group import Ranks, gather_to_main
 from moeflow.runtime.stage import kill_point, progress
 
 log = logging.getLogger(__name__)
@@ -88,12 +93,13 @@ class StatsCollector:
         self._index: dict[tuple[int, int], int] = {}
         self._corpus: list[int] = []
         self._doc_id: list[int] = []
+        self._first_batch: list[int] = []  # the pool batch each document first appeared in (merge_parts' order)
         self._tokens: list[tuple[np.ndarray, np.ndarray]] = []
         self._cells: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._pending = 0
 
-    def _doc_indices(self, corpus: int, doc_ids: np.ndarray) -> np.ndarray:
+    def _doc_indices(self, corpus: int, doc_ids: np.ndarray, batch: int) -> np.ndarray:
         out = np.empty(len(doc_ids), dtype=np.int64)
         for i, doc_id in enumerate(doc_ids.tolist()):
             key = (corpus, doc_id)
@@ -101,11 +107,13 @@ class StatsCollector:
                 self._index[key] = len(self._doc_id)
                 self._corpus.append(corpus)
                 self._doc_id.append(doc_id)
+                self._first_batch.append(batch)
             out[i] = self._index[key]
         return out
 
-    def add(self, corpus: int, doc_ids: np.ndarray, topk_per_layer: Sequence[np.ndarray]) -> None:
-        """``doc_ids`` (T,) per token (-1: padding, not counted); ``topk_per_layer``: (T, k) per MoE layer."""
+    def add(self, corpus: int, doc_ids: np.ndarray, topk_per_layer: Sequence[np.ndarray], batch: int = 0) -> None:
+        """``doc_ids`` (T,) per token (-1: padding, not counted); ``topk_per_layer``: (T, k) per MoE layer;
+        ``batch``: the batch's place in its pool (what orders the documents when ranks' parts are merged)."""
         doc_ids = np.asarray(doc_ids, dtype=np.int64).reshape(-1)
         if len(topk_per_layer) != len(self.layers):
             raise ValueError(f"expected routing for {len(self.layers)} MoE layers, got {len(topk_per_layer)}")
@@ -114,7 +122,7 @@ class StatsCollector:
             return
         batch_docs, local = np.unique(doc_ids[valid], return_inverse=True)
         local = local.reshape(-1)
-        global_docs = self._doc_indices(corpus, batch_docs)
+        global_docs = self._doc_indices(corpus, batch_docs, batch)
         self._tokens.append((global_docs, np.bincount(local, minlength=len(batch_docs))))
         E = self.num_experts
         for position, topk in enumerate(topk_per_layer):
@@ -163,6 +171,52 @@ class StatsCollector:
             pairs=merged(self._pairs, L * E * E),
         )
 
+    def first_batches(self) -> np.ndarray:
+        """(D,) the pool batch each document of :meth:`finish` first appeared in."""
+        return np.asarray(self._first_batch, dtype=np.int64)
+
+
+def merge_parts(parts: Sequence[tuple[PoolStats, np.ndarray]]) -> PoolStats:
+    """The statistics of a whole pool from ranks' parts (each its :class:`PoolStats` and its documents' first
+    batches), as one process collects them: documents in the order they first appear (corpus, then batch, then
+    doc id, as ``StatsCollector.add`` indexes a batch's sorted ids), a document that spans batches of several
+    ranks counted once with its tokens and routings added up."""
+    first, rest = parts[0][0], [p for p, _ in parts]
+    corpus = np.concatenate([p.doc_corpus for p in rest])
+    doc_id = np.concatenate([p.doc_id for p in rest])
+    first_batch = np.concatenate([f for _, f in parts])
+    keys = np.stack([corpus, doc_id], axis=1)
+    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    earliest = np.full(len(unique), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(earliest, inverse, first_batch)
+    order = np.lexsort((unique[:, 1], earliest, unique[:, 0]))
+    position = np.empty(len(unique), dtype=np.int64)
+    position[order] = np.arange(len(unique))
+    to_global = position[inverse]  # each part's document, in the parts' concatenated order -> its merged index
+    offsets = np.cumsum([0] + [p.num_docs for p in rest])
+    doc_tokens = np.zeros(len(unique), dtype=np.int64)
+    np.add.at(doc_tokens, to_global, np.concatenate([p.doc_tokens for p in rest]))
+    E, L = first.num_experts, len(first.layers)
+
+    def merged(field: str, width: int) -> Sparse:
+        docs = [to_global[offsets[i] + getattr(p, field).doc] for i, p in enumerate(rest)]
+        codes = [getattr(p, field).code for p in rest]
+        counts = [getattr(p, field).count for p in rest]
+        return _sum_duplicates(np.concatenate(docs), np.concatenate(codes), np.concatenate(counts), width)
+
+    return PoolStats(
+        corpora=list(first.corpora),
+        layers=list(first.layers),
+        num_experts=E,
+        top_k=first.top_k,
+        doc_corpus=unique[order, 0].astype(np.int64),
+        doc_id=unique[order, 1].astype(np.int64),
+        doc_tokens=doc_tokens,
+        cells=merged("cells", L * E),
+        pairs=merged("pairs", L * E * E),
+    )
+
 
 def _row_batches(rows: Iterable[Mapping[str, Any]], batch_tokens: int) -> Iterator[list[Mapping[str, Any]]]:
     """Consecutive rows, at most ``batch_tokens`` tokens a batch (at least one row)."""
@@ -178,6 +232,20 @@ def _row_batches(rows: Iterable[Mapping[str, Any]], batch_tokens: int) -> Iterat
         yield batch
 
 
+def rank_batches(
+    rows: Iterable[Mapping[str, Any]], batch_tokens: int, rank: int, world: int
+) -> Iterator[tuple[int, list[Mapping[str, Any]]]]:
+    """``(place in the pool, rows)`` of this rank's batches of one pool: batches rank, rank + world, ...; then, so
+    that every rank runs as many forwards, fillers ``(-1, the pool's first batch)``, routed but not counted."""
+    first, count = None, 0
+    for place, batch in enumerate(_row_batches(rows, batch_tokens)):
+        first, count = first or batch, place + 1
+        if place % world == rank:
+            yield place, batch
+    for _ in range(-(-count // world) - len(range(rank, count, world))):
+        yield -1, first
+
+
 def route_pool(
     model: Any,
     pools: Sequence[tuple[str, Iterable[Mapping[str, Any]]]],
@@ -186,30 +254,43 @@ def route_pool(
     precision: str = "fp32",
     adapter: Any = None,
     observers: Sequence[Any] = (),
-) -> PoolStats:
+    ranks: Ranks | None = None,
+) -> PoolStats | None:
     """Route each pool's packed rows through ``model`` and collect per-document statistics.
 
     ``pools``: ``(corpus name, rows)`` with rows as the data stage writes them (``moeflow.data.shards``).
+    ``ranks`` (several ranks holding ``model`` in a layout): each routes its
+    share of the batches and the main rank gets the whole pool's statistics, the other ranks None.
     ``observers``: objects whose ``add(routing_layers, keep)`` also sees each batch's captured routing and its
-    real-token mask (e.g. ``moeflow.train.esft.TotalsCollector``), so other statistics share this one pass.
+    real-token mask (e.g. ``moeflow.train.esft.TotalsCollector``), so other statistics share this one pass;
+    with several ranks they see this rank's batches only, and their caller adds the ranks' totals.
     """
     adapter = adapter or adapter_for(model)
     collector = StatsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     model.eval()
     for corpus_index, (corpus, rows) in enumerate(pools):
-        for batch_rows in progress(_row_batches(rows, batch_tokens), desc=f"route {corpus} (batches)"):
+        for place, batch_rows in progress(rank_batches(rows, batch_tokens, rank, world), desc=f"route {corpus}"):
             batch = collate(batch_rows)
             doc_ids = batch["doc_ids"].numpy()
             inputs = model_inputs(model, batch)
             with torch.no_grad(), autocast, capture(model, adapter) as routing:
                 decoder_forward(model, inputs)  # the routers only: no output layer
-            collector.add(corpus_index, doc_ids.reshape(-1), [r.topk_index.cpu().numpy() for r in routing.layers])
+            if place < 0:
+                continue
+            topk = [r.topk_index.cpu().numpy() for r in routing.layers]
+            collector.add(corpus_index, doc_ids.reshape(-1), topk, batch=place)
             for observer in observers:
                 observer.add(routing.layers, batch["doc_ids"].reshape(-1) >= 0)
             kill_point("coverage.batch")
     stats = collector.finish([name for name, _ in pools])
+    if world > 1:
+        parts = gather_to_main((stats, collector.first_batches()))
+        if parts is None:
+            return None
+        stats = merge_parts(parts)
     log.info(
         "routed %d documents (%d tokens) through %d MoE layers",
         stats.num_docs,

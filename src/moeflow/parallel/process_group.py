@@ -182,6 +182,18 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` (picklable), in rank order, on the main rank and None on the others (what only the
+    main rank writes: one copy in host memory, not one per rank); ``[obj]`` in one process."""
+    import torch.distributed as dist
+
+    if not _initialized():
+        return [obj]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` (picklable) on every rank; ``obj`` itself in one process."""
     import torch.distributed as dist

@@ -73,11 +73,16 @@ def base_model_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 base_key = settings_key("b", base_model_settings)
 
 
+# The coverage stage's layout (forward_parallel): how its ranks share the model changes no number, so it is no
+# part of the coverage key, and a change starts the stage anew through its params only.
+COVERAGE_LAYOUT_KEYS = ("ranks", "strategy")
+
+
 def coverage_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "base": base_key(cfg),
         "data": data_key(cfg),
-        "coverage": cfg["coverage"],
+        "coverage": {k: v for k, v in cfg["coverage"].items() if k not in COVERAGE_LAYOUT_KEYS},
         "seed": cfg["seed"],
         "model": cfg["model"],
     }
@@ -117,11 +122,12 @@ def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {key: cfg["evaluate"][key] for key in ("batch_size", "max_sequences")}
 
 
-def forward_parallel(cfg: Mapping[str, Any], ranks: int) -> dict[str, Any]:
-    """The ``parallel`` section of an evaluation job of ``cfg`` on ``ranks`` ranks of one node: evaluate.strategy's
-    layout (null: the run's parallel.strategy, the model sharded as training shards it), its own number of ranks."""
-    strategy = cfg["evaluate"]["strategy"] or cfg["parallel"]["strategy"]
-    return {**cfg["parallel"], "strategy": strategy, "nproc_per_node": int(ranks), "nnodes": 1}
+def forward_parallel(cfg: Mapping[str, Any], section: str = "evaluate") -> dict[str, Any]:
+    """The ``parallel`` section of a forward-only job of ``cfg`` whose layout ``section`` sets (evaluate:
+    evaluate_run; coverage: coverage_valset): its ``strategy`` (null: the run's parallel.strategy, the model
+    sharded as training shards it) on its ``ranks`` ranks of one node."""
+    strategy = cfg[section]["strategy"] or cfg["parallel"]["strategy"]
+    return {**cfg["parallel"], "strategy": strategy, "nproc_per_node": int(cfg[section]["ranks"]), "nnodes": 1}
 
 
 HUMANEVAL_GENERATION_KEYS = ("problems", "n_samples", "temperature", "top_p", "max_new_tokens", "batch_size")
