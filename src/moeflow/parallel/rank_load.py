@@ -195,7 +195,9 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
     if is_fsdp1(model):
         _fill_fsdp1(model, folder, files, headers, names_of)
         return
-    state = get_model_state_dict(model)
+    sharded = any(compat.is_dtensor(p) for p in model.parameters())
+    # an unsharded model's own state dict shares its storage (torch 2.3's get_model_state_dict wants a process group)
+    state = get_model_state_dict(model) if sharded else model.state_dict()
     with torch.no_grad():
         for name, value in state.items():
             shape = tuple(value.shape)
@@ -211,7 +213,8 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
                     raise SafetensorsError(f"{folder}: the model's tensor {name!r} is in none of its weight files")
             for local, first in pieces:
                 _fill_piece(folder, files, headers, name, shape, sources, local, first)
-    set_model_state_dict(model, state)
+    if sharded:
+        set_model_state_dict(model, state)
 
 
 def _stored_entry(folder: Path, files, headers, name: str, names_of: Mapping[str, list[str]], shape):
