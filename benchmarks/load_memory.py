@@ -70,10 +70,8 @@ def load(folder: str, how: str, dtype: str, experts: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from moeflow.model.configs import causal_lm_class
+    from moeflow.model.configs import build_config, causal_lm_class
     from moeflow.model.factory import make_model
-
-    from moeflow.model.configs import build_config
 
     with torch.device("meta"):  # the classes' lazy imports before the baseline, not counted as the load's
         causal_lm_class().from_config(build_config(_config(experts), 32000))
