@@ -113,6 +113,8 @@ def make_model(
         model = _built(settings, vocab_size, seed, dtype)
     elif on_meta:
         model = _built_on_meta(settings, Path(folder), dtype)
+        if layout.parallel.strategy == "ep":
+            model = _expert_parallel(model, settings, Path(folder), layout)
     else:
         model = _loaded(settings, Path(folder), layout, dtype)
     model = install_chunked_loss(model, settings.loss_chunk_tokens)
@@ -149,9 +151,19 @@ def _check_combination(layout: Layout, folder: str | os.PathLike | None) -> None
 
 
 def _fills_itself(layout: Layout, weights: bool) -> bool:
-    """Whether the layout reads each rank's rows itself: ``none`` and ``fsdp`` (full models); LoRA and ``ep``
-    load the folder with transformers."""
-    return not layout.adapters and layout.parallel.strategy in ("none", "fsdp")
+    """Whether the layout reads each rank's rows itself: every full model (LoRA loads the folder with
+    transformers, then adds its adapters)."""
+    return not layout.adapters
+
+
+def _expert_parallel(model: torch.nn.Module, settings: ModelSettings, folder: Path, layout: Layout) -> torch.nn.Module:
+    """The meta model sharded as transformers 5's ``from_pretrained`` shards it for its ``DistributedConfig``
+    (``prepare_distribute_model`` then ``maybe_distribute_model``, before any weight is read): experts over
+    ``ep_size`` ranks, the rest FSDP2-sharded; its parameters still on the meta device."""
+    _refuse_tied_embeddings_for_ep(settings, folder)
+    config = distributed_config(layout.parallel, layout.precision)
+    config, _, mesh = type(model).prepare_distribute_model(config)
+    return type(model).maybe_distribute_model(model, config, mesh)
 
 
 def resolve_experts(settings: ModelSettings, choice_file: str | os.PathLike | None) -> ModelSettings:

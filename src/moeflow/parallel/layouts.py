@@ -98,8 +98,8 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
     unit is all-gathered in bf16 and computes in bf16, gradients are reduce-scattered in fp32 (half the
     traffic of fp32 gathers; the Trainer's autocast keeps the losses fp32)."""
     if parallel.strategy != "fsdp" or ranks.world_size == 1:
-        if parallel.strategy == "ep":
-            return model
+        if parallel.strategy == "ep":  # sharded on the meta device by transformers (moeflow.model.factory)
+            return materialize(model, ranks.device) if has_meta_parameters(model) else model
         return materialize(model, ranks.device) if has_meta_parameters(model) else model.to(ranks.device)
     layers = _layer_classes(model)
     if compat.fsdp2_available():
