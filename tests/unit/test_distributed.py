@@ -402,7 +402,9 @@ def _main_ep_load(saved_model: str, out: str, parallel_json: str) -> None:
     with process_group("cpu") as ranks:
         auto_class, reads, calls = causal_lm_class(), [], []
         read_tensor, from_pretrained = rank_load.read_tensor, auto_class.from_pretrained
-        rank_load.read_tensor = lambda file, entry, *a, **k: reads.append(entry.name) or read_tensor(file, entry, *a, **k)
+        rank_load.read_tensor = lambda file, entry, *a, **k: (
+            reads.append(entry.name) or read_tensor(file, entry, *a, **k)
+        )
         auto_class.from_pretrained = lambda *a, **k: calls.append(a) or from_pretrained(*a, **k)
         try:
             model = make_model(SETTINGS, folder=saved_model, layout=Layout(ranks, parallel))

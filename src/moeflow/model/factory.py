@@ -9,16 +9,16 @@ The one door to a model moeflow trains or evaluates: :func:`make_model` builds o
 
 How a folder is loaded, by layout (:class:`Layout`):
 
-* ``none`` and ``fsdp`` (full models, any number of ranks): the folder's model class built with its
-  parameters on the meta device in the target dtype (with what ``from_pretrained`` keeps in float32 kept so:
+* Every full model (``none``, ``fsdp`` and ``ep``, any number of ranks): the folder's model class built with
+  its parameters on the meta device in the target dtype (what ``from_pretrained`` keeps in float32 kept so:
   :func:`keep_in_fp32`), sharded, then each rank's rows read from the folder's safetensors files
   (moeflow.parallel.rank_load): no rank holds what it does not own, and one rank holds the weights once
   (transformers 5's ``from_pretrained`` keeps the files mapped beside the tensors it copies: ~1.3x the
-  weights at one rank). ``weights=False``: the caller loads a checkpoint that replaces every parameter and
+  weights at one rank; under ``ep`` it read every expert on every rank). ``ep`` (transformers 5) is sharded
+  on the meta device as ``from_pretrained`` shards it for its ``DistributedConfig`` (experts over
+  ``ep_size`` ranks, the rest FSDP2-sharded), so each rank reads its experts only; it needs a folder and
+  refuses tied embeddings. ``weights=False``: the caller loads a checkpoint that replaces every parameter and
   persistent buffer, so no weight is read.
-* ``ep``: transformers 5 shards the model at ``from_pretrained`` through its ``DistributedConfig``
-  (experts over ``ep_size`` ranks, the rest FSDP2-sharded); it needs a folder (``from_config`` takes no
-  DistributedConfig) and refuses tied embeddings.
 * LoRA: ``from_pretrained`` of the whole model, then its adapters, moved to the device. LoRA runs on several
   ranks with ``parallel.strategy: none`` only.
 
@@ -108,7 +108,7 @@ def make_model(
     layout = _placement(layout, device)
     settings = resolve_experts(settings, experts)
     _check_combination(layout, folder)
-    on_meta = folder is not None and _fills_itself(layout, weights)
+    on_meta = folder is not None and not layout.adapters  # LoRA: from_pretrained, then the adapters
     if folder is None:
         model = _built(settings, vocab_size, seed, dtype)
     elif on_meta:
@@ -116,7 +116,7 @@ def make_model(
         if layout.parallel.strategy == "ep":
             model = _expert_parallel(model, settings, Path(folder), layout)
     else:
-        model = _loaded(settings, Path(folder), layout, dtype)
+        model = _loaded(settings, Path(folder), dtype)
     model = install_chunked_loss(model, settings.loss_chunk_tokens)
     check_vocabulary(model, list(data), folder or "the model")
     names_of = tied_names(model)
@@ -145,15 +145,9 @@ def _check_combination(layout: Layout, folder: str | os.PathLike | None) -> None
         )
     if strategy == "ep" and folder is None:
         raise DistributedError(
-            "parallel.strategy: ep loads a saved model folder (transformers shards it at from_pretrained; "
-            "from_config takes no DistributedConfig): build the model, save it, then load it"
+            "parallel.strategy: ep loads a saved model folder (each rank reads its experts from its files): "
+            "build the model, save it, then load it"
         )
-
-
-def _fills_itself(layout: Layout, weights: bool) -> bool:
-    """Whether the layout reads each rank's rows itself: every full model (LoRA loads the folder with
-    transformers, then adds its adapters)."""
-    return not layout.adapters
 
 
 def _expert_parallel(model: torch.nn.Module, settings: ModelSettings, folder: Path, layout: Layout) -> torch.nn.Module:
@@ -267,14 +261,10 @@ def keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
                     tensors[leaf] = tensor.to(torch.float32)
 
 
-def _loaded(settings: ModelSettings, folder: Path, layout: Layout, dtype: torch.dtype) -> torch.nn.Module:
-    """``from_pretrained`` of a local folder (never the hub: stages run offline), from safetensors only;
-    under ``ep`` sharded by transformers as it loads."""
+def _loaded(settings: ModelSettings, folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """``from_pretrained`` of a local folder (never the hub: stages run offline), from safetensors only (the
+    base model LoRA adapters are added to)."""
     folder = check_model_folder(folder)
-    sharding = {}
-    if layout.parallel.strategy == "ep":
-        _refuse_tied_embeddings_for_ep(settings, folder)
-        sharding = {"distributed_config": distributed_config(layout.parallel, layout.precision)}
     with refusing_remote_code(folder):
         return causal_lm_class().from_pretrained(
             folder,
@@ -282,7 +272,6 @@ def _loaded(settings: ModelSettings, folder: Path, layout: Layout, dtype: torch.
             trust_remote_code=settings.trust_remote_code,
             local_files_only=True,
             use_safetensors=True,
-            **sharding,
             **_implementations(settings),
         )
 

@@ -107,7 +107,7 @@ def local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         return [(shard.tensor, tuple(shard.metadata.shard_offsets)) for shard in value.local_shards()]
     if compat.is_dtensor(value):
         local = value.to_local()
-        rows = _global_rows(value)
+        rows = global_rows(value)
         pieces, start = [], 0
         for i in range(1, len(rows) + 1):
             if i == len(rows) or rows[i] != rows[i - 1] + 1:
@@ -117,7 +117,7 @@ def local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     return [(value, (0,) * value.dim())]
 
 
-def _global_rows(value: Any) -> list[int]:
+def global_rows(value: Any) -> list[int]:
     """The whole tensor's row of each local row of a DTensor sharded along dim 0 only (any placement that
     splits another dim: an error naming it), from a one-dimensional probe of the row numbers placed as the
     tensor is (each rank slices its own part: no communication)."""
