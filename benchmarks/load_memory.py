@@ -1,13 +1,14 @@
-"""Benchmark: peak host memory of one process's model load, moeflow's (``parallel.strategy: none``: built on the
-meta device, then filled from the files) against transformers' ``from_pretrained``.
+"""Benchmark: peak host memory of a model load, moeflow's (built on the meta device, then filled from the files)
+against transformers' ``from_pretrained``.
 
-    python benchmarks/load_memory.py                   # a ~100M-parameter qwen3_moe, fp32 and bf16 folders
+    python benchmarks/load_memory.py                   # a ~277M-parameter qwen3_moe, fp32 and bf16 folders
     python benchmarks/load_memory.py --experts 64      # larger (the experts dominate)
+    python benchmarks/load_memory.py --ep              # parallel.strategy: ep on 2 gloo ranks, fp32 (each rank)
 
 A qwen3_moe model is built from its config and saved once per dtype; each load runs in a fresh process, which
 reports its resident set before the load (imports done) and its high-water mark after it (``VmHWM`` of
-/proc/self/status), both in MiB. ``over`` is the peak above the baseline over the weights' size. Writes
-results/bench/load_memory.json.
+/proc/self/status), both in MiB. ``over`` is the peak above the baseline over the whole model's weights' size
+(under ``--ep``: of the rank with the largest load). Writes results/bench/load_memory.json.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -71,37 +73,69 @@ def load(folder: str, how: str, dtype: str, experts: int) -> None:
 
     torch.set_num_threads(1)
     from moeflow.model.configs import build_config, causal_lm_class
-    from moeflow.model.factory import make_model
 
     with torch.device("meta"):  # the classes' lazy imports before the baseline, not counted as the load's
         causal_lm_class().from_config(build_config(_config(experts), 32000))
-    base = _status_mib("VmRSS")
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        base = _status_mib("VmRSS")
+        model = _load(folder, how, dtype, experts, None)
+        peak = _status_mib("VmHWM")
+        print(json.dumps({"base_mib": round(base, 1), "peak_mib": round(peak, 1)}))
+        return
+    from moeflow.parallel.process_group import process_group
+
+    with process_group("cpu") as ranks:
+        base = _status_mib("VmRSS")
+        model = _load(folder, how, dtype, experts, ranks)
+        peak = _status_mib("VmHWM")
+        print(json.dumps({"rank": ranks.rank, "base_mib": round(base, 1), "peak_mib": round(peak, 1)}), flush=True)
+    del model
+
+
+def _load(folder: str, how: str, dtype: str, experts: int, ranks):
+    import torch
+
+    from moeflow.model.configs import causal_lm_class
+    from moeflow.model.factory import Layout, make_model
+    from moeflow.parallel.layouts import distributed_config
+    from moeflow.parallel.settings import ParallelSettings
+    from moeflow.settings import typed
+
+    kwargs, layout = {}, None
+    if ranks is not None:
+        parallel = typed(ParallelSettings, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2, "nproc_per_node": 2})
+        kwargs, layout = {"distributed_config": distributed_config(parallel, "fp32")}, Layout(ranks, parallel)
     if how == "from_pretrained":
-        model = causal_lm_class().from_pretrained(folder, torch_dtype=getattr(torch, dtype))
-    else:
-        model = make_model(_settings(experts), folder=folder, dtype=getattr(torch, dtype))
-    peak = _status_mib("VmHWM")
-    assert next(model.parameters()).dtype == getattr(torch, dtype)
-    print(json.dumps({"base_mib": round(base, 1), "peak_mib": round(peak, 1)}))
+        return causal_lm_class().from_pretrained(folder, torch_dtype=getattr(torch, dtype), **kwargs)
+    return make_model(_settings(experts), folder=folder, dtype=getattr(torch, dtype), layout=layout)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--ep", action="store_true", help="parallel.strategy: ep on 2 gloo ranks (fp32)")
     parser.add_argument("--out", default=str(REPO / "results" / "bench" / "load_memory.json"))
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in DTYPES:
+        for dtype in ("float32",) if args.ep else DTYPES:
             folder = Path(tmp) / dtype
             weights = save(folder, args.experts, dtype) / 2**20
             for how in ("from_pretrained", "moeflow"):
-                cmd = [sys.executable, __file__, "--load", str(folder), how, dtype, str(args.experts)]
-                env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-                out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout)
+                launch = [sys.executable]
+                if args.ep:
+                    from moeflow.parallel.launch import torchrun_command
+
+                    launch = shlex.split(torchrun_command(sys.executable, cpu_ranks=2))
+                cmd = [*launch, __file__, "--load", str(folder), how, dtype, str(args.experts)]
+                env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+                stdout = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+                found = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+                out = max(found, key=lambda r: r["peak_mib"] - r["base_mib"])  # the rank with the largest load
                 over = (out["peak_mib"] - out["base_mib"]) / weights
                 rows.append(
                     {"dtype": dtype, "load": how, "weights_mib": round(weights, 1), **out, "over": round(over, 2)}
+                    | ({"strategy": "ep", "ranks": 2} if args.ep else {})
                 )
                 print(json.dumps(rows[-1]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
