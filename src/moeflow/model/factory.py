@@ -209,11 +209,12 @@ def _built_on_meta(settings: ModelSettings, folder: Path, dtype: torch.dtype) ->
     returns it but without reading any weight."""
     from transformers import GenerationConfig
 
-    config = transformers_config(settings, folder)
-    with parameters_on_meta():
-        model = causal_lm_class().from_config(
-            config, torch_dtype=dtype, trust_remote_code=settings.trust_remote_code, **_implementations(settings)
-        )
+    with refusing_remote_code(folder):
+        config = transformers_config(settings, folder)
+        with parameters_on_meta():
+            model = causal_lm_class().from_config(
+                config, torch_dtype=dtype, trust_remote_code=settings.trust_remote_code, **_implementations(settings)
+            )
     keep_in_fp32(model, dtype)
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
