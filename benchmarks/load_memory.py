@@ -14,6 +14,7 @@ reports its resident set before the load (imports done) and its high-water mark 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shlex
@@ -72,10 +73,10 @@ def load(folder: str, how: str, dtype: str, experts: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from moeflow.model.configs import build_config, causal_lm_class
+    from moeflow.model.configs import build_config
 
-    with torch.device("meta"):  # the classes' lazy imports before the baseline, not counted as the load's
-        causal_lm_class().from_config(build_config(_config(experts), 32000))
+    # the model classes' lazy imports before the baseline, not counted as the load's
+    importlib.import_module(type(build_config(_config(experts), 32000)).__module__.replace("configuration", "modeling"))
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         base = _status_mib("VmRSS")
         model = _load(folder, how, dtype, experts, None)
