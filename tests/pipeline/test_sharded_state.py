@@ -157,8 +157,11 @@ def test_sharded_export_streams_a_folder_from_pretrained_loads_with_the_trained_
     for i, (kind, _) in enumerate(events[:-1]):
         if kind == "gather":
             assert events[i + 1][0] == "write", events[i : i + 3]
-    if layout == "fsdp" and compat.fsdp2_available():  # FSDP2's row shards are sent to rank 0, made whole nowhere else
+    if (
+        compat.fsdp2_available()
+    ):  # FSDP2's and ep's row shards (2-D under ep) are sent to rank 0, made whole nowhere else
         assert len([n for _, n in gathered if n.startswith("rows:")]) > 10, gathered
+        assert not [n for _, n in gathered if n.endswith("dtensor")], gathered
 
 
 # --------------------------------------------------------------------------- one rank (run by torchrun)
@@ -199,7 +202,8 @@ def _export(job: dict, out: Path, ranks: Ranks) -> None:
     events: list[tuple[str, str]] = []
     gather, write = (export._whole_on_rank0, export._whole, export._rows_on_rank0), export.ShardedWriter.write
     export._whole_on_rank0 = lambda p, t: (events.append(("gather", t.name)), gather[0](p, t))[1]
-    export._whole = lambda t: (events.append(("gather", f"#{len(events)}")), gather[1](t))[1]
+    kind = lambda t: "dtensor" if compat.is_dtensor(t) else ""  # noqa: E731
+    export._whole = lambda t: (events.append(("gather", f"#{len(events)}{kind(t)}")), gather[1](t))[1]
     export._rows_on_rank0 = lambda t: (events.append(("gather", f"rows:{len(events)}")), gather[2](t))[1]
     export.ShardedWriter.write = lambda self, n, t: (events.append(("write", n)), write(self, n, t))[1]
     try:

@@ -25,6 +25,8 @@ FACTORY = PACKAGE / "model" / "factory.py"
 # Modules that build a model on the meta device only to read it (one MoE block to time, parameters to count):
 # through the factory's class, never a model anything trains or evaluates.
 SKELETONS = {PACKAGE / "model" / "experts_choice.py", PACKAGE / "plan" / "counts.py"}
+# measures transformers' own from_pretrained against the factory's load: the one script that calls it
+TRANSFORMERS_LOAD_BENCHMARK = REPO_ROOT / "benchmarks" / "load_memory.py"
 MAX_LINES = 600
 # The project's own modules: the package, the benchmarks, the tests' shared helpers (tests/*.py).
 OWN = ("moeflow", "benchmarks", *(p.stem for p in (REPO_ROOT / "tests").glob("*.py")))
@@ -68,12 +70,21 @@ def test_no_module_imports_a_private_name_of_another():
     assert [line for path in CODE for line in private_imports(path)] == []
 
 
+def _from_pretrained_lines(path: Path) -> list[int]:
+    return [
+        i for i, line in enumerate(path.read_text().splitlines(), 1) if "causal_lm_class().from_pretrained(" in line
+    ]
+
+
 def test_the_factory_is_the_one_place_models_are_built_and_loaded():
     """Stage scripts, benchmarks and the library go through moeflow.model.factory.make_model; tests may reload an
     export with transformers to check it."""
     library = [p for p in PACKAGE.rglob("*.py") if p not in SKELETONS | {FACTORY}]
     scripts = [*(REPO_ROOT / "workflow" / "scripts").glob("*.py"), *(REPO_ROOT / "benchmarks").glob("*.py")]
-    assert [line for path in library + scripts for line in model_constructions(path)] == []
+    assert [line for path in library + scripts for line in model_constructions(path)] == [
+        f"{relative(TRANSFORMERS_LOAD_BENCHMARK)}:{line}: causal_lm_class().from_pretrained"
+        for line in _from_pretrained_lines(TRANSFORMERS_LOAD_BENCHMARK)
+    ]
     assert model_constructions(FACTORY)  # what the rule above looks for is how the factory does it
     for path in SKELETONS:
         assert all("causal_lm_class().from_config" in line for line in model_constructions(path)), path

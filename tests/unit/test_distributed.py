@@ -267,6 +267,22 @@ def test_one_process_needs_no_process_group():
     teardown()
 
 
+@pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
+def test_expert_parallel_load_reads_each_ranks_experts_and_equals_from_pretrained(saved_model, tmp_path):
+    """``ep`` builds the model on the meta device, shards it as transformers' ``from_pretrained`` does for its
+    DistributedConfig, then each rank reads from the files only its own experts' tensors (and its rows of the
+    rest): every rank's local tensors and placements equal ``from_pretrained(distributed_config=...)``'s."""
+    run_ranks(saved_model, tmp_path, {"strategy": "ep", "ep_size": 2, "fsdp_size": 2}, harness="ep_load")
+    experts = 4 // RANKS  # tiny_model_cfg's 4 experts, 2 layers
+    for r in range(RANKS):
+        report = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert report["from_pretrained_calls"] == 0
+        assert report["differ"] == [] and report["compared"] > 0
+        assert report["experts_read"] == {
+            str(layer): list(range(r * experts, (r + 1) * experts)) for layer in range(2)
+        }, report["experts_read"]
+
+
 def _tensor_free(state):
     """An optimizer state with each tensor replaced by its values' sum (for an exact comparison)."""
     if isinstance(state, dict):
@@ -372,8 +388,58 @@ def _main_bf16(saved_model: str, out: str, parallel_json: str) -> None:
             (Path(out) / "rank0.json").write_text(json.dumps(report))
 
 
+def _main_ep_load(saved_model: str, out: str, parallel_json: str) -> None:
+    """One rank of the ``ep`` load: which experts' file tensors it reads, and its local tensors against
+    ``from_pretrained``'s with transformers' own sharding."""
+    import re
+
+    from moeflow.model.configs import causal_lm_class
+    from moeflow.model.factory import Layout, make_model
+    from moeflow.parallel import rank_load
+
+    torch.set_num_threads(1)
+    parallel = typed(ParallelSettings, json.loads(parallel_json))
+    with process_group("cpu") as ranks:
+        auto_class, reads, calls = causal_lm_class(), [], []
+        read_tensor, from_pretrained = rank_load.read_tensor, auto_class.from_pretrained
+        rank_load.read_tensor = lambda file, entry, *a, **k: (
+            reads.append(entry.name) or read_tensor(file, entry, *a, **k)
+        )
+        auto_class.from_pretrained = lambda *a, **k: calls.append(a) or from_pretrained(*a, **k)
+        try:
+            model = make_model(SETTINGS, folder=saved_model, layout=Layout(ranks, parallel))
+        finally:
+            rank_load.read_tensor, auto_class.from_pretrained = read_tensor, from_pretrained
+        want = from_pretrained(
+            saved_model, distributed_config=distributed_config(parallel, "fp32"), experts_implementation="eager"
+        )
+        got_state, want_state = dict(model.state_dict()), dict(want.state_dict())
+        assert sorted(got_state) == sorted(want_state)
+        differ = [
+            name
+            for name, value in want_state.items()
+            if getattr(value, "placements", None) != getattr(got_state[name], "placements", None)
+            or not torch.equal(_local(value), _local(got_state[name]))
+        ]
+        experts: dict[str, set[int]] = {}
+        for name in reads:
+            if found := re.search(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.", name):
+                experts.setdefault(found[1], set()).add(int(found[2]))
+        report = {
+            "from_pretrained_calls": len(calls),
+            "differ": differ,
+            "compared": len(want_state),
+            "experts_read": {layer: sorted(e) for layer, e in sorted(experts.items())},
+        }
+        (Path(out) / f"rank{ranks.rank}.json").write_text(json.dumps(report))
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if compat.is_dtensor(value) else value
+
+
 if __name__ == "__main__":
-    {"step": _main, "bf16": _main_bf16}[sys.argv[4]](*sys.argv[1:4])
+    {"step": _main, "bf16": _main_bf16, "ep_load": _main_ep_load}[sys.argv[4]](*sys.argv[1:4])
 
 
 NODE_INTERFACES = ["lo", "docker0", "eno1", "ib0", "ib1"]

@@ -207,6 +207,13 @@ def test_the_export_is_written_in_the_base_folders_own_dtype_unless_configured(t
     state = saved_format(model, {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
     assert written and all(t.dtype == torch.bfloat16 for t in written.values())
     assert all(torch.equal(t, state[name].to(torch.bfloat16)) for name, t in written.items())
+    # a configured dtype other than the source's: the copied config.json names it, its other keys as they were
+    export.save_final_model(model, None, tmp_path / "as-fp32", "5GB", source=source, dtype=torch.float32)
+    copied, original = (json.loads((f / "config.json").read_text()) for f in (tmp_path / "as-fp32", source))
+    assert {t.dtype for t in folder_tensors(tmp_path / "as-fp32").values()} == {torch.float32}
+    assert copied == original | dict.fromkeys(
+        [k for k in ("torch_dtype", "dtype") if k in original] or ["torch_dtype"], "float32"
+    )
     fp32 = tmp_path / "fp32"
     export.save_final_model(model, None, fp32, "5GB", dtype=export.export_dtype("auto", None, model))
     assert {t.dtype for t in folder_tensors(fp32).values()} == {torch.float32}

@@ -41,7 +41,8 @@ def saved(tmp_path, tied=True, **save):
 
 
 def whole(folder):
-    return make_model(settings(), folder=folder)
+    """The reference: transformers' own load of the folder."""
+    return causal_lm_class().from_pretrained(folder)
 
 
 def filled(folder):
@@ -172,22 +173,61 @@ def test_without_weights_a_full_model_reads_none_and_lora_loads_the_base(tmp_pat
     assert all(torch.equal(merged[k], v) for k, v in loaded.state_dict().items())
 
 
-def test_fsdp_at_one_rank_fills_from_the_files_and_none_loads_with_from_pretrained(tmp_path, monkeypatch):
-    """``parallel.strategy: fsdp`` reads the weights itself at any number of ranks (one copy of the weights:
-    transformers 5's ``from_pretrained`` keeps the files mapped beside the tensors it copies); ``none``
-    keeps ``from_pretrained``. Both give the same model."""
+@pytest.mark.parametrize("strategy", ["none", "fsdp"])
+def test_a_full_model_at_one_rank_fills_from_the_files_not_from_pretrained(tmp_path, monkeypatch, strategy):
+    """``none`` and ``fsdp`` read the weights themselves at any number of ranks (one copy of the weights:
+    transformers 5's ``from_pretrained`` keeps the files mapped beside the tensors it copies), and give
+    ``from_pretrained``'s model."""
     folder = saved(tmp_path, tied=False)
     loaded = whole(folder)
-    calls = []
     auto_class = causal_lm_class()
-    real_load = auto_class.from_pretrained
-    monkeypatch.setattr(auto_class, "from_pretrained", lambda *a, **k: calls.append(a) or real_load(*a, **k))
-    model = filled(folder)
-    assert not calls
-    assert_same_state(model, loaded)
-    model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("full")))
-    assert len(calls) == 1
-    assert_same_state(model, loaded)
+    monkeypatch.setattr(auto_class, "from_pretrained", lambda *a, **k: pytest.fail("from_pretrained"))
+    parallel = typed(ParallelSettings, {"strategy": strategy})
+    assert_same_state(make_model(settings(), folder=folder, layout=Layout(ONE_RANK, parallel, _train("full"))), loaded)
+    if strategy == "none":
+        assert_same_state(make_model(settings(), folder=folder), loaded)  # evaluation's one process
+
+
+def _kept_class(base: type) -> type:
+    """DeepSeek-V3's class keeping its routers in float32 on both stacks (transformers 5's own list; 4.57's class
+    has none) plus a layer norm of each list, which neither stack's class builds in float32 itself."""
+
+    # transformers 4.57 matches whole module names (and refuses a buffer's); transformers 5 searches each key
+    routers = ["e_score_correction_bias", "gate.weight"] if compat.is_transformers_v5() else ["gate"]
+
+    class Kept(base):
+        _keep_in_fp32_modules = ["kv_a_layernorm"]  # float16 only
+        _keep_in_fp32_modules_strict = [*routers, "q_a_layernorm"]
+
+    return Kept
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_load_in_half_precision_keeps_in_float32_what_from_pretrained_keeps(tmp_path, monkeypatch, dtype):
+    """The sharded loader in bf16 (and fp16) keeps the model class's ``_keep_in_fp32_modules(_strict)`` in float32
+    as ``from_pretrained`` does (DeepSeek-V3's and Step-3.5's routers would otherwise route in bf16 on a GPU):
+    every parameter and buffer has from_pretrained's dtype and value."""
+    from tiny_models import build_family, folder_settings
+
+    base = build_family("deepseek_v3", dtype=torch.float32)
+    base.save_pretrained(tmp_path / "ds")
+    kept = _kept_class(type(base))
+    want = kept.from_pretrained(tmp_path / "ds", torch_dtype=dtype).eval()
+    as_auto_class = type(
+        "AsAutoClass",
+        (),
+        {
+            "from_config": staticmethod(lambda config, trust_remote_code, **kw: kept._from_config(config, **kw)),
+            "from_pretrained": kept.from_pretrained,
+        },
+    )
+    monkeypatch.setattr("moeflow.model.factory.causal_lm_class", lambda: as_auto_class)
+    got = make_model(folder_settings(experts_implementation="eager"), folder=tmp_path / "ds", dtype=dtype)
+    fp32 = {n for n, t in want.state_dict().items() if t.dtype == torch.float32}
+    layer_norms = {"kv_a_layernorm", "q_a_layernorm"} if dtype == torch.float16 else {"q_a_layernorm"}
+    assert {n.split(".")[-2] for n in fp32} == layer_norms | {"gate"}, fp32
+    assert {n for n, t in got.state_dict().items() if t.dtype == torch.float32} == fp32
+    assert_same_state(got, want)
 
 
 def test_a_rank_places_only_the_file_tensors_of_its_rows_and_builds_no_whole_tensor_index(tmp_path, monkeypatch):

@@ -4,10 +4,10 @@ The final model folder (HF-sharded safetensors, config, tokenizer), written by e
 whole tensor at a time, so that no process ever holds the whole model.
 
 :func:`save_final_model` is a collective for a sharded model (every rank calls it): each tensor is made
-whole in turn on rank 0 alone (FSDP2's row shards: each rank sends rank 0 its rows, received one shard at a
-time into host memory; FSDP1: the ranks' ranges of its elements summed into one buffer on rank 0; other
-DTensors, such as transformers' expert-parallel 2-D layouts: ``DTensor.full_tensor`` on every rank), and
-rank 0 streams it into the open
+whole in turn on rank 0 alone (DTensors split along dim 0 only, FSDP2's shards and transformers'
+expert-parallel 2-D layouts: the first rank holding each row sends it, run of rows by run, received one run at
+a time into host memory; FSDP1: the ranks' ranges of its elements summed into one buffer on rank 0; any other
+DTensor: ``DTensor.full_tensor`` on every rank), and rank 0 streams it into the open
 shard file (``moeflow.checkpoint.safetensors_files.SafetensorsWriter``: the layout is known in advance from the
 tensors' whole shapes and dtypes). A file is closed when the next tensor would take it past
 ``export.max_shard_size`` (a tensor larger than that gets a file of its own, as ``save_pretrained`` does);
@@ -16,12 +16,12 @@ one file is ``model.safetensors``, several are ``model-0000i-of-0000n.safetensor
 names and layout (``moeflow.model.saved_names``: a family's published names where moeflow registers its key
 mapping, Step-3.5-Flash's ``moe.*`` stacked experts), tied weights once, persistent buffers, MTP layers
 included. Next to them, a fine-tuned model gets its base folder's own files (``source``: the config.json as
-it was, legacy keys and all, which serving engines read; the tokenizer with its chat template, the
-generation config and whatever else the folder ships besides weights), so the folder drops in for the one
-it came from; without a source, ``config.json`` and ``generation_config.json`` from the model (a cache for
-generation; the run's ``distributed_config`` dropped) and the tokenizer. An unsharded model (every rank holds
-it whole) is written by rank 0 alone, no collective; a LoRA model is merged first (on every rank: LoRA runs
-unsharded).
+it was, legacy keys and all, which serving engines read, but for its ``torch_dtype``, which names the dtype
+written; the tokenizer with its chat template, the generation config and whatever else the folder ships
+besides weights), so the folder drops in for the one it came from; without a source, ``config.json`` and
+``generation_config.json`` from the model (a cache for generation; the run's ``distributed_config``
+dropped) and the tokenizer. An unsharded model (every rank holds it whole) is written by rank 0 alone, no
+collective; a LoRA model is merged first (on every rank: LoRA runs unsharded).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel.layouts import original_shape, reshard
 from moeflow.parallel.process_group import barrier, exact_sum_view, rank
-from moeflow.parallel.rank_load import persistent_buffers
+from moeflow.parallel.rank_load import global_rows, persistent_buffers
 from moeflow.runtime import compat
 from moeflow.runtime.files import atomic_dir
 
@@ -116,48 +116,59 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_over_all_ranks(tensor: torch.Tensor) -> bool:
-    """A DTensor whose dim-0 rows are split over all ranks in order (FSDP2's shards): gathered on rank 0 alone."""
+    """A DTensor split along dim 0 only (FSDP2's shards; transformers' expert parallelism over FSDP2, a 2-D
+    mesh): gathered on rank 0 alone, its rows sent by the ranks that hold them."""
     import torch.distributed as dist
 
-    if not compat.is_dtensor(tensor) or not dist.is_initialized() or tensor.device_mesh.ndim != 1:
+    if not compat.is_dtensor(tensor) or not dist.is_initialized() or not tensor.dim():
         return False
-    placement = tensor.placements[0]
-    mesh_group = tensor.device_mesh.get_group()
-    return (
-        getattr(placement, "dim", None) == 0
-        and placement.is_shard()
-        and dist.get_world_size(mesh_group) == dist.get_world_size()
-        and all(dist.get_global_rank(mesh_group, r) == r for r in range(dist.get_world_size()))
-    )
+    return all(p.is_replicate() or getattr(p, "dim", None) == 0 for p in tensor.placements)
 
 
 def _rows_on_rank0(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A row-sharded DTensor whole in rank 0's host memory (None on the other ranks): each rank sends rank 0
-    its rows, which rank 0 receives one rank at a time into a buffer of one shard on its device and copies
-    into place, so no rank holds the whole tensor on its device (12 GB for one fused expert tensor of
-    Step-3.5-Flash) and the others hold nothing more than their shard."""
+    """A row-sharded DTensor whole in rank 0's host memory (None on the other ranks): the ranks learn which
+    whole rows each holds (``moeflow.parallel.rank_load.global_rows``), the first rank holding a row sends it,
+    run of consecutive rows by run, and rank 0 receives one run at a time into a buffer of that run on its
+    device and copies it into place, so no rank holds the whole tensor on its device (12 GB for one fused
+    expert tensor of Step-3.5-Flash) and the others hold nothing more than their shard."""
     import torch.distributed as dist
 
-    local = tensor.to_local().detach().contiguous()
-    world, me = dist.get_world_size(), dist.get_rank()
-    rows = tensor.shape[0]
-    per_rank = -(-rows // world)  # torch.chunk's split, as FSDP2 shards
+    local = tensor.to_local().detach()
+    every: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, global_rows(tensor))
+    owner: dict[int, int] = {}
+    for r, held in enumerate(every):
+        for row in held:
+            owner.setdefault(row, r)
+    me = dist.get_rank()
     if me != 0:
-        if local.numel():
-            dist.send(local, dst=0)
+        for first, stop in _sent_runs(every[me], owner, me):
+            dist.send(local[first:stop].contiguous(), dst=0)
         return None
     whole = torch.empty(tuple(tensor.shape), dtype=local.dtype, device="cpu")
-    for r in range(world):
-        lo, hi = min(r * per_rank, rows), min((r + 1) * per_rank, rows)
-        if hi <= lo:
-            continue
-        if r == 0:
-            piece = local
-        else:
-            piece = torch.empty((hi - lo, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
-            dist.recv(piece, src=r)
-        whole[lo:hi].copy_(piece)
+    for r, held in enumerate(every):
+        for first, stop in _sent_runs(held, owner, r):
+            if r == 0:
+                piece = local[first:stop]
+            else:
+                piece = torch.empty((stop - first, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
+                dist.recv(piece, src=r)
+            whole[held[first] : held[first] + stop - first].copy_(piece)
     return whole
+
+
+def _sent_runs(held: list[int], owner: dict[int, int], rank: int) -> list[tuple[int, int]]:
+    """The local row ranges (start, stop) rank ``rank`` sends: its runs of consecutive whole rows it is the
+    first holder of."""
+    runs: list[tuple[int, int]] = []
+    for i, row in enumerate(held):
+        if owner[row] != rank:
+            continue
+        if runs and runs[-1][1] == i and held[i - 1] == row - 1:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _whole_on_rank0(piece: Piece, tensor: ModelTensor) -> torch.Tensor | None:
@@ -329,6 +340,8 @@ def write_model_folder(
     if source is not None:
         for file in companion_files(source):
             shutil.copy2(file, folder / file.name)
+        if dtype is not None and (folder / "config.json").is_file():
+            _name_dtype(folder / "config.json", dtype)
         return
     inner = unwrap(model)
     _saved_config(model, dtype).save_pretrained(folder)
@@ -337,6 +350,18 @@ def write_model_folder(
         generation.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+
+
+def _name_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """The copied config.json naming the dtype the weights were written in (``torch_dtype``, and ``dtype``
+    where the source has it: transformers 5's key), every other key as the source has it."""
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    name = str(dtype).removeprefix("torch.")
+    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+    if all(config[k] == name for k in keys if k in config):
+        return
+    config.update(dict.fromkeys(keys, name))
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def save_final_model(

@@ -88,8 +88,9 @@ def _tensor_piece(value: torch.Tensor) -> Piece:
     shape = tuple(value.shape)
     if not compat.is_dtensor(value):
         return Piece(value.detach().view(-1), 0, shape)
-    local, offsets = local_pieces(value)[0]
-    if any(offsets[1:]) or tuple(local.shape[1:]) != shape[1:]:
+    found = local_pieces(value)
+    local, offsets = found[0]
+    if len(found) > 1 or any(offsets[1:]) or tuple(local.shape[1:]) != shape[1:]:
         raise DistributedError(
             f"a DTensor sharded other than along dim 0 ({value.placements}, shape {list(shape)}): checkpoints "
             "store each rank's contiguous elements; this layout's pieces are not contiguous"

@@ -9,17 +9,18 @@ The one door to a model moeflow trains or evaluates: :func:`make_model` builds o
 
 How a folder is loaded, by layout (:class:`Layout`):
 
-* ``fsdp`` (full fine-tuning, any number of ranks), and a full fine-tune with ``weights=False``: the
-  folder's model class built with its parameters on the meta device, sharded, then each rank's rows read
-  from the folder's safetensors files (moeflow.parallel.rank_load): no rank holds what it does not own,
-  and one rank holds the weights once (transformers 5's ``from_pretrained`` keeps the files mapped beside
-  the tensors it copies: ~1.3x the weights at one rank). ``weights=False``: the caller loads a checkpoint
-  that replaces every parameter and persistent buffer, so no weight is read.
-* ``ep``: transformers 5 shards the model at ``from_pretrained`` through its ``DistributedConfig``
-  (experts over ``ep_size`` ranks, the rest FSDP2-sharded); it needs a folder (``from_config`` takes no
-  DistributedConfig) and refuses tied embeddings.
-* ``none``, evaluation, LoRA: ``from_pretrained`` of the whole model (LoRA: then its adapters), moved to
-  the device. LoRA runs on several ranks with ``parallel.strategy: none`` only.
+* Every full model (``none``, ``fsdp`` and ``ep``, any number of ranks): the folder's model class built with
+  its parameters on the meta device in the target dtype (what ``from_pretrained`` keeps in float32 kept so:
+  :func:`keep_in_fp32`), sharded, then each rank's rows read from the folder's safetensors files
+  (moeflow.parallel.rank_load): no rank holds what it does not own, and one rank holds the weights once
+  (transformers 5's ``from_pretrained`` keeps the files mapped beside the tensors it copies: ~1.3x the
+  weights at one rank; under ``ep`` it read every expert on every rank). ``ep`` (transformers 5) is sharded
+  on the meta device as ``from_pretrained`` shards it for its ``DistributedConfig`` (experts over
+  ``ep_size`` ranks, the rest FSDP2-sharded), so each rank reads its experts only; it needs a folder and
+  refuses tied embeddings. ``weights=False``: the caller loads a checkpoint that replaces every parameter and
+  persistent buffer, so no weight is read.
+* LoRA: ``from_pretrained`` of the whole model, then its adapters, moved to the device. LoRA runs on several
+  ranks with ``parallel.strategy: none`` only.
 
 Every model class and config comes from ``moeflow.model.configs`` (``causal_lm_class``: the one place where a
 family transformers does not register for ``AutoModelForCausalLM`` is registered).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,13 +108,15 @@ def make_model(
     layout = _placement(layout, device)
     settings = resolve_experts(settings, experts)
     _check_combination(layout, folder)
-    on_meta = folder is not None and _fills_itself(layout, weights)
+    on_meta = folder is not None and not layout.adapters  # LoRA: from_pretrained, then the adapters
     if folder is None:
         model = _built(settings, vocab_size, seed, dtype)
     elif on_meta:
         model = _built_on_meta(settings, Path(folder), dtype)
+        if layout.parallel.strategy == "ep":
+            model = _expert_parallel(model, settings, Path(folder), layout)
     else:
-        model = _loaded(settings, Path(folder), layout, dtype)
+        model = _loaded(settings, Path(folder), dtype)
     model = install_chunked_loss(model, settings.loss_chunk_tokens)
     check_vocabulary(model, list(data), folder or "the model")
     names_of = tied_names(model)
@@ -141,17 +145,19 @@ def _check_combination(layout: Layout, folder: str | os.PathLike | None) -> None
         )
     if strategy == "ep" and folder is None:
         raise DistributedError(
-            "parallel.strategy: ep loads a saved model folder (transformers shards it at from_pretrained; "
-            "from_config takes no DistributedConfig): build the model, save it, then load it"
+            "parallel.strategy: ep loads a saved model folder (each rank reads its experts from its files): "
+            "build the model, save it, then load it"
         )
 
 
-def _fills_itself(layout: Layout, weights: bool) -> bool:
-    """Whether the layout reads each rank's rows itself: FSDP, and a full model whose weights a checkpoint
-    replaces (``weights=False``); LoRA and ``ep`` load the folder with transformers."""
-    if layout.adapters:
-        return False
-    return layout.parallel.strategy == "fsdp" or (layout.parallel.strategy == "none" and not weights)
+def _expert_parallel(model: torch.nn.Module, settings: ModelSettings, folder: Path, layout: Layout) -> torch.nn.Module:
+    """The meta model sharded as transformers 5's ``from_pretrained`` shards it for its ``DistributedConfig``
+    (``prepare_distribute_model`` then ``maybe_distribute_model``, before any weight is read): experts over
+    ``ep_size`` ranks, the rest FSDP2-sharded; its parameters still on the meta device."""
+    _refuse_tied_embeddings_for_ep(settings, folder)
+    config = distributed_config(layout.parallel, layout.precision)
+    config, _, mesh = type(model).prepare_distribute_model(config)
+    return type(model).maybe_distribute_model(model, config, mesh)
 
 
 def resolve_experts(settings: ModelSettings, choice_file: str | os.PathLike | None) -> ModelSettings:
@@ -203,24 +209,63 @@ def _built_on_meta(settings: ModelSettings, folder: Path, dtype: torch.dtype) ->
     returns it but without reading any weight."""
     from transformers import GenerationConfig
 
-    config = transformers_config(settings, folder)
-    with parameters_on_meta():
-        model = causal_lm_class().from_config(
-            config, torch_dtype=dtype, trust_remote_code=settings.trust_remote_code, **_implementations(settings)
-        )
+    with refusing_remote_code(folder):
+        config = transformers_config(settings, folder)
+        with parameters_on_meta():
+            model = causal_lm_class().from_config(
+                config, torch_dtype=dtype, trust_remote_code=settings.trust_remote_code, **_implementations(settings)
+            )
+    keep_in_fp32(model, dtype)
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
     return model.eval()  # as from_pretrained returns it
 
 
-def _loaded(settings: ModelSettings, folder: Path, layout: Layout, dtype: torch.dtype) -> torch.nn.Module:
-    """``from_pretrained`` of a local folder (never the hub: stages run offline), from safetensors only;
-    under ``ep`` sharded by transformers as it loads."""
+def fp32_names(model: torch.nn.Module, dtype: torch.dtype) -> set[str]:
+    """The state-dict entries ``from_pretrained`` loads in float32 when asked for ``dtype``: those of the model
+    class's ``_keep_in_fp32_modules`` (for float16) and ``_keep_in_fp32_modules_strict`` (float16 and
+    bfloat16; DeepSeek-V3's and Step-3.5's routers), matched as each stack's ``from_pretrained`` matches them."""
+    if compat.is_transformers_v5():
+        from transformers.core_model_loading import build_glob_alternation
+
+        plan = model._get_dtype_plan(dtype)  # what from_pretrained hands its loader: {pattern: torch.float32}
+        if not plan:
+            return set()
+        pattern = build_glob_alternation(list(plan))[0]  # searched in each model key, as the loader does
+        return {name for name in model.state_dict() if pattern.search(name)}
+    modules = list(model._keep_in_fp32_modules or []) if dtype == torch.float16 else []
+    if dtype in (torch.float16, torch.bfloat16):
+        modules += list(model._keep_in_fp32_modules_strict or [])
+    if not modules:
+        return set()
+    # transformers 4.57's from_pretrained (modeling_utils: keep_in_fp32_regex)
+    pattern = re.compile("|".join(rf"((^|\.){module}($|\.))" for module in modules))
+    return {name for name in model.state_dict() if pattern.search(name)}
+
+
+def keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Make float32 the floating-point parameters and buffers :func:`fp32_names` names, as ``from_pretrained``
+    loads them (for a model built on the meta device in ``dtype``: its parameters stay on the meta device)."""
+    kept = fp32_names(model, dtype)
+    if not kept:
+        return
+    for prefix, module in model.named_modules():
+        for tensors in (module._parameters, module._buffers):
+            for leaf, tensor in list(tensors.items()):
+                if tensor is None or not tensor.is_floating_point() or f"{prefix}.{leaf}".lstrip(".") not in kept:
+                    continue
+                if isinstance(tensor, torch.nn.Parameter):
+                    new = torch.nn.Parameter(tensor.detach().to(torch.float32), requires_grad=tensor.requires_grad)
+                    new.__dict__.update(tensor.__dict__)
+                    tensors[leaf] = new
+                else:
+                    tensors[leaf] = tensor.to(torch.float32)
+
+
+def _loaded(settings: ModelSettings, folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """``from_pretrained`` of a local folder (never the hub: stages run offline), from safetensors only (the
+    base model LoRA adapters are added to)."""
     folder = check_model_folder(folder)
-    sharding = {}
-    if layout.parallel.strategy == "ep":
-        _refuse_tied_embeddings_for_ep(settings, folder)
-        sharding = {"distributed_config": distributed_config(layout.parallel, layout.precision)}
     with refusing_remote_code(folder):
         return causal_lm_class().from_pretrained(
             folder,
@@ -228,7 +273,6 @@ def _loaded(settings: ModelSettings, folder: Path, layout: Layout, dtype: torch.
             trust_remote_code=settings.trust_remote_code,
             local_files_only=True,
             use_safetensors=True,
-            **sharding,
             **_implementations(settings),
         )
 

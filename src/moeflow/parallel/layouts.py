@@ -11,9 +11,10 @@ whole state dict).
     FSDP2 ``fully_shard`` on the current stack; FSDP1 ``FullyShardedDataParallel(use_orig_params=True)``
     on the pinned stack, whose torch 2.3.1 ``fully_shard`` fails without CUDA. With ``precision: bf16``,
     FSDP's mixed precision (bf16 gathers and compute, fp32 shards and gradient reduction).
-  - ``ep``: transformers 5 shards the model itself at ``from_pretrained`` (moeflow.model.factory) through
-    ``DistributedConfig(ep_size=..., fsdp_size=...)``: experts split over ``ep_size`` ranks, the rest
-    FSDP2-sharded. transformers 4.57 (pinned stack) has no expert parallelism: a clear error.
+  - ``ep``: transformers 5 shards the model on the meta device as its ``from_pretrained`` does for
+    ``DistributedConfig(ep_size=..., fsdp_size=...)`` (moeflow.model.factory): experts split over ``ep_size``
+    ranks, the rest FSDP2-sharded; each rank then reads its rows (moeflow.parallel.rank_load).
+    transformers 4.57 (pinned stack) has no expert parallelism: a clear error.
 
 * The losses are normalised by the step's global token count (``moeflow.train.losses`` all-reduces the counts),
   so the gradient of a step is the *sum* of the ranks' gradients. FSDP (ours and transformers') averages
@@ -91,15 +92,15 @@ def _layer_classes(model: torch.nn.Module) -> tuple[type, ...]:
 
 
 def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks, precision: str) -> torch.nn.Module:
-    """The model for this layout: unchanged for ``none`` and ``ep`` (already sharded at load), FSDP-wrapped
+    """The model for this layout: unsharded for ``none``, as transformers sharded it for ``ep``, FSDP-wrapped
     for ``fsdp`` (FSDP2 on the current stack, FSDP1 on the pinned one). Call before the optimizer is built.
 
     With ``precision: bf16``, FSDP's mixed precision: the shards (AdamW's master weights) stay fp32, each
     unit is all-gathered in bf16 and computes in bf16, gradients are reduce-scattered in fp32 (half the
     traffic of fp32 gathers; the Trainer's autocast keeps the losses fp32)."""
     if parallel.strategy != "fsdp" or ranks.world_size == 1:
-        if parallel.strategy == "ep":
-            return model
+        if parallel.strategy == "ep":  # sharded on the meta device by transformers (moeflow.model.factory)
+            return materialize(model, ranks.device) if has_meta_parameters(model) else model
         return materialize(model, ranks.device) if has_meta_parameters(model) else model.to(ranks.device)
     layers = _layer_classes(model)
     if compat.fsdp2_available():

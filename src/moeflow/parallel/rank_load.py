@@ -98,20 +98,39 @@ def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 def local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     """This rank's pieces of a state-dict entry: (local tensor, offset of its first element in the whole
-    tensor). FSDP shards along dim 0, so every offset is a row offset (other dims 0)."""
+    tensor). FSDP, and transformers' expert parallelism over FSDP (a 2-D mesh: experts ``Shard(0)`` over
+    ``ep``, ``_StridedShard(0)`` over ``efsdp``), shard along dim 0 only, so every offset is a row offset
+    (other dims 0); rows a rank holds that are not consecutive in the whole tensor are one piece per run."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     if isinstance(value, ShardedTensor):  # FSDP1's sharded state dict (torch 2.3)
         return [(shard.tensor, tuple(shard.metadata.shard_offsets)) for shard in value.local_shards()]
     if compat.is_dtensor(value):
-        try:
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        except ImportError:  # torch 2.3
-            from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
-
-        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return [(value.to_local(), tuple(offset))]
+        local = value.to_local()
+        rows = global_rows(value)
+        pieces, start = [], 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                pieces.append((local[start:i], (rows[start],) + (0,) * (value.dim() - 1)))
+                start = i
+        return pieces or [(local, (0,) * value.dim())]
     return [(value, (0,) * value.dim())]
+
+
+def global_rows(value: Any) -> list[int]:
+    """The whole tensor's row of each local row of a DTensor sharded along dim 0 only (any placement that
+    splits another dim: an error naming it), from a one-dimensional probe of the row numbers placed as the
+    tensor is (each rank slices its own part: no communication)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    other = [p for p in value.placements if not isinstance(p, Replicate) and getattr(p, "dim", None) != 0]
+    if other or not value.dim():
+        raise RuntimeError(
+            f"moeflow: a tensor of shape {list(value.shape)} placed as {value.placements}: the sharded loader reads "
+            "rows, and a placement that splits another dimension (tensor parallelism) is not supported"
+        )
+    probe = torch.arange(value.shape[0], device=value.device_mesh.device_type)
+    return distribute_tensor(probe, value.device_mesh, value.placements, src_data_rank=None).to_local().tolist()
 
 
 @dataclass(frozen=True)
@@ -195,7 +214,9 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
     if is_fsdp1(model):
         _fill_fsdp1(model, folder, files, headers, names_of)
         return
-    state = get_model_state_dict(model)
+    sharded = any(compat.is_dtensor(p) for p in model.parameters())
+    # an unsharded model's own state dict shares its storage (torch 2.3's get_model_state_dict wants a process group)
+    state = get_model_state_dict(model) if sharded else model.state_dict()
     with torch.no_grad():
         for name, value in state.items():
             shape = tuple(value.shape)
@@ -211,7 +232,8 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
                     raise SafetensorsError(f"{folder}: the model's tensor {name!r} is in none of its weight files")
             for local, first in pieces:
                 _fill_piece(folder, files, headers, name, shape, sources, local, first)
-    set_model_state_dict(model, state)
+    if sharded:
+        set_model_state_dict(model, state)
 
 
 def _stored_entry(folder: Path, files, headers, name: str, names_of: Mapping[str, list[str]], shape):
