@@ -91,8 +91,8 @@ def _memory_rank(rank: int, init_file: str, results: dict) -> None:
 
 @pytest.mark.skipif(
     torch.__version__.startswith("2.3."),
-    reason="pinned (torch 2.3): one spawned rank hung for 53 min after earlier tests in the full suite (passes alone in "
-    "12 s); runs on current until the hang is understood (closing note of 2026-12-03)",
+    reason="pinned (torch 2.3): a spawned rank hung for 53 min after earlier tests of the full suite (alone it passes "
+    "in 12 s); runs on current until the hang is understood (closing note of 2026-12-03)",
 )
 def test_a_leak_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     import torch.multiprocessing as mp
