@@ -305,3 +305,48 @@ def test_a_partly_owned_file_tensor_is_read_by_its_rows_onto_the_shards_device(t
     reads.clear()
     rank_load._fill_piece(folder, files, headers, "w", (4, 6), sources, torch.empty(1, 6), 0)
     assert reads == [range(0, 1)]
+
+
+def _rows_rank(rank: int, init_file: str, results: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed import tensor as dtensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        distribute = dtensor.distribute_tensor
+        probes = []
+        dtensor.distribute_tensor = lambda t, *a, **k: probes.append(t.shape) or distribute(t, *a, **k)
+        whole = {f"w{i}": torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3) + i for i in range(6)}
+        whole["odd"] = torch.arange(7 * 2, dtype=torch.float32).reshape(7, 2)
+        placed = {n: distribute(t, mesh, [dtensor.Shard(0)]) for n, t in whole.items()}
+        pieces = {n: rank_load.local_pieces(t) for n, t in placed.items()}
+        results[rank] = {
+            "pieces": {n: [(local.tolist(), offset) for local, offset in found] for n, found in pieces.items()},
+            "probes": [list(shape) for shape in probes],
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not compat.fsdp2_available(), reason="DTensor placements: FSDP2's torch (current stack)")
+def test_dtensor_rows_are_found_once_per_layout_not_once_per_tensor(tmp_path):
+    """Two gloo ranks, FSDP2's ``Shard(0)``: each rank's pieces are its rows with their row offsets, and the row
+    layout is probed once per (rows, placements), not once per tensor (each probe read back from a GPU waits
+    for the device: about 530 tensors in Qwen3-30B-A3B)."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rows_rank, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        results = dict(results)
+    whole = {f"w{i}": torch.arange(15.0).reshape(5, 3) + i for i in range(6)} | {
+        "odd": torch.arange(14.0).reshape(7, 2)
+    }
+    for rank, (first, stop) in enumerate([(0, 3), (3, 5)]):
+        assert results[rank]["probes"] == [[5], [7]]
+        for name, found in results[rank]["pieces"].items():
+            rows = (first, stop) if name != "odd" else [(0, 4), (4, 7)][rank]
+            offset = (rows[0], 0)
+            assert found == [(whole[name][rows[0] : rows[1]].tolist(), offset)], (rank, name)

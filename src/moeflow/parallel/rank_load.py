@@ -25,6 +25,7 @@ conversion (what ``save_pretrained`` writes), applied to broadcast probes of eac
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -38,6 +39,7 @@ from moeflow.checkpoint.safetensors_files import SafetensorsError, read_elements
 from moeflow.model.parameters import clean_name
 from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1
+from moeflow.parallel import process_group
 from moeflow.runtime import compat
 
 META = torch.device("meta")
@@ -121,7 +123,7 @@ def global_rows(value: Any) -> list[int]:
     """The whole tensor's row of each local row of a DTensor sharded along dim 0 only (any placement that
     splits another dim: an error naming it), from a one-dimensional probe of the row numbers placed as the
     tensor is (each rank slices its own part: no communication)."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate
 
     other = [p for p in value.placements if not isinstance(p, Replicate) and getattr(p, "dim", None) != 0]
     if other or not value.dim():
@@ -129,8 +131,17 @@ def global_rows(value: Any) -> list[int]:
             f"moeflow: a tensor of shape {list(value.shape)} placed as {value.placements}: the sharded loader reads "
             "rows, and a placement that splits another dimension (tensor parallelism) is not supported"
         )
-    probe = torch.arange(value.shape[0], device=value.device_mesh.device_type)
-    return distribute_tensor(probe, value.device_mesh, value.placements, src_data_rank=None).to_local().tolist()
+    return list(_placed_rows(value.shape[0], value.device_mesh, tuple(value.placements), process_group.rank()))
+
+
+@functools.lru_cache(maxsize=256)
+def _placed_rows(rows: int, mesh: Any, placements: tuple, rank: int) -> tuple[int, ...]:
+    """:func:`global_rows` for every DTensor of ``rows`` rows placed so: a model has a handful of such layouts
+    and hundreds of tensors, and reading the probe back from a GPU waits for the device each time."""
+    from torch.distributed.tensor import distribute_tensor
+
+    probe = torch.arange(rows, device=mesh.device_type)
+    return tuple(distribute_tensor(probe, mesh, list(placements), src_data_rank=None).to_local().tolist())
 
 
 @dataclass(frozen=True)
