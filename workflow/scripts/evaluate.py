@@ -41,7 +41,7 @@ for label in ("base", "finetuned"):
         data=list(job.input.eval_data),
     )
     stats[label] = ev.evaluate_model(model, sets, params.settings, stage.precision, layout.ranks)
-    coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision)
+    coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision, layout.ranks)
     parameters = ev.parameter_counts(model)
     speed[label] = ev.speed_record(stats[label].values())
     del model

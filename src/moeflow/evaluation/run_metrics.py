@@ -230,18 +230,27 @@ def run_metrics(
 
 
 def valset_coverage(
-    model, rows, coverage_settings: Mapping[str, Any], precision: str = "fp32"
+    model, rows, coverage_settings: Mapping[str, Any], precision: str = "fp32", ranks: Ranks | None = None
 ) -> dict[str, Any] | None:
     """Per (layer, expert) of ``model``'s router: validation documents with at least ``min_tokens`` tokens
     routed there (``moeflow.model.routing_stats.route_pool`` and ``cell_table``, as the coverage stage counts them).
-    None for a model without experts."""
+    With several ``ranks`` each routes its share of the batches and only the main rank gets the table.
+    None for a model without experts, and on the other ranks."""
     adapter = adapter_or_none(unwrap(model))
     if adapter is None:
         return None
     attn = unwrap(model).config._attn_implementation
     stats = route_pool(
-        model, [("valset", iter_rows(rows))], int(coverage_settings["batch_tokens"]), attn, precision, adapter
+        model,
+        [("valset", iter_rows(rows))],
+        int(coverage_settings["batch_tokens"]),
+        attn,
+        precision,
+        adapter,
+        ranks=ranks,
     )
+    if stats is None:
+        return None
     docs, tokens = cell_table(stats, np.ones(stats.num_docs, dtype=bool), int(coverage_settings["min_tokens"]))
     return {"layers": list(stats.layers), "documents": stats.num_docs, "docs": docs.tolist(), "tokens": tokens.tolist()}
 
