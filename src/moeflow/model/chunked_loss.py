@@ -46,11 +46,13 @@ class LinearLossError(ValueError):
 @dataclass
 class TokenLosses(ModelOutput):
     """What the installed forward returns: ``loss`` the summed cross-entropy (with gradient), ``token_loss``
-    (B, L) each position's loss of predicting the next token (0 where it has no label; no gradient). A
+    (B, L) each position's loss of predicting the next token (0 where it has no label; no gradient),
+    ``last_hidden_state`` the decoder's output the loss was computed from (what the MTP loss continues from). A
     ModelOutput, so FSDP finds the tensors in it (it hooks the backward pass on a forward's outputs)."""
 
     loss: torch.Tensor | None = None
     token_loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -204,7 +206,7 @@ def _loss_forward(self, loss_labels: torch.Tensor, chunk_tokens: int, kwargs: di
         chunk_tokens=chunk_tokens,
         scale=logit_scale(self.config),
     )
-    return TokenLosses(loss=loss, token_loss=token_loss.view(targets.shape))
+    return TokenLosses(loss=loss, token_loss=token_loss.view(targets.shape), last_hidden_state=hidden)
 
 
 def install(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:

@@ -82,6 +82,16 @@ class EsftSettings:
 
 
 @dataclass(frozen=True)
+class MtpSettings:
+    """``train.mtp`` with ``mode: train`` (moeflow.train.trainer, moeflow.model.mtp_loss): the MTP layers train,
+    and the step loss adds ``loss_weight`` x the mean over depths of the MTP loss."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/mtp"
+    mode: str
+    loss_weight: float
+
+
+@dataclass(frozen=True)
 class RoutingThresholds:
     """``train.routing_guard`` (moeflow.train.guards.RoutingGuard)."""
 
@@ -113,7 +123,7 @@ class MemoryThresholds:
 class TrainSettings:
     """The training loop's settings: a ``train:`` or ``pretrain:`` section after moeflow.workflow.keys.training
     (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora, ``esft`` unless it
-    is esft, ``muon`` unless ``optimizer`` is muon)."""
+    is esft, ``muon`` unless ``optimizer`` is muon, ``mtp`` unless ``mtp.mode`` is train)."""
 
     SCHEMA: ClassVar[str] = "#/$defs/training"
     method: str
@@ -136,6 +146,7 @@ class TrainSettings:
     lora: LoraSettings | None
     muon: MuonSettings | None
     esft: EsftSettings | None
+    mtp: MtpSettings | None
     balance: BalanceSettings
     routing_guard: RoutingThresholds
     memory_guard: MemoryThresholds
