@@ -21,6 +21,8 @@ from moeflow.model.families.mtp import mtp_layers, mtp_prefixes, mtp_report
 from moeflow.model.lora import trainable_parameter_report
 from moeflow.model.mtp_loss import mtp_loss_sums
 from moeflow.model.settings import ModelSettings
+from moeflow.plan import memory as plan
+from moeflow.plan.counts import count_parameters
 from moeflow.runtime import compat
 from moeflow.settings import typed
 from moeflow.train.settings import TrainSettings
@@ -162,11 +164,38 @@ def test_mode_train_moves_the_mtp_layers_resumes_exactly_and_exports_them(family
     for path in (tmp_path / "export").glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
             written |= {k: f.get_tensor(k) for k in f.keys() if k.startswith(mtp_prefixes(model))}
-    assert sorted(written) == sorted(trained)  # the published names: model.layers.<n + d>.{enorm, eh_proj, ...}
-    assert all(torch.equal(written[n], trained[n]) for n in trained)
+    own = [n for n in trained if n.split(".")[3] in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")]
+    assert own and set(own) <= set(written)  # the published names: model.layers.<n + d>.{enorm, eh_proj, ...}
+    assert all(torch.equal(written[n], trained[n]) for n in own)
+    exported = mtp_state(make_model(typed(ModelSettings, model_config(family)), folder=tmp_path / "export"))
+    assert sorted(exported) == sorted(trained) and all(torch.equal(exported[n], trained[n]) for n in trained)
 
 
 def test_mode_train_on_a_model_without_mtp_layers_is_refused():
     model = make_model(typed(ModelSettings, model_config("qwen3_moe")), vocab_size=VOCAB)
     with pytest.raises(TrainConfigError, match=r"'train.mtp.mode': train, but the model \(qwen3_moe\) has no MTP"):
         Trainer(model, settings(), rows(), collate_fn=collate, seed=0)
+
+
+def test_the_planner_counts_the_optimizer_state_of_trained_mtp_layers():
+    """The planner's AdamW term (8 bytes per parameter holding state) equals the state the Trainer holds: the
+    whole model's with mode train, all but the MTP layers' with mode frozen."""
+    cfg = model_config("deepseek_v3")
+    shape, params, _ = count_parameters({**cfg, "loss_chunk_tokens": 1024}, VOCAB)
+    for mode in ("frozen", "train"):
+        trainer = Trainer(build("deepseek_v3", 1), settings(mode, steps=1), rows(), collate_fn=collate, seed=0)
+        trainer.run()
+        held = sum(p.numel() for p in trainer.optimizer.state)
+        job = plan.Job.from_settings(
+            {
+                "precision": "fp32",
+                "seq_len": 24,
+                "model": {**cfg, "loss_chunk_tokens": 1024},
+                "train": training({"steps": 1, "lr": 1e-3, "mtp": {"mode": mode}}),
+                "hardware": {"device": "cpu", "num_devices": 1},
+                "parallel": {"strategy": "none", "nproc_per_node": 1, "nnodes": 1, "fsdp_size": None, "ep_size": 1},
+            }
+        )
+        assert job.mtp_trained == (mode == "train")
+        assert plan.resident_state(shape, params, job)["optimizer"] == held * plan.ADAM_MOMENT_BYTES, mode
+        assert plan.memory_per_device(shape, params, job)["gradients"] == held * 4, mode
