@@ -38,7 +38,9 @@ PARAMS = [pytest.param(*c, marks=pytest.mark.skipif(not compat.is_transformers_v
 def build(family: str, depth: int, seed: int = 0):
     cfg = model_config(family)
     cfg["config"]["num_nextn_predict_layers"] = depth
-    model = make_model(typed(ModelSettings, cfg), vocab_size=VOCAB, seed=seed).to(torch.float32)  # 4.57: float32 routing
+    model = make_model(typed(ModelSettings, cfg), vocab_size=VOCAB, seed=seed).to(
+        torch.float32
+    )  # 4.57: float32 routing
     spread_routers(model, seed)
     assert len(mtp_layers(model)) == depth
     return model

@@ -242,8 +242,9 @@ def mtp_problems(cfg: Mapping[str, Any]) -> list[str]:
         strategy = cfg["parallel"]["strategy"]
         if section == "train" and strategy != "none":
             problems.append(
-                f"config keys '{section}.mtp.mode': train and 'parallel.strategy': {strategy} do not combine yet: the MTP layers run outside the "
-                "model's forward, where FSDP and ep do not gather their shards. Use parallel.strategy: none"
+                f"config keys '{section}.mtp.mode': train and 'parallel.strategy': {strategy} do not combine yet: the "
+                "MTP layers run outside the model's forward, where FSDP and ep do not gather their shards. Use "
+                "parallel.strategy: none"
             )
     return problems
 
