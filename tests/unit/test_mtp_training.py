@@ -134,13 +134,16 @@ def mtp_state(model) -> dict[str, torch.Tensor]:
 
 def test_mode_frozen_keeps_the_mtp_layers_bit_identical_and_out_of_the_loss():
     frozen = settings("frozen")
-    assert frozen.mtp is None and settings().mtp.loss_weight == WEIGHT
+    assert frozen.mtp is None and settings().trained_mtp.loss_weight == WEIGHT
+    assert typed(TrainSettings, {"steps": 1, "lr": 1e-3}).trained_mtp is None  # typed alone: the frozen default
     model = build("deepseek_v3", 1).train()
     before = mtp_state(model)
     trainer = Trainer(model, frozen, rows(), collate_fn=collate, seed=0)
     trainer.run()
     assert all(torch.equal(t, before[n]) for n, t in mtp_state(model).items())
     assert all("mtp_loss" not in r for r in trainer.train_records())
+    in_groups = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not any(id(p) in in_groups for _, layer in mtp_layers(model) for p in layer.parameters())
     assert not mtp_report(model)["trained"]
 
 

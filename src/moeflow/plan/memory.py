@@ -234,7 +234,7 @@ class Job:
             ep_size=int(parallel["ep_size"]),
             optimizer=train["optimizer"],
             esft=typed(EsftSettings, train["esft"]) if train.get("esft") else None,
-            mtp_trained=bool(train.get("mtp")),  # moeflow.workflow.keys.training: None unless mode train
+            mtp_trained=(train.get("mtp") or {}).get("mode") == "train",
         )
 
     @property

@@ -161,6 +161,12 @@ class TrainSettings:
     def rows_per_step(self) -> int:
         return self.micro_batch_size * self.grad_accum_steps
 
+    @property
+    def trained_mtp(self) -> MtpSettings | None:
+        """``mtp`` where the MTP layers train (``mode: train``), else None (also for settings typed without
+        moeflow.workflow.keys.training, which fills in the frozen default)."""
+        return self.mtp if self.mtp is not None and self.mtp.mode == "train" else None
+
 
 @dataclass(frozen=True)
 class PretrainStage:

@@ -209,7 +209,7 @@ class Trainer:
         # The optimizer holds the shards: after a forward without backward (a base reference, an evaluation)
         # FSDP2 leaves the root unit's gathered parameters registered, which no backward would ever update.
         reshard(model)
-        if settings.mtp is not None:
+        if settings.trained_mtp is not None:
             train_mtp_layers(model)
         # train.method esft: only the selected experts train (moeflow.train.expert_mask); None for other methods
         self.expert_mask = masked_training(model, settings, expert_selection)
@@ -308,7 +308,7 @@ class Trainer:
         batches = self.micro_batches()
         with torch.autograd.set_detect_anomaly(self.settings.detect_anomaly):
             step_loss = accumulate_gradients(
-                self.model, batches, self.settings.balance, self.adapter, self.autocast, self.settings.mtp
+                self.model, batches, self.settings.balance, self.adapter, self.autocast, self.settings.trained_mtp
             )
         del batches
         summary = step_loss.summary()
@@ -327,8 +327,8 @@ class Trainer:
             self.expert_mask.before_step(self.optimizer)
         grad_norm = clip_grad_norm(self.model, s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
         loss = summary["ce"] + s.balance.coef * summary["balance"] + s.balance.z_loss_coef * summary["z_loss"]
-        if s.mtp is not None:
-            loss += s.mtp.loss_weight * summary["mtp"]
+        if s.trained_mtp is not None:
+            loss += s.trained_mtp.loss_weight * summary["mtp"]
         G.check_finite({"loss": loss, "grad_norm": grad_norm}, self.step + 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -348,7 +348,7 @@ class Trainer:
             "balance_loss": summary["balance"],
             "balance_global": summary.get("balance_global", 0.0),
             "z_loss": summary["z_loss"],
-            **({"mtp_loss": summary["mtp"]} if s.mtp is not None else {}),
+            **({"mtp_loss": summary["mtp"]} if s.trained_mtp is not None else {}),
             "grad_norm": grad_norm,
             "tokens": summary["routed_tokens"],
             "label_tokens": summary["label_tokens"],
