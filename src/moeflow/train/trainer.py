@@ -76,6 +76,7 @@ def routed_forward(
     routing=None,
     router_grad: bool = True,
     loss: bool = True,
+    keep_hidden: bool = False,
 ):
     """One training forward (``use_cache=False``) with its summed cross-entropy on the batch's labels
     (``moeflow.model.chunked_loss.TokenLosses``: the full logits are never built) and its MoE layers' routing
@@ -85,12 +86,13 @@ def routed_forward(
     router (the statistics are then built without a graph). Keep the capture open through the backward
     pass: under non-reentrant checkpointing the recomputation must run the same router hooks as the
     forward did. ``loss=False``: the decoder body alone, no output layer and no loss (outputs None), for a
-    pass that only counts the routing."""
+    pass that only counts the routing. ``keep_hidden``: the outputs hold the decoder's last hidden state (for
+    the MTP loss)."""
     device = next(model.parameters()).device
     inputs = model_inputs(model, batch)
     # Routing comes from the hooks: output_router_logits=True would make transformers 4.57 compute
     # its own aux loss, which raises on the 4D per-document mask.
-    outputs = token_losses(model, inputs, batch["labels"]) if loss else None
+    outputs = token_losses(model, inputs, batch["labels"], keep_hidden) if loss else None
     if not loss:
         decoder_forward(model, inputs)
     if routing is None:
@@ -158,7 +160,8 @@ def accumulate_gradients(
         step = StepLoss.for_step(settings, label_tokens, routed_tokens, len(micro_batches), step_counts, weight)
         for batch in micro_batches:
             with autocast():
-                outputs, layers = routed_forward(model, batch, routing, settings.needs_router_grad)
+                keep = mtp is not None
+                outputs, layers = routed_forward(model, batch, routing, settings.needs_router_grad, keep_hidden=keep)
                 depths = mtp_sums(model, outputs, batch) if mtp is not None else ()
             loss = step.micro_batch_loss(outputs.loss, layers, depths)
             loss.backward()
