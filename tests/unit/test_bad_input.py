@@ -280,3 +280,37 @@ def test_esft_on_a_dense_model_an_unknown_family_or_a_sharded_layout_is_refused(
         "invalid configuration:\n  - config key 'train.esft.top_p': 0 is less than or equal to the minimum of 0\n"
         "(schema: config/schema.yaml)"
     )
+
+
+def test_mtp_training_is_refused_without_mtp_layers_with_lora_esft_flash_or_a_sharded_layout():
+    train = {"mtp": {"mode": "train"}}
+    assert config_error(train=train) == (
+        "invalid configuration: config key 'train.mtp.mode': train needs a model with MTP layers (deepseek_v3, "
+        "step3p5 with num_nextn_predict_layers > 0); model_type 'qwen3_moe' has none. Set train.mtp.mode: frozen"
+    )
+    deepseek = {"config": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 1}}
+    lora = config_error(train={**train, "method": "lora"}, model=deepseek)
+    assert lora == (
+        "invalid configuration: config key 'train.mtp.mode': train trains the MTP layers in full, and train.method "
+        "is 'lora' (which leaves them frozen): use train.method: full, or train.mtp.mode: frozen"
+    )
+    assert "config key 'train.mtp.mode': train trains the MTP layers in full, and train.method is 'esft'" in (
+        config_error(train={**train, "method": "esft"}, model=deepseek)
+    )
+    flash = config_error(train=train, model={**deepseek, "attn_implementation": "flash_attention_2"}, precision="bf16")
+    assert flash == (
+        "invalid configuration: config key 'train.mtp.mode': train: the MTP loss runs with eager or sdpa attention "
+        "only, and model.attn_implementation is 'flash_attention_2': set model.attn_implementation: sdpa"
+    )
+    for strategy, ep_size in (("fsdp", 1), ("ep", 2)):
+        parallel = {"strategy": strategy, "nproc_per_node": 2, "ep_size": ep_size}
+        sharded = config_error(train=train, model=deepseek, parallel=parallel, hardware={"num_devices": 2})
+        assert (
+            f"config keys 'train.mtp.mode': train and 'parallel.strategy': {strategy} do not combine yet: the MTP "
+            "layers run outside the model's forward, where FSDP and ep do not gather their shards. Use "
+            "parallel.strategy: none"
+        ) in sharded
+    assert "pretrain.mtp.mode" in config_error(pretrain={"mtp": {"mode": "train"}})
+    assert config_error(train={"mtp": {"loss_weight": -1}}).startswith(
+        "invalid configuration:\n  - config key 'train.mtp.loss_weight': -1 is less than the minimum of 0"
+    )

@@ -37,6 +37,7 @@ from moeflow.runtime.hardware import to_device
 
 LOSS_KWARG = "loss_labels"  # the installed forward's keyword: labels as in the batch (unshifted)
 DECODER_KWARG = "decoder_only"  # the installed forward's keyword for the decoder body alone (no output layer)
+HIDDEN_KWARG = "keep_hidden"  # the installed forward's keyword to return the hidden state with the loss (MTP)
 
 
 class LinearLossError(ValueError):
@@ -46,11 +47,14 @@ class LinearLossError(ValueError):
 @dataclass
 class TokenLosses(ModelOutput):
     """What the installed forward returns: ``loss`` the summed cross-entropy (with gradient), ``token_loss``
-    (B, L) each position's loss of predicting the next token (0 where it has no label; no gradient). A
+    (B, L) each position's loss of predicting the next token (0 where it has no label; no gradient), and
+    with ``keep_hidden`` the decoder's output the loss was computed from (what the MTP loss continues from; else
+    None, so that it is freed after the forward as before). A
     ModelOutput, so FSDP finds the tensors in it (it hooks the backward pass on a forward's outputs)."""
 
     loss: torch.Tensor | None = None
     token_loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -189,7 +193,7 @@ def logit_scale(config) -> float:
 HEAD_ONLY_KWARGS = ("labels", "logits_to_keep", "num_items_in_batch")  # the causal LM's, not the decoder body's
 
 
-def _loss_forward(self, loss_labels: torch.Tensor, chunk_tokens: int, kwargs: dict) -> TokenLosses:
+def _loss_forward(self, loss_labels: torch.Tensor, chunk_tokens: int, kwargs: dict, keep_hidden: bool) -> TokenLosses:
     for name in HEAD_ONLY_KWARGS:
         if kwargs.pop(name, None) is not None:
             raise TypeError(f"{name} cannot be combined with {LOSS_KWARG}")
@@ -204,7 +208,8 @@ def _loss_forward(self, loss_labels: torch.Tensor, chunk_tokens: int, kwargs: di
         chunk_tokens=chunk_tokens,
         scale=logit_scale(self.config),
     )
-    return TokenLosses(loss=loss, token_loss=token_loss.view(targets.shape))
+    kept = hidden if keep_hidden else None
+    return TokenLosses(loss=loss, token_loss=token_loss.view(targets.shape), last_hidden_state=kept)
 
 
 def install(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
@@ -223,6 +228,7 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         labels = kwargs.pop(LOSS_KWARG, None)
+        keep_hidden = kwargs.pop(HIDDEN_KWARG, False)
         if kwargs.pop(DECODER_KWARG, False):
             if labels is not None or args or any(kwargs.get(name) is not None for name in HEAD_ONLY_KWARGS):
                 raise TypeError(f"{DECODER_KWARG} runs the decoder body alone: pass the inputs by keyword, no labels")
@@ -231,7 +237,7 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
             return original(self, *args, **kwargs)
         if args:
             raise TypeError(f"pass the inputs by keyword with {LOSS_KWARG}")
-        return _loss_forward(self, labels, chunk_tokens, kwargs)
+        return _loss_forward(self, labels, chunk_tokens, kwargs, keep_hidden)
 
     lm.forward = types.MethodType(forward, lm)
     lm.loss_chunk_tokens = int(chunk_tokens)
@@ -242,14 +248,15 @@ def installed(model: torch.nn.Module) -> bool:
     return hasattr(unwrap(model, peft=True), "loss_chunk_tokens")
 
 
-def token_losses(model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> TokenLosses:
-    """The model's forward on ``inputs`` (``use_cache=False``) with the chunked loss on ``labels``."""
+def token_losses(model: torch.nn.Module, inputs: dict, labels: torch.Tensor, keep_hidden: bool = False) -> TokenLosses:
+    """The model's forward on ``inputs`` (``use_cache=False``) with the chunked loss on ``labels``; with
+    ``keep_hidden`` also the decoder's last hidden state."""
     if not installed(model):
         raise LinearLossError(
             "this model has no chunked cross-entropy entry: build or load it with moeflow.model.factory.make_model, "
             "or call moeflow.model.chunked_loss.install(model, chunk_tokens) first"
         )
-    return model(**inputs, use_cache=False, **{LOSS_KWARG: labels})
+    return model(**inputs, use_cache=False, **{LOSS_KWARG: labels, HIDDEN_KWARG: keep_hidden})
 
 
 def decoder_forward(model: torch.nn.Module, inputs: dict) -> ModelOutput:

@@ -18,7 +18,8 @@ Memory per device in a training step (bytes, :func:`memory_per_device`, the ``st
 ``micro_batch_size`` sequences of ``seq_len`` tokens; the terms are summed, a conservative peak (the loss's
 buffers and the gathered layers of the backward pass are not all live at the same instant):
     * weights: parameters x 2 (bf16) or 4 (fp32);
-    * gradients: trainable parameters x the same width (a full fine-tune trains all but the MTP layers);
+    * gradients: trainable parameters x the same width (a full fine-tune trains all but the MTP layers, and
+      those too with ``train.mtp.mode: train``);
     * optimizer (AdamW): trainable parameters x 8 (two fp32 moments), + 4 for an fp32 master copy with bf16
       (``train.optimizer: muon``: the hidden matrices keep one fp32 momentum buffer, 4, :func:`optimizer_state_bytes`;
       sharded, plus one parameter gathered whole for its update, :func:`muon_gathered_bytes`);
@@ -201,6 +202,7 @@ class Job:
     optimizer: str = "adamw"  # train.optimizer: muon keeps one buffer for the hidden matrices (optimizer_state_bytes)
     esft: EsftSettings | None = None  # train.esft: used when method is esft
     esft_selected: int | None = None  # (layer, expert) pairs ESFT selected; None: not yet known, plan for all
+    mtp_trained: bool = False  # train.mtp.mode: train (a full fine-tune): the MTP layers train too
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> Job:
@@ -232,6 +234,7 @@ class Job:
             ep_size=int(parallel["ep_size"]),
             optimizer=train["optimizer"],
             esft=typed(EsftSettings, train["esft"]) if train.get("esft") else None,
+            mtp_trained=(train.get("mtp") or {}).get("mode") == "train",
         )
 
     @property
@@ -398,11 +401,11 @@ def runtime_bytes(device: str) -> int:
 
 def trained_parameters(s: Shape, params: ParamCount, job: Job) -> tuple[int, int]:
     """(parameters added to the model, parameters trained): LoRA's adapters and what they train, ESFT's
-    (moeflow.plan.counts.esft_trainable), else (0, all)."""
+    (moeflow.plan.counts.esft_trainable), else (0, all but the MTP layers, or all with ``train.mtp.mode: train``)."""
     if job.method == "esft":
         return 0, esft_trainable(s, params, job.esft, job.esft_selected)
     if job.method != "lora":
-        return 0, params.without_mtp
+        return 0, params.total if job.mtp_trained else params.without_mtp
     adapters = lora_count(s, job.lora)
     return adapters.added, adapters.trainable
 

@@ -22,6 +22,8 @@ loss of the step is defined on the whole step, and each micro-batch's backward a
     over the step's micro-batches.
   - ``off``.
 * Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2, averaged over layers.
+* MTP loss (``train.mtp.mode: train``; moeflow.model.mtp_loss): each depth's summed cross-entropy divided by
+  the step's label tokens, as the cross-entropy is, averaged over depths and weighted by ``loss_weight``.
 * Loss-free balancing (DeepSeek-V3): after each step ``bias += rate * sign(mean load - load)``.
 
 Counts (label tokens, routed tokens, expert selections) are all-reduced across ranks when
@@ -43,7 +45,7 @@ from moeflow.data.collate import token_mask
 from moeflow.parallel.process_group import all_reduce_sum, world_size
 from moeflow.train.settings import BalanceSettings
 
-LOSS_TERMS = ("balance", "ce", "z_loss")  # the loss terms a step sums and reports, in summary order
+LOSS_TERMS = ("balance", "ce", "z_loss", "mtp")  # the loss terms a step sums and reports, in summary order
 
 
 @dataclass
@@ -120,6 +122,7 @@ class StepLoss:
     prob_sums: torch.Tensor | None = None
     entropy_sums: torch.Tensor | None = None
     loss_sums: torch.Tensor | None = None  # (len(LOSS_TERMS),) float64: each term's micro-batch shares summed
+    mtp_weight: float = 0.0  # train.mtp.loss_weight with mode train
 
     @classmethod
     def for_step(
@@ -129,21 +132,28 @@ class StepLoss:
         routed_tokens: int,
         num_micro_batches: int,
         step_counts: torch.Tensor | None = None,
+        mtp_weight: float = 0.0,
     ) -> StepLoss:
         counts = all_reduce_sum(torch.tensor([label_tokens, routed_tokens], dtype=torch.float64))
         if settings.needs_counting_forward and step_counts is None:
             raise ValueError("balance mode 'exact' needs the step's expert counts (a counting forward) first")
         if step_counts is not None:
             step_counts = all_reduce_sum(step_counts.clone())
-        return cls(settings, int(counts[0]), int(counts[1]), num_micro_batches, step_counts)
+        return cls(settings, int(counts[0]), int(counts[1]), num_micro_batches, step_counts, mtp_weight=mtp_weight)
 
-    def micro_batch_loss(self, ce_sum: torch.Tensor, layers: Sequence[LayerRouter]) -> torch.Tensor:
+    def micro_batch_loss(
+        self, ce_sum: torch.Tensor, layers: Sequence[LayerRouter], mtp_sums: Sequence[torch.Tensor] = ()
+    ) -> torch.Tensor:
         """This micro-batch's share of the step's loss (call ``.backward()`` on it, then drop it), from its
-        summed next-token cross-entropy (``moeflow.model.chunked_loss``) and its MoE layers' routing."""
+        summed next-token cross-entropy (``moeflow.model.chunked_loss``), its MoE layers' routing and, when the
+        MTP layers train, each MTP depth's summed cross-entropy (``moeflow.model.mtp_loss.mtp_loss_sums``)."""
         s = self.settings
         ce = ce_sum / max(self.num_label_tokens, 1)
         loss = ce
         terms = {"ce": ce}
+        if mtp_sums:
+            terms["mtp"] = torch.stack([d.to(ce.dtype) for d in mtp_sums]).mean() / max(self.num_label_tokens, 1)
+            loss = loss + self.mtp_weight * terms["mtp"]
 
         counts = expert_counts(layers)
         if self.loss_sums is None:

@@ -82,6 +82,16 @@ class EsftSettings:
 
 
 @dataclass(frozen=True)
+class MtpSettings:
+    """``train.mtp`` with ``mode: train`` (moeflow.train.trainer, moeflow.model.mtp_loss): the MTP layers train,
+    and the step loss adds ``loss_weight`` x the mean over depths of the MTP loss."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/mtp"
+    mode: str
+    loss_weight: float
+
+
+@dataclass(frozen=True)
 class RoutingThresholds:
     """``train.routing_guard`` (moeflow.train.guards.RoutingGuard)."""
 
@@ -113,7 +123,7 @@ class MemoryThresholds:
 class TrainSettings:
     """The training loop's settings: a ``train:`` or ``pretrain:`` section after moeflow.workflow.keys.training
     (``warmup_steps`` is the resolved warmup length; ``lora`` is None unless ``method`` is lora, ``esft`` unless it
-    is esft, ``muon`` unless ``optimizer`` is muon)."""
+    is esft, ``muon`` unless ``optimizer`` is muon, ``mtp`` unless ``mtp.mode`` is train)."""
 
     SCHEMA: ClassVar[str] = "#/$defs/training"
     method: str
@@ -136,6 +146,7 @@ class TrainSettings:
     lora: LoraSettings | None
     muon: MuonSettings | None
     esft: EsftSettings | None
+    mtp: MtpSettings | None
     balance: BalanceSettings
     routing_guard: RoutingThresholds
     memory_guard: MemoryThresholds
@@ -149,6 +160,12 @@ class TrainSettings:
     @property
     def rows_per_step(self) -> int:
         return self.micro_batch_size * self.grad_accum_steps
+
+    @property
+    def trained_mtp(self) -> MtpSettings | None:
+        """``mtp`` where the MTP layers train (``mode: train``), else None (also for settings typed without
+        moeflow.workflow.keys.training, which fills in the frozen default)."""
+        return self.mtp if self.mtp is not None and self.mtp.mode == "train" else None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 One optimizer step: take the step's rows (a deterministic permutation per epoch), collate them into
 micro-batches, count the step's label and routed tokens, optionally run the counting forward (balance
 mode ``exact``), then per micro-batch: forward (``use_cache=False``, routing captured by hooks),
-the micro-batch's share of the step loss (``moeflow.train.losses``), backward, and drop the graph. Then sum
+the micro-batch's share of the step loss (``moeflow.train.losses``; with ``train.mtp.mode: train`` the MTP
+loss too, from the decoder's last hidden state: ``moeflow.model.mtp_loss``), backward, and drop the graph. Then sum
 gradients over ranks (``moeflow.parallel.gradients``: an all-reduce, or FSDP's reduce-scatter), clip, set the
 learning rate (linear warmup, cosine to ``min_lr``), optimizer step (AdamW, or Muon with AdamW:
 ``moeflow.train.optimizers``), loss-free bias update, guards, logging
@@ -36,6 +37,8 @@ from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.order import DataOrder
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
 from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
+from moeflow.model.families.mtp import mtp_layers
+from moeflow.model.mtp_loss import mtp_loss_sums
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.routing_stats import layer_health
 from moeflow.model.wrappers import unwrap
@@ -58,7 +61,7 @@ from moeflow.train.losses import (
 from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
 from moeflow.train.optim import correction_biases, lr_factor, param_groups
 from moeflow.train.optimizers import build_optimizer
-from moeflow.train.settings import BalanceSettings, TrainSettings
+from moeflow.train.settings import BalanceSettings, MtpSettings, TrainSettings
 
 log = logging.getLogger("moeflow.train.trainer")
 
@@ -73,6 +76,7 @@ def routed_forward(
     routing=None,
     router_grad: bool = True,
     loss: bool = True,
+    keep_hidden: bool = False,
 ):
     """One training forward (``use_cache=False``) with its summed cross-entropy on the batch's labels
     (``moeflow.model.chunked_loss.TokenLosses``: the full logits are never built) and its MoE layers' routing
@@ -82,12 +86,13 @@ def routed_forward(
     router (the statistics are then built without a graph). Keep the capture open through the backward
     pass: under non-reentrant checkpointing the recomputation must run the same router hooks as the
     forward did. ``loss=False``: the decoder body alone, no output layer and no loss (outputs None), for a
-    pass that only counts the routing."""
+    pass that only counts the routing. ``keep_hidden``: the outputs hold the decoder's last hidden state (for
+    the MTP loss)."""
     device = next(model.parameters()).device
     inputs = model_inputs(model, batch)
     # Routing comes from the hooks: output_router_logits=True would make transformers 4.57 compute
     # its own aux loss, which raises on the 4D per-document mask.
-    outputs = token_losses(model, inputs, batch["labels"]) if loss else None
+    outputs = token_losses(model, inputs, batch["labels"], keep_hidden) if loss else None
     if not loss:
         decoder_forward(model, inputs)
     if routing is None:
@@ -107,14 +112,37 @@ def routed_forward(
     return outputs, layers
 
 
+def train_mtp_layers(model: torch.nn.Module) -> None:
+    """``train.mtp.mode: train``: the MTP layers' parameters get gradients (they are built frozen), so that
+    param_groups puts them in the optimizer's groups, with weight decay as the main layers' alike."""
+    layers = mtp_layers(model)
+    if not layers:
+        raise TrainConfigError(
+            f"config key 'train.mtp.mode': train, but the model ({unwrap(model).config.model_type}) has no MTP "
+            "layers (num_nextn_predict_layers); set train.mtp.mode: frozen"
+        )
+    for _, layer in layers:
+        layer.requires_grad_(True)
+
+
+def mtp_sums(model: torch.nn.Module, outputs: Any, batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each MTP depth's summed cross-entropy on ``batch``, continuing from its training forward's ``outputs``."""
+    lm = unwrap(model)
+    device = outputs.last_hidden_state.device
+    on_device = {k: to_device(batch[k], device) for k in ("input_ids", "labels", "position_ids")}
+    return mtp_loss_sums(lm, outputs.last_hidden_state, on_device, lm.loss_chunk_tokens)
+
+
 def accumulate_gradients(
     model: torch.nn.Module,
     micro_batches: Sequence[Mapping[str, torch.Tensor]],
     settings: BalanceSettings,
     adapter=None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    mtp: MtpSettings | None = None,
 ) -> StepLoss:
-    """Add one optimizer step's gradients to ``.grad`` (micro-batch by micro-batch); return its StepLoss."""
+    """Add one optimizer step's gradients to ``.grad`` (micro-batch by micro-batch); return its StepLoss.
+    ``mtp``: the MTP layers train (their loss joins the step's), or None."""
     label_tokens = sum(count_label_tokens(b["labels"]) for b in micro_batches)
     routed_tokens = sum(int(token_mask(b).sum()) for b in micro_batches)
     with capture(model, adapter) if adapter is not None else contextlib.nullcontext() as routing:
@@ -128,13 +156,16 @@ def accumulate_gradients(
                         _, layers = routed_forward(model, batch, routing, router_grad=False, loss=False)
                     counts = expert_counts(layers)
                     step_counts = counts if step_counts is None else step_counts + counts
-        step = StepLoss.for_step(settings, label_tokens, routed_tokens, len(micro_batches), step_counts)
+        weight = mtp.loss_weight if mtp is not None else 0.0
+        step = StepLoss.for_step(settings, label_tokens, routed_tokens, len(micro_batches), step_counts, weight)
         for batch in micro_batches:
             with autocast():
-                outputs, layers = routed_forward(model, batch, routing, settings.needs_router_grad)
-            loss = step.micro_batch_loss(outputs.loss, layers)
+                keep = mtp is not None
+                outputs, layers = routed_forward(model, batch, routing, settings.needs_router_grad, keep_hidden=keep)
+                depths = mtp_sums(model, outputs, batch) if mtp is not None else ()
+            loss = step.micro_batch_loss(outputs.loss, layers, depths)
             loss.backward()
-            del outputs, layers, loss
+            del outputs, layers, loss, depths
     return step
 
 
@@ -181,6 +212,8 @@ class Trainer:
         # The optimizer holds the shards: after a forward without backward (a base reference, an evaluation)
         # FSDP2 leaves the root unit's gathered parameters registered, which no backward would ever update.
         reshard(model)
+        if settings.trained_mtp is not None:
+            train_mtp_layers(model)
         # train.method esft: only the selected experts train (moeflow.train.expert_mask); None for other methods
         self.expert_mask = masked_training(model, settings, expert_selection)
         groups = param_groups(model, settings)
@@ -277,7 +310,9 @@ class Trainer:
         (global, the same on every rank). ``train_step`` without the update: tests compare it across layouts."""
         batches = self.micro_batches()
         with torch.autograd.set_detect_anomaly(self.settings.detect_anomaly):
-            step_loss = accumulate_gradients(self.model, batches, self.settings.balance, self.adapter, self.autocast)
+            step_loss = accumulate_gradients(
+                self.model, batches, self.settings.balance, self.adapter, self.autocast, self.settings.trained_mtp
+            )
         del batches
         summary = step_loss.summary()
         reduce_gradients(self.model)
@@ -295,6 +330,8 @@ class Trainer:
             self.expert_mask.before_step(self.optimizer)
         grad_norm = clip_grad_norm(self.model, s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
         loss = summary["ce"] + s.balance.coef * summary["balance"] + s.balance.z_loss_coef * summary["z_loss"]
+        if s.trained_mtp is not None:
+            loss += s.trained_mtp.loss_weight * summary["mtp"]
         G.check_finite({"loss": loss, "grad_norm": grad_norm}, self.step + 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -314,6 +351,7 @@ class Trainer:
             "balance_loss": summary["balance"],
             "balance_global": summary.get("balance_global", 0.0),
             "z_loss": summary["z_loss"],
+            **({"mtp_loss": summary["mtp"]} if s.trained_mtp is not None else {}),
             "grad_norm": grad_norm,
             "tokens": summary["routed_tokens"],
             "label_tokens": summary["label_tokens"],

@@ -137,6 +137,7 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
     problems += parallel_problems(cfg)
     problems += optimizer_problems(cfg)
     problems += esft_problems(cfg)
+    problems += mtp_problems(cfg)
     problems += attention_problems(cfg)
     problems += humaneval_problems(cfg)
     problems += lm_eval_problems(cfg)
@@ -202,6 +203,49 @@ def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
             "config keys 'train.method': esft and 'train.balance.bias_update_rate' > 0 do not combine: ESFT keeps the "
             "routing frozen, and the loss-free bias update moves it. Set train.balance.bias_update_rate: 0"
         )
+    return problems
+
+
+MTP_FAMILIES = ("deepseek_v3", "step3p5")  # the families moeflow builds MTP layers for (moeflow.model.families)
+MTP_ATTENTION = ("eager", "sdpa")  # moeflow.model.mtp_loss builds each MTP layer's per-document mask itself
+
+
+def mtp_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """``mtp.mode: train`` needs MTP layers (a family moeflow builds them for, num_nextn_predict_layers > 0), a
+    full fine-tune (LoRA and ESFT leave them out), eager or sdpa attention (moeflow.model.mtp_loss), and for
+    ``train`` the layout none: the MTP layers run outside the model's forward, which FSDP's and ep's gathering
+    does not reach."""
+    problems = []
+    for section in ("train", "pretrain"):
+        train = cfg[section]
+        if train["mtp"]["mode"] != "train":
+            continue
+        key = f"config key '{section}.mtp.mode': train"
+        model_type, config = _model_type_and_experts(cfg["model"])
+        depth = int(config.get("num_nextn_predict_layers") or 0)
+        if model_type is not None and (model_type not in MTP_FAMILIES or depth < 1):
+            problems.append(
+                f"{key} needs a model with MTP layers ({', '.join(MTP_FAMILIES)} with num_nextn_predict_layers > 0); "
+                f"model_type {model_type!r} has {depth if model_type in MTP_FAMILIES else 'none'}. "
+                f"Set {section}.mtp.mode: frozen"
+            )
+        if train["method"] != "full":
+            problems.append(
+                f"{key} trains the MTP layers in full, and {section}.method is {train['method']!r} (which leaves them "
+                f"frozen): use {section}.method: full, or {section}.mtp.mode: frozen"
+            )
+        if cfg["model"]["attn_implementation"] not in MTP_ATTENTION:
+            problems.append(
+                f"{key}: the MTP loss runs with eager or sdpa attention only, and model.attn_implementation is "
+                f"{cfg['model']['attn_implementation']!r}: set model.attn_implementation: sdpa"
+            )
+        strategy = cfg["parallel"]["strategy"]
+        if section == "train" and strategy != "none":
+            problems.append(
+                f"config keys '{section}.mtp.mode': train and 'parallel.strategy': {strategy} do not combine yet: the "
+                "MTP layers run outside the model's forward, where FSDP and ep do not gather their shards. Use "
+                "parallel.strategy: none"
+            )
     return problems
 
 

@@ -184,8 +184,9 @@ def resolve_warmup_steps(train: Mapping[str, Any]) -> int:
 def training(section: Mapping[str, Any]) -> dict[str, Any]:
     """A ``train:`` or ``pretrain:`` section as :class:`TrainSettings` takes it: the schema's defaults
     filled in, the warmup length resolved, ``balance.mode`` off for YAML's unquoted ``off`` (false), and
-    ``lora`` only with ``method: lora``, ``esft`` only with ``method: esft`` and ``muon`` only with ``optimizer: muon``
-    (null otherwise, so that their settings never rerun a run that does not use them)."""
+    ``lora`` only with ``method: lora``, ``esft`` only with ``method: esft``, ``muon`` only with ``optimizer: muon``
+    and ``mtp`` only with ``mtp.mode: train`` (null otherwise, so that their settings never rerun a run that does
+    not use them)."""
     train = with_defaults(section, "#/$defs/training")
     return train | {
         "warmup_steps": resolve_warmup_steps(train),
@@ -193,6 +194,7 @@ def training(section: Mapping[str, Any]) -> dict[str, Any]:
         "lora": train["lora"] if train["method"] == "lora" else None,
         "muon": train["muon"] if train["optimizer"] == "muon" else None,
         "esft": train["esft"] if train["method"] == "esft" else None,
+        "mtp": train["mtp"] if train["mtp"]["mode"] == "train" else None,
     }
 
 

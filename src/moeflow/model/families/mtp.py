@@ -14,10 +14,11 @@ the family's decoder-layer class with those modules added (:func:`add_mtp_module
 main model's outputs are unchanged.
 
 The MTP depth ``k`` (0-based) predicts token ``t + k + 2`` from the depth's previous hidden state at ``t`` and
-the embedding of token ``t + k + 1``: :func:`mtp_hidden` is that step (DeepSeek-V3 section 2.2), for a later
-MTP loss; nothing trains them yet. Their parameters are built frozen (``requires_grad`` off, in the layer
-classes, so every build and load path has them so): the training loop never runs them, AdamW holds no state
-for them, and LoRA gives them no adapters. A later MTP loss turns them on.
+the embedding of token ``t + k + 1``: :func:`mtp_hidden` is that step (DeepSeek-V3 section 2.2); the MTP
+loss is moeflow.model.mtp_loss. Their parameters are built frozen (``requires_grad`` off, in the layer classes,
+so every build and load path has them so): with ``train.mtp.mode: frozen`` (the default) the training loop
+never runs them, AdamW holds no state for them, and LoRA gives them no adapters; ``train.mtp.mode: train``
+turns them on (moeflow.train.trainer.train_mtp_layers) and adds their loss to the step's.
 """
 
 from __future__ import annotations
@@ -91,9 +92,10 @@ def mtp_report(model: nn.Module) -> dict[str, Any] | None:
         "layers": len(layers),
         "parameters": sum(p.numel() for p in params),
         "trained": trained,
-        "note": "trained with the model"
+        "note": "trained with the MTP loss (train.mtp.mode: train)"
         if trained
-        else "not trained: carried frozen from the base model into the checkpoints and the export (no MTP loss yet)",
+        else "not trained: carried frozen from the base model into the checkpoints and the export "
+        "(train.mtp.mode: frozen)",
     }
 
 
