@@ -5,8 +5,8 @@ each folder's own base routing, passes, and each final model loads.
 
 For CI's time (a Snakemake job costs about 10 s of interpreter, torch and transformers start) the work is split:
 - here, one dry run schedules every trainable family's own training stages, and two families (END_TO_END) go
-  through them in one ``snakemake train``, sharing one coverage validation set (``coverage.valset_of_run``): 12
-  Snakemake jobs instead of 38 (pinned) or 43 (current);
+  through them in one ``snakemake train``, sharing one coverage validation set (``coverage.valset_of_run``): 13
+  Snakemake jobs (the ``train`` target's included) instead of 38 (pinned) or 43 (current);
 - tests/unit/test_user_model_stages.py runs every trainable family's folder through the same stage scripts in
   process (choose_experts, tokenize, plan_memory, warmup, train_model), with the same checks;
 - the coverage stage of every family is tested in process in tests/unit/test_coverage.py, and step3p5's folder

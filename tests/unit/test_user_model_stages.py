@@ -12,7 +12,9 @@ The warmup gate passes against each folder's own base routing, and each final mo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import runpy
 import sys
 from pathlib import Path
@@ -35,6 +37,18 @@ SCRIPTS = REPO_ROOT / "workflow" / "scripts"
 FIRST = TRAINED[0]  # its coverage validation set serves every run (coverage.valset_of_run), as in the pipeline test
 
 
+@contextlib.contextmanager
+def own_logging():
+    """The root logger as it was: a stage's setup_logging replaces its handlers (pytest's among them)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def run_torchrun_script(script: str, rule: str, input: dict, output: dict, params: dict) -> None:
     """A training rule's script as its torchrun launcher starts it (one rank): ``--job`` JSON, as common.smk's
     torchrun_job writes it."""
@@ -42,7 +56,8 @@ def run_torchrun_script(script: str, rule: str, input: dict, output: dict, param
     argv = sys.argv
     sys.argv = [script, "--job", job, "--threads", "1"]
     try:
-        runpy.run_path(str(SCRIPTS / script), run_name="__main__")
+        with own_logging():
+            runpy.run_path(str(SCRIPTS / script), run_name="__main__")
     finally:
         sys.argv = argv
 
@@ -58,7 +73,8 @@ def run_snakemake_script(script: str, rule: str, input: dict, output: dict, para
         log=[],
         resources=SimpleNamespace(gpu=0),
     )
-    runpy.run_path(str(SCRIPTS / script), init_globals={"snakemake": smk}, run_name="__main__")
+    with own_logging():
+        runpy.run_path(str(SCRIPTS / script), init_globals={"snakemake": smk}, run_name="__main__")
 
 
 class UserRuns:
