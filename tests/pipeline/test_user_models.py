@@ -1,43 +1,43 @@
-"""A user's pretrained folder of every family through `snakemake train`: a tiny pretrained-style folder per family
-(random weights, ``save_pretrained``, a BPE tokenizer trained on the user's corpus saved next to it), the user's
-JSONL corpus in an overlay, one run per family. No dense run appears (it belongs to the embedded default), the
-warmup gate, judging against each folder's own base routing, passes, and each final model loads.
+"""A user's pretrained folder of every family through `snakemake train` (tests/user_models.py: a tiny
+pretrained-style folder per family sharing one BPE tokenizer trained on the user's JSONL corpus, one run per
+family in an overlay). No dense run appears (it belongs to the embedded default), the warmup gate, judging against
+each folder's own base routing, passes, and each final model loads.
 
-For CI's time the coverage validation set is built once, by the first family's run, and the other runs evaluate on
-it (``coverage.valset_of_run``; the folders share one tokenizer): 38 Snakemake jobs instead of 44. The coverage
-stage of every family is tested in process, in tests/unit/test_coverage.py."""
+For CI's time (a Snakemake job costs about 10 s of interpreter, torch and transformers start) the work is split:
+- here, one dry run schedules every trainable family's own training stages, and two families (END_TO_END) go
+  through them in one ``snakemake train``, sharing one coverage validation set (``coverage.valset_of_run``): 13
+  Snakemake jobs (the ``train`` target's included) instead of 38 (pinned) or 43 (current);
+- tests/unit/test_user_model_stages.py runs every trainable family's folder through the same stage scripts in
+  process (choose_experts, tokenize, plan_memory, warmup, train_model), with the same checks;
+- the coverage stage of every family is tested in process in tests/unit/test_coverage.py, and step3p5's folder
+  (trained on the current stack only) goes through ``snakemake paper`` in test_step3p5_pipeline.py."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 from conftest import active_stack, copy_workflow, results, snakemake
-from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, model_config
+from tiny_models import TRANSFORMERS_5_ONLY, model_config
+from user_models import (
+    REFUSED,
+    TRAINED,
+    check_final_model,
+    check_warmup_report,
+    overlay,
+    save_family_folder,
+    write_corpus,
+)
 
 from moeflow.data.tokenizer import train_tokenizer
-from moeflow.model.factory import make_model
-from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
-from moeflow.settings import typed
 
 pytestmark = pytest.mark.pipeline
 
-# docs/families.md: step3p5 trains on the current stack only (transformers 4.57 has no such model; on transformers 5
-# moeflow builds its causal LM). Every other family trains on both.
-REFUSED = {} if compat.is_transformers_v5() else {"step3p5": "needs transformers 5, the 'current' stack"}
-TRAINED = [f for f in FAMILIES if f not in REFUSED]
-WORDS = "alpha beta gamma delta print return class import while lambda yield 42 ( ) :".split()
-
-
-def write_corpus(path: Path, docs: int = 300) -> list[str]:
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(WORDS, int(rng.integers(6, 30)))) + f" # doc {i}\n" for i in range(docs)]
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return texts
+# The first owns the validation set. deepseek_v3: moeflow's own modeling code, a dense first layer, group-limited
+# routing, an MTP layer; gpt_oss: eager attention only, expert and router biases, sliding and full layers.
+END_TO_END = ("deepseek_v3", "gpt_oss")
 
 
 def job_count(dry_run: str, rule: str) -> int:
@@ -46,56 +46,7 @@ def job_count(dry_run: str, rule: str) -> int:
     return next(int(line.split()[1]) for line in table.splitlines() if line.split()[:1] == [rule])
 
 
-def save_family_folder(family: str, folder: Path, tokenizer) -> None:
-    model = make_model(typed(ModelSettings, model_config(family)), vocab_size=len(tokenizer), seed=0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
-def overlay(folders: dict[str, str]) -> dict:
-    """The user's overlay. For the test's time only: one thread per job (``--cores 2`` runs two jobs at once), and
-    the coverage stage's micro-batch (``pretrain``) equal to fine-tuning's, so each family's experts are timed once
-    (one choose_experts job per family instead of two), and one coverage validation set for every run (the first
-    run's: the folders share the tokenizer, so its token ids mean the same to every model)."""
-    first_run, first = next(iter(folders.items()))
-    return {
-        "threads": 1,
-        "model": {"pretrained": first, "attn_implementation": "eager"},  # gpt_oss has no sdpa
-        "data": {
-            "seq_len": 64,
-            "split": {"heldout": 0.25, "test": 0.1},
-            "sources": {"general": None, "target": None, "user": {"type": "jsonl", "path": "corpus.jsonl"}},
-            "base_corpus": "user",
-            "finetune_corpus": "user",
-            "eval_corpora": ["user"],
-        },
-        "coverage": {"pool_corpora": ["user"], "min_docs_per_expert": 1, "token_budget": 2048, "batch_tokens": 1024},
-        "pretrain": {"micro_batch_size": 2},
-        "train": {
-            "steps": 3,
-            "warmup_steps": 2,
-            "micro_batch_size": 2,
-            "grad_accum_steps": 1,
-            "eval_every": 0,
-            "eval_max_sequences": 4,
-            "checkpoint_every": 0,
-            "routing_guard": {"window_steps": 2},
-        },
-        "runs": {
-            "moe": None,
-            **{
-                family: {"model": {"pretrained": path}}
-                | ({} if family == first_run else {"coverage": {"valset_of_run": first_run}})
-                for family, path in folders.items()
-            },
-        },
-        "paper": {"moe_run": first_run},
-    }
-
-
-def test_a_pretrained_folder_of_every_trainable_family_goes_through_snakemake_train(tmp_path):
-    from transformers import AutoModelForCausalLM
-
+def test_every_trainable_familys_folder_is_scheduled_and_two_go_through_snakemake_train(tmp_path):
     workdir = copy_workflow(tmp_path / "moeflow")
     texts = write_corpus(workdir / "corpus.jsonl")
     tokenizer = train_tokenizer(texts, vocab_size=300, min_frequency=1)
@@ -109,17 +60,17 @@ def test_a_pretrained_folder_of_every_trainable_family_goes_through_snakemake_tr
     assert "dense" not in dry and "pretrain_base" not in dry  # the embedded default's runs and stages only
     for rule in ("warmup", "train_model", "plan_memory"):  # every family through its own training stages
         assert job_count(dry, rule) == len(TRAINED), rule
-    snakemake(workdir, "train", "--cores", "2", "--configfile", "config/user.yaml")
 
+    (workdir / "config" / "two.yaml").write_text(yaml.safe_dump(overlay({f: folders[f] for f in END_TO_END})))
+    snakemake(workdir, "train", "--cores", "2", "--configfile", "config/two.yaml")
     res = results(workdir)
-    assert sorted(p.name for p in (res / "runs").iterdir()) == sorted(TRAINED)
+    assert sorted(p.name for p in (res / "runs").iterdir()) == sorted(END_TO_END)
     assert len(list((res / "coverage").iterdir())) == 1  # the first run's, evaluated on by every run
+    assert len(list((res / "warmup").iterdir())) == len(END_TO_END)
     for warmup in (res / "warmup").iterdir():
-        report = json.loads((warmup / "routing_report.json").read_text())
-        assert report["stable"] and report["thresholds"]["reference"] == "base" and report["base_layers"], warmup
-    for family in TRAINED:
-        model = AutoModelForCausalLM.from_pretrained(res / "runs" / family / "model", local_files_only=True)
-        assert model.config.model_type == family and model.config.vocab_size == len(tokenizer)
+        check_warmup_report(json.loads((warmup / "routing_report.json").read_text()))
+    for family in END_TO_END:
+        check_final_model(res / "runs" / family / "model", family, len(tokenizer))
 
 
 @pytest.mark.parametrize(
