@@ -8,6 +8,8 @@ resumed whole state (gathered with ``moeflow.parallel.layouts.full_state_dict``)
 next step's loss equals the uninterrupted run's within 1e-6 relative. Also: every rank's file holds only
 its shards (``fsdp``: about 1/world of the state each; ``none``: the ranks split the writes), and two ranks
 killed between their writes and the rename resume from the previous checkpoint with the same losses.
+Five torchrun launches in all (the ``resharded`` fixture): the kill's runs before and after it ride along in
+the launches of the resharding cases, since each launch costs every rank an interpreter's imports.
 """
 
 from __future__ import annotations
@@ -122,12 +124,27 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def resharded(models, tmp_path_factory) -> Path:
-    """Every save and resume of this module, in four torchrun launches (2, 1, 2 and 4 ranks)."""
+    """Every save and resume of this module, the kill during a save included, in five torchrun launches (2, 2
+    killed, 1, 2 and 4 ranks): a launch costs each rank an interpreter's imports, so the kill's runs before and
+    after it share the launches of the resharding cases. What the killed run left is recorded before the resume
+    (``killed.json``)."""
     out = tmp_path_factory.mktemp("reshard")
+    checkpoints = out / "killed-checkpoints"
+    train = {"op": "train", "layout": "fsdp", "model": "tied", "name": "resumed", "checkpoints": str(checkpoints)}
     first = [{"op": "save", "layout": "fsdp", "model": "tied", "name": "fsdp2"}]
     first += [{"op": "save", "layout": "none", "model": "tied", "name": "none2"}]
     first += [{"op": "save", "layout": "ep", "model": "untied", "name": "ep2"}] if EP else []
+    first += [{"op": "train", "layout": "fsdp", "model": "tied", "name": "straight", "until": 3}]
+    first += [{**train, "until": 2}]  # saves step 1 (the last step is not checkpointed)
     run_ok(2, out, models, first)
+    killed = run_ranks(2, out, models, [{**train, "until": 3}], kill_at="checkpoint.save")
+    left = {
+        "returncode": killed.returncode,
+        "partial_shard_1": (partial_folder(step_folder(checkpoints, 2)) / "shard-1.safetensors").is_file(),
+        "latest": str(latest_checkpoint(checkpoints)),
+        "step_1": str(step_folder(checkpoints, 1)),
+    }
+    (out / "killed.json").write_text(json.dumps(left))
     run_ok(
         1,
         out,
@@ -142,6 +159,7 @@ def resharded(models, tmp_path_factory) -> Path:
     second += (
         [{"op": "resume", "layout": "fsdp", "model": "untied", "name": "ep2-fsdp2", "source": "ep2"}] if EP else []
     )
+    second += [{**train, "until": 3}]  # the killed run resumed
     run_ok(2, out, models, second)
     run_ok(
         4, out, models, [{"op": "resume", "layout": "fsdp", "model": "tied", "name": "fsdp2-fsdp4", "source": "fsdp2"}]
@@ -193,20 +211,15 @@ def test_every_rank_writes_only_its_share_of_the_state(resharded, layout):
     assert all(0.35 * total <= size <= 0.65 * total for size in sizes), (sizes, total)
 
 
-def test_two_ranks_killed_during_a_save_resume_from_the_previous_checkpoint(models, tmp_path):
+def test_two_ranks_killed_during_a_save_resume_from_the_previous_checkpoint(resharded):
     """Killed (rank 0, SIGKILL) between the ranks' writes and the rename of step 2's checkpoint: step 1's is
     the newest, and the run resumed from it gives the uninterrupted run's losses."""
-    checkpoints = tmp_path / "ckpt"
-    train = {"op": "train", "layout": "fsdp", "model": "tied", "name": "resumed", "checkpoints": str(checkpoints)}
-    straight = {"op": "train", "layout": "fsdp", "model": "tied", "name": "straight", "until": 3}
-    run_ok(2, tmp_path, models, [straight, {**train, "until": 2}])  # saves step 1 (the last step is not checkpointed)
-    killed = run_ranks(2, tmp_path, models, [{**train, "until": 3}], kill_at="checkpoint.save")
-    assert killed.returncode != 0
-    assert (partial_folder(step_folder(checkpoints, 2)) / "shard-1.safetensors").is_file()
-    assert latest_checkpoint(checkpoints) == step_folder(checkpoints, 1)
-    run_ok(2, tmp_path, models, [{**train, "until": 3}])
-    straight = json.loads((tmp_path / "straight" / "losses.json").read_text())
-    assert json.loads((tmp_path / "resumed" / "losses.json").read_text()) == straight
+    left = json.loads((resharded / "killed.json").read_text())
+    assert left["returncode"] != 0
+    assert left["partial_shard_1"]
+    assert left["latest"] == left["step_1"]
+    straight = json.loads((resharded / "straight" / "losses.json").read_text())
+    assert json.loads((resharded / "resumed" / "losses.json").read_text()) == straight
 
 
 # --------------------------------------------------------------------------- the ranks (run by torchrun)
