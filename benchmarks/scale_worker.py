@@ -8,17 +8,14 @@ training state, each measured on this rank.
         MODEL_DIR OUT_DIR --strategy fsdp|ep [--export-shard-size 200MB]
         the phases in order on gloo ranks, one thread each; rank 0 writes OUT_DIR/phases.json
 
-The phases, in the order they run: ``load`` (the training load of MODEL_DIR:
-``moeflow.model.factory.make_model`` for the layout, or the baseline's ``distributed.load_for_training``), then
-an unmeasured first ``train_step`` that creates AdamW's moments; ``checkpoint`` (``Trainer.save`` of that
-state); ``resume`` (the first model and Trainer freed, then a fresh ``load_for_training``, Trainer and
-``Trainer.load``; without reading the base weights where ``load_for_training`` takes ``weights=False``, as
-train_model does when a checkpoint replaces them); ``step`` (the resumed Trainer's ``train_step``, the steady
-state the planner plans: AdamW's moments, read from the checkpoint, are alive through the backward pass; one
-step fewer than measuring a second step of the first Trainer, which at 4 ranks on 2 cores is about a quarter
-of a run); ``export`` (the final model: ``moeflow.checkpoint.export.save_final_model``, or ``moeflow.export``'s, a
-collective, where the package has it; else the old design, ``distributed.whole_model`` then
-``modeling.save_final_model`` on rank 0).
+The phases: ``load`` (the training load of MODEL_DIR: ``moeflow.model.factory.make_model`` for the layout, or the
+baseline's ``distributed.load_for_training``); ``step`` (a Trainer's second
+``train_step``, the steady state the planner plans: AdamW's moments, which the unmeasured first step creates,
+are alive through the backward pass); ``checkpoint`` (``Trainer.save``); ``resume`` (the first model and
+Trainer freed, then a fresh ``load_for_training``, Trainer and ``Trainer.load``; without reading the base
+weights where ``load_for_training`` takes ``weights=False``, as train_model does when a checkpoint replaces
+them); ``export`` (the final model: ``moeflow.export.save_final_model``, a collective, where the package has
+it; else the old design, ``distributed.whole_model`` then ``modeling.save_final_model`` on rank 0).
 
 Per phase and rank: the peak RSS of the phase (the kernel's high-water mark reset through
 ``/proc/self/clear_refs`` before the phase, ``VmHWM`` read after it), the RSS at its start, its seconds
@@ -184,11 +181,10 @@ def measure(barrier: Callable[[], None], phase: Callable[[], object]) -> tuple[o
     barrier()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     start_rss, written = _status_kib("VmRSS") * 1024, _write_bytes()
-    started, cpu = time.perf_counter(), time.process_time()
+    started = time.perf_counter()
     result = phase()
     barrier()
     return result, {
-        "cpu_seconds": time.process_time() - cpu,
         "peak_rss_bytes": _status_kib("VmHWM") * 1024,
         "start_rss_bytes": start_rss,
         "seconds": time.perf_counter() - started,
@@ -281,17 +277,15 @@ def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
     world = ranks.world_size
     numbers: dict[str, dict] = {}
     model, numbers["load"] = measure(D.barrier, partial(_load, model_dir, parallel, ranks, weights=True))
-    trainer = _first_step(model, world)  # not measured: it creates AdamW's moments (and FSDP's lazy state)
-    checkpoint = out / "checkpoint" / "step-00000001"
+    trainer = _first_step(model, world)
+    _, numbers["step"] = measure(D.barrier, trainer.train_step)
+    checkpoint = out / "checkpoint" / "step-00000002"
     _, numbers["checkpoint"] = measure(D.barrier, partial(trainer.save, checkpoint))
     del trainer, model
     skip_weights = _reads_weights_optional()
     trainer, numbers["resume"] = measure(
         D.barrier, partial(_resume, model_dir, parallel, ranks, checkpoint, weights=not skip_weights)
     )
-    # the resumed Trainer's step: AdamW's moments (read from the checkpoint) are alive through it, the steady
-    # state the planner plans, without paying a second step of the first Trainer for it
-    _, numbers["step"] = measure(D.barrier, trainer.train_step)
     export_design, numbers["export"] = measure(
         D.barrier, partial(_export, trainer.model, out / "model", max_shard_size, ranks.rank)
     )

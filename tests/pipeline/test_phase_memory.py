@@ -1,17 +1,16 @@
 """Measured peak RSS per phase and rank against the memory planner, on the benchmark model (issue #16).
 
-benchmarks/scale_worker.py runs the phases that move the whole training state (load, checkpoint,
-resume, a step, export) under torchrun at 1, 2 and 4 gloo ranks with ``parallel.strategy: fsdp`` (FSDP1 on the
+benchmarks/scale_worker.py runs the phases that move the whole training state (load, a step, checkpoint,
+resume, export) under torchrun at 1, 2 and 4 gloo ranks with ``parallel.strategy: fsdp`` (FSDP1 on the
 pinned stack, FSDP2 on the current one) on its 238M-parameter qwen3_moe (fp32, AdamW, 2 x 64 tokens a rank),
 measuring each phase's peak RSS on every rank (the kernel's high-water mark, reset before the phase). For
 every phase and rank the measurement is within 30% of ``phase_memory``'s per-rank figure for that job
 (``rank_bytes``: with ``hardware.device: cpu`` a rank's resident set). The model folder is saved once
 for the module; each run's checkpoint and export are deleted once read. Slow (a few minutes on 2 cores):
 the issue asks for this model at these world sizes, and at 4 ranks a rank's state (227 MiB of weights) must
-still stand out of the interpreter's ~600 MiB. What keeps it cheaper (issue #23): the five phases share one
-torchrun launch per world size, and the measured step is the resumed Trainer's (its AdamW moments read from
-the checkpoint), so each rank takes one step before the checkpoint instead of two (the step is the costliest
-phase at 4 ranks on 2 cores: gloo all-gathers the whole model for each rank's forward and backward).
+still stand out of the interpreter's ~600 MiB. The five phases share one torchrun launch per world size; the
+rest of the cost is the measured work (issue #23 measured it at 4 ranks on pinned: per rank about 8 CPU s of
+imports, 6 load, 5 first step, 11 measured step, 1 checkpoint, 4 resume, 3 export).
 """
 
 from __future__ import annotations
