@@ -8,7 +8,7 @@ every phase and rank the measurement is within 30% of ``phase_memory``'s per-ran
 (``rank_bytes``: with ``hardware.device: cpu`` a rank's resident set). The model folder is saved once
 for the module; each run's checkpoint and export are deleted once read. Slow (a few minutes on 2 cores):
 the issue asks for this model at these world sizes, and at 4 ranks a rank's state (227 MiB of weights) must
-still stand out of the interpreter's ~600 MiB. The five phases share one torchrun launch per world size; the
+still stand out of the planned runtime (400-600 MiB). The five phases share one torchrun launch per world size; the
 rest of the cost is the measured work (issue #23 measured it at 4 ranks on pinned: per rank about 8 CPU s of
 imports, 6 load, 5 first step, 11 measured step, 1 checkpoint, 4 resume, 3 export).
 """
