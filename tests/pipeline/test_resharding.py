@@ -8,6 +8,8 @@ resumed whole state (gathered with ``moeflow.parallel.layouts.full_state_dict``)
 next step's loss equals the uninterrupted run's within 1e-6 relative. Also: every rank's file holds only
 its shards (``fsdp``: about 1/world of the state each; ``none``: the ranks split the writes), and two ranks
 killed between their writes and the rename resume from the previous checkpoint with the same losses.
+Four torchrun launches in all (the ``resharded`` fixture): the kill and the runs before and after it ride
+along in the launches of the resharding cases, since each launch costs every rank an interpreter's imports.
 """
 
 from __future__ import annotations
@@ -81,15 +83,15 @@ def whole_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in flat.items()}
 
 
-def run_ranks(world: int, out: Path, models: dict[str, Path], ops: list[dict], kill_at: str | None = None):
+def run_ranks(world: int, out: Path, models: dict[str, Path], ops: list[dict]):
+    """One torchrun launch running ``ops`` in order on ``world`` ranks (an op with ``kill_at`` sets
+    ``MOEFLOW_KILL_AT`` for itself: nothing after it runs)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
     env.pop(KILL_ENV, None)
-    if kill_at:
-        env[KILL_ENV] = kill_at
     cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=world)) + [
         __file__,
         str(out),
@@ -122,12 +124,31 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def resharded(models, tmp_path_factory) -> Path:
-    """Every save and resume of this module, in four torchrun launches (2, 1, 2 and 4 ranks)."""
+    """Every save and resume of this module, the kill during a save included, in four torchrun launches (2, 1, 2
+    and 4 ranks): a launch costs each rank an interpreter's imports. The first launch ends with the kill (its
+    op sets ``MOEFLOW_KILL_AT`` for itself), after its saves; what the kill left is recorded in ``killed.json``
+    before the third launch resumes it."""
     out = tmp_path_factory.mktemp("reshard")
+    checkpoints = out / "killed-checkpoints"
+    train = {"op": "train", "layout": "fsdp", "model": "tied", "name": "resumed", "checkpoints": str(checkpoints)}
     first = [{"op": "save", "layout": "fsdp", "model": "tied", "name": "fsdp2"}]
     first += [{"op": "save", "layout": "none", "model": "tied", "name": "none2"}]
     first += [{"op": "save", "layout": "ep", "model": "untied", "name": "ep2"}] if EP else []
-    run_ok(2, out, models, first)
+    first += [{"op": "train", "layout": "fsdp", "model": "tied", "name": "straight", "until": 3}]
+    first += [{**train, "until": 2}]  # saves step 1 (the last step is not checkpointed)
+    first += [{**train, "until": 3, "kill_at": "checkpoint.save"}]  # rank 0 dies before renaming step 2's
+    killed = run_ranks(2, out, models, first)
+    before_kill = [out / op["name"] / "report.json" for op in first if op["op"] == "save"]
+    before_kill += [out / "straight" / "losses.json", out / "resumed" / "losses.json"]
+    assert all(f.is_file() for f in before_kill), f"the first launch failed before its kill:\n{killed.stderr[-6000:]}"
+    left = {
+        "returncode": killed.returncode,
+        "partial_shard_1": (partial_folder(step_folder(checkpoints, 2)) / "shard-1.safetensors").is_file(),
+        "latest": str(latest_checkpoint(checkpoints)),
+        "step_1": str(step_folder(checkpoints, 1)),
+    }
+    (out / "killed.json").write_text(json.dumps(left))
+    (out / "resumed" / "losses.json").unlink()  # written again by the resumed run
     run_ok(
         1,
         out,
@@ -142,6 +163,7 @@ def resharded(models, tmp_path_factory) -> Path:
     second += (
         [{"op": "resume", "layout": "fsdp", "model": "untied", "name": "ep2-fsdp2", "source": "ep2"}] if EP else []
     )
+    second += [{**train, "until": 3}]  # the killed run resumed
     run_ok(2, out, models, second)
     run_ok(
         4, out, models, [{"op": "resume", "layout": "fsdp", "model": "tied", "name": "fsdp2-fsdp4", "source": "fsdp2"}]
@@ -193,20 +215,15 @@ def test_every_rank_writes_only_its_share_of_the_state(resharded, layout):
     assert all(0.35 * total <= size <= 0.65 * total for size in sizes), (sizes, total)
 
 
-def test_two_ranks_killed_during_a_save_resume_from_the_previous_checkpoint(models, tmp_path):
+def test_two_ranks_killed_during_a_save_resume_from_the_previous_checkpoint(resharded):
     """Killed (rank 0, SIGKILL) between the ranks' writes and the rename of step 2's checkpoint: step 1's is
     the newest, and the run resumed from it gives the uninterrupted run's losses."""
-    checkpoints = tmp_path / "ckpt"
-    train = {"op": "train", "layout": "fsdp", "model": "tied", "name": "resumed", "checkpoints": str(checkpoints)}
-    straight = {"op": "train", "layout": "fsdp", "model": "tied", "name": "straight", "until": 3}
-    run_ok(2, tmp_path, models, [straight, {**train, "until": 2}])  # saves step 1 (the last step is not checkpointed)
-    killed = run_ranks(2, tmp_path, models, [{**train, "until": 3}], kill_at="checkpoint.save")
-    assert killed.returncode != 0
-    assert (partial_folder(step_folder(checkpoints, 2)) / "shard-1.safetensors").is_file()
-    assert latest_checkpoint(checkpoints) == step_folder(checkpoints, 1)
-    run_ok(2, tmp_path, models, [{**train, "until": 3}])
-    straight = json.loads((tmp_path / "straight" / "losses.json").read_text())
-    assert json.loads((tmp_path / "resumed" / "losses.json").read_text()) == straight
+    left = json.loads((resharded / "killed.json").read_text())
+    assert left["returncode"] != 0
+    assert left["partial_shard_1"]
+    assert left["latest"] == left["step_1"]
+    straight = json.loads((resharded / "straight" / "losses.json").read_text())
+    assert json.loads((resharded / "resumed" / "losses.json").read_text()) == straight
 
 
 # --------------------------------------------------------------------------- the ranks (run by torchrun)
@@ -233,6 +250,8 @@ def _main(out: str, models_json: str, ops_json: str) -> None:
     ranks = init("cpu")
     for op in json.loads(ops_json):
         folder = out / op["name"]
+        if "kill_at" in op:
+            os.environ[KILL_ENV] = op["kill_at"]
         if op["op"] == "train":  # checkpoint every step, losses of every step
             checkpoints = op.get("checkpoints")
             trainer = make_trainer(models[op["model"]], op["layout"], ranks, checkpoints, checkpoint_every=1)
