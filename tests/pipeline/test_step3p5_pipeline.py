@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import copy_workflow, executed_rules, results, snakemake
+from conftest import copy_workflow, results, snakemake
 from safetensors import safe_open
 from step3p5_folder import LAYERS, MTP, write_published_folder
 
@@ -99,11 +99,9 @@ def shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="Step-3.5-Flash is a current-stack model")
 def test_the_published_layout_goes_through_snakemake_paper_and_exports_the_published_layout(workdir):
     args = ("--cores", "2", "--configfile", RECIPE, "config/user.yaml")
-    # what ran, from the run's own job table and log (a dry run before it would cost a Snakemake start of CI time)
-    ran = snakemake(workdir, "paper", *args)
-    rules = executed_rules(ran)
-    assert {"warmup", "train_model", "paper"} <= rules and not rules & {"pretrain_base", "humaneval_generate"}, rules
-    assert "runs/dense" not in ran.stderr
+    dry = snakemake(workdir, "paper", "--dry-run", *args).stdout
+    assert "runs/dense" not in dry and "pretrain_base" not in dry and "humaneval_generate" not in dry
+    snakemake(workdir, "paper", *args)
 
     res, source = results(workdir), workdir / "models" / "step3p5"
     (warmup,) = (res / "warmup").iterdir()
