@@ -114,8 +114,18 @@ SMOKE = ("--configfile", "config/smoke.yaml")
 
 def scheduled_rules(workdir: Path, *overlays: str, target: str = "train") -> set[str]:
     """The rules a dry run would execute with the smoke config plus ``overlays`` (from the job-stats table)."""
-    out = snakemake(workdir, target, "--dry-run", "--cores", "2", *SMOKE, *overlays).stdout
-    if "Nothing to be done" in out:
+    return job_stats_rules(snakemake(workdir, target, "--dry-run", "--cores", "2", *SMOKE, *overlays).stdout)
+
+
+def executed_rules(proc: subprocess.CompletedProcess) -> set[str]:
+    """The rules a (real) Snakemake run executed, from the job-stats table it logs before starting: what the
+    dry run before it would have shown, without the second Snakemake start (CI time)."""
+    return job_stats_rules(proc.stderr)
+
+
+def job_stats_rules(out: str) -> set[str]:
+    if "Job stats:" not in out:
+        assert "Nothing to be done" in out, out[-3000:]
         return set()
     table = out.split("Job stats:", 1)[1]
     rules = set()
