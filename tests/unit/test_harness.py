@@ -173,17 +173,18 @@ def test_prefix_hook_refuses_windows_it_cannot_reproduce(corpus, model):
 
 
 MODEL_SETTINGS = typed(ModelSettings, tiny_model_cfg("sdpa", max_position_embeddings=128))
-# batch size 3 over the ranks' shares: the ranks' forward counts differ, so the shorter one runs fillers
-RANKED = {**SETTINGS, "batch_size": 3, "bootstrap_iters": 50}
+# 7 perplexity documents per corpus, 4 and 3 per rank in batches of 3: one rank runs one forward fewer of its
+# own, and a filler while the other finishes
+RANKED = {**SETTINGS, "batch_size": 3, "limit": 7, "bootstrap_iters": 50}
 
 
 def ranked_records(model, tokenizer, documents, ranks=None) -> dict:
     """Both of moeflow's tasks' records (perplexity with its cross-check, body choice with bootstrapped stderrs)."""
     return {
         task.spec: harness.corpus_task_record(
-            model, tokenizer, task, documents[task.spec], RANKED, SEQ_LEN, 0, "fp32", Path(workdir), ranks
+            model, tokenizer, task, documents[task.spec], RANKED, SEQ_LEN, 0, "fp32", documents["workdir"], ranks
         )
-        for task, workdir in ((PERPLEXITY, documents["workdir"]), (BODY_CHOICE, documents["workdir"]))
+        for task in (PERPLEXITY, BODY_CHOICE)
     }
 
 
@@ -203,12 +204,18 @@ def _lm_eval_rank(rank: int, root: str, documents: dict, results: dict) -> None:
         ranks = Ranks(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
         parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
         model = make_model(MODEL_SETTINGS, folder=folder, layout=Layout(ranks, parallel)).eval()
-        forwards = []
-        model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+        tokenizer = load_tokenizer(folder)
+        prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        inputs = []
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: inputs.append((args[0] if args else kwargs["input_ids"]).tolist()),
+            with_kwargs=True,
+        )
         documents = {**documents, "workdir": str(Path(root) / f"rank{rank}")}
         Path(documents["workdir"]).mkdir()
-        records = ranked_records(model, load_tokenizer(folder), documents, ranks)
-        results[rank] = json.dumps({"records": records, "forwards": len(forwards)})
+        records = ranked_records(model, tokenizer, documents, ranks)
+        fillers = sum(ids == [[prefix, prefix]] for ids in inputs)
+        results[rank] = json.dumps({"records": records, "forwards": len(inputs), "fillers": fillers})
     finally:
         dist.destroy_process_group()
 
@@ -234,6 +241,7 @@ def test_two_fsdp_ranks_give_one_ranks_lm_eval_records(corpus, model, tmp_path):
         mp.spawn(_lm_eval_rank, args=(str(tmp_path), documents, results), nprocs=2, join=True)
         results = {rank: json.loads(results[rank]) for rank in (0, 1)}
     assert results[0]["forwards"] == results[1]["forwards"] > 0
+    assert results[0]["fillers"] + results[1]["fillers"] > 0  # the counts of their own forwards differed
     assert results[0]["records"] == results[1]["records"]  # every rank gets the whole record
     two = results[0]["records"]
     assert sorted(two) == sorted(one)
