@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -195,6 +196,7 @@ def _lm_eval_rank(rank: int, root: str, documents: dict, results: dict) -> None:
     from moeflow.model.folder import load_tokenizer
 
     torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it (lm-eval returns its output on LOCAL_RANK 0 only)
     folder = Path(root) / "model"
     # a wrong collective fails in a minute instead of gloo's default half hour
     dist.init_process_group(

@@ -36,7 +36,7 @@ from moeflow.evaluation.lm_eval_docs import (
 )
 from moeflow.evaluation.lm_eval_tasks import TASKS_DIR, TaskSpec
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
-from moeflow.parallel.process_group import Ranks, gather_floats, gather_objects
+from moeflow.parallel.process_group import Ranks, broadcast_object, gather_floats, gather_objects
 from moeflow.runtime import compat
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ def evaluate_task(
     share_requests(lm, model, ranks)
     scoring = first_token_as_context(model, lm.prefix_token_id) if task.docs == SEGMENTS else contextlib.nullcontext()
     with scoring:
-        return simple_evaluate(
+        output = simple_evaluate(
             model=lm,
             tasks=[task.spec],
             task_manager=manager,
@@ -253,6 +253,11 @@ def evaluate_task(
             torch_random_seed=seed,
             fewshot_random_seed=seed,
         )
+    if ranks is not None and ranks.world_size > 1:
+        # under torchrun lm-eval returns its output on LOCAL_RANK 0 only (it takes the ranks for tensor
+        # parallelism); every rank computed it, and every rank takes part in the cross-check
+        output = broadcast_object(output)
+    return output
 
 
 def metrics(output: Mapping[str, Any], prefix: str = "") -> dict[str, dict[str, float | None]]:
