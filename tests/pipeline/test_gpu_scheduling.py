@@ -1,5 +1,5 @@
 """GPU jobs and their GPUs, on the CPU: every rule that uses a GPU declares ``resources.gpu`` from the config (the
-training layout's ranks for warmup and train_model, evaluate.ranks for evaluate_run and routing_drift,
+training layout's ranks for warmup and train_model, evaluate.ranks for evaluate_run, lm_eval_task and routing_drift,
 coverage.ranks for coverage_valset, one for the other forward-only stages), so ``--resources gpu=N`` keeps the GPU
 jobs that run at once within N GPUs; and each job claims GPUs of its own (moeflow.runtime.devices), so jobs that
 overlap never share one.
@@ -27,11 +27,10 @@ pytestmark = pytest.mark.pipeline
 
 FORWARD_ONLY = {
     "choose_experts",
-    "lm_eval_task",
     "humaneval_generate",
 }
-# evaluate_run and routing_drift: evaluate.ranks; coverage_valset: coverage.ranks; sharded like training
-TRAINING = {"warmup", "train_model", "evaluate_run", "routing_drift", "coverage_valset"}
+# evaluate_run, lm_eval_task and routing_drift: evaluate.ranks; coverage_valset: coverage.ranks; sharded like training
+TRAINING = {"warmup", "train_model", "evaluate_run", "lm_eval_task", "routing_drift", "coverage_valset"}
 CUDA = {
     "hardware": {"device": "cuda", "num_devices": 2, "memory_gib_per_device": 80},
     "parallel": {"nproc_per_node": 2, "strategy": "fsdp"},

@@ -4,6 +4,9 @@ resolve (or fail naming the key), and lm-eval's results become the result record
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import random
 import re
 from pathlib import Path
@@ -19,8 +22,10 @@ from moeflow.evaluation import lm_eval_docs
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation import lm_eval_tasks as harness_tasks
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
-from moeflow.model.factory import make_model
+from moeflow.model.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
+from moeflow.parallel.process_group import Ranks
+from moeflow.parallel.settings import ParallelSettings
 from moeflow.settings import DEFAULT_CONFIG, ConfigError, typed
 from moeflow.workflow.load import load
 
@@ -166,6 +171,100 @@ def test_prefix_hook_refuses_windows_it_cannot_reproduce(corpus, model):
             model(torch.tensor([[9, 6, 7]]))
     with torch.no_grad():
         assert torch.equal(logits[:, 1:], model(ids[:, 1:]).logits)  # the rest: the model without the prefix
+
+
+MODEL_SETTINGS = typed(ModelSettings, tiny_model_cfg("sdpa", max_position_embeddings=128))
+# 7 perplexity documents per corpus, 4 and 3 per rank in batches of 3: one rank runs one forward fewer of its
+# own, and a filler while the other finishes
+RANKED = {**SETTINGS, "batch_size": 3, "limit": 7, "bootstrap_iters": 50}
+
+
+def ranked_records(model, tokenizer, documents, ranks=None) -> dict:
+    """Both of moeflow's tasks' records (perplexity with its cross-check, body choice with bootstrapped stderrs)."""
+    return {
+        task.spec: harness.corpus_task_record(
+            model, tokenizer, task, documents[task.spec], RANKED, SEQ_LEN, 0, "fp32", documents["workdir"], ranks
+        )
+        for task in (PERPLEXITY, BODY_CHOICE)
+    }
+
+
+def _lm_eval_rank(rank: int, root: str, documents: dict, results: dict) -> None:
+    """One of two gloo ranks: the saved model FSDP-sharded over both, both tasks with the requests shared."""
+    import torch.distributed as dist
+
+    from moeflow.model.folder import load_tokenizer
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it (lm-eval returns its output on LOCAL_RANK 0 only)
+    folder = Path(root) / "model"
+    # a wrong collective fails in a minute instead of gloo's default half hour
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/init", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90)
+    )
+    try:
+        ranks = Ranks(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+        parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
+        model = make_model(MODEL_SETTINGS, folder=folder, layout=Layout(ranks, parallel)).eval()
+        tokenizer = load_tokenizer(folder)
+        prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        inputs = []
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: inputs.append((args[0] if args else kwargs["input_ids"]).tolist()),
+            with_kwargs=True,
+        )
+        documents = {**documents, "workdir": str(Path(root) / f"rank{rank}")}
+        Path(documents["workdir"]).mkdir()
+        records = ranked_records(model, tokenizer, documents, ranks)
+        fillers = sum(ids == [[prefix, prefix]] for ids in inputs)
+        results[rank] = json.dumps({"records": records, "forwards": len(inputs), "fillers": fillers})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_fsdp_ranks_give_one_ranks_lm_eval_records(corpus, model, tmp_path):
+    """lm_eval_task on evaluate.ranks: 2 in fsdp: each gloo rank holds half of every parameter and scores its
+    share of lm-eval's requests; the records (metrics, bootstrapped stderrs, sample counts, the perplexity
+    cross-check) equal one process's on the whole model, and both ranks ran the same number of forwards."""
+    import torch.multiprocessing as mp
+
+    tokenizer, folders, _ = corpus
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    documents = {
+        task.spec: harness.corpus_documents(task, folders, tokenizer, RANKED, SEQ_LEN, seed=0)
+        for task in (PERPLEXITY, BODY_CHOICE)
+    }
+    whole = make_model(MODEL_SETTINGS, folder=tmp_path / "model").eval()
+    (tmp_path / "one").mkdir()
+    one = ranked_records(whole, tokenizer, {**documents, "workdir": str(tmp_path / "one")})
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_lm_eval_rank, args=(str(tmp_path), documents, results), nprocs=2, join=True)
+        results = {rank: json.loads(results[rank]) for rank in (0, 1)}
+    assert results[0]["forwards"] == results[1]["forwards"] > 0
+    assert results[0]["fillers"] + results[1]["fillers"] > 0  # the counts of their own forwards differed
+    assert results[0]["records"] == results[1]["records"]  # every rank gets the whole record
+    two = results[0]["records"]
+    assert sorted(two) == sorted(one)
+    for spec in one:
+        # The same documents, scored by the same weights: lm-eval batches each rank's share apart (other
+        # paddings and matrix shapes, so a score can differ in its last bits: 1e-6 relative at most here),
+        # and the sums over the ranks' evaluation batches of the cross-check are added in another order.
+        # The metrics are computed from the scores in the same order on one and on two ranks.
+        assert two[spec]["num_samples"] == one[spec]["num_samples"] > 0
+        assert sorted(two[spec]["metrics"]) == sorted(one[spec]["metrics"])
+        for name, want in one[spec]["metrics"].items():
+            got = two[spec]["metrics"][name]
+            assert got["value"] == pytest.approx(want["value"], rel=1e-6), (spec, name)
+            assert (got["stderr"] is None) == (want["stderr"] is None), (spec, name)
+            if want["stderr"] is not None:
+                assert got["stderr"] == pytest.approx(want["stderr"], rel=1e-5), (spec, name)
+    for corpus_name, want in one[PERPLEXITY.spec]["cross_check"].items():
+        got = two[PERPLEXITY.spec]["cross_check"][corpus_name]
+        assert (got["label_tokens"], got["segments"]) == (want["label_tokens"], want["segments"])
+        assert got["moeflow_perplexity"] == pytest.approx(want["moeflow_perplexity"], rel=1e-6)
+        assert got["relative_difference"] < 1e-6
 
 
 def test_body_choice_items_are_deterministic_and_hold_the_real_body(corpus):

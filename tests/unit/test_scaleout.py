@@ -318,3 +318,15 @@ def test_every_rule_that_runs_a_model_on_the_device_gets_a_gpu(profile):
     on_gpu = {rule for rule, res in cfg["set-resources"].items() if res.get("gpu") and res["slurm_partition"] == "gpu"}
     assert {"choose_experts", "pretrain_base", "warmup", "train_model", "lm_eval_task"} <= rules_on_the_device()
     assert rules_on_the_device() - on_gpu == set()
+
+
+# The torchrun rules of evaluation's layout: the profile's GPUs are the ranks their launcher starts, which the
+# script checks against evaluate.ranks (moeflow.parallel.process_group.check_ranks).
+EVALUATE_RANKS_RULES = ("evaluate_run", "lm_eval_task", "routing_drift")
+
+
+@pytest.mark.parametrize("model,profile", sorted(LARGE_MODELS.items()))
+def test_the_profile_gives_each_evaluation_rule_evaluate_ranks_gpus(model, profile):
+    ranks = cluster_config(model, profile)["evaluate"]["ranks"]
+    for rule in EVALUATE_RANKS_RULES:
+        assert profile_request(profile, rule).gpus == ranks, rule

@@ -247,8 +247,8 @@ def training_gpus(cfg):
 
 
 def forward_gpus(cfg, ranks=1):
-    """The GPUs of a forward-only job of ``cfg`` on ``ranks`` ranks (evaluate_run and routing_drift: evaluate.ranks;
-    coverage_valset: coverage.ranks; choose_experts, lm_eval_task and humaneval_generate load the whole model on
+    """The GPUs of a forward-only job of ``cfg`` on ``ranks`` ranks (evaluate_run, lm_eval_task and routing_drift:
+    evaluate.ranks; coverage_valset: coverage.ranks; choose_experts and humaneval_generate load the whole model on
     one device)."""
     return gpus_of(cfg, ranks)
 

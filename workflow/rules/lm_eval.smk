@@ -5,7 +5,25 @@
 from moeflow.evaluation.lm_eval_tasks import by_label as tasks_by_label
 
 
+LM_EVAL_TASK_PARAMS = dict(
+    task=lambda wc: tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].spec,
+    settings=lambda wc: RUNS[wc.run]["evaluate"]["lm_eval"],
+    eval_corpora=lambda wc: RUNS[wc.run]["data"]["eval_corpora"]
+    if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
+    else [],
+    seq_len=lambda wc: RUNS[wc.run]["data"]["seq_len"],
+    model=lambda wc: RUNS[wc.run]["model"],
+    label=lambda wc: wc.model,
+    device=lambda wc: RUNS[wc.run]["hardware"]["device"],
+    # evaluation's layout (evaluate.ranks, evaluate.strategy), as evaluate_run's: it changes no number
+    parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], "evaluate"),
+    runtime=lambda wc: runtime(wc.run),
+)
+
+
 rule lm_eval_task:
+    # Started through torchrun like evaluate_run, on evaluate.ranks ranks in evaluate.strategy's layout: each
+    # rank holds its part of the model and scores its share of lm-eval's requests.
     input:
         model=evaluated_model_dir,
         experts=lambda wc: experts_choice(RUNS[wc.run]),
@@ -14,6 +32,7 @@ rule lm_eval_task:
         eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]]
         if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
         else [],
+        script="workflow/scripts/lm_eval_task.py",
         lib=code("lm_eval_task"),
     output:
         json=report(
@@ -26,17 +45,12 @@ rule lm_eval_task:
         model="base|finetuned",
         task="[A-Za-z0-9][A-Za-z0-9_.-]*",
     params:
-        task=lambda wc: tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].spec,
-        settings=lambda wc: RUNS[wc.run]["evaluate"]["lm_eval"],
-        eval_corpora=lambda wc: RUNS[wc.run]["data"]["eval_corpora"]
-        if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
-        else [],
-        seq_len=lambda wc: RUNS[wc.run]["data"]["seq_len"],
-        model=lambda wc: RUNS[wc.run]["model"],
-        device=lambda wc: RUNS[wc.run]["hardware"]["device"],
-        runtime=lambda wc: runtime(wc.run),
+        job=torchrun_job("lm_eval_task", **LM_EVAL_TASK_PARAMS),
+        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
+        compared=compared_params(**LM_EVAL_TASK_PARAMS),
+        launcher=torchrun_launcher("lm_eval_task", lambda wc: RUNS[wc.run], lambda cfg: cfg["evaluate"]["ranks"]),
     resources:
-        gpu=lambda wc: forward_gpus(RUNS[wc.run]),  # common.smk's gpus_of
+        gpu=lambda wc: forward_gpus(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),  # common.smk's gpus_of
     threads: config["threads"]
     log:
         log_path("lm_eval_task", "{run}", "{model}", "{task}"),
@@ -44,5 +58,5 @@ rule lm_eval_task:
         bench_path("lm_eval_task", "{run}", "{model}", "{task}")
     conda:
         ENV_FILE
-    script:
-        "../scripts/lm_eval_task.py"
+    shell:
+        TRAIN_SHELL

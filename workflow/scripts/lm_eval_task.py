@@ -1,22 +1,29 @@
 """One lm-eval task on one model of a run (base or fine-tuned) through lm-evaluation-harness
 (moeflow.evaluation.lm_eval_run):
 its metrics with lm-eval's standard errors and, for moeflow's perplexity task, the cross-check against
-moeflow's own perplexity of the same test segments."""
+moeflow's own perplexity of the same test segments.
+Started through torchrun by its rule: ``evaluate.ranks`` ranks hold the model in evaluate.strategy's layout
+(moeflow.model.factory.Layout: fsdp shards it as training does), each scores its share of lm-eval's requests
+(moeflow.evaluation.lm_eval_run.share_requests); rank 0 writes the record."""
 
 import tempfile
 
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation.lm_eval_tasks import TaskSpecError, missing_data_files, resolve
-from moeflow.model.factory import make_model
+from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
 from moeflow.model.settings import ModelSettings
+from moeflow.parallel.process_group import teardown
+from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime.files import write_json
-from moeflow.runtime.hardware import compute_device, compute_dtype
+from moeflow.runtime.hardware import compute_dtype
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
 from moeflow.settings import typed
 
-stage = Stage.start(snakemake)
-params = snakemake.params
+job = Job.from_argv()
+stage = Stage.start(job)
+params = job.params
 settings = params.settings
 model_settings = typed(ModelSettings, params.model)
 harness.require_lm_eval()
@@ -28,35 +35,38 @@ problems = missing_data_files(task, where)
 if problems:
     raise TaskSpecError("; ".join(problems))
 max_length = settings["max_length"] or params.seq_len
-tokenizer = load_tokenizer(snakemake.input.model, model_settings.trust_remote_code)
-corpus_dirs = dict(zip(params.eval_corpora, snakemake.input.eval_data))
+tokenizer = load_tokenizer(job.input.model, model_settings.trust_remote_code)
+corpus_dirs = dict(zip(params.eval_corpora, job.input.eval_data))
 documents = (
     harness.corpus_documents(task, corpus_dirs, tokenizer, settings, max_length, stage.seed) if task.docs else {}
 )
 
+layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
 model = make_model(
     model_settings,
-    experts=snakemake.input.experts,
-    folder=snakemake.input.model,
-    device=compute_device(params.device),
+    experts=job.input.experts,
+    folder=job.input.model,
+    layout=layout,
     dtype=compute_dtype(stage.precision),
 ).eval()
 kill_point("lm_eval_task.loaded")
 if task.docs:
     with tempfile.TemporaryDirectory() as workdir:
         record = harness.corpus_task_record(
-            model, tokenizer, task, documents, settings, max_length, stage.seed, stage.precision, workdir
+            model, tokenizer, task, documents, settings, max_length, stage.seed, stage.precision, workdir, layout.ranks
         )
 else:
-    record = harness.task_record(model, tokenizer, task, settings, max_length, stage.seed)
+    record = harness.task_record(model, tokenizer, task, settings, max_length, stage.seed, layout.ranks)
 
-write_json(
-    snakemake.output.json,
-    {
-        "task": params.task,
-        "model": snakemake.wildcards.model,
-        **record,
-        "settings": settings,
-        "provenance": stage.provenance(),
-    },
-)
+if layout.ranks.is_main:
+    write_json(
+        job.output.json,
+        {
+            "task": params.task,
+            "model": params.label,
+            **record,
+            "settings": settings,
+            "provenance": stage.provenance(),
+        },
+    )
+teardown()

@@ -36,6 +36,7 @@ from moeflow.evaluation.lm_eval_docs import (
 )
 from moeflow.evaluation.lm_eval_tasks import TASKS_DIR, TaskSpec
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
+from moeflow.parallel.process_group import Ranks, broadcast_object, gather_floats, gather_objects
 from moeflow.runtime import compat
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,75 @@ def exact_tokens(encode: Callable[..., list[int]], token_ids: Mapping[str, Seque
     return tok_encode
 
 
+def _any_rank(working: bool) -> bool:
+    """Whether any rank is ``working`` (one small all-reduce every rank takes part in)."""
+    return any(gather_floats(float(working)))
+
+
+@contextlib.contextmanager
+def forwards_in_step(model: Any, filler: Any) -> Iterator[None]:
+    """Every rank runs as many forwards of ``model`` as the rank that runs the most (FSDP's gathers and expert
+    parallelism's token exchanges are collectives inside each forward, which every rank must join).
+
+    Before each of its forwards in the body a rank says so (an all-reduce); a rank done with the body then
+    runs ``filler`` (input ids) through the model, its output dropped, for as long as another rank still
+    announces forwards. lm-eval decides how many forwards a share of requests takes (its batches group
+    requests by content), so the count cannot be known before. On an error in the body no filler runs (the
+    other ranks would wait for this one; torchrun stops them)."""
+    import torch
+
+    def announce(module, args, kwargs):
+        _any_rank(True)
+
+    # prepended: before FSDP2's own pre-forward hook, whose parameter gather is the first collective
+    handle = model.register_forward_pre_hook(announce, prepend=True, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        while _any_rank(False):
+            model(filler)
+
+
+def share_requests(lm: Any, model: Any, ranks: Ranks | None) -> None:
+    """Split ``lm``'s log-likelihood requests over ``ranks`` (each holding its part of ``model``): rank r scores
+    requests r, r + world, ... in step with the others (:func:`forwards_in_step`), and every rank gets every
+    score back in the requests' order. lm-eval itself sees one process (rank 0 of 1), so its evaluator runs
+    unchanged on every rank and computes the one-process metrics from the same scores in the same order. A
+    no-op for one rank. Generation (``generate_until``) is refused on several ranks: the number of forwards of
+    a generation depends on the text, and the ranks' generations would need one stopping decision."""
+    if ranks is None or ranks.world_size == 1:
+        return
+    import torch
+
+    # a two-token window of the prefix token: a valid input for the perplexity task's hook too
+    filler = torch.full((1, 2), lm.prefix_token_id, dtype=torch.long, device=lm.device)
+    world = ranks.world_size
+
+    def shared(score: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def scored(requests, *args, **kwargs):
+            with forwards_in_step(model, filler):
+                mine = score(requests[ranks.rank :: world], *args, **kwargs)
+            out: list[Any] = [None] * len(requests)
+            for rank, part in enumerate(gather_objects(mine)):
+                out[rank::world] = part
+            return out
+
+        return scored
+
+    def refused(requests, *args, **kwargs):
+        raise HarnessError(
+            f"an lm-eval task of evaluate.tasks generates text (generate_until): on {world} ranks (config key "
+            "'evaluate.ranks') lm-eval tasks score log-likelihoods only. Set evaluate.ranks: 1 (the model on one "
+            "device) for it, or drop it from evaluate.tasks"
+        )
+
+    lm.loglikelihood = shared(lm.loglikelihood)
+    lm.loglikelihood_rolling = shared(lm.loglikelihood_rolling)
+    lm.generate_until = refused
+
+
 def evaluate_task(
     model: Any,
     tokenizer: Any,
@@ -134,10 +204,12 @@ def evaluate_task(
     docs_file: str | Path | None = None,
     log_samples: bool = False,
     token_ids: Mapping[str, Sequence[int]] | None = None,
+    ranks: Ranks | None = None,
 ) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` output for one task (for a corpus task, on the documents in ``docs_file``;
     with ``log_samples``, each document's scores under ``samples``; with ``token_ids``, the tokens lm-eval
-    scores for those document texts).
+    scores for those document texts; with several ``ranks`` holding the model, the requests shared among them
+    by :func:`share_requests`, and the output on every rank).
 
     ``settings``: the config's ``evaluate.lm_eval``. lm-eval's seeds are all ``seed``. The registry is indexed
     only for a registry task; moeflow's tasks and a YAML file's folder are always on the include path.
@@ -165,9 +237,10 @@ def evaluate_task(
     )
     if token_ids:
         lm.tok_encode = exact_tokens(lm.tok_encode, token_ids)
+    share_requests(lm, model, ranks)
     scoring = first_token_as_context(model, lm.prefix_token_id) if task.docs == SEGMENTS else contextlib.nullcontext()
     with scoring:
-        return simple_evaluate(
+        output = simple_evaluate(
             model=lm,
             tasks=[task.spec],
             task_manager=manager,
@@ -180,6 +253,11 @@ def evaluate_task(
             torch_random_seed=seed,
             fewshot_random_seed=seed,
         )
+    if ranks is not None and ranks.world_size > 1:
+        # under torchrun lm-eval returns its output on LOCAL_RANK 0 only (it takes the ranks for tensor
+        # parallelism); every rank computed it, and every rank takes part in the cross-check
+        output = broadcast_object(output)
+    return output
 
 
 def metrics(output: Mapping[str, Any], prefix: str = "") -> dict[str, dict[str, float | None]]:
@@ -210,16 +288,22 @@ def num_samples(output: Mapping[str, Any]) -> int:
 
 
 def moeflow_perplexity(
-    model: Any, parts: Sequence[Segment], corpus: str, batch_size: int, precision: str
+    model: Any,
+    parts: Sequence[Segment],
+    corpus: str,
+    batch_size: int,
+    precision: str,
+    ranks: Ranks | None = None,
 ) -> dict[str, float | int]:
-    """moeflow's evaluation (``moeflow.evaluation.run_metrics.evaluate_model``) over the same segments lm-eval
-    scored."""
+    """moeflow's evaluation (``moeflow.evaluation.run_metrics.evaluate_model``, its batches shared by
+    ``ranks``) over the same segments lm-eval scored."""
     name = f"test/{corpus}"
     stats = evaluate_model(
         model,
         [EvalSet(name, [corpus], [p.row() for p in parts])],
         {"batch_size": batch_size, "max_sequences": None},
         precision,
+        ranks,
     )[name]
     return {"perplexity": stats.perplexity, "label_tokens": stats.label_tokens}
 
@@ -237,11 +321,12 @@ def cross_check(
     corpus: str,
     batch_size: int,
     precision: str,
+    ranks: Ranks | None = None,
 ) -> dict[str, Any]:
     """lm-eval's token perplexity beside moeflow's over the segments lm-eval scored (the same tokens: see
     :func:`exact_tokens`), which must agree to rounding."""
     scored = parts[: len(loglikelihoods)]
-    ours = moeflow_perplexity(model, scored, corpus, batch_size, precision)
+    ours = moeflow_perplexity(model, scored, corpus, batch_size, precision, ranks)
     theirs = math.exp(-sum(loglikelihoods) / ours["label_tokens"])
     return {
         "lm_eval_token_perplexity": theirs,
@@ -303,8 +388,11 @@ def corpus_task_record(
     seed: int,
     precision: str,
     workdir: str | Path,
+    ranks: Ranks | None = None,
 ) -> dict[str, Any]:
-    """metrics (``<corpus>/<metric>``), num_samples and, for the perplexity task, cross_check per corpus."""
+    """metrics (``<corpus>/<metric>``), num_samples and, for the perplexity task, cross_check per corpus; with
+    several ``ranks`` holding the model, each scores its share (:func:`share_requests`) and every rank gets
+    the record."""
     record: dict[str, Any] = {
         "metrics": {},
         "num_samples": 0,
@@ -317,19 +405,27 @@ def corpus_task_record(
         write_docs(docs_file, docs)
         segments_task = task.docs == SEGMENTS
         token_ids = {doc["text"]: doc["input_ids"] for doc in docs} if segments_task else None
-        output = evaluate_task(model, tokenizer, task, settings, max_length, seed, docs_file, segments_task, token_ids)
+        output = evaluate_task(
+            model, tokenizer, task, settings, max_length, seed, docs_file, segments_task, token_ids, ranks
+        )
         record["metrics"].update(metrics(output, prefix=f"{corpus}/"))
         record["num_samples"] += num_samples(output)
         if task.docs == SEGMENTS:
             loglikelihoods = segment_loglikelihoods(output)
-            checks[corpus] = cross_check(model, parts, loglikelihoods, corpus, settings["batch_size"], precision)
+            checks[corpus] = cross_check(model, parts, loglikelihoods, corpus, settings["batch_size"], precision, ranks)
     if checks:
         record["cross_check"] = checks
     return record
 
 
 def task_record(
-    model: Any, tokenizer: Any, task: TaskSpec, settings: Mapping[str, Any], max_length: int, seed: int
+    model: Any,
+    tokenizer: Any,
+    task: TaskSpec,
+    settings: Mapping[str, Any],
+    max_length: int,
+    seed: int,
+    ranks: Ranks | None = None,
 ) -> dict[str, Any]:
-    output = evaluate_task(model, tokenizer, task, settings, max_length, seed)
+    output = evaluate_task(model, tokenizer, task, settings, max_length, seed, ranks=ranks)
     return {"metrics": metrics(output), "num_samples": num_samples(output), "lm_eval": lm_eval_version()}
