@@ -286,7 +286,7 @@ def methods_figure(records: Sequence[RunRecord]):
         bars = ax.bar(labels, values, color=[colors[n] for n in names])
         ax.bar_label(bars, labels=[f"{v:,.3g}" for v in values], fontsize=7)
         ax.set_ylim(0, max(values + [1e-12]) * 1.2)
-        ax.set_title(label, fontsize=9)
+        ax.set_title(label, fontsize=9, pad=12)
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle("Training methods on the same base model and data")
     fig.tight_layout()
