@@ -22,11 +22,12 @@ from moeflow.paper.build import (
     humaneval_table,
     lm_eval_table,
     method_table,
+    methods_table,
     paper_outputs,
     write_paper,
 )
 from moeflow.paper.eval_results import RunResults, read_run_results
-from moeflow.paper.figures import drift_figure, expert_load_figure, loss_figure, save_figure
+from moeflow.paper.figures import drift_figure, expert_load_figure, loss_figure, methods_figure, save_figure
 from moeflow.paper.inputs import RunRecord, read_train_log
 from moeflow.paper.provenance import provenance_line, provenance_record, sha256_file, stage_provenance
 from moeflow.paper.tables import TABLE_FORMATS, as_dict_rows, cell, latex_escape, read_csv_table, write_table
@@ -65,8 +66,9 @@ def metrics_for(run: str, moe: bool, seed: int) -> dict:
     return run_metrics(run, sets, base, tuned, "target", {"total": total, "active_per_token": 600_000})
 
 
-def train_log(path: Path, moe: bool, steps: int = 12) -> Path:
-    """A metrics.jsonl as training writes it (``moeflow.train.metrics.MetricsLog``)."""
+def train_log(path: Path, moe: bool, steps: int = 12, step_seconds: float = 0.25) -> Path:
+    """A metrics.jsonl as training writes it (``moeflow.train.metrics.MetricsLog``); step ``s`` takes
+    ``step_seconds x (1 + (s % 3) / 10)``."""
     from moeflow.model.routing_stats import layer_health
     from moeflow.train.metrics import MetricsLog
 
@@ -82,6 +84,7 @@ def train_log(path: Path, moe: bool, steps: int = 12) -> Path:
                 "loss": 5.0 / step**0.3,
                 "ce": 4.9 / step**0.3,
                 "tokens": 2048,
+                "seconds": step_seconds * (1 + (step % 3) / 10),
                 "tokens_per_s": 9000.0 if moe else 12000.0,
                 "memory_mib": 400.0 + step,
                 "label_tokens": 2000,
@@ -165,6 +168,7 @@ def test_training_log_is_read_by_step_with_cumulative_tokens(tmp_path):
     assert log.tokens[-1] == 12 * 2048
     assert log.val_steps == [4, 8, 12] and log.val_tokens == [4 * 2048, 8 * 2048, 12 * 2048]
     assert log.is_moe and np.asarray(log.loads).shape == (12, LAYERS, EXPERTS)
+    assert log.step_seconds == [0.25 * (1 + (s % 3) / 10) for s in range(1, 13)]
 
 
 def test_comparison_table_reports_both_runs_and_their_ratios(tmp_path):
@@ -384,6 +388,8 @@ def test_write_paper_makes_every_artifact_reproducibly_with_provenance(tmp_path)
     assert [r[0] for r in rows] == ["moe", "dense", "dense / moe"]
     columns, rows = read_csv_table(tmp_path / "a" / "tables" / "lora_vs_full.csv")
     assert [r[:2] for r in rows] == [["moe", "full"], ["dense", "full"]]  # every run; no ratio row without a LoRA run
+    columns, rows = read_csv_table(tmp_path / "a" / "tables" / "methods.csv")
+    assert [r[:2] for r in rows] == [["moe", "full"]]  # the MoE run only (the dense run has no routing drift)
     columns, rows = read_csv_table(tmp_path / "a" / "tables" / "forgetting.csv")
     assert [r[0] for r in rows] == ["moe", "dense"] and "moeflow_body_choice acc change" in columns
     columns, rows = read_csv_table(tmp_path / "a" / "tables" / "routing_drift.csv")
@@ -548,4 +554,100 @@ def test_drift_table_and_figure_from_drift_json(tmp_path):
         save_figure(drift_figure([record, dense]), tmp_path / attempt, "drift", "moeflow provenance xyz")
         save_figure(drift_figure([dense]), tmp_path / attempt, "no_drift", "moeflow provenance xyz")
     for name in ("drift.png", "drift.pdf", "no_drift.png"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+# --------------------------------------------------------------------------- the methods comparison (issue #27)
+
+
+def planted_drift(js: list[float], changed: list[float]) -> dict:
+    """drift.json's fields the methods table reads: per MoE layer the JS divergence and changed expert sets."""
+    return {
+        "tokens": 64,
+        "layers": [
+            {"layer": i, "js_divergence": j, "changed_expert_set_fraction": c}
+            for i, (j, c) in enumerate(zip(js, changed))
+        ],
+    }
+
+
+METHOD_RUNS = {  # run: (method, trainable, total, optimizer state bytes, seconds per step, drift JS, changed sets)
+    "moe": ("full", 1_000_000, 1_000_000, 8_000_040, 0.40, [0.02, 0.04], [0.10, 0.30]),
+    "lora": ("lora", 40_000, 1_040_000, 320_040, 0.30, [0.01, 0.005], [0.05, 0.07]),
+    "esft": ("esft", 250_000, 1_000_000, 2_000_016, 0.20, [0.0, 0.001], [0.0, 0.02]),
+}
+
+
+def method_records(tmp_path: Path, runs=tuple(METHOD_RUNS), dense: bool = True) -> list[RunRecord]:
+    """Planted run outputs of the methods comparison: each run's metrics.json (its own losses per slice),
+    metrics.jsonl (its own step times), trainable_parameters.json, summary.json and drift.json; plus a dense run."""
+    records = []
+    for i, run in enumerate(runs):
+        method, trainable, total, state, seconds, js, changed = METHOD_RUNS[run]
+        records.append(
+            RunRecord(
+                run,
+                metrics_for(run, True, 20 * i),
+                {},
+                read_train_log(train_log(tmp_path / run, True, step_seconds=seconds)),
+                {"max_rss_mib": 100.0},
+                training_report(method, trainable, total),
+                RunResults("general", "target", drift=planted_drift(js, changed)),
+                {"optimizer_state_bytes": state},
+            )
+        )
+    if dense:
+        records.append(full_record(tmp_path, "dense", False, 100, drift=False))
+    return records
+
+
+def test_methods_table_holds_every_planted_number(tmp_path):
+    import statistics
+
+    records = method_records(tmp_path)
+    table = methods_table(records)
+    write_table(table, tmp_path / "tables", "p")
+    columns, csv_rows = read_csv_table(tmp_path / "tables" / "methods.csv")
+    rows = [dict(zip(columns, r)) for r in csv_rows]
+    assert [(r["run"], r["method"]) for r in rows] == [("moe", "full"), ("lora", "lora"), ("esft", "esft")]
+    assert "nothing to compare" not in table.caption  # three methods
+    for row, record in zip(rows, records):
+        method, trainable, total, state, seconds, js, changed = METHOD_RUNS[row["run"]]
+        sets = {s["name"]: s for s in record.metrics["sets"]}
+        target, general = sets["test/target"], sets["test/general"]
+        for slice_, s in (("target", target), ("general", general)):
+            assert float(row[f"{slice_} loss before"]) == pytest.approx(s["base"]["loss"], abs=5e-5)
+            assert float(row[f"{slice_} loss after"]) == pytest.approx(s["finetuned"]["loss"], abs=5e-5)
+        assert float(row["target gain"]) == pytest.approx(
+            target["base"]["loss"] - target["finetuned"]["loss"], abs=5e-5
+        )
+        assert float(row["general forgetting"]) == pytest.approx(
+            general["finetuned"]["loss"] - general["base"]["loss"], abs=5e-5
+        )
+        assert row["trainable params"] == str(trainable)
+        assert row["trainable %"] == f"{100 * trainable / total:.2f}"
+        assert row["optimizer state MiB"] == f"{state / 2**20:.2f}"
+        planted_seconds = [seconds * (1 + (s % 3) / 10) for s in range(1, 13)]
+        assert row["step s"] == f"{statistics.median(planted_seconds):.3f}"
+        assert float(row["routing JS divergence"]) == pytest.approx(sum(js) / len(js), abs=5e-5)
+        assert float(row["changed expert sets"]) == pytest.approx(sum(changed) / len(changed), abs=5e-5)
+    # the slices differ in every planted run, so a swap of target and general cannot go unseen
+    assert all(row["target loss before"] != row["general loss before"] for row in rows)
+    md, tex = (tmp_path / "tables" / "methods.md").read_text(), (tmp_path / "tables" / "methods.tex").read_text()
+    for r in csv_rows:
+        assert "| " + " | ".join(r) + " |" in md and " & ".join(latex_escape(c) for c in r) + " \\\\" in tex
+
+
+def test_methods_table_with_one_method_says_so_and_the_figure_is_stable(tmp_path):
+    one = methods_table(method_records(tmp_path, runs=("moe",)))
+    assert [[r["run"], r["method"]] for r in as_dict_rows(one)] == [["moe", "full"]]  # the dense run: no routing
+    assert "Only one training method (full): nothing to compare" in one.caption
+    none = methods_table([full_record(tmp_path, "dense", False, 100, drift=False)])
+    assert none.rows == [] and "Only one training method (no MoE run)" in none.caption
+    for attempt in ("a", "b"):
+        records = method_records(tmp_path / attempt)
+        save_figure(methods_figure(records), tmp_path / attempt, "methods", "moeflow provenance xyz")
+        save_figure(methods_figure(records[:1]), tmp_path / attempt, "one", "moeflow provenance xyz")
+        write_table(methods_table(records), tmp_path / attempt, "p")
+    for name in ("methods.png", "methods.pdf", "one.png", "methods.csv", "methods.tex"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name

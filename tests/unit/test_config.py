@@ -166,13 +166,15 @@ def test_null_in_an_overlay_removes_a_key_or_a_run():
     cfg = load(
         overrides={
             "train": {"warmup_steps": None, "warmup_ratio": 0.25},
-            "runs": {"dense": None},
+            "runs": {"dense": None, "esft": None},
             "paper": {"dense_runs": []},
         }
     )
-    assert run_names(cfg) == ["moe"]
+    assert run_names(cfg) == ["moe", "lora"]
     assert train_settings(cfg)["warmup_steps"] == 10  # 0.25 x 40 steps: the default's 8 is gone
-    with pytest.raises(ConfigError, match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe\)"):
+    with pytest.raises(
+        ConfigError, match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe, lora, esft\)"
+    ):
         load(overrides={"runs": {"dense": None}})
 
 
@@ -238,9 +240,16 @@ def test_a_run_that_changes_model_config_of_a_pretrained_model_is_refused(tmp_pa
 
 
 def test_default_and_smoke_configs_are_valid():
-    for cfg in (load(), load(SMOKE)):
-        assert run_names(cfg) == ["moe", "dense"]
-        run_config(cfg, "moe")
+    for cfg, runs in ((load(), ["moe", "dense", "lora", "esft"]), (load(SMOKE), ["moe", "dense"])):
+        assert run_names(cfg) == runs
+        full = run_config(cfg, "moe")
+        for method in set(runs) & {"lora", "esft"}:  # the methods comparison: the same base, data and token budget
+            run = run_config(cfg, method)
+            assert run["train"]["method"] == method and full["train"]["method"] == "full"
+            assert run["model"] == full["model"] and run["data"] == full["data"] and run["pretrain"] == full["pretrain"]
+            assert {k: run["train"][k] for k in ("steps", "micro_batch_size", "grad_accum_steps")} == {
+                k: full["train"][k] for k in ("steps", "micro_batch_size", "grad_accum_steps")
+            }
         dense = run_config(cfg, "dense")["model"]["config"]  # the MoE's active parameters per token
         moe = cfg["model"]["config"]
         assert (

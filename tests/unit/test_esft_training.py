@@ -6,6 +6,7 @@ planner's optimizer state is the trainable parameter count the optimizer really 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -14,6 +15,7 @@ from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, build_family, tiny_model_
 from tiny_training import VOCAB, packed_rows, settings
 
 from moeflow.data.collate import collate
+from moeflow.model import lora
 from moeflow.model import parameters as P
 from moeflow.model.factory import make_model
 from moeflow.model.routing import adapter_for
@@ -155,7 +157,7 @@ def test_selected_rows_follow_adamw_with_weight_decay_exactly_as_full_training_d
         torch.testing.assert_close(trained[key], reference[key], rtol=1e-6, atol=1e-8)
 
 
-def test_optimizer_state_and_the_planners_term_are_the_trainable_parameter_count():
+def test_optimizer_state_and_the_planners_term_are_the_trainable_parameter_count(tmp_path):
     """Separate experts: state for the selected ones only; fused: for the whole tensors (documented cost). The
     planner's optimizer term is 8 bytes (two fp32 moments) per parameter the optimizer holds state for."""
     trainer = Trainer(model(), esft(steps=1), packed_rows(), collate_fn=collate, seed=0, expert_selection=selection())
@@ -175,6 +177,22 @@ def test_optimizer_state_and_the_planners_term_are_the_trainable_parameter_count
     assert plan.resident_state(shape, params, job)["optimizer"] == held * plan.ADAM_MOMENT_BYTES
     step = plan.memory_per_device(shape, params, job)
     assert step["optimizer"] == held * plan.ADAM_MOMENT_BYTES and step["gradients"] == held * 4
+
+    # what train_model records for the paper's methods table: the optimizer state's bytes (the two moments, plus
+    # AdamW's scalar step count per tensor), and trainable_parameters.json's method and the parameters that update
+    state_bytes = trainer.optimizer_state_bytes()
+    assert (
+        held * plan.ADAM_MOMENT_BYTES < state_bytes <= held * plan.ADAM_MOMENT_BYTES + 8 * len(trainer.optimizer.state)
+    )
+    report = lora.save_adapter_output(trainer.model, tmp_path / "adapter", trainer.expert_mask)
+    assert report == json.loads((tmp_path / "adapter" / lora.REPORT_FILE).read_text())
+    assert report["method"] == "esft"
+    assert (
+        report["trainable"]
+        == report["by_category"]["routed_experts"]["trainable"]
+        == routed * selected // (NUM_EXPERTS * 2)
+    )  # the selected experts only, also where they are rows of a fused tensor that holds state whole
+    assert lora.trainable_parameter_report(trainer.model)["method"] == "full"  # no mask: not an ESFT run
 
 
 def plan_job_settings(model_cfg: dict) -> dict:

@@ -22,6 +22,7 @@ records = {
         results=read_run_results(
             params.corpora[run]["general"], params.corpora[run]["target"], **params.eval_files[run]
         ),
+        summary=read_json(f"{logs}/summary.json"),
     )
     for run, metrics, speed, logs, bench, adapter in zip(
         params.runs, inp.metrics, inp.speed, inp.train_logs, inp.train_benchmarks, inp.adapters
@@ -30,9 +31,7 @@ records = {
 manifests = {label: f"{folder}/manifest.json" for label, folder in zip(params.data_labels, inp.data)}
 stage_docs = {f"evaluate/{run}": r.metrics for run, r in records.items()}
 stage_docs |= {f"tokenize/{label}": read_json(path) for label, path in manifests.items()}
-stage_docs |= {
-    f"train_model/{run}": read_json(f"{logs}/summary.json") for run, logs in zip(params.runs, inp.train_logs)
-}
+stage_docs |= {f"train_model/{run}": r.summary for run, r in records.items()}
 for run, r in records.items():
     stage_docs |= stage_documents(run, r.results)
 stage_docs["coverage"] = coverage = read_json(inp.coverage)

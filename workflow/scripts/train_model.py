@@ -4,8 +4,9 @@ moeflow.checkpoint.export, with the base folder's config.json, tokenizer and oth
 AutoModelForCausalLM/AutoTokenizer.from_pretrained and a drop-in for the base folder; LoRA adapters merged in;
 MTP layers carried), the adapter (a LoRA run's peft adapter, or a full run's method marker;
 moeflow.model.lora.save_adapter_output) and the run's TensorBoard logs, metrics.jsonl (warmup steps included)
-and summary.json (which says whether MTP layers trained). Started through torchrun by its rule: every rank
-runs this script, the layout is the config's ``parallel`` section (moeflow.model.factory.Layout), rank 0 writes."""
+and summary.json (whether MTP layers trained, the optimizer state's bytes). Started through torchrun by its rule:
+every rank runs this script, the layout is the config's ``parallel`` section (moeflow.model.factory.Layout), rank 0
+writes."""
 
 from pathlib import Path
 
@@ -54,6 +55,7 @@ trainer = train_stage(
     eval_rows=open_valset(job.input.valset),
     expert_selection=selection,
 )
+optimizer_state_bytes = trainer.optimizer_state_bytes()  # every rank: a collective
 if trainer.rank == 0:
     last = trainer.train_records()[-1]
     evals = [r for r in trainer.history if r["kind"] == "eval"]
@@ -67,11 +69,13 @@ if trainer.rank == 0:
             "routing": trainer.routing_guard.report(),
             # the base model's MTP layers, carried frozen into the export (null: it has none)
             "mtp_layers": mtp_report(unwrap(trainer.model)),
+            # the training method's memory beyond the weights (the paper's methods table)
+            "optimizer_state_bytes": optimizer_state_bytes,
             "provenance": stage.provenance(),
         },
     )
     # before the merge, which consumes LoRA's wrapper
-    save_adapter_output(unwrap(trainer.model), job.output.adapter)
+    save_adapter_output(unwrap(trainer.model), job.output.adapter, trainer.expert_mask)
 # every rank; the base folder's config, tokenizer and other files go with the weights (a drop-in for it)
 trainer.free_optimizer()  # the export gathers weights where AdamW's states were
 save_final_model(

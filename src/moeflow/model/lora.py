@@ -346,13 +346,13 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
     return model
 
 
-def save_adapter_output(model: Any, folder: str | os.PathLike) -> dict[str, Any]:
+def save_adapter_output(model: Any, folder: str | os.PathLike, expert_mask: Any = None) -> dict[str, Any]:
     """train_model's ``adapter`` output, written atomically: for a LoRA model the adapter (:func:`save_adapter`:
     loadable with ``PeftModel.from_pretrained`` on the base model), for every model
-    ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full`` or ``lora``),
-    so the output exists for a full run too. Call it before :func:`merge_adapters`, which consumes the
+    ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full``, ``lora`` or
+    ``esft``), so the output exists for a full run too. Call it before :func:`merge_adapters`, which consumes the
     peft wrapper. Returns the report."""
-    report = trainable_parameter_report(model)
+    report = trainable_parameter_report(model, expert_mask)
     with atomic_dir(folder) as tmp:
         if is_lora_model(model):
             save_adapter(model, tmp)
@@ -366,10 +366,15 @@ def merge_adapters(model: Any) -> Any:
     return model.merge_and_unload(safe_merge=True)
 
 
-def trainable_parameter_report(model: Any) -> dict[str, Any]:
+def trainable_parameter_report(model: Any, expert_mask: Any = None) -> dict[str, Any]:
     """Trainable and total parameters (tied weights once), overall and by category (as the planner counts
     them: ``moeflow.model.parameters.counted_category``; adapters under the weight they adapt); for a LoRA model
-    also the adapter parameters and the settings."""
+    also the adapter parameters and the settings. ``expert_mask``: an ESFT run's (moeflow.train.expert_mask's
+    ExpertMask; ``method: esft``), whose fused expert tensors train their selected rows only: the unselected rows,
+    held bit-identical, are not counted as trainable."""
+    frozen_rows = {}
+    if expert_mask is not None:
+        frozen_rows = {id(f.param): 1 - len(f.selected) / f.param.shape[0] for f in expert_mask.fused}  # whole tensors
     by_category: dict[str, dict[str, int]] = {}
     trainable = total = adapter = 0
     for name, param in model.named_parameters():
@@ -381,10 +386,11 @@ def trainable_parameter_report(model: Any) -> dict[str, Any]:
         if P.is_adapter(name):
             adapter += n
         if param.requires_grad:
-            entry["trainable"] += n
-            trainable += n
+            trained = n - round(n * frozen_rows.get(id(param), 0))
+            entry["trainable"] += trained
+            trainable += trained
     report = {
-        "method": "lora" if is_lora_model(model) else "full",
+        "method": "lora" if is_lora_model(model) else "esft" if expert_mask is not None else "full",
         "trainable": trainable,
         "total": total,
         "trainable_fraction": trainable / total if total else 0.0,

@@ -35,9 +35,10 @@ from moeflow.paper.figures import (
     expert_load_figure,
     loss_figure,
     lr_figure,
+    methods_figure,
     save_figure,
 )
-from moeflow.paper.inputs import RunRecord, comparison_rows, last, training_cost
+from moeflow.paper.inputs import RunRecord, comparison_rows, last, method_comparison_rows, training_cost
 from moeflow.paper.provenance import provenance_line, provenance_record, stage_provenance, write_provenance
 from moeflow.paper.tables import TABLE_FORMATS, Table, write_table
 
@@ -333,6 +334,33 @@ def method_table(records: Sequence[RunRecord], reference: str) -> Table:
     )
 
 
+def methods_table(records: Sequence[RunRecord]) -> Table:
+    """The methods comparison: per MoE run, target-slice gain against general-slice forgetting, with trainable
+    parameters, optimizer-state memory, step time and routing drift (inputs.method_comparison_rows). With one
+    training method among the runs the caption says there is nothing to compare; with no MoE run it has no rows."""
+    rows = method_comparison_rows(records)
+    columns = list(rows[0]) if rows else ["run", "method"]
+    methods = sorted({str(r["method"]) for r in rows})
+    note = (
+        ""
+        if len(methods) > 1
+        else f" Only one training method ({', '.join(methods) or 'no MoE run'}): nothing to compare; add runs with "
+        "another train.method (full, lora, esft), as config/config.yaml's model_from_config runs do."
+    )
+    return Table(
+        name="methods",
+        caption="Training methods on the same base model and data: loss (nats/token) on the test split of the "
+        "target slice (data.finetune_corpus) and of the general slice (data.base_corpus) before and after "
+        "fine-tuning; gain = target before - after, forgetting = general after - before (positive: forgotten); "
+        "trainable parameters (updated ones: ESFT's unselected experts excluded), the optimizer state's MiB (all "
+        "ranks), the median optimizer step's seconds, and routing drift on the coverage validation set (mean over "
+        f"MoE layers of the JS divergence, bits, and of the fraction of tokens whose expert set changed).{note}",
+        columns=columns,
+        rows=[[row[c] for c in columns] for row in rows],
+        digits={"trainable %": 2, "optimizer state MiB": 2, "step s": 3},
+    )
+
+
 FORGETTING_NOTE = (
     "General = the test split of data.base_corpus, target = that of data.finetune_corpus; a rise in loss is "
     "worse, a rise in a task score or pass@k better."
@@ -422,7 +450,7 @@ def drift_table(records: Sequence[RunRecord]) -> Table:
     )
 
 
-FIGURES = ("loss_vs_tokens", "lr_schedule", "expert_load", "coverage", "moe_vs_dense", "routing_drift")
+FIGURES = ("loss_vs_tokens", "lr_schedule", "expert_load", "coverage", "moe_vs_dense", "routing_drift", "methods")
 
 
 TABLES = (
@@ -432,6 +460,7 @@ TABLES = (
     "environment",
     "moe_vs_dense",
     "lora_vs_full",
+    "methods",
     "forgetting",
     "lm_eval",
     "humaneval",
@@ -484,6 +513,7 @@ def write_paper(
         environment_table(env_report, config, record, experts),
         comparison_table(compared, moe),
         method_table(runs, moe),
+        methods_table(runs),
         forgetting_table(runs),
         lm_eval_table(runs),
         humaneval_table(runs),
@@ -499,5 +529,6 @@ def write_paper(
     artifacts += save_figure(coverage_figure(coverage), figures, "coverage", line, dpi)
     artifacts += save_figure(comparison_figure(compared), figures, "moe_vs_dense", line, dpi)
     artifacts += save_figure(drift_figure(runs), figures, "routing_drift", line, dpi)
+    artifacts += save_figure(methods_figure(runs), figures, "methods", line, dpi)
     write_provenance(outdir / "provenance.json", record, artifacts, outdir)
     return artifacts

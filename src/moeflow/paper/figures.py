@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moeflow.paper.inputs import RunRecord, TrainLog, comparison_rows
+from moeflow.paper.inputs import RunRecord, TrainLog, comparison_rows, method_comparison_rows
 from moeflow.runtime.figures import pyplot
 from moeflow.runtime.files import atomic_file
 
@@ -236,4 +236,58 @@ def drift_figure(records: Sequence[RunRecord]):
         ax.set_title(f"run '{run}' ({d['tokens']:,} tokens)", fontsize=10)
     fig.colorbar(image, ax=axes[0].tolist(), label="load share change (percentage points)")
     fig.suptitle("Routing drift: base to fine-tuned router")
+    return fig
+
+
+METHOD_BARS = (
+    ("trainable params", "trainable parameters"),
+    ("optimizer state MiB", "optimizer state (MiB)"),
+    ("step s", "median step (s)"),
+    ("routing JS divergence", "routing drift (JS, bits)"),
+)
+
+
+def methods_figure(records: Sequence[RunRecord]):
+    """The methods comparison (inputs.method_comparison_rows): target-slice gain against general-slice forgetting,
+    one point per MoE run, beside its trainable parameters, optimizer state, step time and routing drift."""
+    plt = pyplot()
+    rows = method_comparison_rows(records)
+    fig, axes = plt.subplots(
+        1, 1 + len(METHOD_BARS), figsize=(15.0, 3.6), gridspec_kw={"width_ratios": [2] + [1] * len(METHOD_BARS)}
+    )
+    scatter = axes[0]
+    if not rows:
+        for ax in axes:
+            ax.set_axis_off()
+        scatter.text(0.5, 0.5, "no MoE run: no methods to compare", ha="center", va="center")
+        return fig
+    names = [r["run"] for r in rows]
+    colors = _colors(names)
+    for r in rows:
+        if r["general forgetting"] is not None and r["target gain"] is not None:
+            scatter.scatter(r["general forgetting"], r["target gain"], color=colors[r["run"]], s=40, zorder=3)
+            scatter.annotate(
+                f"{r['run']} ({r['method']})",
+                (r["general forgetting"], r["target gain"]),
+                textcoords="offset points",
+                xytext=(5, 4),
+                fontsize=8,
+            )
+    scatter.axvline(0.0, color="grey", lw=0.8)
+    scatter.axhline(0.0, color="grey", lw=0.8)
+    scatter.set_xlabel("general-slice forgetting (loss after - before)")
+    scatter.set_ylabel("target-slice gain (loss before - after)")
+    scatter.grid(alpha=0.3)
+    methods = {r["method"] for r in rows}
+    scatter.set_title("Gain against forgetting" + ("" if len(methods) > 1 else " (one method only)"), fontsize=10)
+    labels = [f"{r['run']}\n({r['method']})" for r in rows]
+    for ax, (key, label) in zip(axes[1:], METHOD_BARS):
+        values = [r[key] or 0.0 for r in rows]
+        bars = ax.bar(labels, values, color=[colors[n] for n in names])
+        ax.bar_label(bars, labels=[f"{v:,.3g}" for v in values], fontsize=7)
+        ax.set_ylim(0, max(values + [1e-12]) * 1.2)
+        ax.set_title(label, fontsize=9, pad=12)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("Training methods on the same base model and data")
+    fig.tight_layout()
     return fig

@@ -34,6 +34,7 @@ class TrainLog:
     ce: list[float]
     lr: list[float]
     tokens_per_s: list[float]  # measured steps only: steps replayed from a checkpoint carry no timings
+    step_seconds: list[float]  # the same measured steps' wall time per optimizer step
     memory_mib: list[float]
     loads: list[list[list[int]]]  # per step, per MoE layer, per expert: top-k assignments
     val_steps: list[int]
@@ -73,6 +74,7 @@ def read_train_log(path: str | Path) -> TrainLog:
         ce=[float(train[s]["ce"]) for s in steps],
         lr=[float(train[s]["lr"]) for s in steps],
         tokens_per_s=[float(train[s]["tokens_per_s"]) for s in steps if "tokens_per_s" in train[s]],
+        step_seconds=[float(train[s]["seconds"]) for s in steps if "seconds" in train[s]],
         memory_mib=[float(train[s]["memory_mib"]) for s in steps if "memory_mib" in train[s]],
         loads=[[list(map(int, layer["load"])) for layer in train[s].get("routing", [])] for s in steps],
         val_steps=val_steps,
@@ -110,6 +112,7 @@ class RunRecord:
     # method, trainable and total parameters
     training: Mapping[str, Any] = field(default_factory=dict)
     results: RunResults = field(default_factory=RunResults)  # lm-eval, HumanEval and routing drift
+    summary: Mapping[str, Any] = field(default_factory=dict)  # train_model's summary.json (optimizer_state_bytes)
 
 
 def training_cost(r: RunRecord) -> dict[str, float | None]:
@@ -142,3 +145,47 @@ def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             }
         )
     return aligned(out)
+
+
+def slice_losses(metrics: Mapping[str, Any], corpus: str) -> tuple[float | None, float | None]:
+    """The base and the fine-tuned loss on ``corpus``'s test split (None, None if the run was not evaluated on it)."""
+    s = eval_set(metrics, f"test/{corpus}")
+    return (s["base"]["loss"], s["finetuned"]["loss"]) if s is not None else (None, None)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def method_comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """Per MoE run (the runs with routing drift): its training method, the target slice's loss before and after
+    and the gain (before - after: positive is learning), the general slice's and the forgetting (after - before:
+    positive is forgetting), trainable parameters, the optimizer state's MiB, the median optimizer step's seconds
+    and the routing drift averaged over the MoE layers."""
+    out = []
+    for r in records:
+        if r.results.drift is None:
+            continue
+        target_before, target_after = slice_losses(r.metrics, r.results.target_corpus)
+        general_before, general_after = slice_losses(r.metrics, r.results.general_corpus)
+        state = r.summary.get("optimizer_state_bytes")
+        layers = r.results.drift["layers"]
+        out.append(
+            {
+                "run": r.name,
+                "method": r.training.get("method"),
+                "target loss before": target_before,
+                "target loss after": target_after,
+                "target gain": None if target_after is None else target_before - target_after,
+                "general loss before": general_before,
+                "general loss after": general_after,
+                "general forgetting": None if general_after is None else general_after - general_before,
+                "trainable params": r.training.get("trainable"),
+                "trainable %": 100.0 * r.training["trainable_fraction"] if "trainable_fraction" in r.training else None,
+                "optimizer state MiB": None if state is None else state / 2**20,
+                "step s": median(r.log.step_seconds),
+                "routing JS divergence": mean([layer["js_divergence"] for layer in layers]),
+                "changed expert sets": mean([layer["changed_expert_set_fraction"] for layer in layers]),
+            }
+        )
+    return out

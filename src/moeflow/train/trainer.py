@@ -275,6 +275,22 @@ class Trainer:
         if self.rank == 0:
             C.remove_other_checkpoints(self.checkpoint_dir, path)
 
+    def optimizer_state_bytes(self) -> int:
+        """The bytes the optimizer's state holds, summed over the ranks (each holds its shards): what a training
+        method costs beyond the weights (AdamW: two moments per parameter it updates). A collective where the
+        ranks are several; call it after a step (AdamW creates its state at the first one)."""
+        held = sum(
+            t.to_local().nbytes if compat.is_dtensor(t) else t.nbytes
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t)
+        )
+        if self.world > 1:
+            total = torch.tensor([held], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(total)
+            held = int(total.item())
+        return held
+
     def free_optimizer(self) -> None:
         """Drop AdamW's states (two fp32 tensors per parameter, on the device) once the last step is taken and
         checkpointed: the export that follows gathers the weights into the room they held."""
