@@ -343,7 +343,7 @@ def phase_table(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHA
         host = row["worst_host_phase"]
         cells = [
             row["model"],
-            "LoRA" if row["method"] == "lora" else "full",
+            {"lora": "LoRA", "esft": "ESFT"}.get(row["method"], "full"),
             layout_name,
             f"{request.gpus} ({request.nodes} x {request.gpus_per_node})",
             *(f"{row['device_gib'][phase]:.1f}" for phase in PHASES),
