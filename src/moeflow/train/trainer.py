@@ -44,7 +44,7 @@ from moeflow.model.routing_stats import layer_health
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.gradients import clip_grad_norm, reduce_gradients, release_gradients
 from moeflow.parallel.layouts import reshard
-from moeflow.parallel.process_group import gather_objects, rank, world_size
+from moeflow.parallel.process_group import all_reduce_sum, gather_objects, rank, world_size
 from moeflow.runtime import compat
 from moeflow.runtime.hardware import to_device
 from moeflow.runtime.stage import kill_point, progress
@@ -285,11 +285,7 @@ class Trainer:
             for t in state.values()
             if torch.is_tensor(t)
         )
-        if self.world > 1:
-            total = torch.tensor([held], dtype=torch.int64, device=self.device)
-            torch.distributed.all_reduce(total)
-            held = int(total.item())
-        return held
+        return int(all_reduce_sum(torch.tensor([held], dtype=torch.int64, device=self.device)).item())
 
     def free_optimizer(self) -> None:
         """Drop AdamW's states (two fp32 tensors per parameter, on the device) once the last step is taken and
