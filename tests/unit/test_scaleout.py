@@ -225,6 +225,9 @@ def test_a_config_with_a_recipe_flag_fails_with_the_real_setting(key, value, say
 
 
 def test_launcher_starts_one_rank_per_gpu_or_the_cpu_ranks():
+    # one rank on one node: the script in the interpreter alone (process_group.init's one-process defaults)
+    assert torchrun_command("python") == "python" and torchrun_command("python", gpus=1) == "python"
+    assert torchrun_command("python", gpus=2, nodes=2).startswith("srun ")  # one GPU on each of two nodes
     assert torchrun_command("python", cpu_ranks=2) == (
         "python -m torch.distributed.run --standalone --monitor-interval 0.5 --nproc_per_node 2"
     )

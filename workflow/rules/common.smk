@@ -261,7 +261,8 @@ def training_python():
 
 
 def torchrun_launcher(rule, cfg_of=None, ranks_of=lambda cfg: cfg["parallel"]["nproc_per_node"]):
-    """``params.launcher`` of the training rules, from moeflow.parallel.launch.torchrun_command. One rank per GPU
+    """``params.launcher`` of the torchrun rules, from moeflow.parallel.launch.torchrun_command (at one rank on one
+    node the interpreter alone). One rank per GPU
     of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile; on several nodes,
     each node's torchrun gets the rule's threads); without
     that resource, ``ranks_of(cfg)`` ranks (default parallel.nproc_per_node) of the run config ``cfg_of(wildcards)`` (GPUs with

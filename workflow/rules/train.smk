@@ -2,8 +2,8 @@
 # routing-stability gate) and train_model (cosine decay to the end, evaluations on the coverage
 # validation set, the final model). Warmup is keyed by the settings it depends on, so a setting of the
 # second part only (train.steps, min_lr, eval_every, ...) reruns train_model and reuses the warmup.
-# Training rules start their script through torchrun (one process here): scaling out changes a
-# number, not the rule. Resumable checkpoints live outside the outputs, under {RESULTS}/checkpoints.
+# Training rules start their script through torchrun (the interpreter alone at one rank): scaling out
+# changes a number, not the rule. Resumable checkpoints live outside the outputs, under {RESULTS}/checkpoints.
 
 
 WARMUP_PARAMS = dict(

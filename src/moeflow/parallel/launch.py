@@ -1,7 +1,8 @@
-"""The torchrun command a training rule starts its script with.
+"""The command a torchrun rule starts its script with.
 
-The torchrun command a training rule starts its script with: CPU ranks, GPUs on one node, or one agent
-per node of a SLURM allocation.
+The command a torchrun rule (training, coverage, evaluation) starts its script with: the interpreter alone
+for one rank on one node, torchrun for CPU ranks or GPUs on one node, or one torchrun agent per node of a
+SLURM allocation.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ JOB_NODES = '"${SLURM_JOB_NODELIST:-$(squeue --noheader --jobs "$SLURM_JOB_ID" -
 def torchrun_command(
     python: str, gpus: int = 0, nodes: int = 1, cpu_ranks: int = 1, port: int = 29500, threads: int = 1
 ) -> str:
-    """The launcher a training rule's shell command puts before its script: one rank per GPU of the rule's
+    """The launcher a torchrun rule's shell command puts before its script: one rank per GPU of the rule's
     ``resources.gpu`` (split over ``resources.nodes``), or ``cpu_ranks`` gloo ranks without GPUs.
 
-    One node: torchrun ``--standalone``. Several nodes (SLURM, the rule run in the batch step: ``mpi``
+    One rank on one node: ``python`` alone. The script reads its place from torchrun's variables with
+    one-process defaults (moeflow.parallel.process_group.init), and a torchrun agent would only add an
+    interpreter's start (about 3.5 CPU s, a tenth of a smoke job) and a process between Snakemake and the rank.
+    Several ranks on one node: torchrun ``--standalone``. Several nodes (SLURM, the rule run in the batch step: ``mpi``
     in the profile): ``srun`` starts one torchrun per node of the job's allocation (``--overlap``: beside
     the batch step), each with the rule's ``threads`` CPUs and its node's GPUs (``--gpus-per-node``: a step
     started from the jobstep's environment sees none otherwise); they meet at a c10d rendezvous on the
@@ -27,6 +31,8 @@ def torchrun_command(
     if gpus and gpus % nodes:
         raise ScaleoutError(f"{gpus} GPUs do not split evenly over {nodes} nodes")
     per_node = gpus // nodes if gpus else cpu_ranks
+    if per_node == 1 and nodes == 1:
+        return python
     run = f"{python} -m torch.distributed.run --monitor-interval 0.5 --nproc_per_node {per_node}"
     if nodes == 1:
         return run.replace(" -m torch.distributed.run ", " -m torch.distributed.run --standalone ")

@@ -247,8 +247,21 @@ def count_module(model: Any, shape: Shape) -> ParamCount:
     )
 
 
+# meta_count's results in this process, by the config's JSON and the shape: building a skeleton of a 30B-196B
+# model with an nn.Module per expert (transformers 4.57) takes seconds, and the planner, the scale-out plan and
+# the memory model ask for the same model's counts again.
+_META_COUNTS: dict[tuple[str, str, Shape], ParamCount | None] = {}
+
+
 def meta_count(config: Any, shape: Shape) -> ParamCount | None:
     """Exact counts from a meta-device instance, or None where no causal-LM class knows it on this stack."""
+    key = (type(config).__name__, config.to_json_string(use_diff=False), shape)
+    if key not in _META_COUNTS:
+        _META_COUNTS[key] = _meta_count(config, shape)
+    return _META_COUNTS[key]
+
+
+def _meta_count(config: Any, shape: Shape) -> ParamCount | None:
     import torch
 
     from moeflow.model.configs import causal_lm_class
