@@ -22,6 +22,7 @@ from moeflow.workflow.keys import (
     base_model_settings,
     coverage_key,
     data_key,
+    experts_key,
     stable_hash,
     tokenizer_key,
     train_model_settings,
@@ -157,6 +158,16 @@ def test_the_warmup_stage_trains_the_warmup_part_only():
     assert (warmup.min_lr, warmup.log_every, warmup.eval_every, warmup.peak_flops_per_s) == (0.0, 1, 0, None)
     whole = typed(TrainModelStage, train_model_settings(cfg)).train
     assert whole.steps == cfg["train"]["steps"] and whole.routing_guard == warmup.routing_guard
+
+
+def test_the_training_layout_rekeys_the_runs_experts_choice_but_not_the_base_models():
+    """pretrain_base holds the whole model on every rank whatever parallel says (its key has no parallel), so its
+    experts choice is timed in that layout: a run on FSDP ranks reruns neither the choice nor the base model."""
+    cfg = run_config(load(SMOKE), "moe")
+    fsdp = {**cfg, "parallel": {**cfg["parallel"], "strategy": "fsdp", "nproc_per_node": 2}}
+    assert experts_key(fsdp, "train") != experts_key(cfg, "train")
+    assert experts_key(fsdp, "pretrain") == experts_key(cfg, "pretrain")
+    assert base_model_settings(fsdp) == base_model_settings(cfg)
 
 
 # --------------------------------------------------------------------------- overlays

@@ -98,8 +98,11 @@ EXPERTS_PARTS = ("train", "pretrain")
 
 def experts_settings(cfg: Mapping[str, Any], part: str = "train") -> dict[str, Any]:
     """What the experts choice depends on (rule choose_experts, moeflow.model.experts_choice): the model, one
-    micro-batch of ``part`` (one of EXPERTS_PARTS), the device, the precision and the parallel layout."""
+    micro-batch of ``part`` (one of EXPERTS_PARTS), the device, the precision and the parallel layout (the run's for
+    ``train``; for ``pretrain``, pretrain_base's: every rank holds the whole model, so a run's parallel settings,
+    no part of the base model's key, rerun neither its experts choice nor the base model)."""
     model = cfg["model"]
+    parallel = cfg["parallel"] if part == "train" else {"strategy": "none", "ep_size": 1}
     return {
         "model": {k: model[k] for k in ("pretrained", "trust_remote_code", "config", "experts_implementation")},
         "micro_batch_size": cfg[part]["micro_batch_size"],
@@ -107,7 +110,7 @@ def experts_settings(cfg: Mapping[str, Any], part: str = "train") -> dict[str, A
         "device": cfg["hardware"]["device"],
         "precision": cfg["precision"],
         # as training holds the experts: bf16 weights under FSDP's mixed precision, one rank's experts under ep
-        "parallel": {"strategy": cfg["parallel"]["strategy"], "ep_size": cfg["parallel"]["ep_size"]},
+        "parallel": {"strategy": parallel["strategy"], "ep_size": parallel["ep_size"]},
     }
 
 
