@@ -16,8 +16,9 @@ ranks on pinned); the rest of the cost is the measured work, reported per rank a
 Only the 4-rank runs hold a machine-wide lock: .ci/run runs both stacks' suites side by side on one machine
 (24 GiB here), and one stack's 4-rank run peaks at about 9 GiB over its ranks (1, 2 ranks: 4.4, 6 GiB), so two
 4-rank runs plus the rest of both suites could exhaust memory; any other pair fits. The cores need not be
-exclusive: a peak RSS is set by what is allocated, not by how fast (the ratios of runs on a quiet machine and on
-one loaded 10-fold agree to 0.01), so a suite never waits for the other's 1- and 2-rank runs.
+exclusive: a peak RSS is set by what is allocated, not by how fast (gloo's CPU collectives are synchronous; runs
+of the same tree at different loads of the machine gave every phase's peak within 5 MiB), so a suite never waits
+for the other's 1- and 2-rank runs.
 """
 
 from __future__ import annotations
