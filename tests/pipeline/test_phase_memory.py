@@ -120,10 +120,11 @@ def measured(benchmark_model, tmp_path_factory) -> dict[int, dict]:
 
 
 def ratio_table(measured: dict[int, dict]) -> tuple[list[str], list[tuple[int, str, int, float]]]:
-    """Markdown lines of measured / planned per world, phase and rank (with the plan's terms), and the ratios."""
+    """Markdown lines of measured / planned per world, phase and rank (with the plan's terms and the phase's CPU
+    seconds), and the ratios."""
     lines = [
-        "| ranks | phase | rank | measured MiB | planned MiB | ratio | planned terms (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| ranks | phase | rank | measured MiB | planned MiB | ratio | planned terms (MiB) | CPU s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ratios = []
     for world, report in measured.items():
@@ -137,7 +138,7 @@ def ratio_table(measured: dict[int, dict]) -> tuple[list[str], list[tuple[int, s
                 ratios.append((world, phase, rank, got / want))
                 lines.append(
                     f"| {world} | {phase} | {rank} | {got / MIB:,.0f} (start {start / MIB:,.0f})"
-                    f" | {want / MIB:,.0f} | {got / want:.2f} | {shown} |"
+                    f" | {want / MIB:,.0f} | {got / want:.2f} | {shown} | {numbers[phase]['cpu_seconds']:.1f} |"
                 )
     return lines, ratios
 
