@@ -5,10 +5,10 @@ Runs benchmarks/scale_worker.py under torchrun at 1, 2 and 4 gloo ranks (one thr
 ``src`` (the new design) and once with the baseline commit's (``--baseline-ref``, default 8d6d79c, the last
 commit before the sharded checkpoints, loading and export: ``git archive``d into a temporary folder and put
 first on PYTHONPATH), so the same worker measures both designs in one run. The model: the worker's qwen3_moe
-of 238M parameters, fp32, AdamW, two steps of 2 x 64 tokens a rank (the second measured), saved once
-HF-sharded and reused.
+of 238M parameters, fp32, AdamW (its moments made by a step on zero gradients), one measured step of 2 x 64
+tokens a rank, saved once HF-sharded and reused.
 
-Per run, phase and rank: peak RSS, RSS at the phase's start, seconds, bytes written (scale_worker.py's
+Per run, phase and rank: peak RSS, RSS at the phase's start, seconds, CPU seconds, bytes written (scale_worker.py's
 docstring). Every rank runs with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then serves every allocation of 64 KiB
 or more (every tensor that matters) with its own mmap and unmaps it when freed, instead of keeping freed
 tensors in its heap (and raising its threshold as large blocks are freed), so RSS at a phase's end is what is

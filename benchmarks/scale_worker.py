@@ -9,9 +9,11 @@ training state, each measured on this rank.
         the phases in order on gloo ranks, one thread each; rank 0 writes OUT_DIR/phases.json
 
 The phases: ``load`` (the training load of MODEL_DIR: ``moeflow.model.factory.make_model`` for the layout, or the
-baseline's ``distributed.load_for_training``); ``step`` (a Trainer's second
-``train_step``, the steady state the planner plans: AdamW's moments, which the unmeasured first step creates,
-are alive through the backward pass); ``checkpoint`` (``Trainer.save``); ``resume`` (the first model and
+baseline's ``distributed.load_for_training``); ``step`` (a Trainer's ``train_step`` in the steady state the
+planner plans: AdamW's moments are alive through the backward pass, made beforehand, unmeasured, by the step on
+zero gradients a resume gives a fresh optimizer, ``torch.distributed.checkpoint``'s ``_init_optim_state``: a
+training step would cost as much as the measured one, its forward and backward pass and FSDP's gathers included);
+``checkpoint`` (``Trainer.save``); ``resume`` (the first model and
 Trainer freed, then a fresh ``load_for_training``, Trainer and ``Trainer.load``; without reading the base
 weights where ``load_for_training`` takes ``weights=False``, as train_model does when a checkpoint replaces
 them); ``export`` (the final model: ``moeflow.export.save_final_model``, a collective, where the package has
@@ -19,7 +21,8 @@ it; else the old design, ``distributed.whole_model`` then ``modeling.save_final_
 
 Per phase and rank: the peak RSS of the phase (the kernel's high-water mark reset through
 ``/proc/self/clear_refs`` before the phase, ``VmHWM`` read after it), the RSS at its start, its seconds
-(barrier to barrier: the slowest rank's) and the bytes this rank wrote (``write_bytes`` of ``/proc/self/io``).
+(barrier to barrier: the slowest rank's), this rank's CPU seconds (user + system) and the bytes this rank
+wrote (``write_bytes`` of ``/proc/self/io``).
 RSS measures what is live only if freed tensors go back to the kernel: the driver sets
 ``MALLOC_MMAP_THRESHOLD_`` (see benchmarks/scale.py), recorded here.
 
@@ -36,6 +39,7 @@ import importlib.util
 import inspect
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -175,19 +179,26 @@ def _write_bytes() -> int:
     raise KeyError("write_bytes")
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(barrier: Callable[[], None], phase: Callable[[], object]) -> tuple[object, dict]:
-    """Run ``phase`` between two barriers; its peak RSS, start RSS, seconds and bytes written on this rank."""
+    """Run ``phase`` between two barriers; its peak RSS, start RSS, seconds, CPU seconds and bytes written on
+    this rank."""
     gc.collect()
     barrier()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     start_rss, written = _status_kib("VmRSS") * 1024, _write_bytes()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_seconds()
     result = phase()
     barrier()
     return result, {
         "peak_rss_bytes": _status_kib("VmHWM") * 1024,
         "start_rss_bytes": start_rss,
         "seconds": time.perf_counter() - started,
+        "cpu_seconds": _cpu_seconds() - cpu,
         "write_bytes": _write_bytes() - written,
     }
 
@@ -226,9 +237,14 @@ def _trainer(model, world: int):
     )
 
 
-def _first_step(model, world: int):
+def _with_optimizer_state(model, world: int):
+    """A Trainer whose AdamW holds its moments, as after a first step: given by the step on zero gradients (at
+    learning rate 0) with which torch.distributed.checkpoint initialises a fresh optimizer, without a forward
+    and backward pass (and FSDP's gathers and reductions) that would cost as much as the measured step."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
     trainer = _trainer(model, world)
-    trainer.train_step()
+    _init_optim_state(trainer.optimizer)
     return trainer
 
 
@@ -277,9 +293,9 @@ def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
     world = ranks.world_size
     numbers: dict[str, dict] = {}
     model, numbers["load"] = measure(D.barrier, partial(_load, model_dir, parallel, ranks, weights=True))
-    trainer = _first_step(model, world)
+    trainer = _with_optimizer_state(model, world)
     _, numbers["step"] = measure(D.barrier, trainer.train_step)
-    checkpoint = out / "checkpoint" / "step-00000002"
+    checkpoint = out / "checkpoint" / "step-00000001"
     _, numbers["checkpoint"] = measure(D.barrier, partial(trainer.save, checkpoint))
     del trainer, model
     skip_weights = _reads_weights_optional()
