@@ -53,15 +53,10 @@ RUN_TIMEOUT_S = 1200
 MIB = 2**20
 
 
-@functools.cache  # counting the parameters builds the model on the meta device: seconds
-def benchmark_counts() -> tuple:
-    return count_parameters(W.model_section(), W.VOCAB)
-
-
-@functools.cache  # both tests read it at every world size
+@functools.cache  # both tests read it at every world size (the meta-device count is kept by moeflow.plan.counts)
 def planned_phases(world: int) -> dict:
     """``phase_memory`` for the worker's job at ``world`` fsdp ranks of one node (Job's docstring)."""
-    shape, params, _ = benchmark_counts()
+    shape, params, _ = count_parameters(W.model_section(), W.VOCAB)
     section = W.model_section()
     job = Job(
         precision="fp32",
@@ -105,10 +100,9 @@ def machine_wide_lock(path: Path):
 @pytest.fixture(scope="module")
 def measured(benchmark_model, tmp_path_factory) -> dict[int, dict]:
     """The worker's report per world size (fsdp), this tree's design."""
-    reports = {}
+    reports, lock = {}, Path(tempfile.gettempdir()) / "moeflow-phase-memory.lock"
     for world in WORLDS:
         out = tmp_path_factory.mktemp(f"scale-{world}")
-        lock = Path(tempfile.gettempdir()) / "moeflow-phase-memory.lock"
         with machine_wide_lock(lock) if world >= LOCKED_WORLD else contextlib.nullcontext():
             report = run_worker(
                 sys.executable, REPO / "src", benchmark_model, out, world, "fsdp", EXPORT_SHARD_SIZE, RUN_TIMEOUT_S
