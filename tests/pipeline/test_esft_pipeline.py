@@ -14,9 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE, results, scheduled_rules, snakemake, write_overlay
+from conftest import SMOKE, only_on, results, scheduled_rules, snakemake, write_overlay
 
-pytestmark = pytest.mark.pipeline
+pytestmark = [
+    pytest.mark.pipeline,
+    only_on(
+        "pinned",
+        "the Snakefile's ESFT wiring is the same on both; fused or separate experts: tests/unit/test_esft_training.py",
+    ),
+]
 RUN = "esft"
 ESFT = {"method": "esft", "esft": {"top_p": 0.5, "token_budget": 4096}}
 _SEPARATE = re.compile(r"\.experts\.(\d+)\.")

@@ -15,9 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE, results, scheduled_rules, snakemake, write_overlay
+from conftest import SMOKE, only_on, results, scheduled_rules, snakemake, write_overlay
 
-pytestmark = pytest.mark.pipeline
+pytestmark = [
+    pytest.mark.pipeline,
+    only_on(
+        "current",
+        "the Snakefile's LoRA wiring is the same on both; PEFT's training, merge and files: tests/unit/test_lora.py",
+    ),
+]
 LORA = {"method": "lora", "gradient_checkpointing": True, "lora": {"rank": 4}}
 NO_TASKS = {"tasks": [], "humaneval": {"enabled": False}}  # the LoRA run's: evaluate_run and routing_drift only
 LORA_RUN, FULL_RUN = "moe", "dense"

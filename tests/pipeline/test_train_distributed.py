@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a torchrun script: tiny_models, tiny_training
 
+from conftest import only_on  # noqa: E402
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, packed_rows  # noqa: E402
 
@@ -320,6 +321,10 @@ def test_ranks_share_the_rules_threads_and_only_rank_0_writes_the_log(monkeypatc
 
 
 @pytest.mark.pipeline
+@only_on(
+    "current",
+    "the rule's wiring is the same on both; the exact two-rank resume: the tests above",
+)
 def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_after_a_kill(pipeline_copy):
     from conftest import active_stack, executed_rules, snakemake
 
