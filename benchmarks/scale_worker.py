@@ -243,10 +243,10 @@ def _with_optimizer_state(model, world: int):
     does on resume; at learning rate 0 on torch 2.13, while torch 2.3's weight decay moves the weights a little,
     which changes no byte held), without a forward and backward pass (and FSDP's gathers and reductions) that
     would cost as much as the measured step."""
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from moeflow.checkpoint.pieces import init_optimizer_state
 
     trainer = _trainer(model, world)
-    _init_optim_state(trainer.optimizer)
+    init_optimizer_state(trainer.optimizer)
     return trainer
 
 

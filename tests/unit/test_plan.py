@@ -156,6 +156,17 @@ def test_meta_count_matches_a_real_model(name):
     assert exact.total == sum(p.numel() for p in model.parameters())
 
 
+def test_the_kept_meta_count_is_not_changed_by_a_caller():
+    """moeflow.plan.counts keeps each model's meta count for the process: a caller's change to its counts must not
+    reach the next caller."""
+    _, first, _ = count_parameters(model_section("qwen3_moe"), tokenizer_vocab=300)
+    assert first.method == "meta"
+    total = first.total
+    first.by_category["routed_experts"] = 0
+    _, again, _ = count_parameters(model_section("qwen3_moe"), tokenizer_vocab=300)
+    assert again.total == total and again is not first
+
+
 def test_shared_experts_and_dense_first_layers_are_counted():
     shape, _, formula = count_parameters(model_section("deepseek_v3"), tokenizer_vocab=300)
     assert shape.dense_layers == (0,) and shape.moe_layers == (1, 2)

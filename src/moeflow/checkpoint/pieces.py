@@ -37,6 +37,14 @@ class StatePieces:
     param_groups: list[dict[str, Any]]
 
 
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state (AdamW's moments, zeros) as torch.distributed.checkpoint does before it
+    loads one: a step on zero gradients. torch keeps this private, so moeflow calls it here only."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
 def state_pieces(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, init_optimizer: bool = False
 ) -> StatePieces:
@@ -48,9 +56,7 @@ def state_pieces(
     moves the weights, which a checkpoint's load overwrites). Without an optimizer: the model's only."""
     reshard(model)
     if init_optimizer:
-        from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-        _init_optim_state(optimizer)
+        init_optimizer_state(optimizer)
     inner, fsdp1 = unwrap(model), is_fsdp1(model)
     names = {id(param): clean_name(name) for name, param in inner.named_parameters()}
     of_param = _fsdp1_pieces(model) if fsdp1 else {}

@@ -9,7 +9,7 @@ model's forward and never trained (so not active, and not in a full fine-tune's 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from moeflow.model.parameters import counted_category, is_hidden_matrix, layer_index
@@ -254,11 +254,13 @@ _META_COUNTS: dict[tuple[str, str, Shape], ParamCount | None] = {}
 
 
 def meta_count(config: Any, shape: Shape) -> ParamCount | None:
-    """Exact counts from a meta-device instance, or None where no causal-LM class knows it on this stack."""
+    """Exact counts from a meta-device instance, or None where no causal-LM class knows it on this stack. Each
+    caller gets its own ``by_category`` (the cached count stays as counted)."""
     key = (type(config).__name__, config.to_json_string(use_diff=False), shape)
     if key not in _META_COUNTS:
         _META_COUNTS[key] = _meta_count(config, shape)
-    return _META_COUNTS[key]
+    cached = _META_COUNTS[key]
+    return None if cached is None else replace(cached, by_category=dict(cached.by_category))
 
 
 def _meta_count(config: Any, shape: Shape) -> ParamCount | None:

@@ -468,7 +468,7 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     :func:`rank_bytes` (device + host: what its peak RSS should be)."""
     state = resident_state(s, params, job)
     # a fresh optimizer's state is initialised by a step on zero gradients (torch.distributed.checkpoint's
-    # _init_optim_state, in moeflow.checkpoint.pieces.state_pieces) before the checkpoint's moments are read into it
+    # private step, moeflow.checkpoint.pieces.init_optimizer_state) before the checkpoint's moments are read into it
     _, trained = trained_parameters(s, params, job)
     zero_gradients = math.ceil(trained * PARAM_BYTES / job.shard_ranks)
     whole = params.largest_tensor * PARAM_BYTES
