@@ -206,6 +206,22 @@ def test_z_loss_matches_its_definition():
     assert float(loss) == pytest.approx(float(torch.logsumexp(logits, -1).square().mean()))
 
 
+def test_the_steps_reported_loss_is_the_sum_of_its_micro_batch_losses():
+    """summary()'s ``loss`` (what the Trainer logs and checks for NaN) weighs the terms as the backward pass did:
+    cross-entropy, balancing, z-loss and the MTP term."""
+    torch.manual_seed(0)
+    step = StepLoss.for_step(balance(mode="running", coef=0.3, z_loss_coef=0.2), 10, 12, 2, mtp_weight=0.5)
+    total = 0.0
+    for tokens in (5, 7):
+        logits = torch.randn(tokens, 4, dtype=torch.float64)
+        layer = LayerRouter(logits=logits, probs=torch.softmax(logits, -1), topk_index=logits.topk(2).indices)
+        ce, mtp = torch.rand((), dtype=torch.float64) * 20, [torch.rand((), dtype=torch.float64) * 20]
+        total += float(step.micro_batch_loss(ce, [layer], mtp))
+    summary = step.summary()
+    assert summary["balance"] > 0 and summary["z_loss"] > 0 and summary["mtp"] > 0
+    assert summary["loss"] == pytest.approx(total, rel=1e-12)
+
+
 def test_exact_mode_without_counts_is_refused():
     with pytest.raises(ValueError, match="counting forward"):
         StepLoss.for_step(balance(mode="exact"), 1, 1, 1)

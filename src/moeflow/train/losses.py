@@ -199,8 +199,8 @@ class StepLoss:
         return dict(zip(LOSS_TERMS, sums))
 
     def summary(self) -> dict[str, Any]:
-        """The step's loss terms and routing statistics, the same on every rank: each rank's terms are its
-        share of the step's loss (normalised by the global counts), so their sum over ranks is the step's.
+        """The step's loss (``loss``), its terms and routing statistics, the same on every rank: each rank's terms
+        are its share of the step's loss (normalised by the global counts), so their sum over ranks is the step's.
         Computed on the device, then read back in a single transfer."""
         loss_sums = self.loss_sums if self.loss_sums is not None else torch.zeros(len(LOSS_TERMS), dtype=torch.float64)
         parts = [all_reduce_sum(loss_sums.clone())]
@@ -212,6 +212,8 @@ class StepLoss:
             parts.append(self.running_counts.reshape(-1))
         host = torch.cat(parts).cpu()
         out: dict[str, Any] = dict(zip(LOSS_TERMS, host[: len(LOSS_TERMS)].tolist()))
+        s = self.settings  # the step's loss: the terms weighted as micro_batch_loss weighs them
+        out["loss"] = out["ce"] + s.coef * out["balance"] + s.z_loss_coef * out["z_loss"] + self.mtp_weight * out["mtp"]
         out["label_tokens"] = self.num_label_tokens
         out["routed_tokens"] = self.num_routed_tokens
         if routed:

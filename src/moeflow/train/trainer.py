@@ -341,9 +341,7 @@ class Trainer:
         if self.expert_mask is not None:  # before clipping: the unselected rows' gradients count in no norm
             self.expert_mask.before_step(self.optimizer)
         grad_norm = clip_grad_norm(self.model, s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
-        loss = summary["ce"] + s.balance.coef * summary["balance"] + s.balance.z_loss_coef * summary["z_loss"]
-        if s.trained_mtp is not None:
-            loss += s.trained_mtp.loss_weight * summary["mtp"]
+        loss = summary["loss"]
         G.check_finite({"loss": loss, "grad_norm": grad_norm}, self.step + 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
