@@ -147,10 +147,11 @@ def comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     return aligned(out)
 
 
-def slice_losses(metrics: Mapping[str, Any], corpus: str) -> tuple[float | None, float | None]:
-    """The base and the fine-tuned loss on ``corpus``'s test split (None, None if the run was not evaluated on it)."""
+def slice_losses(metrics: Mapping[str, Any], corpus: str) -> tuple[float | None, float | None, float | None]:
+    """The base and the fine-tuned loss on ``corpus``'s test split and evaluate_run's change between them
+    (fine-tuned - base); None for what the run was not evaluated on."""
     s = eval_set(metrics, f"test/{corpus}")
-    return (s["base"]["loss"], s["finetuned"]["loss"]) if s is not None else (None, None)
+    return (s["base"]["loss"], s["finetuned"]["loss"], s["change"].get("loss")) if s is not None else (None,) * 3
 
 
 def mean(values: Sequence[float]) -> float | None:
@@ -166,8 +167,8 @@ def method_comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]
     for r in records:
         if r.results.drift is None:
             continue
-        target_before, target_after = slice_losses(r.metrics, r.results.target_corpus)
-        general_before, general_after = slice_losses(r.metrics, r.results.general_corpus)
+        target_before, target_after, target_change = slice_losses(r.metrics, r.results.target_corpus)
+        general_before, general_after, general_change = slice_losses(r.metrics, r.results.general_corpus)
         state = r.summary.get("optimizer_state_bytes")
         layers = r.results.drift["layers"]
         out.append(
@@ -176,10 +177,10 @@ def method_comparison_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]
                 "method": r.training.get("method"),
                 "target loss before": target_before,
                 "target loss after": target_after,
-                "target gain": None if target_after is None else target_before - target_after,
+                "target gain": None if target_change is None else -target_change,
                 "general loss before": general_before,
                 "general loss after": general_after,
-                "general forgetting": None if general_after is None else general_after - general_before,
+                "general forgetting": general_change,
                 "trainable params": r.training.get("trainable"),
                 "trainable %": 100.0 * r.training["trainable_fraction"] if "trainable_fraction" in r.training else None,
                 "optimizer state MiB": None if state is None else state / 2**20,
