@@ -175,6 +175,16 @@ def lm_eval_files(run):
     }
 
 
+def lm_eval_task_of(wc):
+    """An lm_eval_task job's task (wildcards run and task), resolved from the run's evaluate.tasks."""
+    return lm_eval_task_labels(RUNS[wc.run]["evaluate"]["tasks"])[wc.task]
+
+
+def task_corpora(wc):
+    """The run's evaluation corpora if an lm_eval_task job's task reads their test splits (moeflow's own tasks)."""
+    return RUNS[wc.run]["data"]["eval_corpora"] if lm_eval_task_of(wc).docs else []
+
+
 def humaneval_files(run):
     """The humaneval execution rule's results of a run, model -> path; none when evaluate.humaneval is off."""
     if not RUNS[run]["evaluate"]["humaneval"]["enabled"]:

@@ -2,15 +2,10 @@
 # job per (run, model, task), so adding a task runs that task only. moeflow's own tasks (workflow/tasks/) read
 # each evaluation corpus's packed test split; a task of lm-eval's registry reads its data from the local cache.
 
-from moeflow.evaluation.lm_eval_tasks import by_label as tasks_by_label
-
-
 LM_EVAL_TASK_PARAMS = dict(
-    task=lambda wc: tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].spec,
+    task=lambda wc: lm_eval_task_of(wc).spec,
     settings=lambda wc: RUNS[wc.run]["evaluate"]["lm_eval"],
-    eval_corpora=lambda wc: RUNS[wc.run]["data"]["eval_corpora"]
-    if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
-    else [],
+    eval_corpora=task_corpora,
     seq_len=lambda wc: RUNS[wc.run]["data"]["seq_len"],
     model=lambda wc: RUNS[wc.run]["model"],
     label=lambda wc: wc.model,
@@ -28,10 +23,8 @@ rule lm_eval_task:
         model=evaluated_model_dir,
         experts=lambda wc: experts_choice(RUNS[wc.run]),
         # relative to the working directory: an absolute path would change (and rerun the task) in a moved copy
-        task_files=lambda wc: [os.path.relpath(p) for p in tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].files],
-        eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in RUNS[wc.run]["data"]["eval_corpora"]]
-        if tasks_by_label(RUNS[wc.run]["evaluate"]["tasks"])[wc.task].docs
-        else [],
+        task_files=lambda wc: [os.path.relpath(p) for p in lm_eval_task_of(wc).files],
+        eval_data=lambda wc: [data_dir(RUNS[wc.run], c) for c in task_corpora(wc)],
         script="workflow/scripts/lm_eval_task.py",
         lib=code("lm_eval_task"),
     output:
