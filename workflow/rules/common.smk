@@ -311,10 +311,12 @@ def torchrun_job(rule, **params):
     return job
 
 
-def compared_params(**params):
-    """A param of the same settings as ``torchrun_job(rule, **params)``'s, but built from the wildcards only:
-    Snakemake's params trigger skips params derived from input or output, as the job description is."""
-    return lambda wildcards: {k: (v(wildcards) if callable(v) else v) for k, v in params.items()}
+def torchrun_params(rule, **params):
+    """A torchrun rule's params: ``job``, the script's job description (:func:`torchrun_job`), and ``compared``,
+    the same settings built from the wildcards only, which rerun the rule when they change (Snakemake's params
+    trigger skips params derived from input or output, as the job description is)."""
+    compared = lambda wildcards: {k: (v(wildcards) if callable(v) else v) for k, v in params.items()}
+    return {"job": torchrun_job(rule, **params), "compared": compared}
 
 
 WARMUPS = {stage_keys.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}

@@ -25,9 +25,7 @@ rule coverage_valset:
         json=f"{RESULTS}/coverage/{{covkey}}/coverage.json",
         heatmap=report(f"{RESULTS}/coverage/{{covkey}}/heatmap.png", caption="../report/coverage.rst", category="Coverage"),
     params:
-        job=torchrun_job("coverage_valset", **COVERAGE_VALSET_PARAMS),
-        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
-        compared=compared_params(**COVERAGE_VALSET_PARAMS),
+        **torchrun_params("coverage_valset", **COVERAGE_VALSET_PARAMS),
         launcher=torchrun_launcher("coverage_valset", lambda wc: COVERAGES[wc.covkey], lambda cfg: cfg["coverage"]["ranks"]),
     resources:
         gpu=lambda wc: forward_gpus(COVERAGES[wc.covkey], COVERAGES[wc.covkey]["coverage"]["ranks"]),  # common.smk's gpus_of

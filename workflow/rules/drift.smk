@@ -25,9 +25,7 @@ rule routing_drift:
     output:
         json=f"{RESULTS}/runs/{{run}}/eval/drift.json",
     params:
-        job=torchrun_job("routing_drift", **ROUTING_DRIFT_PARAMS),
-        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
-        compared=compared_params(**ROUTING_DRIFT_PARAMS),
+        **torchrun_params("routing_drift", **ROUTING_DRIFT_PARAMS),
         launcher=torchrun_launcher("routing_drift", lambda wc: RUNS[wc.run], lambda cfg: cfg["evaluate"]["ranks"]),
     resources:
         gpu=lambda wc: forward_gpus(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),  # common.smk's gpus_of

@@ -34,9 +34,7 @@ rule evaluate_run:
         speed=f"{RESULTS}/runs/{{run}}/eval/speed.json",
         summary=report(f"{RESULTS}/runs/{{run}}/eval/summary.md", caption="../report/evaluate.rst", category="Evaluation", subcategory="{run}"),
     params:
-        job=torchrun_job("evaluate_run", **EVALUATE_RUN_PARAMS),
-        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
-        compared=compared_params(**EVALUATE_RUN_PARAMS),
+        **torchrun_params("evaluate_run", **EVALUATE_RUN_PARAMS),
         launcher=torchrun_launcher("evaluate_run", lambda wc: RUNS[wc.run], lambda cfg: cfg["evaluate"]["ranks"]),
     resources:
         gpu=lambda wc: forward_gpus(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),  # common.smk's gpus_of

@@ -38,9 +38,7 @@ rule lm_eval_task:
         model="base|finetuned",
         task="[A-Za-z0-9][A-Za-z0-9_.-]*",
     params:
-        job=torchrun_job("lm_eval_task", **LM_EVAL_TASK_PARAMS),
-        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
-        compared=compared_params(**LM_EVAL_TASK_PARAMS),
+        **torchrun_params("lm_eval_task", **LM_EVAL_TASK_PARAMS),
         launcher=torchrun_launcher("lm_eval_task", lambda wc: RUNS[wc.run], lambda cfg: cfg["evaluate"]["ranks"]),
     resources:
         gpu=lambda wc: forward_gpus(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),  # common.smk's gpus_of

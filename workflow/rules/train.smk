@@ -79,9 +79,7 @@ rule warmup:
     output:
         checkpoint=directory(f"{RESULTS}/warmup/{{warmkey}}"),
     params:
-        job=torchrun_job("warmup", **WARMUP_PARAMS),
-        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
-        compared=compared_params(**WARMUP_PARAMS),
+        **torchrun_params("warmup", **WARMUP_PARAMS),
         launcher=torchrun_launcher("warmup", lambda wc: RUNS[WARMUPS[wc.warmkey]]),
     resources:
         gpu=lambda wc: training_gpus(RUNS[WARMUPS[wc.warmkey]]),  # one rank per GPU (common.smk's gpus_of)
@@ -117,9 +115,7 @@ rule train_model:
         # a method marker here, so the output always exists (moeflow.model.lora.save_adapter_output).
         adapter=directory(f"{RESULTS}/runs/{{run}}/adapter"),
     params:
-        job=torchrun_job("train_model", **TRAIN_MODEL_PARAMS),
-        # Snakemake compares only the params not built from input or output (job is): these rerun the rule
-        compared=compared_params(**TRAIN_MODEL_PARAMS),
+        **torchrun_params("train_model", **TRAIN_MODEL_PARAMS),
         launcher=torchrun_launcher("train_model", lambda wc: RUNS[wc.run]),
     resources:
         gpu=lambda wc: training_gpus(RUNS[wc.run]),  # one rank per GPU (common.smk's gpus_of)
