@@ -17,14 +17,16 @@ from moeflow.data.collate import collate, model_inputs
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import decoder_forward
 from moeflow.model.factory import make_model
-from moeflow.model.families.mtp import mtp_layers, mtp_prefixes, mtp_report
+from moeflow.model.families.mtp import is_mtp_name, mtp_layers, mtp_prefixes, mtp_report
 from moeflow.model.lora import trainable_parameter_report
 from moeflow.model.mtp_loss import mtp_loss_sums
+from moeflow.model.parameters import ROUTED_EXPERTS, counted_category
 from moeflow.model.settings import ModelSettings
 from moeflow.plan import memory as plan
 from moeflow.plan.counts import count_parameters
 from moeflow.runtime import compat
 from moeflow.settings import typed
+from moeflow.train.metrics import flop_bearing_parameters
 from moeflow.train.settings import TrainSettings
 from moeflow.train.trainer import TrainConfigError, Trainer
 from moeflow.workflow.keys import training
@@ -114,6 +116,25 @@ def test_the_step_gradient_is_main_plus_weighted_mean_mtp_loss_over_the_steps_la
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
     assert summary["mtp"] > 0
+
+
+@pytest.mark.parametrize(("family", "depth"), PARAMS)
+def test_the_mfu_counts_the_mtp_layers_only_when_they_train(family, depth):
+    """Frozen MTP layers are not run: the FLOPs per token are the trunk's, as the planner counts them (from the
+    config, without the MTP layers). Trained, each MTP layer adds its active parameters (routed experts at
+    top_k / E)."""
+    model = build(family, depth)
+    frozen = Trainer(model, settings("frozen"), rows(), collate_fn=collate, seed=0).flops_per_token
+    trained = Trainer(model, settings("train"), rows(), collate_fn=collate, seed=0).flops_per_token
+    section = model_config(family)
+    section["config"]["num_nextn_predict_layers"] = depth
+    _, planned, _ = count_parameters(section, tokenizer_vocab=VOCAB)
+    assert frozen == 6 * planned.flop_bearing == 6 * flop_bearing_parameters(model)
+    prefixes, config = mtp_prefixes(model), model.config
+    mtp = {n: p.numel() for n, p in model.named_parameters() if is_mtp_name(n, prefixes) and "embed_tokens" not in n}
+    routed = sum(k for n, k in mtp.items() if counted_category(n) == ROUTED_EXPERTS)
+    top_k = config.num_experts_per_tok / (getattr(config, "n_routed_experts", None) or config.moe_num_experts)
+    assert trained - frozen == pytest.approx(6 * (sum(mtp.values()) - routed + routed * top_k), abs=6)
 
 
 def test_the_step_gradient_is_the_same_under_activation_checkpointing():

@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from moeflow.model import parameters as P
+from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.layouts import original_shape
 
@@ -88,8 +89,11 @@ def active_parameters(model: torch.nn.Module) -> int:
     return P.active_per_token(unwrap(model).config, sizes)
 
 
-def flop_bearing_parameters(model: torch.nn.Module) -> int:
+def flop_bearing_parameters(model: torch.nn.Module, mtp_trains: bool = False) -> int:
     """``moeflow.model.parameters.flop_bearing_per_token`` of a model in any layout: the MFU's count (the
-    active parameters without the input embedding's lookup; a tied head counted once, as the head)."""
-    sizes = {n: math.prod(original_shape(p)) for n, p in model.named_parameters()}
+    active parameters without the input embedding's lookup; a tied head counted once, as the head). The MTP
+    layers count only when they train (``train.mtp.mode: train``): frozen, they are not run, and the planner
+    counts without them."""
+    skipped = () if mtp_trains else mtp_prefixes(model)
+    sizes = {n: math.prod(original_shape(p)) for n, p in model.named_parameters() if not is_mtp_name(n, skipped)}
     return P.flop_bearing_per_token(unwrap(model).config, sizes)

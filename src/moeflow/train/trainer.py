@@ -230,7 +230,8 @@ class Trainer:
         self.memory_guard = G.MemoryGuard(settings.memory_guard)
         self.step = 0
         self.history: list[dict[str, Any]] = []
-        self.flops_per_token = 6 * flop_bearing_parameters(model)  # the MFU's: no embedding lookup
+        # the MFU's: no embedding lookup; the MTP layers when they train
+        self.flops_per_token = 6 * flop_bearing_parameters(model, mtp_trains=settings.trained_mtp is not None)
 
     # ---- state
 
