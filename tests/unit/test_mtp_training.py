@@ -153,6 +153,25 @@ def mtp_state(model) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in model.state_dict().items() if n.startswith(prefixes)}
 
 
+@pytest.mark.parametrize(("family", "depth"), PARAMS)
+def test_the_evaluation_reports_the_mtp_loss_of_the_validation_rows_when_the_mtp_layers_train(family, depth):
+    """The in-training evaluation's ``mtp_loss``, defined as training's (each depth's summed cross-entropy, the
+    mean over depths, per label token), equals a hand computation on the whole validation set in one batch;
+    with the MTP layers frozen there is none."""
+    model = build(family, depth)
+    evaluation = Trainer(model, settings(), rows(), collate_fn=collate, seed=0, eval_rows=rows(1)).evaluate()
+    model.eval()
+    batch = collate(rows(1))
+    with torch.no_grad():
+        hidden = decoder_forward(model, model_inputs(model, batch)).last_hidden_state
+        sums = mtp_loss_sums(model, hidden, batch, chunk_tokens=7)
+    tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert evaluation["label_tokens"] == tokens
+    assert evaluation["mtp_loss"] == pytest.approx(float(torch.stack(sums).mean()) / tokens, rel=1e-5)
+    frozen = Trainer(model, settings("frozen"), rows(), collate_fn=collate, seed=0, eval_rows=rows(1)).evaluate()
+    assert "mtp_loss" not in frozen and frozen["loss"] == pytest.approx(evaluation["loss"], rel=1e-12)
+
+
 def test_mode_frozen_keeps_the_mtp_layers_bit_identical_and_out_of_the_loss():
     frozen = settings("frozen")
     assert frozen.mtp is None and settings().trained_mtp.loss_weight == WEIGHT

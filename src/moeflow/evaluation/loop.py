@@ -23,6 +23,7 @@ import torch
 from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import count_label_tokens, next_token_targets, token_losses
+from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import capture
 
 FILLER = "filler"  # key of a batch a rank runs only to keep step with the others (see batches): not counted
@@ -40,6 +41,7 @@ class SetStats:
     served_loss_sum: np.ndarray | None = None  # (L, E) summed loss of the tokens each expert served
     served_label_tokens: np.ndarray | None = None  # (L, E) tokens with a label among them
     moe_layers: list[int] = field(default_factory=list)
+    mtp_loss_sum: float | None = None  # with the MTP layers evaluated: each batch's mean over depths, summed
     seconds: float = 0.0  # wall time of the whole loop: reading and collating rows, forwards, statistics
 
     @property
@@ -49,6 +51,14 @@ class SetStats:
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss)
+
+    @property
+    def mtp_loss(self) -> float | None:
+        """The MTP loss as training reports it: the mean over depths of each depth's cross-entropy, per label
+        token (None when the MTP layers were not evaluated)."""
+        if self.mtp_loss_sum is None:
+            return None
+        return self.mtp_loss_sum / self.label_tokens if self.label_tokens else float("nan")
 
     def add_routing(self, layer_ids: list[int], routed, loss_sum, label_tokens) -> None:
         if self.routed is None:
@@ -84,13 +94,16 @@ def routing_sums(layers, token_mask, token_loss, label_mask) -> tuple[list[int],
     )
 
 
-def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, precision: str = "fp32") -> SetStats:
+def evaluate_batches(
+    model, batches: Iterable[Mapping[str, Any]], adapter=None, precision: str = "fp32", mtp: bool = False
+) -> SetStats:
     """Run ``model`` over collated batches (``moeflow.data.collate.collate`` output) and sum loss and routing.
 
     ``adapter``: the model's ``moeflow.model.routing`` adapter, or None for a dense model (no expert statistics).
-    Padding (negative ``doc_ids``, see ``moeflow.data.collate.token_mask``) is routed but not counted.
+    Padding (negative ``doc_ids``, see ``moeflow.data.collate.token_mask``) is routed but not counted. ``mtp``:
+    also sum the MTP layers' loss (``moeflow.model.mtp_loss``; the model must have them).
     """
-    stats = SetStats()
+    stats = SetStats(mtp_loss_sum=0.0 if mtp else None)
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     model.eval()
@@ -100,10 +113,14 @@ def evaluate_batches(model, batches: Iterable[Mapping[str, Any]], adapter=None, 
             inputs = model_inputs(model, batch)
             labels = batch["labels"]
             if FILLER in batch:
-                token_losses(model, inputs, labels)
+                out = token_losses(model, inputs, labels, keep_hidden=mtp)
+                if mtp:
+                    mtp_sums(model, out, batch)  # the MTP layers' forward is a collective too
                 continue
             with capture(model, adapter) if adapter is not None else contextlib.nullcontext() as routing:
-                out = token_losses(model, inputs, labels)
+                out = token_losses(model, inputs, labels, keep_hidden=mtp)
+            if mtp:
+                stats.mtp_loss_sum += float(torch.stack(mtp_sums(model, out, batch)).mean())
             stats.loss_sum += float(out.loss)
             stats.label_tokens += count_label_tokens(labels)
             stats.sequences += int(labels.shape[0])
@@ -150,6 +167,8 @@ def sum_stats(parts: Sequence[SetStats]) -> SetStats:
         total.label_tokens += part.label_tokens
         total.sequences += part.sequences
         total.input_tokens += part.input_tokens
+        if part.mtp_loss_sum is not None:
+            total.mtp_loss_sum = (total.mtp_loss_sum or 0.0) + part.mtp_loss_sum
         if part.routed is not None:
             total.add_routing(
                 part.moe_layers, part.routed.copy(), part.served_loss_sum.copy(), part.served_label_tokens.copy()

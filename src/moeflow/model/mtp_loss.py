@@ -11,6 +11,7 @@ per-document attention. The caller divides each depth's sum by the step's label 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from moeflow.data.collate import SLIDING, block_causal_mask, document_ids, flatt
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import linear_cross_entropy, logit_scale
 from moeflow.model.families.mtp import mtp_layers
+from moeflow.model.wrappers import unwrap
+from moeflow.runtime.hardware import to_device
 
 
 def depth_targets(labels: torch.Tensor, position_ids: torch.Tensor, depth: int) -> torch.Tensor:
@@ -84,3 +87,12 @@ def mtp_loss_sums(model: Any, last_hidden: torch.Tensor, batch: dict, chunk_toke
         )
         sums.append(loss)
     return sums
+
+
+def mtp_sums(model: Any, outputs: Any, batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`mtp_loss_sums` continuing from a forward of ``model`` (in any wrapper) that kept its last hidden
+    state (``outputs``), on ``batch`` as collated (moved to the hidden state's device here)."""
+    lm = unwrap(model)
+    device = outputs.last_hidden_state.device
+    on_device = {k: to_device(batch[k], device) for k in ("input_ids", "labels", "position_ids")}
+    return mtp_loss_sums(lm, outputs.last_hidden_state, on_device, lm.loss_chunk_tokens)

@@ -38,7 +38,7 @@ from moeflow.data.order import DataOrder
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
 from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
 from moeflow.model.families.mtp import mtp_layers
-from moeflow.model.mtp_loss import mtp_loss_sums
+from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.routing_stats import layer_health
 from moeflow.model.wrappers import unwrap
@@ -123,14 +123,6 @@ def train_mtp_layers(model: torch.nn.Module) -> None:
         )
     for _, layer in layers:
         layer.requires_grad_(True)
-
-
-def mtp_sums(model: torch.nn.Module, outputs: Any, batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Each MTP depth's summed cross-entropy on ``batch``, continuing from its training forward's ``outputs``."""
-    lm = unwrap(model)
-    device = outputs.last_hidden_state.device
-    on_device = {k: to_device(batch[k], device) for k in ("input_ids", "labels", "position_ids")}
-    return mtp_loss_sums(lm, outputs.last_hidden_state, on_device, lm.loss_chunk_tokens)
 
 
 def accumulate_gradients(
@@ -383,7 +375,7 @@ class Trainer:
         attn = unwrap(self.model).config._attn_implementation
         s = self.settings
         shard = batches(self.eval_rows, s.micro_batch_size, attn, s.eval_max_sequences, self.rank, self.world)
-        stats = evaluate_batches(self.model, shard, self.adapter, self.precision)
+        stats = evaluate_batches(self.model, shard, self.adapter, self.precision, mtp=s.trained_mtp is not None)
         reshard(self.model)  # FSDP2 keeps the root unit gathered after a forward without backward
         self.model.train()
         return sum_stats(gather_objects(stats))
@@ -396,6 +388,7 @@ class Trainer:
             "loss": stats.loss,
             "perplexity": stats.perplexity,
             "label_tokens": stats.label_tokens,
+            **({"mtp_loss": stats.mtp_loss} if stats.mtp_loss is not None else {}),
         }
 
     def _evaluation_due(self) -> bool:
