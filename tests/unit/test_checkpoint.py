@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: tiny_models, tiny_training
 
+from gloo_ranks import run_ranks  # noqa: E402
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training_script, settings  # noqa: E402
 
@@ -235,17 +236,12 @@ def _resume_rank(rank: int, root: str, results: dict) -> None:
 
 
 def test_every_rank_resumes_from_rank_0s_checkpoint_or_every_rank_fails(tmp_path):
-    import torch.multiprocessing as mp
-
     for step in (2, 4):
         _fake_checkpoint(tmp_path / "view0", step)
     for step in (2, 6):
         _fake_checkpoint(tmp_path / "view1", step)
     _fake_checkpoint(tmp_path / "view1", 8, complete=False)
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_resume_rank, args=(str(tmp_path), results), nprocs=2, join=True)
-        results = dict(results)
+    results = run_ranks(_resume_rank, str(tmp_path))
     chosen = step_folder(tmp_path / "view0", 4)
     assert (results["0.own"], results["1.own"]) == (chosen, step_folder(tmp_path / "view1", 6))  # alone: they differ
     assert results["0.agreed"] == results["1.agreed"] == chosen

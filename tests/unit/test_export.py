@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 from tiny_models import tiny_model_cfg
 
@@ -183,12 +184,7 @@ def test_the_ranks_elements_sum_into_the_exact_whole_as_integers_nccl_has(dtype)
 
 
 def test_two_gloo_ranks_reduce_bf16_pieces_into_the_exact_whole(tmp_path):
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_reduce_rank, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
-        got = results["whole"]
+    got = run_ranks(_reduce_rank, str(tmp_path / "init"))["whole"]
     assert got == torch.tensor(SPECIAL, dtype=torch.bfloat16).view(torch.int16).tolist()
 
 

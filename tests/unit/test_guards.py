@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gloo_ranks import run_ranks  # noqa: E402
 from tiny_training import make_trainer, settings  # noqa: E402
 
 from moeflow.checkpoint.state import latest_checkpoint
@@ -89,18 +90,8 @@ def _memory_rank(rank: int, init_file: str, results: dict) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(
-    torch.__version__.startswith("2.3."),
-    reason="pinned (torch 2.3): a spawned rank hung for 53 min after earlier tests of the full suite (alone it passes "
-    "in 12 s); runs on current until the hang is understood (closing note of 2026-12-03)",
-)
 def test_a_leak_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_memory_rank, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
-        results = dict(results)
+    results = run_ranks(_memory_rank, str(tmp_path / "init"))
     assert results[0] is not None and results[0] == results[1], results  # the same verdict, step and message
     assert results[0][1] == 1 and "on rank 1" in results[0][2]
 

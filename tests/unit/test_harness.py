@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from tiny_models import tiny_model_cfg
 
 from moeflow.data.packing import pack_documents
@@ -226,7 +227,6 @@ def test_two_fsdp_ranks_give_one_ranks_lm_eval_records(corpus, model, tmp_path):
     """lm_eval_task on evaluate.ranks: 2 in fsdp: each gloo rank holds half of every parameter and scores its
     share of lm-eval's requests; the records (metrics, bootstrapped stderrs, sample counts, the perplexity
     cross-check) equal one process's on the whole model, and both ranks ran the same number of forwards."""
-    import torch.multiprocessing as mp
 
     tokenizer, folders, _ = corpus
     model.save_pretrained(tmp_path / "model")
@@ -238,10 +238,8 @@ def test_two_fsdp_ranks_give_one_ranks_lm_eval_records(corpus, model, tmp_path):
     whole = make_model(MODEL_SETTINGS, folder=tmp_path / "model").eval()
     (tmp_path / "one").mkdir()
     one = ranked_records(whole, tokenizer, {**documents, "workdir": str(tmp_path / "one")})
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_lm_eval_rank, args=(str(tmp_path), documents, results), nprocs=2, join=True)
-        results = {rank: json.loads(results[rank]) for rank in (0, 1)}
+    reported = run_ranks(_lm_eval_rank, str(tmp_path), documents)
+    results = {rank: json.loads(reported[rank]) for rank in (0, 1)}
     assert results[0]["forwards"] == results[1]["forwards"] > 0
     assert results[0]["fillers"] + results[1]["fillers"] > 0  # the counts of their own forwards differed
     assert results[0]["records"] == results[1]["records"]  # every rank gets the whole record

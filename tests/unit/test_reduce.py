@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from tiny_models import tiny_model_cfg
 
 from moeflow.model.factory import make_model
@@ -91,10 +91,7 @@ def _rank(rank: int, world: int, init_file: str, results: dict) -> None:
 
 
 def test_two_gloo_ranks_give_the_per_parameter_sums_bit_for_bit(tmp_path):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
-        assert dict(results) == {0: True, 1: True}
+    assert run_ranks(_rank, 2, str(tmp_path / "init")) == {0: True, 1: True}
 
 
 # --------------------------------------------------------------------------- clipping sharded gradients
@@ -179,10 +176,7 @@ def _clip_rank(rank: int, world: int, init_file: str, results: dict) -> None:
 
 
 def test_clipping_sharded_gradients_takes_one_all_reduce_per_group_and_gives_torchs_norm(tmp_path):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_clip_rank, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
-        results = dict(results)
+    results = run_ranks(_clip_rank, 2, str(tmp_path / "init"))
     for rank, result in results.items():
         got, want = result["norm"]
         assert got == pytest.approx(want, rel=1e-6) and want > 1, rank

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from tiny_models import tiny_model_cfg
 
 from moeflow.checkpoint.safetensors_files import SafetensorsError, read_header, weight_files
@@ -335,12 +336,7 @@ def test_dtensor_rows_are_found_once_per_layout_not_once_per_tensor(tmp_path):
     """Two gloo ranks, FSDP2's ``Shard(0)``: each rank's pieces are its rows with their row offsets, and the row
     layout is probed once per (rows, placements), not once per tensor (each probe read back from a GPU waits
     for the device: about 530 tensors in Qwen3-30B-A3B)."""
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rows_rank, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
-        results = dict(results)
+    results = run_ranks(_rows_rank, str(tmp_path / "init"))
     whole = {f"w{i}": torch.arange(15.0).reshape(5, 3) + i for i in range(6)} | {
         "odd": torch.arange(14.0).reshape(7, 2)
     }
