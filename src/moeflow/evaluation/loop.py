@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,6 @@ import torch
 from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import count_label_tokens, next_token_targets, token_losses
-from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import capture
 
 FILLER = "filler"  # key of a batch a rank runs only to keep step with the others (see batches): not counted
@@ -95,15 +94,21 @@ def routing_sums(layers, token_mask, token_loss, label_mask) -> tuple[list[int],
 
 
 def evaluate_batches(
-    model, batches: Iterable[Mapping[str, Any]], adapter=None, precision: str = "fp32", mtp: bool = False
+    model,
+    batches: Iterable[Mapping[str, Any]],
+    adapter=None,
+    precision: str = "fp32",
+    mtp: Callable[[Any, Mapping[str, Any]], float] | None = None,
 ) -> SetStats:
     """Run ``model`` over collated batches (``moeflow.data.collate.collate`` output) and sum loss and routing.
 
     ``adapter``: the model's ``moeflow.model.routing`` adapter, or None for a dense model (no expert statistics).
     Padding (negative ``doc_ids``, see ``moeflow.data.collate.token_mask``) is routed but not counted. ``mtp``:
-    also sum the MTP layers' loss (``moeflow.model.mtp_loss``; the model must have them).
+    a batch's MTP loss from its forward's output with the last hidden state kept (the Trainer's, when the MTP
+    layers train), summed too.
     """
-    stats = SetStats(mtp_loss_sum=0.0 if mtp else None)
+    stats = SetStats(mtp_loss_sum=None if mtp is None else 0.0)
+    keep_hidden = mtp is not None
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     model.eval()
@@ -113,14 +118,14 @@ def evaluate_batches(
             inputs = model_inputs(model, batch)
             labels = batch["labels"]
             if FILLER in batch:
-                out = token_losses(model, inputs, labels, keep_hidden=mtp)
-                if mtp:
-                    mtp_sums(model, out, batch)  # the MTP layers' forward is a collective too
+                out = token_losses(model, inputs, labels, keep_hidden=keep_hidden)
+                if mtp is not None:
+                    mtp(out, batch)  # the MTP layers' forward is a collective too
                 continue
             with capture(model, adapter) if adapter is not None else contextlib.nullcontext() as routing:
-                out = token_losses(model, inputs, labels, keep_hidden=mtp)
-            if mtp:
-                stats.mtp_loss_sum += float(torch.stack(mtp_sums(model, out, batch)).mean())
+                out = token_losses(model, inputs, labels, keep_hidden=keep_hidden)
+            if mtp is not None:
+                stats.mtp_loss_sum += mtp(out, batch)
             stats.loss_sum += float(out.loss)
             stats.label_tokens += count_label_tokens(labels)
             stats.sequences += int(labels.shape[0])

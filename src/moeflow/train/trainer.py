@@ -375,7 +375,10 @@ class Trainer:
         attn = unwrap(self.model).config._attn_implementation
         s = self.settings
         shard = batches(self.eval_rows, s.micro_batch_size, attn, s.eval_max_sequences, self.rank, self.world)
-        stats = evaluate_batches(self.model, shard, self.adapter, self.precision, mtp=s.trained_mtp is not None)
+        mtp = (
+            (lambda out, batch: float(torch.stack(mtp_sums(self.model, out, batch)).mean())) if s.trained_mtp else None
+        )
+        stats = evaluate_batches(self.model, shard, self.adapter, self.precision, mtp)
         reshard(self.model)  # FSDP2 keeps the root unit gathered after a forward without backward
         self.model.train()
         return sum_stats(gather_objects(stats))
