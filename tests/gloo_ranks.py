@@ -3,6 +3,9 @@ collectives (gloo process groups) share."""
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,17 +14,28 @@ from typing import Any
 def run_ranks(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: float = 600.0) -> dict:
     """``fn(rank, *args, results)`` on ``nprocs`` spawned ranks; ``results`` (a shared dict each rank fills) as a
     plain dict. The dict's manager is a spawned process too: a manager forked from the pytest process, which holds
-    the threads of earlier tests, can deadlock in the fork, and a rank writing to it then waits forever (on the
-    pinned stack one hung for 53 minutes). Ranks still running after ``timeout_s`` are killed and the test fails."""
+    the threads of earlier tests, can deadlock in the fork. Ranks still running after ``timeout_s`` print every
+    thread's Python stack (to the test's captured stderr), are killed, and the test fails."""
     import torch.multiprocessing as mp
 
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
-        ranks = mp.spawn(fn, args=(*args, results), nprocs=nprocs, join=False)
+        ranks = mp.spawn(_traced_rank, args=(fn, *args, results), nprocs=nprocs, join=False)
         deadline = time.monotonic() + timeout_s
         while not ranks.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
+                for process in [p for p in ranks.processes if p.is_alive()]:
+                    os.kill(process.pid, signal.SIGUSR1)
+                    time.sleep(1)  # one rank's stack at a time: they share the stderr
                 for process in ranks.processes:
                     process.kill()
-                raise AssertionError(f"{fn.__name__} on {nprocs} ranks still ran after {timeout_s:.0f} s: killed")
+                raise AssertionError(
+                    f"{fn.__name__} on {nprocs} ranks still ran after {timeout_s:.0f} s: killed "
+                    f"(their stacks: the captured stderr)"
+                )
         return dict(results)
+
+
+def _traced_rank(rank: int, fn: Callable[..., None], *args: Any) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    fn(rank, *args)

@@ -218,6 +218,8 @@ def _resume_rank(rank: int, root: str, results: dict) -> None:
     partial 8); then rank 1 sees none of rank 0's checkpoints complete."""
     import torch.distributed as dist
 
+    from moeflow.parallel.process_group import destroy
+
     root = Path(root)
     dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=2)
     try:
@@ -232,7 +234,7 @@ def _resume_rank(rank: int, root: str, results: dict) -> None:
             results[f"{rank}.blind"] = str(error)
         results[f"{rank}.nothing"] = checkpoint_state.resume_point(root / "empty" if rank == 0 else view)
     finally:
-        dist.destroy_process_group()
+        destroy()
 
 
 def test_every_rank_resumes_from_rank_0s_checkpoint_or_every_rank_fails(tmp_path):

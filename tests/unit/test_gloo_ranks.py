@@ -1,4 +1,5 @@
-"""tests/gloo_ranks.py's run_ranks: what the ranks report comes back; ranks that hang fail the test in bounded time."""
+"""tests/gloo_ranks.py's run_ranks: what the ranks report comes back; ranks that hang show where and fail the test
+in bounded time."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ def test_each_rank_reports_into_the_returned_dict():
     assert run_ranks(_reporting_rank, 10, nprocs=3) == {0: 10, 1: 11, 2: 12}
 
 
-def test_ranks_still_running_at_the_timeout_are_killed_and_fail_the_test():
+def test_ranks_still_running_at_the_timeout_print_their_stacks_are_killed_and_fail_the_test(capfd):
     started = time.monotonic()
     with pytest.raises(AssertionError, match="_hanging_rank on 2 ranks still ran after 3 s: killed"):
         run_ranks(_hanging_rank, timeout_s=3)
     assert time.monotonic() - started < 60
+    stderr = capfd.readouterr().err
+    assert stderr.count("in _hanging_rank") == 2, stderr  # where each rank was stuck

@@ -76,6 +76,8 @@ def _memory_rank(rank: int, init_file: str, results: dict) -> None:
     """Rank 0's peaks move with its routing; rank 1 leaks 100 MiB a step under the same kind of noise."""
     import torch.distributed as dist
 
+    from moeflow.parallel.process_group import destroy
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         guard = G.MemoryGuard(memory_thresholds())
@@ -87,7 +89,7 @@ def _memory_rank(rank: int, init_file: str, results: dict) -> None:
         except G.MemoryLeak as stopped:
             results[rank] = (stopped.report["last_step"], stopped.report["rank"], str(stopped))
     finally:
-        dist.destroy_process_group()
+        destroy()
 
 
 def test_a_leak_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):

@@ -195,6 +195,7 @@ def _lm_eval_rank(rank: int, root: str, documents: dict, results: dict) -> None:
     import torch.distributed as dist
 
     from moeflow.model.folder import load_tokenizer
+    from moeflow.parallel.process_group import destroy
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it (lm-eval returns its output on LOCAL_RANK 0 only)
@@ -220,7 +221,7 @@ def _lm_eval_rank(rank: int, root: str, documents: dict, results: dict) -> None:
         fillers = sum(ids == [[prefix, prefix]] for ids in inputs)
         results[rank] = json.dumps({"records": records, "forwards": len(inputs), "fillers": fillers})
     finally:
-        dist.destroy_process_group()
+        destroy()
 
 
 def test_two_fsdp_ranks_give_one_ranks_lm_eval_records(corpus, model, tmp_path):

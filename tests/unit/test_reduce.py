@@ -87,7 +87,7 @@ def _rank(rank: int, world: int, init_file: str, results: dict) -> None:
             dist.all_reduce(p.grad)
         results[rank] = all(torch.equal(a.grad, b.grad) for a, b in zip(bucketed.parameters(), reference.parameters()))
     finally:
-        dist.destroy_process_group()
+        process_group.destroy()
 
 
 def test_two_gloo_ranks_give_the_per_parameter_sums_bit_for_bit(tmp_path):
@@ -172,7 +172,7 @@ def _clip_rank(rank: int, world: int, init_file: str, results: dict) -> None:
             "clipped": all(torch.allclose(a, b.grad, rtol=1e-6, atol=0) for a, b in zip(clipped, whole)),
         }
     finally:
-        dist.destroy_process_group()
+        process_group.destroy()
 
 
 def test_clipping_sharded_gradients_takes_one_all_reduce_per_group_and_gives_torchs_norm(tmp_path):

@@ -313,6 +313,8 @@ def _rows_rank(rank: int, init_file: str, results: dict) -> None:
     from torch.distributed import tensor as dtensor
     from torch.distributed.device_mesh import init_device_mesh
 
+    from moeflow.parallel.process_group import destroy
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
@@ -328,7 +330,7 @@ def _rows_rank(rank: int, init_file: str, results: dict) -> None:
             "probes": [list(shape) for shape in probes],
         }
     finally:
-        dist.destroy_process_group()
+        destroy()
 
 
 @pytest.mark.skipif(not compat.fsdp2_available(), reason="DTensor placements: FSDP2's torch (current stack)")
