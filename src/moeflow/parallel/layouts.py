@@ -229,6 +229,25 @@ def _cpu_safe_fsdp1() -> Iterator[None]:
         torch.cuda.synchronize = synchronize
 
 
+@contextlib.contextmanager
+def generation_model(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The module to call ``generate`` on (and to run its forwards through) in the body. ``generate`` calls its
+    model's own forward, which FSDP1's wrapper never sees: under FSDP1 the root unit's parameters (embeddings,
+    final norm, head) are gathered for the body, every rank together (each decoder layer's unit gathers its
+    own in its forward as usual), and the model inside the wrapper is yielded. Other layouts: the model itself;
+    FSDP2's units are resharded after (it keeps the root gathered after a forward)."""
+    if is_fsdp1(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with _cpu_safe_fsdp1(), FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False):
+            yield model.module
+        return
+    try:
+        yield model
+    finally:
+        reshard(model)
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Free every FSDP2 unit's gathered parameters. FSDP2 keeps the root unit gathered after a forward pass
     (the backward pass needs it at once): after a forward without backward (evaluation) the model's

@@ -72,8 +72,8 @@ SET_EVALUATION = ("evaluation.run_metrics", "evaluation.loop")
 # YAMLs and their code (workflow/tasks) are the rule's own ``task_files`` input, per task.
 LM_EVAL = ("evaluation.lm_eval_run", "evaluation.lm_eval_docs", "evaluation.lm_eval_tasks")
 
-# HumanEval: problems, samples and pass@k, and the generation loop.
-HUMANEVAL = ("evaluation.humaneval", "evaluation.generation")
+# HumanEval: problems, samples and pass@k.
+HUMANEVAL = ("evaluation.humaneval", "evaluation.completions")
 
 # Running HumanEval's programs in the sandbox.
 SANDBOX = ("evaluation.humaneval_execution", "evaluation.sandbox", "evaluation.sandbox_launcher")
@@ -96,7 +96,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters"),
     # the set evaluation: each result carries its cross-check against moeflow's own loss
     "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS),
-    "humaneval_generate": (*HUMANEVAL, *MODEL),
+    "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL),
     "humaneval_execute": (*HUMANEVAL, *SANDBOX),
     "routing_drift": ("evaluation.drift", "evaluation.loop", "model.routing", *MODEL, *ROWS, *VALSET),
     "paper": ("paper",),
