@@ -361,3 +361,84 @@ def test_config_check_refuses_an_unknown_task_naming_the_key(monkeypatch):
         load(DEFAULT_CONFIG, overrides={"evaluate": {"tasks": tasks}})
     with pytest.raises(ConfigError, match=r"evaluate\.lm_eval\.max_length"):
         load(DEFAULT_CONFIG, overrides={"evaluate": {"lm_eval": {"max_length": 64}}})
+
+
+def _generative_task(folder: Path, code: list[str], do_sample: bool = False) -> harness_tasks.TaskSpec:
+    """A generate_until task of a YAML file and a JSON-lines dataset: continue each module's first line up to a
+    line break (at most 12 tokens)."""
+    docs = folder / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"prompt": text.split("\n")[0] + "\n", "target": "x"}) + "\n" for text in code))
+    task_yaml = folder / "complete_line.yaml"
+    task_yaml.write_text(
+        "task: complete_line\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files: {{test: {docs}}}\ntest_split: test\noutput_type: generate_until\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
+        f"generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 12\n  do_sample: {str(do_sample).lower()}\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    return harness_tasks.resolve(str(task_yaml), "evaluate.tasks[0]")
+
+
+def _generated(model, tokenizer, task, ranks=None) -> list[str]:
+    settings = {**SETTINGS, "batch_size": 1}  # one request a batch: the same paddings on one and on two ranks
+    output = harness.evaluate_task(model, tokenizer, task, settings, SEQ_LEN, 0, log_samples=True, ranks=ranks)
+    return [sample["resps"][0][0] for sample in sorted(output["samples"]["complete_line"], key=lambda s: s["doc_id"])]
+
+
+def _generating_rank(rank: int, root: str, results: dict) -> None:
+    """One of two gloo ranks: the saved model FSDP-sharded over both, the generative task's requests shared."""
+    import torch.distributed as dist
+
+    from moeflow.model.folder import load_tokenizer
+    from moeflow.model.wrappers import unwrap
+    from moeflow.parallel.process_group import destroy
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    folder = Path(root) / "model"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root}/init", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90)
+    )
+    try:
+        ranks = Ranks(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+        parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
+        model = make_model(MODEL_SETTINGS, folder=folder, layout=Layout(ranks, parallel)).eval()
+        forwards = []
+        unwrap(model).register_forward_pre_hook(lambda module, args: forwards.append(1))
+        task = harness_tasks.resolve(str(Path(root) / "complete_line.yaml"), "evaluate.tasks[0]")
+        generated = _generated(model, load_tokenizer(folder), task, ranks)
+        results[rank] = {"generated": generated, "forwards": len(forwards)}
+    finally:
+        destroy()
+
+
+def test_two_fsdp_ranks_generate_one_processs_lm_eval_completions(corpus, tmp_path):
+    """A generate_until task on evaluate.ranks: 2 in fsdp: each gloo rank generates its share of 11 requests (6
+    and 5, each stopping at its own line break), its forwards in step with the other's, and every rank gets
+    one process's completions in order."""
+    tokenizer, _, code = corpus
+    taught = make_model(MODEL_SETTINGS, vocab_size=len(tokenizer), seed=5)  # the modules: varied continuations
+    rows = [torch.tensor([tokenizer(text)["input_ids"][:SEQ_LEN]]) for text in code[:11]]
+    optimizer = torch.optim.Adam(taught.parameters(), lr=1e-2)
+    for _ in range(15):
+        for ids in rows:
+            taught(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    taught.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    task = _generative_task(tmp_path, code[:11])
+    whole = make_model(MODEL_SETTINGS, folder=tmp_path / "model").eval()
+    one = _generated(whole, tokenizer, task)
+    assert len(one) == 11 and len(set(one)) > 1 and len({len(text) for text in one}) > 1
+    results = run_ranks(_generating_rank, str(tmp_path), timeout_s=300)
+    assert results[0]["generated"] == results[1]["generated"] == one
+    assert results[0]["forwards"] == results[1]["forwards"] > 0
+
+
+def test_sampled_lm_eval_generation_on_several_ranks_is_refused_naming_the_key(corpus, model, tmp_path):
+    tokenizer, _, code = corpus
+    task = _generative_task(tmp_path, code, do_sample=True)
+    ranks = Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(harness.HarnessError, match=r"samples its generations.*'evaluate.ranks'"):
+        _generated(model, tokenizer, task, ranks)

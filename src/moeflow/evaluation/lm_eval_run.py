@@ -36,6 +36,7 @@ from moeflow.evaluation.lm_eval_docs import (
 )
 from moeflow.evaluation.lm_eval_tasks import TASKS_DIR, TaskSpec
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
+from moeflow.parallel.layouts import generation_model
 from moeflow.parallel.lockstep import forwards_in_step
 from moeflow.parallel.process_group import Ranks, broadcast_object, gather_objects
 from moeflow.runtime import compat
@@ -127,12 +128,13 @@ def exact_tokens(encode: Callable[..., list[int]], token_ids: Mapping[str, Seque
 
 
 def share_requests(lm: Any, model: Any, ranks: Ranks | None) -> None:
-    """Split ``lm``'s log-likelihood requests over ``ranks`` (each holding its part of ``model``): rank r scores
+    """Split ``lm``'s requests over ``ranks`` (each holding its part of ``model``): rank r scores or generates
     requests r, r + world, ... in step with the others (:func:`forwards_in_step`), and every rank gets every
-    score back in the requests' order. lm-eval itself sees one process (rank 0 of 1), so its evaluator runs
-    unchanged on every rank and computes the one-process metrics from the same scores in the same order. A
-    no-op for one rank. Generation (``generate_until``) is refused on several ranks: the number of forwards of
-    a generation depends on the text, and the ranks' generations would need one stopping decision."""
+    result back in the requests' order. lm-eval itself sees one process (rank 0 of 1), so its evaluator runs
+    unchanged on every rank and computes the one-process metrics from the same results in the same order. A
+    no-op for one rank. Generation (``generate_until``) runs through :func:`generation_model` with transformers'
+    own step synchronisation off (forwards_in_step pairs the ranks' forwards); sampled generation is refused on
+    several ranks, since each rank would draw from its own random stream."""
     if ranks is None or ranks.world_size == 1:
         return
     import torch
@@ -152,16 +154,44 @@ def share_requests(lm: Any, model: Any, ranks: Ranks | None) -> None:
 
         return scored
 
-    def refused(requests, *args, **kwargs):
-        raise HarnessError(
-            f"an lm-eval task of evaluate.tasks generates text (generate_until): on {world} ranks (config key "
-            "'evaluate.ranks') lm-eval tasks score log-likelihoods only. Set evaluate.ranks: 1 (the model on one "
-            "device) for it, or drop it from evaluate.tasks"
-        )
+    def generated(generate_until: Callable[..., list[str]]) -> Callable[..., list[str]]:
+        def shared_generation(requests, *args, **kwargs):
+            if any(dict(request.args[1]).get("do_sample") for request in requests):
+                raise HarnessError(
+                    f"an lm-eval task of evaluate.tasks samples its generations (do_sample): on {world} ranks "
+                    "(config key 'evaluate.ranks') each rank would draw from its own random stream, and the "
+                    "results would not be one process's. Set evaluate.ranks: 1 for it, or greedy generation_kwargs"
+                )
+            with generation_model(model) as generator, _generating_through(lm, generator):
+                with forwards_in_step(generator, filler):
+                    mine = generate_until(requests[ranks.rank :: world], *args, **kwargs)
+            out: list[str] = [""] * len(requests)
+            for rank, part in enumerate(gather_objects(mine)):
+                out[rank::world] = part
+            return out
+
+        return shared_generation
 
     lm.loglikelihood = shared(lm.loglikelihood)
     lm.loglikelihood_rolling = shared(lm.loglikelihood_rolling)
-    lm.generate_until = refused
+    lm.generate_until = generated(lm.generate_until)
+
+
+@contextlib.contextmanager
+def _generating_through(lm: Any, generator: Any) -> Iterator[None]:
+    """lm-eval's HFLM generating through ``generator`` (:func:`generation_model`'s module) with transformers'
+    ``synced_gpus`` off: on by default under FSDP, its per-step all-reduce would pair with another rank's
+    filler announcement."""
+    model, model_generate = lm._model, lm._model_generate
+
+    def unsynced(context, max_length, stop, **generation_kwargs):
+        return model_generate(context, max_length, stop, synced_gpus=False, **generation_kwargs)
+
+    lm._model, lm._model_generate = generator, unsynced
+    try:
+        yield
+    finally:
+        lm._model, lm._model_generate = model, model_generate
 
 
 def evaluate_task(
