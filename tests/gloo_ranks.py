@@ -3,11 +3,12 @@ collectives (gloo process groups) share."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -39,3 +40,38 @@ def run_ranks(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: f
 def _traced_rank(rank: int, fn: Callable[..., None], *args: Any) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     fn(rank, *args)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, root: str, world_size: int = 2, timeout_s: float = 90.0) -> Iterator[Any]:
+    """In a rank of :func:`run_ranks`: join a gloo group of ``world_size`` from a file in ``root`` (a wrong
+    collective fails after ``timeout_s`` instead of gloo's default half hour), yield this rank's CPU ``Ranks``,
+    and leave the group with ``moeflow.parallel.process_group.destroy`` (never ``destroy_process_group`` itself:
+    docs/testing.md)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.parallel.process_group import Ranks, destroy
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{root}/init",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        yield Ranks(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
+    finally:
+        destroy()
+
+
+def fsdp_layout(ranks: Any) -> Any:
+    """The ``parallel.strategy: fsdp`` layout over ``ranks`` (one node)."""
+    from moeflow.model.factory import Layout
+    from moeflow.parallel.settings import ParallelSettings
+    from moeflow.settings import typed
+
+    return Layout(ranks, typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": ranks.world_size}))

@@ -4,7 +4,6 @@ resolve (or fail naming the key), and lm-eval's results become the result record
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import run_ranks
+from gloo_ranks import fsdp_layout, gloo_group, run_ranks
 from tiny_models import tiny_model_cfg
 
 from moeflow.data.packing import pack_documents
@@ -23,10 +22,9 @@ from moeflow.evaluation import lm_eval_docs
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation import lm_eval_tasks as harness_tasks
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
-from moeflow.model.factory import Layout, make_model
+from moeflow.model.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import Ranks
-from moeflow.parallel.settings import ParallelSettings
 from moeflow.settings import DEFAULT_CONFIG, ConfigError, typed
 from moeflow.workflow.load import load
 
@@ -192,22 +190,13 @@ def ranked_records(model, tokenizer, documents, ranks=None) -> dict:
 
 def _lm_eval_rank(rank: int, root: str, documents: dict, results: dict) -> None:
     """One of two gloo ranks: the saved model FSDP-sharded over both, both tasks with the requests shared."""
-    import torch.distributed as dist
-
     from moeflow.model.folder import load_tokenizer
-    from moeflow.parallel.process_group import destroy
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it (lm-eval returns its output on LOCAL_RANK 0 only)
     folder = Path(root) / "model"
-    # a wrong collective fails in a minute instead of gloo's default half hour
-    dist.init_process_group(
-        "gloo", init_method=f"file://{root}/init", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90)
-    )
-    try:
-        ranks = Ranks(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
-        parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
-        model = make_model(MODEL_SETTINGS, folder=folder, layout=Layout(ranks, parallel)).eval()
+    with gloo_group(rank, root) as ranks:
+        model = make_model(MODEL_SETTINGS, folder=folder, layout=fsdp_layout(ranks)).eval()
         tokenizer = load_tokenizer(folder)
         prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         inputs = []
@@ -220,8 +209,6 @@ def _lm_eval_rank(rank: int, root: str, documents: dict, results: dict) -> None:
         records = ranked_records(model, tokenizer, documents, ranks)
         fillers = sum(ids == [[prefix, prefix]] for ids in inputs)
         results[rank] = json.dumps({"records": records, "forwards": len(inputs), "fillers": fillers})
-    finally:
-        destroy()
 
 
 def test_two_fsdp_ranks_give_one_ranks_lm_eval_records(corpus, model, tmp_path):
@@ -387,29 +374,19 @@ def _generated(model, tokenizer, task, ranks=None) -> list[str]:
 
 def _generating_rank(rank: int, root: str, results: dict) -> None:
     """One of two gloo ranks: the saved model FSDP-sharded over both, the generative task's requests shared."""
-    import torch.distributed as dist
-
     from moeflow.model.folder import load_tokenizer
     from moeflow.model.wrappers import unwrap
-    from moeflow.parallel.process_group import destroy
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
     folder = Path(root) / "model"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{root}/init", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90)
-    )
-    try:
-        ranks = Ranks(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
-        parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
-        model = make_model(MODEL_SETTINGS, folder=folder, layout=Layout(ranks, parallel)).eval()
+    with gloo_group(rank, root) as ranks:
+        model = make_model(MODEL_SETTINGS, folder=folder, layout=fsdp_layout(ranks)).eval()
         forwards = []
         unwrap(model).register_forward_pre_hook(lambda module, args: forwards.append(1))
         task = harness_tasks.resolve(str(Path(root) / "complete_line.yaml"), "evaluate.tasks[0]")
         generated = _generated(model, load_tokenizer(folder), task, ranks)
         results[rank] = {"generated": generated, "forwards": len(forwards)}
-    finally:
-        destroy()
 
 
 def test_two_fsdp_ranks_generate_one_processs_lm_eval_completions(corpus, tmp_path):

