@@ -18,6 +18,7 @@ from moeflow.model.factory import make_model
 from moeflow.model.folder import ModelError, check_vocabulary, load_tokenizer
 from moeflow.model.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
+from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, ConfigError, typed
 from moeflow.workflow.load import load
 
@@ -253,7 +254,7 @@ def test_a_held_out_pool_too_small_for_the_constraints(coverage_inputs, tmp_path
     )
 
 
-def test_esft_on_a_dense_model_an_unknown_family_or_a_sharded_layout_is_refused():
+def test_esft_on_a_dense_model_an_unknown_family_or_fused_experts_under_fsdp1_is_refused():
     dense = config_error(train={"method": "esft"}, model={"config": {"num_experts": 0}})
     assert dense == (
         "invalid configuration: config key 'train.method': esft trains a task's routed experts, but the model is "
@@ -264,13 +265,23 @@ def test_esft_on_a_dense_model_an_unknown_family_or_a_sharded_layout_is_refused(
         "invalid configuration: config key 'train.method': esft scores and masks experts through a routing adapter, "
         "and model_type 'llama' has none (moeflow.model.routing.FAMILIES: qwen2_moe, "
     ) and llama.endswith("): use train.method: full or lora")
-    sharded = config_error(
-        train={"method": "esft"}, parallel={"strategy": "fsdp", "nproc_per_node": 2}, hardware={"num_devices": 2}
-    )
-    assert sharded == (
-        "invalid configuration: config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine yet: "
-        "the expert mask is built for whole models. Use parallel.strategy: none (every rank holds the model)"
-    )
+    fsdp = {
+        "parallel": {"strategy": "fsdp", "nproc_per_node": 2},
+        "hardware": {"num_devices": 2},
+        "runs": {"dense": None},  # an ESFT run of a dense model is refused above
+        "paper": {"dense_runs": []},
+    }
+    load(SMOKE, overrides={"train": {"method": "esft"}, **fsdp})  # FSDP2's DTensor rows, FSDP1's separate experts
+    gpt_oss = {"config": {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2}}
+    if compat.fsdp2_available():
+        load(SMOKE, overrides={"train": {"method": "esft"}, "model": gpt_oss, **fsdp})
+    else:  # the pinned stack: FSDP1 over GPT-OSS's fused expert tensors
+        assert config_error(train={"method": "esft"}, model=gpt_oss, **fsdp) == (
+            "invalid configuration: config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine "
+            f"for gpt_oss's fused expert tensors on torch {compat.version_of('torch')}: FSDP1's flat shards split "
+            "elements, not experts, so the unselected experts' rows cannot be masked. Use parallel.strategy: none, "
+            "or STACK=current (FSDP2)"
+        )
     assert config_error(train={"method": "esft", "balance": {"bias_update_rate": 0.001}}) == (
         "invalid configuration: config keys 'train.method': esft and 'train.balance.bias_update_rate' > 0 do not "
         "combine: ESFT keeps the routing frozen, and the loss-free bias update moves it. Set "
@@ -282,7 +293,7 @@ def test_esft_on_a_dense_model_an_unknown_family_or_a_sharded_layout_is_refused(
     )
 
 
-def test_mtp_training_is_refused_without_mtp_layers_with_lora_esft_flash_or_a_sharded_layout():
+def test_mtp_training_is_refused_without_mtp_layers_with_lora_esft_or_flash():
     train = {"mtp": {"mode": "train"}}
     assert config_error(train=train) == (
         "invalid configuration: config key 'train.mtp.mode': train needs a model with MTP layers (deepseek_v3, "
@@ -302,14 +313,10 @@ def test_mtp_training_is_refused_without_mtp_layers_with_lora_esft_flash_or_a_sh
         "invalid configuration: config key 'train.mtp.mode': train: the MTP loss runs with eager or sdpa attention "
         "only, and model.attn_implementation is 'flash_attention_2': set model.attn_implementation: sdpa"
     )
-    for strategy, ep_size in (("fsdp", 1), ("ep", 2)):
-        parallel = {"strategy": strategy, "nproc_per_node": 2, "ep_size": ep_size}
-        sharded = config_error(train=train, model=deepseek, parallel=parallel, hardware={"num_devices": 2})
-        assert (
-            f"config keys 'train.mtp.mode': train and 'parallel.strategy': {strategy} do not combine yet: the MTP "
-            "layers run outside the model's forward, where FSDP and ep do not gather their shards. Use "
-            "parallel.strategy: none"
-        ) in sharded
+    sharded = {"parallel": {"strategy": "fsdp", "nproc_per_node": 2}, "hardware": {"num_devices": 2}}
+    load(
+        SMOKE, overrides={"train": train, "model": deepseek, **sharded}
+    )  # every layout (tests/unit/test_mtp_training.py)
     assert "pretrain.mtp.mode" in config_error(pretrain={"mtp": {"mode": "train"}})
     assert config_error(train={"mtp": {"loss_weight": -1}}).startswith(
         "invalid configuration:\n  - config key 'train.mtp.loss_weight': -1 is less than the minimum of 0"

@@ -70,16 +70,11 @@ def test_bad_settings_are_refused_with_the_key():
             select_layer(totals.scores("token")[0], bad)
 
 
-def test_routing_pass_observer_matches_the_pool_statistics():
-    """The totals come from the coverage stage's own routing pass and agree with its per-expert load."""
-    from tiny_models import build_family
-
-    from moeflow.model.routing_stats import cell_table, route_pool
-
-    model = build_family("qwen3_moe", dtype=torch.float32)
+def task_documents(count: int = 6) -> list[dict]:
+    """``count`` one-document rows of 5-19 tokens in the data stage's format."""
     rng = np.random.default_rng(0)
     rows = []
-    for doc in range(6):
+    for doc in range(count):
         n = int(rng.integers(5, 20))
         rows.append(
             {
@@ -89,8 +84,18 @@ def test_routing_pass_observer_matches_the_pool_statistics():
                 "doc_ids": [doc] * n,
             }
         )
-    from moeflow.model.routing import adapter_for
+    return rows
 
+
+def test_routing_pass_observer_matches_the_pool_statistics():
+    """The totals come from the coverage stage's own routing pass and agree with its per-expert load."""
+    from tiny_models import build_family
+
+    from moeflow.model.routing import adapter_for
+    from moeflow.model.routing_stats import cell_table, route_pool
+
+    model = build_family("qwen3_moe", dtype=torch.float32)
+    rows = task_documents()
     adapter = adapter_for(model)
     collector = TotalsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
     stats = route_pool(model, [("task", rows)], 40, "eager", observers=[collector])
@@ -99,3 +104,54 @@ def test_routing_pass_observer_matches_the_pool_statistics():
     assert totals.tokens == sum(len(r["input_ids"]) for r in rows)
     assert (totals.selections == np.asarray(load)).all()
     np.testing.assert_allclose(totals.gate_sums.sum(axis=1), totals.tokens, rtol=1e-9)
+
+
+def test_two_fsdp_ranks_give_one_processes_totals_bit_for_bit(tmp_path):
+    """Rule esft_routing on coverage.ranks ranks: each routes its share of the batches in an FSDP layout, rank 0 adds
+    every rank's batches in their order: the same JSON as one process (gate sums to the last digit)."""
+    import json
+
+    from gloo_ranks import run_ranks
+    from tiny_models import tiny_model_cfg
+
+    from moeflow.model.factory import make_model
+    from moeflow.model.routing import adapter_for
+    from moeflow.model.routing_stats import route_pool
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
+    from moeflow.train.esft import totals_json
+
+    model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=64, seed=0)
+    adapter = adapter_for(model)
+    collector = TotalsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
+    route_pool(model, [("task", task_documents(20))], 40, "sdpa", observers=[collector])
+    results = run_ranks(_routing_rank, str(tmp_path), timeout_s=300)
+    assert json.dumps(results["totals"]) == json.dumps(totals_json(collector.finish()))
+    assert results["forwards"][0] == results["forwards"][1] > 0  # in step: a rank short of batches ran fillers
+
+
+def _routing_rank(rank: int, root: str, results: dict) -> None:
+    from gloo_ranks import fsdp_layout, gloo_group
+    from tiny_models import tiny_model_cfg
+
+    from moeflow.model.factory import make_model
+    from moeflow.model.routing import adapter_for
+    from moeflow.model.routing_stats import route_pool
+    from moeflow.model.settings import ModelSettings
+    from moeflow.parallel.process_group import gather_to_main
+    from moeflow.settings import typed
+    from moeflow.train.esft import totals_json
+
+    torch.set_num_threads(1)
+    with gloo_group(rank, root) as ranks:
+        model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=64, seed=0, layout=fsdp_layout(ranks))
+        adapter = adapter_for(model)
+        collector = TotalsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
+        forwards = []
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        route_pool(model, [("task", task_documents(20))], 40, "sdpa", adapter, observers=[collector], ranks=ranks)
+        parts = gather_to_main(collector.batches)
+        every = gather_to_main(len(forwards))
+        if parts is not None:
+            results["totals"] = totals_json(collector.finish(parts))
+            results["forwards"] = every

@@ -11,6 +11,8 @@ import re
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
+from safetensors.torch import load_file
 from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, build_family, tiny_model_cfg
 from tiny_training import VOCAB, packed_rows, settings
 
@@ -49,13 +51,14 @@ def model(seed: int = 0):
     return make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=seed)
 
 
-def esft(steps=3, weight_decay=0.1, max_grad_norm=1.0, **esft_settings):
+def esft(steps=3, weight_decay=0.1, max_grad_norm=1.0, grad_accum_steps=2, **esft_settings):
     return settings(
         method="esft",
         steps=steps,
         warmup_steps=1,
         weight_decay=weight_decay,
         max_grad_norm=max_grad_norm,
+        grad_accum_steps=grad_accum_steps,
         esft=esft_settings,
     )
 
@@ -303,3 +306,103 @@ def test_every_family_trains_only_the_selected_experts_after_a_backward_pass(fam
     moved = {(layer, expert) for (_, layer, expert), g in grads.items() if g.any()}
     # an expert that got no token of this batch has a zero gradient too
     assert moved and moved <= {(layer, 1) for layer in chosen}
+
+
+UNTIED = typed(ModelSettings, tiny_model_cfg(tie_word_embeddings=False))  # transformers' EP refuses tied ones
+SHARDED = [
+    pytest.param({"strategy": "fsdp"}, id="fsdp"),
+    pytest.param({"strategy": "ep", "ep_size": 2, "fsdp_size": 2}, id="ep"),
+]
+
+
+@pytest.mark.parametrize("parallel", SHARDED)
+def test_two_sharded_ranks_train_the_selected_experts_as_one_process_and_resume_bit_for_bit(tmp_path, parallel):
+    """ESFT on two gloo ranks (FSDP2 over fused experts on the current stack, FSDP1 over separate ones on the pinned
+    one; transformers' expert parallelism, each rank holding 2 of the 4 experts, on the current one): the losses and
+    the selected experts of one process taking both ranks' rows, every unselected expert, router and frozen module
+    bit-identical to the base, and a run resumed from step 1's checkpoint equal bit for bit to the uninterrupted one."""
+    if parallel["strategy"] == "ep" and not compat.is_transformers_v5():
+        pytest.skip("expert parallelism needs transformers 5")
+    folder = tmp_path / "model"
+    make_model(UNTIED, vocab_size=VOCAB, seed=0).save_pretrained(folder)
+    results = run_ranks(_esft_rank, str(tmp_path), parallel, timeout_s=300)
+    # one process: both ranks' rows in one step (each rank takes micro_batch_size x grad_accum_steps rows)
+    one = Trainer(
+        make_model(UNTIED, folder=folder),
+        esft(grad_accum_steps=4),
+        packed_rows(),
+        collate_fn=collate,
+        seed=0,
+        expert_selection=selection(),
+    )
+    before = snapshot(one.model)
+    one.run()
+    assert results["resumed_losses"] == results["losses"]
+    # the planner's gradient term, per rank: the trained parameters (FSDP2, ep), whole decoder layers (FSDP1)
+    cfg = tiny_model_cfg(tie_word_embeddings=False)
+    job = plan_job_settings(cfg) | {"hardware": {"device": "cpu", "num_devices": 2}}
+    job["parallel"] = {**job["parallel"], "nproc_per_node": 2, "ep_size": 1, **parallel}
+    job = dataclasses.replace(plan.Job.from_settings(job), esft_selected=sum(map(len, SELECTED.values())))
+    shape, params, _ = count_parameters(cfg, VOCAB)
+    planned = plan.memory_per_device(shape, params, job)["gradients"] / 4
+    assert abs(results["gradient_elements"] - planned) <= 8, (results["gradient_elements"], planned)  # padding
+    torch.testing.assert_close(results["losses"], [r["loss"] for r in one.train_records()], rtol=1e-5, atol=0)
+    sharded = pieces(load_file(tmp_path / "whole.safetensors"))
+    resumed = pieces(load_file(tmp_path / "resumed.safetensors"))
+    reference = snapshot(one.model)
+    assert reference.keys() == sharded.keys()
+    for key in reference:
+        value = sharded[key]
+        assert torch.equal(resumed[key], value), key
+        if is_selected(key):
+            # AdamW's update is about lr x sign(g): where g is nearly 0, the ranks' order of summing may flip it,
+            # so the update is compared as a whole (a masked-out rank's expert would be off by its whole update)
+            update = reference[key] - before[key]
+            assert float((value - reference[key]).norm()) < 1e-2 * float(update.norm()), key
+        else:
+            assert torch.equal(value, before[key]), f"{key} changed"
+
+
+def _esft_rank(rank: int, root: str, parallel: dict, results: dict) -> None:
+    from gloo_ranks import gloo_group
+    from safetensors.torch import save_file
+
+    from moeflow.model.factory import Layout
+    from moeflow.parallel.layouts import full_state_dict
+    from moeflow.parallel.settings import ParallelSettings
+
+    torch.set_num_threads(1)
+    with gloo_group(rank, root) as ranks:
+        layout = Layout(ranks, typed(ParallelSettings, {**parallel, "nproc_per_node": 2}))
+
+        def trainer() -> Trainer:
+            sharded = make_model(UNTIED, folder=f"{root}/model", layout=layout)
+            return Trainer(sharded, esft(), packed_rows(), collate_fn=collate, seed=0, expert_selection=selection())
+
+        whole = trainer()
+        whole.run()
+        first = trainer()
+        first.run(until=1)
+        first.save(f"{root}/step1")
+        second = trainer()
+        second.load(f"{root}/step1")
+        second.run()
+        for name, done in (("whole", whole), ("resumed", second)):
+            weights, _ = full_state_dict(done.model)
+            if rank == 0:
+                save_file({k: v.contiguous() for k, v in weights.items()}, f"{root}/{name}.safetensors")
+        whole.step_gradients()
+        if rank == 0:
+            results["gradient_elements"] = held_gradient_elements(whole.model)
+            results["losses"] = [r["loss"] for r in whole.train_records()]
+            results["resumed_losses"] = [r["loss"] for r in second.train_records()]
+
+
+def held_gradient_elements(model: torch.nn.Module) -> int:
+    """The gradient elements this rank holds: FSDP1's flat parameters' (a unit's gradient covers all of its
+    parameters), else the parameters' local ones."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    grads = [u._handle.flat_param.grad for u in units if u._handle] if units else [p.grad for p in model.parameters()]
+    return sum((g.to_local() if compat.is_dtensor(g) else g).numel() for g in grads if g is not None)

@@ -16,7 +16,7 @@ from moeflow.checkpoint.state import load_checkpoint, save_checkpoint
 from moeflow.data.collate import collate
 from moeflow.model import parameters as P
 from moeflow.model.factory import make_model
-from moeflow.model.families.mtp import mtp_hidden, mtp_layers, mtp_prefixes, mtp_report
+from moeflow.model.families.mtp import mtp_layers, mtp_prefixes, mtp_report
 from moeflow.model.lora import apply_lora
 from moeflow.model.routing import adapter_for
 from moeflow.model.settings import ModelSettings
@@ -90,14 +90,22 @@ def test_mtp_layers_are_built_frozen_under_the_published_names_and_load_back(fam
     # a later MTP loss: one depth's hidden states and logits from the carried modules
     _, layer = mtp_layers(reloaded)[0]
     hidden = torch.randn(1, 6, reloaded.config.hidden_size)
-    embeddings = reloaded.get_input_embeddings()(torch.arange(6)[None])
+    ids = torch.arange(6)[None]
+    embeddings = reloaded.get_input_embeddings()(ids)
     if family == "step3p5":  # transformers 5's layers take the rotary angles of their own attention type
         kind = reloaded.config.mtp_layer_types[0]
         rotary = reloaded.model.rotary_emb(hidden, torch.arange(6)[None], kind)
     else:
         rotary = reloaded.model.rotary_emb(hidden, torch.arange(6)[None])
-    out = mtp_hidden(layer, hidden, embeddings, position_embeddings=rotary, attention_mask=None)
-    assert out.shape == hidden.shape and layer.shared_head.output_layer(out).shape == (1, 6, VOCAB)
+    depth = {
+        "previous": hidden,
+        "next_ids": ids,
+        "next_embeddings": embeddings,  # DeepSeek-V3's layer uses its own embedding instead
+        "layer_kwargs": {"position_embeddings": rotary, "attention_mask": None},
+        "loss": lambda normed, weight: normed @ weight.T,  # the depth's logits
+    }
+    logits, out = layer(mtp_depth=depth)
+    assert out.shape == hidden.shape and logits.shape == (1, 6, VOCAB)
 
 
 @pytest.mark.parametrize("family", PARAMS)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gloo_ranks import run_ranks
 from safetensors import safe_open
+from safetensors.torch import load_file
 from tiny_models import TRANSFORMERS_5_ONLY, VOCAB, model_config, spread_routers
 
 from moeflow.checkpoint import export
@@ -255,3 +257,64 @@ def test_the_planner_counts_the_optimizer_state_of_trained_mtp_layers():
         assert job.mtp_trained == (mode == "train")
         assert plan.resident_state(shape, params, job)["optimizer"] == held * plan.ADAM_MOMENT_BYTES, mode
         assert plan.memory_per_device(shape, params, job)["gradients"] == held * 4, mode
+
+
+SHARDED = [
+    pytest.param({"strategy": "fsdp"}, id="fsdp"),
+    pytest.param(
+        {"strategy": "ep", "ep_size": 2, "fsdp_size": 2},
+        id="ep",
+        marks=pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism needs transformers 5"),
+    ),
+]
+
+
+@pytest.mark.parametrize("parallel", SHARDED)
+def test_mode_train_on_two_sharded_ranks_gives_one_processes_losses_and_update(tmp_path, parallel):
+    """DeepSeek-V3 with 2 MTP layers, each its own FSDP unit (FSDP2 on the current stack, FSDP1 on the pinned one;
+    under expert parallelism their experts split over the ranks too): each depth runs in one call of its layer, so
+    its parameters are gathered and its gradients reduced. The losses (main and MTP) are one process's with both
+    ranks' rows, and so is the update of every parameter, MTP layers included."""
+    model = build("deepseek_v3", 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "model")
+    results = run_ranks(_mtp_rank, str(tmp_path), parallel, timeout_s=300)
+    one = Trainer(model.train(), settings(), rows(), collate_fn=collate, seed=0)  # both ranks' 2 rows a step
+    one.run()
+    keys = ("loss", "ce", "mtp_loss")
+    torch.testing.assert_close(
+        results["records"], [[r[k] for k in keys] for r in one.train_records()], rtol=1e-5, atol=0
+    )
+    sharded, reference = load_file(tmp_path / "trained.safetensors"), model.state_dict()
+    assert sharded.keys() == reference.keys()
+    moved = [n for n in mtp_state(model) if n.endswith(("eh_proj.weight", "enorm.weight", "shared_head.head.weight"))]
+    assert len(moved) == 6 and all(not torch.equal(sharded[n], before[n]) for n in moved)
+    off = []
+    for name, want in reference.items():
+        # AdamW's update is about lr x sign(g): compared as a whole per tensor (a lost gradient is off by all of it)
+        update = float((want - before[name]).norm())
+        if float((sharded[name] - want).norm()) > 1e-2 * update + 1e-6:
+            off.append(name)
+    assert off == [], off
+
+
+def _mtp_rank(rank: int, root: str, parallel: dict, results: dict) -> None:
+    from gloo_ranks import gloo_group
+    from safetensors.torch import save_file
+
+    from moeflow.model.factory import Layout
+    from moeflow.parallel.layouts import full_state_dict
+    from moeflow.parallel.settings import ParallelSettings
+
+    torch.set_num_threads(1)
+    with gloo_group(rank, root) as ranks:
+        layout = Layout(ranks, typed(ParallelSettings, {**parallel, "nproc_per_node": 2}))
+        cfg = model_config("deepseek_v3")
+        cfg["config"]["num_nextn_predict_layers"] = 2
+        model = make_model(typed(ModelSettings, cfg), folder=f"{root}/model", layout=layout)
+        trainer = Trainer(model, settings(micro_batch_size=1), rows(), collate_fn=collate, seed=0)
+        trainer.run()
+        weights, _ = full_state_dict(trainer.model)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in weights.items()}, f"{root}/trained.safetensors")
+            results["records"] = [[r[k] for k in ("loss", "ce", "mtp_loss")] for r in trainer.train_records()]

@@ -328,8 +328,15 @@ def test_every_rule_that_runs_a_model_on_the_device_gets_a_gpu(profile):
 EVALUATE_RANKS_RULES = ("evaluate_run", "lm_eval_task", "humaneval_generate", "routing_drift")
 
 
+# The torchrun rules of coverage's layout (the routing pass over the base model): coverage.ranks.
+COVERAGE_RANKS_RULES = ("coverage_valset", "esft_routing")
+
+
 @pytest.mark.parametrize("model,profile", sorted(LARGE_MODELS.items()))
-def test_the_profile_gives_each_evaluation_rule_evaluate_ranks_gpus(model, profile):
-    ranks = cluster_config(model, profile)["evaluate"]["ranks"]
-    for rule in EVALUATE_RANKS_RULES:
-        assert profile_request(profile, rule).gpus == ranks, rule
+def test_the_profile_gives_each_forward_only_rule_its_sections_ranks_as_gpus(model, profile):
+    cfg = cluster_config(model, profile)
+    for section, rules in (("evaluate", EVALUATE_RANKS_RULES), ("coverage", COVERAGE_RANKS_RULES)):
+        for rule in rules:
+            assert profile_request(profile, rule).gpus == cfg[section]["ranks"], rule
+    if model == "step3p5-flash":  # 392 GB of bf16: never on one 80 GB GPU
+        assert cfg["coverage"]["ranks"] == cfg["evaluate"]["ranks"] == cfg["parallel"]["nproc_per_node"]

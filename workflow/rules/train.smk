@@ -23,21 +23,31 @@ TRAIN_MODEL_PARAMS = dict(
 )
 
 
+ESFT_ROUTING_PARAMS = dict(
+    settings=lambda wc: stage_keys.esft_routing_settings(RUNS[ESFT_ROUTINGS[wc.routkey]]),
+    device=lambda wc: RUNS[ESFT_ROUTINGS[wc.routkey]]["hardware"]["device"],
+    # coverage's layout (the same routing pass): it changes no number, but starts the stage anew
+    parallel=lambda wc: stage_keys.forward_parallel(RUNS[ESFT_ROUTINGS[wc.routkey]], "coverage"),
+    runtime=lambda wc: runtime(ESFT_ROUTINGS[wc.routkey]),
+)
+
+
 rule esft_routing:
     # The expensive pass of train.method esft: the fine-tuning corpus's tokens routed through the base model.
+    # Started through torchrun like coverage_valset: coverage.ranks ranks in coverage.strategy's layout.
     input:
         model=lambda wc: base_model_dir(RUNS[ESFT_ROUTINGS[wc.routkey]]),
         data=lambda wc: data_dir(RUNS[ESFT_ROUTINGS[wc.routkey]], RUNS[ESFT_ROUTINGS[wc.routkey]]["data"]["finetune_corpus"]),
         experts=lambda wc: experts_choice(RUNS[ESFT_ROUTINGS[wc.routkey]]),
+        script="workflow/scripts/esft_routing.py",
         lib=code("esft_routing"),
     output:
         totals=f"{RESULTS}/esft/routing/{{routkey}}/totals.json",
     params:
-        settings=lambda wc: stage_keys.esft_routing_settings(RUNS[ESFT_ROUTINGS[wc.routkey]]),
-        device=lambda wc: RUNS[ESFT_ROUTINGS[wc.routkey]]["hardware"]["device"],
-        runtime=lambda wc: runtime(ESFT_ROUTINGS[wc.routkey]),
+        **torchrun_params("esft_routing", **ESFT_ROUTING_PARAMS),
+        launcher=torchrun_launcher("esft_routing", lambda wc: RUNS[ESFT_ROUTINGS[wc.routkey]], lambda cfg: cfg["coverage"]["ranks"]),
     resources:
-        gpu=lambda wc: forward_gpus(RUNS[ESFT_ROUTINGS[wc.routkey]]),  # common.smk's gpus_of
+        gpu=lambda wc: forward_gpus(RUNS[ESFT_ROUTINGS[wc.routkey]], RUNS[ESFT_ROUTINGS[wc.routkey]]["coverage"]["ranks"]),  # common.smk's gpus_of
     threads: config["threads"]
     log:
         log_path("esft_routing", "{routkey}"),
@@ -45,8 +55,8 @@ rule esft_routing:
         bench_path("esft_routing", "{routkey}")
     conda:
         ENV_FILE
-    script:
-        "../scripts/esft_routing.py"
+    shell:
+        TRAIN_SHELL
 
 
 rule esft_select:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from moeflow.data.collate import SLIDING, block_causal_mask, document_ids, flattens_rows
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import linear_cross_entropy, logit_scale
-from moeflow.model.families.mtp import mtp_layers
+from moeflow.model.families.mtp import mtp_layers, mtp_units
 from moeflow.model.wrappers import unwrap
 from moeflow.runtime.hardware import to_device
 
@@ -60,32 +60,34 @@ def mtp_loss_sums(model: Any, last_hidden: torch.Tensor, batch: dict, chunk_toke
 
     ``last_hidden`` (B, L, H): the main decoder's output on ``batch`` (its ``input_ids``, ``labels``,
     ``position_ids``)."""
-    layers = [layer for _, layer in mtp_layers(model)]
-    if not layers:
+    units = mtp_units(model)
+    if not units:
         raise ValueError(f"{model.config.model_type}: the model has no MTP layers, so it has no MTP loss")
     input_ids, labels = batch["input_ids"], batch["labels"]
     position_ids = batch["position_ids"]
     embed = model.get_input_embeddings()
     scale = logit_scale(model.config)
     hidden, sums = last_hidden, []
-    for k, layer in enumerate(layers):
+    for k, (unit, (_, layer)) in enumerate(zip(units, mtp_layers(model))):
         depth = k + 1
         ids = F.pad(input_ids, (0, depth), value=0)[:, depth:]  # t_{i+depth}; the row's tail gets a pad id
-        own = getattr(layer, "embed_tokens", None)
-        next_embeddings = (own if own is not None else embed)(ids)
-        joined = torch.cat([layer.enorm(next_embeddings), layer.hnorm(hidden)], dim=-1)
-        out = layer(layer.eh_proj(joined), **_layer_kwargs(model, k, hidden, position_ids))
-        hidden = out[0] if isinstance(out, tuple) else out
-        head = layer.shared_head
-        normed = head.norm(hidden)
-        loss, _ = linear_cross_entropy(
-            normed.reshape(-1, normed.shape[-1]),
-            head.output_layer.weight,
-            depth_targets(labels, position_ids, depth).reshape(-1),
-            chunk_tokens=chunk_tokens,
-            scale=scale,
-        )
-        sums.append(loss)
+        targets = depth_targets(labels, position_ids, depth).reshape(-1)
+
+        def loss(normed: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor = targets) -> torch.Tensor:
+            flat = normed.reshape(-1, normed.shape[-1])
+            return linear_cross_entropy(flat, weight, targets, chunk_tokens=chunk_tokens, scale=scale)[0]
+
+        own = getattr(layer, "embed_tokens", None) is not None
+        depth_inputs = {
+            "previous": hidden,
+            "next_ids": ids,
+            # the model's embedding runs in the root unit, which FSDP keeps gathered from forward to backward
+            "next_embeddings": None if own else embed(ids),
+            "layer_kwargs": _layer_kwargs(model, k, hidden, position_ids),
+            "loss": loss,
+        }
+        depth_sum, hidden = unit(mtp_depth=depth_inputs)  # one call: FSDP gathers the whole depth (MTPLayer)
+        sums.append(depth_sum)
     return sums
 
 

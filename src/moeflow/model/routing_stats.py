@@ -261,9 +261,10 @@ def route_pool(
     ``pools``: ``(corpus name, rows)`` with rows as the data stage writes them (``moeflow.data.shards``).
     ``ranks`` (several ranks holding ``model`` in a layout): each routes its
     share of the batches and the main rank gets the whole pool's statistics, the other ranks None.
-    ``observers``: objects whose ``add(routing_layers, keep)`` also sees each batch's captured routing and its
-    real-token mask (e.g. ``moeflow.train.esft.TotalsCollector``), so other statistics share this one pass;
-    with several ranks they see this rank's batches only, and their caller adds the ranks' totals.
+    ``observers``: objects whose ``add(routing_layers, keep, batch=(pool index, place in the pool))`` also sees
+    each batch's captured routing and its real-token mask (e.g. ``moeflow.train.esft.TotalsCollector``), so other
+    statistics share this one pass; with several ranks they see this rank's batches only (fillers never), and
+    their caller merges the ranks' parts.
     """
     adapter = adapter or adapter_for(model)
     collector = StatsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
@@ -283,7 +284,7 @@ def route_pool(
             topk = [r.topk_index.cpu().numpy() for r in routing.layers]
             collector.add(corpus_index, doc_ids.reshape(-1), topk, batch=place)
             for observer in observers:
-                observer.add(routing.layers, batch["doc_ids"].reshape(-1) >= 0)
+                observer.add(routing.layers, batch["doc_ids"].reshape(-1) >= 0, batch=(corpus_index, place))
             kill_point("coverage.batch")
     stats = collector.finish([name for name, _ in pools])
     if world > 1:

@@ -86,6 +86,21 @@ def _sum_bucket(bucket: torch.Tensor, filled: int, pieces: list[tuple[torch.Tens
         flat[start : start + length].copy_(bucket[offset : offset + length])
 
 
+def fill_missing_gradients(model: torch.nn.Module) -> None:
+    """Give every trainable parameter that has no gradient a zero one, so that the optimizer steps every
+    parameter every step, in every layout: an expert no token of the step reached has no gradient in one process
+    of transformers 4.57 (it runs only the experts that got tokens), while FSDP1's flat gradient holds zeros for
+    it and transformers 5's fused expert tensors hold zero rows. AdamW would skip it in the first case only (no
+    momentum, no decay), and the same run would train differently on 1 rank and on 2. FSDP1's own parameters
+    are left alone: their gradients are views of its flat gradient."""
+    if is_fsdp1(model):
+        return
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+
 def release_gradients(model: torch.nn.Module) -> None:
     """Free FSDP1's flat gradients once ``zero_grad(set_to_none=True)`` has dropped the parameters' own:
     FSDP1 (torch 2.3) otherwise keeps each unit's gradient shard until the next forward, one more copy of

@@ -104,7 +104,7 @@ offered LoRA (the ``train.lora`` settings) among moeflow.plan.fit's suggestions,
 expert is its own module (transformers 4.57; ``Job.esft_selected`` pairs, all of them while no selection is
 known), for every MoE layer's whole fused expert tensors where they are fused (transformers 5: the unselected rows
 carry zero moments), plus the shared experts and non-expert parameters where configured
-(moeflow.plan.counts.esft_trainable).
+(moeflow.plan.counts.esft_trainable). Under FSDP1, gradients for whole decoder layers (:func:`gradient_parameters`).
 """
 
 from __future__ import annotations
@@ -345,6 +345,16 @@ def root_unit_parameters(s: Shape, params: ParamCount) -> int:
     return params.embeddings + s.hidden_size
 
 
+def gradient_parameters(s: Shape, params: ParamCount, job: Job, trainable: int) -> int:
+    """The parameters that hold a gradient: the trained ones, except ESFT under FSDP1 (the pinned stack), where a
+    unit's flat parameter has a gradient for all of its parameters once any of them trains: every decoder layer's
+    (each MoE layer keeps an expert), the root unit's only with ``train.esft.train_non_expert``."""
+    if job.method != "esft" or not job.sharded or job.expert_parallel or compat.fsdp2_available():
+        return trainable
+    layers = params.without_mtp - root_unit_parameters(s, params)
+    return max(trainable, layers + (root_unit_parameters(s, params) if job.esft.train_non_expert else 0))
+
+
 def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     """Bytes per device by component (module docstring); ``total`` is their sum."""
     width = WEIGHT_BYTES[job.precision]
@@ -362,7 +372,7 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     gathered = unit + unit_added
     out = {
         "weights": math.ceil((params.total + added) * width / shards),
-        "gradients": math.ceil(trainable * width / shards),
+        "gradients": math.ceil(gradient_parameters(s, params, job, trainable) * width / shards),
         "optimizer": math.ceil(
             (optimizer_state_bytes(params, trainable, job) + trainable * MASTER_WEIGHT_BYTES[job.precision]) / shards
         )

@@ -53,31 +53,46 @@ class RoutingTotals:
 
 
 class TotalsCollector:
-    """Accumulates ``RoutingTotals`` from captured routing (``moeflow.model.routing.LayerRouting``) batch by batch."""
+    """Accumulates ``RoutingTotals`` from captured routing (``moeflow.model.routing.LayerRouting``) batch by batch.
+
+    Each batch's sums are kept apart under its place in the pass and added in place order by :meth:`finish`,
+    also over the batches of several ranks (each routes its share): the float64 gate sums have the same digits
+    whichever rank routed which batch. Per batch that is an (L, E) pair of arrays (Step-3.5-Flash: 45 x 288, 207 KB)."""
 
     def __init__(self, layers: Sequence[int], num_experts: int, top_k: int):
         self.layers = list(layers)
+        self.num_experts = num_experts
         self.top_k = top_k
-        self.tokens = 0
-        self.selections = np.zeros((len(self.layers), num_experts), dtype=np.int64)
-        self.gate_sums = np.zeros((len(self.layers), num_experts), dtype=np.float64)
+        self.batches: dict[Any, tuple[int, np.ndarray, np.ndarray]] = {}  # place -> (tokens, selections, gate sums)
 
-    def add(self, routing_layers: Sequence, keep: torch.Tensor) -> None:
-        """Add one batch: ``routing_layers`` in ``layers`` order, ``keep`` the (tokens,) bool mask of real tokens."""
+    def add(self, routing_layers: Sequence, keep: torch.Tensor, batch: Any = None) -> None:
+        """Add one batch: ``routing_layers`` in ``layers`` order, ``keep`` the (tokens,) bool mask of real tokens,
+        ``batch`` its place in the pass (sortable; default: after the batches added so far)."""
         keep = keep.reshape(-1).bool()
-        self.tokens += int(keep.sum())
+        selections = np.zeros((len(self.layers), self.num_experts), dtype=np.int64)
+        gate_sums = np.zeros((len(self.layers), self.num_experts), dtype=np.float64)
         for row, routing in enumerate(routing_layers):
             index = routing.topk_index[keep].cpu()
             weight = routing.topk_weight[keep].detach().to(torch.float64).cpu()
             weight = weight / weight.sum(dim=-1, keepdim=True)
             flat = index.reshape(-1).numpy()
-            self.selections[row] += np.bincount(flat, minlength=self.selections.shape[1])
-            self.gate_sums[row] += np.bincount(
-                flat, weights=weight.reshape(-1).numpy(), minlength=self.gate_sums.shape[1]
-            )
+            selections[row] = np.bincount(flat, minlength=self.num_experts)
+            gate_sums[row] = np.bincount(flat, weights=weight.reshape(-1).numpy(), minlength=self.num_experts)
+        self.batches[len(self.batches) if batch is None else batch] = (int(keep.sum()), selections, gate_sums)
 
-    def finish(self) -> RoutingTotals:
-        return RoutingTotals(self.layers, self.top_k, self.tokens, self.selections.copy(), self.gate_sums.copy())
+    def finish(self, ranks_batches: Sequence[Mapping[Any, tuple]] | None = None) -> RoutingTotals:
+        """The totals of this collector's batches, or of every rank's (``ranks_batches``: each rank's
+        :attr:`batches`), added in place order."""
+        batches = self.batches if ranks_batches is None else {k: v for part in ranks_batches for k, v in part.items()}
+        tokens = 0
+        selections = np.zeros((len(self.layers), self.num_experts), dtype=np.int64)
+        gate_sums = np.zeros((len(self.layers), self.num_experts), dtype=np.float64)
+        for place in sorted(batches):
+            count, selected, gates = batches[place]
+            tokens += count
+            selections += selected
+            gate_sums += gates
+        return RoutingTotals(self.layers, self.top_k, tokens, selections, gate_sums)
 
 
 def select_layer(scores: np.ndarray, top_p: float) -> list[int]:

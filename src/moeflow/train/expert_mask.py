@@ -7,6 +7,12 @@ routers (and correction biases), and the shared experts and every non-expert par
 layer's experts are one fused ``[E, ...]`` tensor (transformers 5), the tensor must train, and its unselected rows
 are kept bit-identical by :class:`ExpertMask` (its docstring says why this is exact). The cost: AdamW's two
 moments exist for the whole fused tensor, unselected rows included (all zeros); moeflow.plan.memory counts them.
+
+Every layout of ``parallel.strategy``: ``requires_grad`` is set on the sharded parameters after sharding (FSDP2
+copies it to the gathered parameter at each gather; FSDP1 with ``use_orig_params`` hands a frozen parameter no
+gradient), and under FSDP2 or transformers' expert parallelism a fused tensor is a DTensor whose local rows are
+masked by their rows in the whole tensor (moeflow.parallel.rank_load.global_rows), after the gradients are reduced.
+A fused tensor under FSDP1 (a flat slice of elements, not of rows) is refused: no stack of ours has both.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from typing import Any
 import torch
 
 from moeflow.model import parameters as P
-from moeflow.parallel.layouts import is_sharded, original_shape
+from moeflow.model.wrappers import is_fsdp1
+from moeflow.parallel.layouts import original_shape
+from moeflow.parallel.rank_load import global_rows
+from moeflow.runtime import compat
 
 
 class EsftError(ValueError):
@@ -35,7 +44,24 @@ class FusedRows:
 
     name: str
     param: torch.nn.Parameter
-    selected: torch.Tensor  # (E,) int64: the selected experts' rows
+    selected: torch.Tensor  # int64: the selected experts' rows in the whole tensor
+    local_selected: torch.Tensor  # int64: which of this rank's rows (all rows of an unsharded tensor) are selected
+    local_rows: int  # how many rows this rank holds
+
+    @classmethod
+    def of(cls, name: str, param: torch.nn.Parameter, selected: list[int]) -> FusedRows:
+        """The rows of ``param`` (whole, or a DTensor sharded along dim 0: FSDP2, expert parallelism)."""
+        rows = global_rows(param) if compat.is_dtensor(param) else list(range(param.shape[0]))
+        chosen = set(selected)
+        local = [i for i, row in enumerate(rows) if row in chosen]
+        return cls(
+            name, param, torch.tensor(selected, dtype=torch.long), torch.tensor(local, dtype=torch.long), len(rows)
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a tensor (a DTensor's local tensor: a view of its shard, so in-place edits reach it)."""
+    return tensor.to_local() if compat.is_dtensor(tensor) else tensor
 
 
 class ExpertMask:
@@ -84,14 +110,15 @@ class ExpertMask:
         decay = {id(p): (g["lr"], g.get("row_weight_decay", 0.0)) for g in optimizer.param_groups for p in g["params"]}
         with torch.no_grad():
             for fused in self.fused:
-                param = fused.param
-                if param.grad is not None:
-                    keep = torch.zeros(param.shape[0], dtype=torch.bool, device=param.device)
-                    keep[fused.selected.to(param.device)] = True
-                    param.grad.masked_fill_(~keep.view(-1, *[1] * (param.dim() - 1)), 0)
-                lr, weight_decay = decay[id(param)]
-                if weight_decay and lr:
-                    rows = fused.selected.to(param.device)
+                param = _local(fused.param)
+                rows = fused.local_selected.to(param.device)
+                if fused.param.grad is not None:
+                    grad = _local(fused.param.grad)
+                    keep = torch.zeros(fused.local_rows, dtype=torch.bool, device=grad.device)
+                    keep[rows] = True
+                    grad.masked_fill_(~keep.view(-1, *[1] * (grad.dim() - 1)), 0)
+                lr, weight_decay = decay[id(fused.param)]
+                if weight_decay and lr and len(rows):
                     param.index_copy_(0, rows, param.index_select(0, rows).mul_(1 - lr * weight_decay))
 
 
@@ -117,11 +144,6 @@ def mask_experts(model: torch.nn.Module, settings: Any, selection: Mapping[str, 
     """Freeze everything ESFT does not train (module docstring) for ``selection`` (the selection JSON) and return
     the mask of the fused expert tensors. ``settings``: ``train.esft`` (moeflow.train.settings.EsftSettings).
     Never turns on a parameter the model keeps frozen (an MTP layer's). Before the optimizer is built."""
-    if is_sharded(model):
-        raise EsftError(
-            "config keys 'train.method': esft and 'parallel.strategy': ESFT's masked training runs on whole models "
-            "only here; use parallel.strategy: none"
-        )
     chosen = _layer_selection(selection)
     fused, seen, separate_experts = [], set(), {}
     for name, param in model.named_parameters():
@@ -146,7 +168,13 @@ def mask_experts(model: torch.nn.Module, settings: Any, selection: Mapping[str, 
                 "or lora)"
             )
         if param.requires_grad and selected:
-            fused.append(FusedRows(name, param, torch.tensor(selected, dtype=torch.long)))
+            if is_fsdp1(model):
+                raise EsftError(
+                    f"ESFT: {name} is a fused [experts, ...] tensor under FSDP1, whose flat shards split elements, not "
+                    "experts, so its rows cannot be masked: use parallel.strategy: none, or a stack with FSDP2 "
+                    "(STACK=current)"
+                )
+            fused.append(FusedRows.of(name, param, selected))
         else:
             param.requires_grad_(False)
     missing = sorted(set(chosen) - seen)

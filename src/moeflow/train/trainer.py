@@ -42,7 +42,7 @@ from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.routing_stats import layer_health
 from moeflow.model.wrappers import unwrap
-from moeflow.parallel.gradients import clip_grad_norm, reduce_gradients, release_gradients
+from moeflow.parallel.gradients import clip_grad_norm, fill_missing_gradients, reduce_gradients, release_gradients
 from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import all_reduce_sum, gather_objects, rank, world_size
 from moeflow.runtime import compat
@@ -311,7 +311,8 @@ class Trainer:
 
     def step_gradients(self) -> dict[str, Any]:
         """The next step's forward and backward on this rank's micro-batches, then the gradients summed over
-        ranks (every rank holds the step's gradient, or its shards of it); return the step's loss summary
+        ranks (every rank holds the step's gradient, or its shards of it; zero for a parameter the step did not
+        reach: moeflow.parallel.gradients.fill_missing_gradients); return the step's loss summary
         (global, the same on every rank). ``train_step`` without the update: tests compare it across layouts."""
         batches = self.micro_batches()
         with torch.autograd.set_detect_anomaly(self.settings.detect_anomaly):
@@ -321,6 +322,7 @@ class Trainer:
         del batches
         summary = step_loss.summary()
         reduce_gradients(self.model)
+        fill_missing_gradients(self.model)  # every parameter steps, in every layout (an expert no token reached too)
         return summary
 
     def train_step(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import jsonschema
 
 from moeflow.evaluation.lm_eval_tasks import task_problems
 from moeflow.model.families import registry
+from moeflow.plan.shapes import experts_fused
 from moeflow.runtime import compat
 from moeflow.settings import (
     REPO_ROOT,
@@ -172,8 +173,8 @@ def humaneval_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
     """``train.method: esft`` needs an MoE model whose experts moeflow can address (a routing adapter's family,
-    moeflow.model.routing.FAMILIES), one process per model copy (the masked training is not built for sharded
-    parameters), and routing left alone (the routers are frozen, so no loss-free bias update)."""
+    moeflow.model.routing.FAMILIES), rows it can mask (a fused expert tensor under FSDP1 splits elements, not
+    experts), and routing left alone (the routers are frozen, so no loss-free bias update)."""
     train = cfg["train"]
     if train["method"] != "esft":
         return []
@@ -193,10 +194,11 @@ def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
             f"{model_type!r} has none (moeflow.model.routing.FAMILIES: {', '.join(FAMILIES)}): use train.method: "
             "full or lora"
         )
-    if cfg["parallel"]["strategy"] != "none":
+    if cfg["parallel"]["strategy"] == "fsdp" and not compat.fsdp2_available() and experts_fused(model_type or ""):
         problems.append(
-            f"config keys 'train.method': esft and 'parallel.strategy': {cfg['parallel']['strategy']} do not combine "
-            "yet: the expert mask is built for whole models. Use parallel.strategy: none (every rank holds the model)"
+            f"config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine for {model_type}'s fused "
+            f"expert tensors on torch {compat.version_of('torch')}: FSDP1's flat shards split elements, not experts, "
+            "so the unselected experts' rows cannot be masked. Use parallel.strategy: none, or STACK=current (FSDP2)"
         )
     if train["balance"]["bias_update_rate"] > 0:
         problems.append(
@@ -212,9 +214,8 @@ MTP_ATTENTION = ("eager", "sdpa")  # moeflow.model.mtp_loss builds each MTP laye
 
 def mtp_problems(cfg: Mapping[str, Any]) -> list[str]:
     """``mtp.mode: train`` needs MTP layers (a family moeflow builds them for, num_nextn_predict_layers > 0), a
-    full fine-tune (LoRA and ESFT leave them out), eager or sdpa attention (moeflow.model.mtp_loss), and for
-    ``train`` the layout none: the MTP layers run outside the model's forward, which FSDP's and ep's gathering
-    does not reach."""
+    full fine-tune (LoRA and ESFT leave them out), and eager or sdpa attention (moeflow.model.mtp_loss). Every
+    layout: each MTP depth runs in one call of its layer, which FSDP gathers (moeflow.model.families.mtp.MTPLayer)."""
     problems = []
     for section in ("train", "pretrain"):
         train = cfg[section]
@@ -238,13 +239,6 @@ def mtp_problems(cfg: Mapping[str, Any]) -> list[str]:
             problems.append(
                 f"{key}: the MTP loss runs with eager or sdpa attention only, and model.attn_implementation is "
                 f"{cfg['model']['attn_implementation']!r}: set model.attn_implementation: sdpa"
-            )
-        strategy = cfg["parallel"]["strategy"]
-        if section == "train" and strategy != "none":
-            problems.append(
-                f"config keys '{section}.mtp.mode': train and 'parallel.strategy': {strategy} do not combine yet: the "
-                "MTP layers run outside the model's forward, where FSDP and ep do not gather their shards. Use "
-                "parallel.strategy: none"
             )
     return problems
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as shipped
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
-from moeflow.model.families.mtp import add_mtp_modules
+from moeflow.model.families.mtp import MTPLayer, add_mtp_modules
 
 MODEL_TYPE = "deepseek_v3"
 
@@ -21,11 +21,9 @@ MODEL_TYPE = "deepseek_v3"
 config_class = DeepseekV3Config
 
 
-class DeepseekV3MTPLayer(shipped.DeepseekV3DecoderLayer):
+class DeepseekV3MTPLayer(MTPLayer, shipped.DeepseekV3DecoderLayer):
     """A published MTP layer: the decoder layer of index ``num_hidden_layers + depth`` (MoE, as layers from
     ``first_k_dense_replace`` on are) and the MTP modules."""
-
-    is_mtp_layer = True  # moeflow.model.families.mtp.MTP_FLAG
 
     def __init__(self, config: DeepseekV3Config, layer_idx: int):
         super().__init__(config, layer_idx)

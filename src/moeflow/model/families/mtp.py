@@ -14,11 +14,12 @@ the family's decoder-layer class with those modules added (:func:`add_mtp_module
 main model's outputs are unchanged.
 
 The MTP depth ``k`` (0-based) predicts token ``t + k + 2`` from the depth's previous hidden state at ``t`` and
-the embedding of token ``t + k + 1``: :func:`mtp_hidden` is that step (DeepSeek-V3 section 2.2); the MTP
-loss is moeflow.model.mtp_loss. Their parameters are built frozen (``requires_grad`` off, in the layer classes,
-so every build and load path has them so): with ``train.mtp.mode: frozen`` (the default) the training loop
-never runs them, AdamW holds no state for them, and LoRA gives them no adapters; ``train.mtp.mode: train``
-turns them on (moeflow.train.trainer.train_mtp_layers) and adds their loss to the step's.
+the embedding of token ``t + k + 1``: :meth:`MTPLayer.depth` is that step (DeepSeek-V3 section 2.2), run in one
+call of the layer so that FSDP covers it; the MTP loss is moeflow.model.mtp_loss. Their parameters are built
+frozen (``requires_grad`` off, in the layer classes, so every build and load path has them so): with
+``train.mtp.mode: frozen`` (the default) the training loop never runs them, AdamW holds no state for them, and
+LoRA gives them no adapters; ``train.mtp.mode: train`` turns them on (moeflow.train.trainer.train_mtp_layers)
+and adds their loss to the step's.
 """
 
 from __future__ import annotations
@@ -99,13 +100,49 @@ def mtp_report(model: nn.Module) -> dict[str, Any] | None:
     }
 
 
-def mtp_hidden(
-    layer: nn.Module, previous_hidden: torch.Tensor, next_embeddings: torch.Tensor, **layer_kwargs: Any
-) -> torch.Tensor:
-    """One MTP depth: ``shared_head.norm(layer(eh_proj([enorm(next_embeddings); hnorm(previous_hidden)])))``;
-    the depth's logits are ``layer.shared_head.output_layer`` of it. ``layer_kwargs``: what the decoder layer's
-    forward takes (position embeddings, attention mask)."""
-    joined = torch.cat([layer.enorm(next_embeddings), layer.hnorm(previous_hidden)], dim=-1)
-    hidden = layer(layer.eh_proj(joined), **layer_kwargs)
-    hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-    return layer.shared_head.norm(hidden)
+class MTPLayer(nn.Module):
+    """The first base of a family's MTP layer class (its decoder-layer class second): called as a decoder layer,
+    or with ``mtp_depth=`` as one whole MTP depth (:meth:`depth`). One call for the depth is what FSDP needs: it
+    gathers a unit's parameters around the unit's forward and reduces their gradients after its backward, so
+    enorm, hnorm, eh_proj, the own embedding and the shared head must run inside that forward, not beside it."""
+
+    is_mtp_layer = True  # MTP_FLAG
+
+    def forward(self, *args: Any, mtp_depth: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        if mtp_depth is None:
+            return super().forward(*args, **kwargs)
+        return self.depth(**mtp_depth)
+
+    def depth(
+        self,
+        previous: torch.Tensor,
+        next_ids: torch.Tensor,
+        next_embeddings: torch.Tensor | None,
+        layer_kwargs: dict[str, Any],
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP depth (DeepSeek-V3 section 2.2): ``h = layer(eh_proj([enorm(emb(next_ids)); hnorm(previous)]))``
+        with the layer's own embedding where it has one (else ``next_embeddings``, the model's), and ``loss`` of
+        ``shared_head.norm(h)`` and the shared head's output weight. Returns (that loss, ``h``: the next depth's
+        ``previous``). ``layer_kwargs``: what the decoder layer's forward takes (position embeddings, mask)."""
+        own = getattr(self, "embed_tokens", None)
+        embedded = own(next_ids) if own is not None else next_embeddings
+        joined = torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1)
+        out = super().forward(self.eh_proj(joined), **layer_kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        head = self.shared_head
+        return loss(head.norm(hidden), head.output_layer.weight), hidden
+
+
+_WRAPPER_SUFFIXES = ("._fsdp_wrapped_module", "._checkpoint_wrapped_module")
+
+
+def mtp_units(model: nn.Module) -> list[nn.Module]:
+    """The module to call for each MTP layer, in order: the layer, or the FSDP1 or checkpoint wrapper around it
+    (calling the layer inside an FSDP1 wrapper would skip the gathering of its parameters)."""
+    units = []
+    for name, _ in mtp_layers(model):
+        while name.endswith(_WRAPPER_SUFFIXES):
+            name = name.rsplit(".", 1)[0]
+        units.append(model.get_submodule(name))
+    return units

@@ -46,7 +46,7 @@ from transformers.models.step3p7.modeling_step3p7 import (
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from moeflow.model.families.mtp import add_mtp_modules
+from moeflow.model.families.mtp import MTPLayer, add_mtp_modules
 
 MODEL_TYPE = "step3p5"
 
@@ -93,11 +93,9 @@ class Step3p5Router(Step3p7TopKRouter):
         return logits, weights, index
 
 
-class Step3p5MTPLayer(Step3p7DecoderLayer):
+class Step3p5MTPLayer(MTPLayer, Step3p7DecoderLayer):
     """One of the published MTP layers: a decoder layer of its own type (``mtp_layer_types``, with the head
     count of that type) and MLP (``mtp_mlp_layer_types``) plus the MTP modules (moeflow.model.families.mtp)."""
-
-    is_mtp_layer = True  # moeflow.model.families.mtp.MTP_FLAG
 
     def __init__(self, config: Step3p7TextConfig, mtp_config: Step3p7TextConfig, depth: int):
         super().__init__(mtp_config, depth)
