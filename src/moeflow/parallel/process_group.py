@@ -136,17 +136,20 @@ def teardown() -> None:
         destroy()
 
 
-# How long the main thread lets gloo's workers run Python before the group's destructor blocks them, on a
-# torch whose destructor holds the GIL
-_GLOO_SETTLE_S = 0.2 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 8) else 0.0
+# How long the main thread, its GIL released, lets gloo's workers drop what they hold before the group goes
+_GLOO_SETTLE_S = 0.2
 
 
 def destroy() -> None:
-    """``destroy_process_group`` without the gloo deadlock of torch before 2.8 (pytorch#154976): the group's
-    destructor holds the GIL while it joins gloo's worker threads, and a worker still dropping the last
-    reference to a tensor Python made for the last collective (``broadcast_object_list``'s,
-    ``all_gather_object``'s) waits for that GIL: both wait forever. On the pinned stack 3 of 18 two-rank runs
-    hung so on a loaded 2-core machine. Released GIL for a moment, the workers finish first. No barrier: safe
+    """``destroy_process_group`` once gloo's worker threads have dropped the last collective's tensors. A
+    worker that still holds the last reference to a tensor Python made (``broadcast_object_list``'s,
+    ``all_gather_object``'s, a barrier's) must take the GIL to free it:
+    - torch before 2.8 (pytorch#154976): the group's destructor holds the GIL while it joins the workers, and
+      both wait forever (3 of 18 two-rank runs hung so on a loaded 2-core machine, on the pinned stack);
+    - every torch: a rank that leaves right after is finalizing the interpreter by then, and a thread that takes
+      the GIL during finalization is ended, which in C++ is ``terminate called without an active exception``
+      (SIGABRT: 1 in 18 two-rank bf16 FSDP runs of tests/unit/test_distributed.py on the current stack).
+    A garbage collection and a moment with the GIL released let the workers finish first. No barrier: safe
     in a rank's error path."""
     import gc
     import time
@@ -155,9 +158,8 @@ def destroy() -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if _GLOO_SETTLE_S:
-        gc.collect()
-        time.sleep(_GLOO_SETTLE_S)
+    gc.collect()
+    time.sleep(_GLOO_SETTLE_S)
     dist.destroy_process_group()
 
 
