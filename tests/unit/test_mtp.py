@@ -100,7 +100,7 @@ def test_mtp_layers_are_built_frozen_under_the_published_names_and_load_back(fam
     depth = {
         "previous": hidden,
         "next_ids": ids,
-        "next_embeddings": embeddings,  # DeepSeek-V3's layer uses its own embedding instead
+        "next_embeddings": None if hasattr(layer, "embed_tokens") else embeddings,  # DeepSeek-V3's: its own
         "layer_kwargs": {"position_embeddings": rotary, "attention_mask": None},
         "loss": lambda normed, weight: normed @ weight.T,  # the depth's logits
     }

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from moeflow.data.collate import SLIDING, block_causal_mask, document_ids, flattens_rows
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import linear_cross_entropy, logit_scale
-from moeflow.model.families.mtp import mtp_layers, mtp_units
+from moeflow.model.families.mtp import mtp_units
 from moeflow.model.wrappers import unwrap
 from moeflow.runtime.hardware import to_device
 
@@ -68,7 +68,7 @@ def mtp_loss_sums(model: Any, last_hidden: torch.Tensor, batch: dict, chunk_toke
     embed = model.get_input_embeddings()
     scale = logit_scale(model.config)
     hidden, sums = last_hidden, []
-    for k, (unit, (_, layer)) in enumerate(zip(units, mtp_layers(model))):
+    for k, unit in enumerate(units):
         depth = k + 1
         ids = F.pad(input_ids, (0, depth), value=0)[:, depth:]  # t_{i+depth}; the row's tail gets a pad id
         targets = depth_targets(labels, position_ids, depth).reshape(-1)
@@ -77,12 +77,12 @@ def mtp_loss_sums(model: Any, last_hidden: torch.Tensor, batch: dict, chunk_toke
             flat = normed.reshape(-1, normed.shape[-1])
             return linear_cross_entropy(flat, weight, targets, chunk_tokens=chunk_tokens, scale=scale)[0]
 
-        own = getattr(layer, "embed_tokens", None) is not None
         depth_inputs = {
             "previous": hidden,
             "next_ids": ids,
-            # the model's embedding runs in the root unit, which FSDP keeps gathered from forward to backward
-            "next_embeddings": None if own else embed(ids),
+            # the layer's own embedding (DeepSeek-V3's), or the model's: it runs in the root unit, which FSDP keeps
+            # gathered from forward to backward (FSDP1's and the checkpoint wrapper hand attributes through)
+            "next_embeddings": None if hasattr(unit, "embed_tokens") else embed(ids),
             "layer_kwargs": _layer_kwargs(model, k, hidden, position_ids),
             "loss": loss,
         }

@@ -140,7 +140,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     coef = max_norm / (total + 1e-6)
     if coef < 1:
         with torch.no_grad():  # on the local tensors (a DTensor's to_local is a view of its shard): one kernel
-            torch._foreach_mul_([p.grad.to_local() if compat.is_dtensor(p.grad) else p.grad for p in params], coef)
+            torch._foreach_mul_([compat.local_tensor(p.grad) for p in params], coef)
     return total
 
 
@@ -170,7 +170,7 @@ def squared_norm(model: torch.nn.Module) -> torch.Tensor:
             key = (None,) if fsdp1 else ()  # None: the default group
         local = keys.setdefault(key, [])
         if grad is not None:
-            local.append(grad.to_local() if compat.is_dtensor(grad) else grad)
+            local.append(compat.local_tensor(grad))
     total = None
     for key, grads in keys.items():
         if grads:

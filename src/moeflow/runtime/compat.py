@@ -11,6 +11,7 @@ import importlib.machinery
 import sys
 from collections.abc import Callable
 from importlib import metadata
+from typing import Any
 
 from packaging.version import Version
 
@@ -68,6 +69,12 @@ def is_dtensor(value: object) -> bool:
     except ImportError:  # torch 2.3
         from torch.distributed._tensor import DTensor
     return isinstance(value, DTensor)
+
+
+def local_tensor(tensor: Any) -> Any:
+    """This rank's part of a tensor: a DTensor's local tensor (a view of its shard, so in-place edits reach the
+    DTensor), any other tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def enable_activation_checkpointing(model: object, reentrant: bool = False) -> None:

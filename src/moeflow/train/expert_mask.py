@@ -59,11 +59,6 @@ class FusedRows:
         )
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a tensor (a DTensor's local tensor: a view of its shard, so in-place edits reach it)."""
-    return tensor.to_local() if compat.is_dtensor(tensor) else tensor
-
-
 class ExpertMask:
     """Keeps the unselected rows of fused expert tensors bit-identical under AdamW.
 
@@ -110,10 +105,10 @@ class ExpertMask:
         decay = {id(p): (g["lr"], g.get("row_weight_decay", 0.0)) for g in optimizer.param_groups for p in g["params"]}
         with torch.no_grad():
             for fused in self.fused:
-                param = _local(fused.param)
+                param = compat.local_tensor(fused.param)
                 rows = fused.local_selected.to(param.device)
                 if fused.param.grad is not None:
-                    grad = _local(fused.param.grad)
+                    grad = compat.local_tensor(fused.param.grad)
                     keep = torch.zeros(fused.local_rows, dtype=torch.bool, device=grad.device)
                     keep[rows] = True
                     grad.masked_fill_(~keep.view(-1, *[1] * (grad.dim() - 1)), 0)

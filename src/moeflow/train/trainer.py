@@ -273,7 +273,7 @@ class Trainer:
         method costs beyond the weights (AdamW: two moments per parameter it updates). A collective where the
         ranks are several; call it after a step (AdamW creates its state at the first one)."""
         held = sum(
-            t.to_local().nbytes if compat.is_dtensor(t) else t.nbytes
+            compat.local_tensor(t).nbytes
             for state in self.optimizer.state.values()
             for t in state.values()
             if torch.is_tensor(t)

@@ -122,11 +122,11 @@ class MTPLayer(nn.Module):
         loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP depth (DeepSeek-V3 section 2.2): ``h = layer(eh_proj([enorm(emb(next_ids)); hnorm(previous)]))``
-        with the layer's own embedding where it has one (else ``next_embeddings``, the model's), and ``loss`` of
-        ``shared_head.norm(h)`` and the shared head's output weight. Returns (that loss, ``h``: the next depth's
-        ``previous``). ``layer_kwargs``: what the decoder layer's forward takes (position embeddings, mask)."""
-        own = getattr(self, "embed_tokens", None)
-        embedded = own(next_ids) if own is not None else next_embeddings
+        with ``next_embeddings`` (the model's embedding of ``next_ids``), or None for the layer's own embedding,
+        and ``loss`` of ``shared_head.norm(h)`` and the shared head's output weight. Returns (that loss, ``h``: the
+        next depth's ``previous``). ``layer_kwargs``: what the decoder layer's forward takes (position embeddings,
+        mask)."""
+        embedded = self.embed_tokens(next_ids) if next_embeddings is None else next_embeddings
         joined = torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1)
         out = super().forward(self.eh_proj(joined), **layer_kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
