@@ -11,6 +11,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
+
+from moeflow.runtime import compat
+
 
 def run_ranks(fn: Callable[..., None], *args: Any, nprocs: int = 2, timeout_s: float = 600.0) -> dict:
     """``fn(rank, *args, results)`` on ``nprocs`` spawned ranks; ``results`` (a shared dict each rank fills) as a
@@ -68,10 +72,29 @@ def gloo_group(rank: int, root: str, world_size: int = 2, timeout_s: float = 90.
         destroy()
 
 
-def fsdp_layout(ranks: Any) -> Any:
-    """The ``parallel.strategy: fsdp`` layout over ``ranks`` (one node)."""
+def sharded_layout(ranks: Any, parallel: dict | None = None) -> Any:
+    """The layout of ``parallel`` (a ``parallel`` config section; default ``strategy: fsdp``) over ``ranks``
+    (one node)."""
     from moeflow.model.factory import Layout
     from moeflow.parallel.settings import ParallelSettings
     from moeflow.settings import typed
 
-    return Layout(ranks, typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": ranks.world_size}))
+    section = {"strategy": "fsdp", **(parallel or {}), "nproc_per_node": ranks.world_size}
+    return Layout(ranks, typed(ParallelSettings, section))
+
+
+def fsdp_layout(ranks: Any) -> Any:
+    """The ``parallel.strategy: fsdp`` layout over ``ranks`` (one node)."""
+    return sharded_layout(ranks)
+
+
+# The sharded layouts of two ranks a test of a training method runs in (``parallel`` sections): FSDP (FSDP2 on the
+# current stack, FSDP1 on the pinned one) and transformers' expert parallelism (transformers 5 only).
+SHARDED_LAYOUTS = [
+    pytest.param({"strategy": "fsdp"}, id="fsdp"),
+    pytest.param(
+        {"strategy": "ep", "ep_size": 2, "fsdp_size": 2},
+        id="ep",
+        marks=pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism needs transformers 5"),
+    ),
+]

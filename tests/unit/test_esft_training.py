@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from gloo_ranks import run_ranks
+from gloo_ranks import SHARDED_LAYOUTS, run_ranks
 from safetensors.torch import load_file
 from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, build_family, tiny_model_cfg
 from tiny_training import VOCAB, packed_rows, settings
@@ -309,20 +309,14 @@ def test_every_family_trains_only_the_selected_experts_after_a_backward_pass(fam
 
 
 UNTIED = typed(ModelSettings, tiny_model_cfg(tie_word_embeddings=False))  # transformers' EP refuses tied ones
-SHARDED = [
-    pytest.param({"strategy": "fsdp"}, id="fsdp"),
-    pytest.param({"strategy": "ep", "ep_size": 2, "fsdp_size": 2}, id="ep"),
-]
 
 
-@pytest.mark.parametrize("parallel", SHARDED)
+@pytest.mark.parametrize("parallel", SHARDED_LAYOUTS)
 def test_two_sharded_ranks_train_the_selected_experts_as_one_process_and_resume_bit_for_bit(tmp_path, parallel):
     """ESFT on two gloo ranks (FSDP2 over fused experts on the current stack, FSDP1 over separate ones on the pinned
     one; transformers' expert parallelism, each rank holding 2 of the 4 experts, on the current one): the losses and
     the selected experts of one process taking both ranks' rows, every unselected expert, router and frozen module
     bit-identical to the base, and a run resumed from step 1's checkpoint equal bit for bit to the uninterrupted one."""
-    if parallel["strategy"] == "ep" and not compat.is_transformers_v5():
-        pytest.skip("expert parallelism needs transformers 5")
     folder = tmp_path / "model"
     make_model(UNTIED, vocab_size=VOCAB, seed=0).save_pretrained(folder)
     results = run_ranks(_esft_rank, str(tmp_path), parallel, timeout_s=300)
@@ -364,16 +358,14 @@ def test_two_sharded_ranks_train_the_selected_experts_as_one_process_and_resume_
 
 
 def _esft_rank(rank: int, root: str, parallel: dict, results: dict) -> None:
-    from gloo_ranks import gloo_group
+    from gloo_ranks import gloo_group, sharded_layout
     from safetensors.torch import save_file
 
-    from moeflow.model.factory import Layout
     from moeflow.parallel.layouts import full_state_dict
-    from moeflow.parallel.settings import ParallelSettings
 
     torch.set_num_threads(1)
     with gloo_group(rank, root) as ranks:
-        layout = Layout(ranks, typed(ParallelSettings, {**parallel, "nproc_per_node": 2}))
+        layout = sharded_layout(ranks, parallel)
 
         def trainer() -> Trainer:
             sharded = make_model(UNTIED, folder=f"{root}/model", layout=layout)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_ranks import run_ranks
+from gloo_ranks import SHARDED_LAYOUTS, run_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tiny_models import TRANSFORMERS_5_ONLY, VOCAB, model_config, spread_routers
@@ -259,17 +259,7 @@ def test_the_planner_counts_the_optimizer_state_of_trained_mtp_layers():
         assert plan.memory_per_device(shape, params, job)["gradients"] == held * 4, mode
 
 
-SHARDED = [
-    pytest.param({"strategy": "fsdp"}, id="fsdp"),
-    pytest.param(
-        {"strategy": "ep", "ep_size": 2, "fsdp_size": 2},
-        id="ep",
-        marks=pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism needs transformers 5"),
-    ),
-]
-
-
-@pytest.mark.parametrize("parallel", SHARDED)
+@pytest.mark.parametrize("parallel", SHARDED_LAYOUTS)
 def test_mode_train_on_two_sharded_ranks_gives_one_processes_losses_and_update(tmp_path, parallel):
     """DeepSeek-V3 with 2 MTP layers, each its own FSDP unit (FSDP2 on the current stack, FSDP1 on the pinned one;
     under expert parallelism their experts split over the ranks too): each depth runs in one call of its layer, so
@@ -299,16 +289,14 @@ def test_mode_train_on_two_sharded_ranks_gives_one_processes_losses_and_update(t
 
 
 def _mtp_rank(rank: int, root: str, parallel: dict, results: dict) -> None:
-    from gloo_ranks import gloo_group
+    from gloo_ranks import gloo_group, sharded_layout
     from safetensors.torch import save_file
 
-    from moeflow.model.factory import Layout
     from moeflow.parallel.layouts import full_state_dict
-    from moeflow.parallel.settings import ParallelSettings
 
     torch.set_num_threads(1)
     with gloo_group(rank, root) as ranks:
-        layout = Layout(ranks, typed(ParallelSettings, {**parallel, "nproc_per_node": 2}))
+        layout = sharded_layout(ranks, parallel)
         cfg = model_config("deepseek_v3")
         cfg["config"]["num_nextn_predict_layers"] = 2
         model = make_model(typed(ModelSettings, cfg), folder=f"{root}/model", layout=layout)
