@@ -53,6 +53,71 @@ class Row:
     reruns: frozenset[str]
 
 
+# Infrastructure (moeflow.workflow.rule_code.INFRASTRUCTURE): each module, and why an edit to it reruns nothing
+# (tests/unit/test_rule_code.py checks that a stage's own code uses of it only the reviewed PLUMBING).
+INFRASTRUCTURE = (
+    (
+        "src/moeflow/__init__.py",
+        "the package root: its name; transformers 4.57 kept from importing scikit-learn (import time)",
+    ),
+    ("src/moeflow/runtime/__init__.py", "`runtime`'s package docstring"),
+    (
+        "src/moeflow/runtime/all_reduce_probe.py",
+        "verify_env's all-reduce probe: whether collectives work here, a fact of the environment report",
+    ),
+    (
+        "src/moeflow/runtime/compat.py",
+        "the installed versions (the stack fixes them: results/<stack>) and the sklearn import skip",
+    ),
+    ("src/moeflow/runtime/devices.py", "claiming a job's GPUs: which GPU runs it, not what it computes"),
+    (
+        "src/moeflow/runtime/env.py",
+        "the environment report and its pins check: facts, rerun by verify_env's fingerprint param",
+    ),
+    (
+        "src/moeflow/runtime/figures.py",
+        "matplotlib set up to render figures reproducibly: how a figure is drawn, no number in it",
+    ),
+    ("src/moeflow/runtime/files.py", "atomic, deterministic writes of what a stage computed"),
+    ("src/moeflow/runtime/gpu_node.py", "verify_env's checks of a GPU node (driver, GPU count, NCCL)"),
+    (
+        "src/moeflow/runtime/host_copies.py",
+        "a batch copied to the device (through pinned memory on CUDA): the same values either way",
+    ),
+    (
+        "src/moeflow/runtime/job.py",
+        "the job a torchrun script reads: its params (Snakemake compares them), threads, log file",
+    ),
+    ("src/moeflow/runtime/pins.py", "the stacks' pip pins (envs/<stack>.yaml is the install's input)"),
+    (
+        "src/moeflow/runtime/stage.py",
+        "a stage's start: logging, offline mode, the threads of its runtime param, provenance, kill points",
+    ),
+    (
+        "src/moeflow/settings.py",
+        "the config schema's reader and typed settings: the values reach stages as params, which Snakemake compares",
+    ),
+    ("src/moeflow/workflow/__init__.py", "`workflow`'s package docstring"),
+    ("src/moeflow/workflow/checks.py", "the config checks: they refuse a config, and compute nothing a stage writes"),
+    ("src/moeflow/workflow/imports.py", "the import walk the tests use"),
+    (
+        "src/moeflow/workflow/keys.py",
+        "the stage settings and keys: what a stage depends on reaches it as params or its output path",
+    ),
+    ("src/moeflow/workflow/load.py", "loading and merging the config: the merged values reach stages as params"),
+    (
+        "src/moeflow/workflow/merge.py",
+        "merging the config's layers (a run's overlay, `precision: auto`): the values reach stages as params",
+    ),
+    ("src/moeflow/workflow/recipe.py", "advice for a copied recipe: its flags refused at config check, naming moeflow's keys"),
+    ("src/moeflow/workflow/report_card.py", "the report card the Snakefile prints after a run"),
+    (
+        "src/moeflow/workflow/rule_code.py",
+        "each rule's declared code (this table's other side): a change of a declaration changes the rule's inputs",
+    ),
+)
+
+
 # The first row whose pattern matches a file is that file's expectation.
 ROWS = (
     Row("the paper's figures, tables and provenance", ("src/moeflow/paper/*",), frozenset({"paper"})),
@@ -120,6 +185,7 @@ ROWS = (
         "LoRA), its chunked loss; sharding, gradients, ranks",
         (
             "src/moeflow/model/factory.py",
+            "src/moeflow/model/activation_checkpointing.py",
             "src/moeflow/model/chunked_loss.py",
             "src/moeflow/model/mtp_loss.py",
             "src/moeflow/model/wrappers.py",
@@ -141,6 +207,11 @@ ROWS = (
             "src/moeflow/evaluation/__init__.py",
         ),
         AFTER_BASE_MODEL,
+    ),
+    Row(
+        "the device and dtype a model computes in (TF32 on CUDA)",
+        ("src/moeflow/model/device.py",),
+        frozenset({"choose_experts", *AFTER_BASE_MODEL}),
     ),
     Row(
         "reading routers per family",
@@ -167,11 +238,7 @@ ROWS = (
         ("src/moeflow/data/tokenize.py", "src/moeflow/data/packing.py"),
         frozenset({"tokenize", *AFTER_BASE_MODEL}),
     ),
-    Row(
-        "infrastructure: the package root, how a stage runs, typed-settings reading, the Snakefile's side",
-        ("src/moeflow/__init__.py", "src/moeflow/runtime/*", "src/moeflow/settings.py", "src/moeflow/workflow/*"),
-        frozenset(),
-    ),
+    *(Row(f"infrastructure: {why}", (path,), frozenset()) for path, why in INFRASTRUCTURE),
 )
 
 
@@ -208,11 +275,18 @@ def reruns_text(rules: frozenset[str]) -> str:
     return ", ".join(words) or "nothing"
 
 
+def shown_path(pattern: str) -> str:
+    """A row's file pattern as the table shows it: under ``src/moeflow/`` unless it would read as a top-level
+    folder's (``workflow/keys.py`` is not ``src/moeflow/workflow/keys.py``)."""
+    short = pattern.removeprefix("src/moeflow/")
+    return pattern if (ROOT / short.split("/")[0]).exists() else short
+
+
 def table() -> str:
     """The Markdown table of docs/reruns.md, with its legend."""
     lines = ["| code | files (under `src/moeflow/` unless named) | reruns (target `paper`) |", "|---|---|---|"]
     for row in ROWS:
-        files = ", ".join(f"`{p.removeprefix('src/moeflow/')}`" for p in row.patterns)
+        files = ", ".join(f"`{shown_path(p)}`" for p in row.patterns)
         lines.append(f"| {row.code} | {files} | {reruns_text(row.reruns)} |")
     return "\n".join(lines) + "\n\n" + LEGEND
 

@@ -79,6 +79,14 @@ def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
 # Every evaluation stage reads the fine-tuned model.
 EVALUATION = {"evaluate_run", "lm_eval_task", "humaneval_generate", "humaneval_execute", "routing_drift", "paper"}
 TRAINING = {"plan_memory", "warmup", "train_model"} | EVALUATION
+ALL_RULES = {
+    "verify_env",
+    "choose_experts",
+    "train_tokenizer",
+    "tokenize",
+    "pretrain_base",
+    "coverage_valset",
+} | TRAINING
 RERUN_TABLE = {
     "tokenizer setting": (
         {"tokenizer": {"min_frequency": 3}},
@@ -110,6 +118,12 @@ RERUN_TABLE = {
         {"humaneval_generate", "humaneval_execute", "paper"},
     ),
     "figure style": ({"paper": {"dpi": 100}}, {"paper"}),
+    # The runtime settings that change numbers (common.smk's runtime): torch's threads split its reductions, so
+    # every rule that computes with torch reruns, and what reads its outputs; the data stages do not.
+    # (The planner reads no timing; precision and seed are recorded by every rule, verify_env's report included.)
+    "threads": ({"threads": 2}, ALL_RULES - {"verify_env", "train_tokenizer", "tokenize", "plan_memory"}),
+    "precision": ({"precision": "bf16"}, ALL_RULES),
+    "seed": ({"seed": 1}, ALL_RULES),
 }
 
 

@@ -30,6 +30,7 @@ from tiny_models import tiny_model_cfg  # noqa: E402
 from moeflow.checkpoint import export
 from moeflow.model.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
+from moeflow.parallel import dtensors
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.layouts import full_state_dict, is_sharded
 from moeflow.parallel.process_group import Ranks, init, teardown
@@ -202,7 +203,7 @@ def _export(job: dict, out: Path, ranks: Ranks) -> None:
     events: list[tuple[str, str]] = []
     gather, write = (export._whole_on_rank0, export._whole, export._rows_on_rank0), export.ShardedWriter.write
     export._whole_on_rank0 = lambda p, t: (events.append(("gather", t.name)), gather[0](p, t))[1]
-    kind = lambda t: "dtensor" if compat.is_dtensor(t) else ""  # noqa: E731
+    kind = lambda t: "dtensor" if dtensors.is_dtensor(t) else ""  # noqa: E731
     export._whole = lambda t: (events.append(("gather", f"#{len(events)}{kind(t)}")), gather[1](t))[1]
     export._rows_on_rank0 = lambda t: (events.append(("gather", f"rows:{len(events)}")), gather[2](t))[1]
     export.ShardedWriter.write = lambda self, n, t: (events.append(("write", n)), write(self, n, t))[1]

@@ -10,11 +10,12 @@ from device_check import DeviceCheck, DeviceMixError
 from tiny_models import model_config
 
 from moeflow.data.collate import collate
+from moeflow.model import device
 from moeflow.model.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel import gradients
 from moeflow.parallel.gradients import clip_grad_norm
-from moeflow.runtime import hardware
+from moeflow.runtime import host_copies
 from moeflow.settings import typed
 from moeflow.train import metrics
 from moeflow.train.settings import TrainSettings
@@ -140,10 +141,10 @@ def test_the_check_catches_a_host_tensor_added_to_a_device_tensor():
 
 def test_a_cuda_config_without_a_gpu_is_refused_naming_the_key(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(hardware.DeviceUnavailable, match=r"'hardware\.device' is 'cuda'"):
-        hardware.compute_device("cuda")
-    assert hardware.compute_device("cpu") == torch.device("cpu")
-    assert hardware.compute_dtype("bf16") == torch.bfloat16 and hardware.compute_dtype("fp32") == torch.float32
+    with pytest.raises(device.DeviceUnavailable, match=r"'hardware\.device' is 'cuda'"):
+        device.compute_device("cuda")
+    assert device.compute_device("cpu") == torch.device("cpu")
+    assert device.compute_dtype("bf16") == torch.bfloat16 and device.compute_dtype("fp32") == torch.float32
 
 
 def test_cuda_memory_reading_is_the_steps_peak(monkeypatch):
@@ -173,16 +174,16 @@ def test_host_tensors_go_to_a_gpu_through_pinned_memory():
     """The decision: a CPU tensor bound for CUDA is staged in pinned memory and copied without blocking; to the
     CPU (or from a device tensor) it is a plain ``.to``."""
     host = torch.zeros(2, 3, dtype=torch.long)
-    assert hardware.copies_through_pinned_memory(host, torch.device("cuda"))
-    assert hardware.copies_through_pinned_memory(host, "cuda:1")
-    assert not hardware.copies_through_pinned_memory(host, torch.device("cpu"))
-    assert not hardware.copies_through_pinned_memory(torch.zeros(2, device="meta"), "cuda")
-    assert hardware.to_device(host, torch.device("cpu")) is host
+    assert host_copies.copies_through_pinned_memory(host, torch.device("cuda"))
+    assert host_copies.copies_through_pinned_memory(host, "cuda:1")
+    assert not host_copies.copies_through_pinned_memory(host, torch.device("cpu"))
+    assert not host_copies.copies_through_pinned_memory(torch.zeros(2, device="meta"), "cuda")
+    assert host_copies.to_device(host, torch.device("cpu")) is host
 
 
 def test_every_host_copy_of_a_training_forward_asks_for_pinned_memory(monkeypatch):
     """The inputs, the positions, the labels (the chunked loss) and the real-token positions (the routing) of a
-    forward all go through ``hardware.to_device``: on a GPU each is a pinned, non-blocking copy."""
+    forward all go through ``host_copies.to_device``: on a GPU each is a pinned, non-blocking copy."""
     from moeflow.model.routing import adapter_for, capture
     from moeflow.train.losses import real_token_positions
     from moeflow.train.trainer import routed_forward
@@ -193,7 +194,7 @@ def test_every_host_copy_of_a_training_forward_asks_for_pinned_memory(monkeypatc
         asked.append(source.clone())
         return False  # copy as on the CPU, having asked
 
-    monkeypatch.setattr(hardware, "copies_through_pinned_memory", decide)
+    monkeypatch.setattr(host_copies, "copies_through_pinned_memory", decide)
     model = make_model(typed(ModelSettings, model_config("qwen3_moe", "sdpa")), vocab_size=VOCAB, seed=0)
     batch = collate(rows(2))
     assert real_token_positions(batch) is not None  # the rows' lengths differ: padding

@@ -23,6 +23,7 @@ from tiny_models import tiny_model_cfg
 from moeflow.model.parameters import clean_name
 from moeflow.model.settings import ModelSettings
 from moeflow.model.wrappers import unwrap
+from moeflow.parallel import dtensors
 from moeflow.parallel.gradients import clip_grad_norm, full_gradients, reduce_gradients
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.layouts import (
@@ -435,7 +436,7 @@ def _main_ep_load(saved_model: str, out: str, parallel_json: str) -> None:
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if compat.is_dtensor(value) else value
+    return value.to_local() if dtensors.is_dtensor(value) else value
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from moeflow.model import parameters as P
 from moeflow.model.factory import make_model
 from moeflow.model.routing import adapter_for
 from moeflow.model.settings import ModelSettings
+from moeflow.parallel import dtensors
 from moeflow.plan import memory as plan
 from moeflow.plan.counts import count_parameters, esft_trainable
 from moeflow.plan.shapes import experts_fused
@@ -397,4 +398,4 @@ def held_gradient_elements(model: torch.nn.Module) -> int:
 
     units = FullyShardedDataParallel.fsdp_modules(model)
     grads = [u._handle.flat_param.grad for u in units if u._handle] if units else [p.grad for p in model.parameters()]
-    return sum((g.to_local() if compat.is_dtensor(g) else g).numel() for g in grads if g is not None)
+    return sum((g.to_local() if dtensors.is_dtensor(g) else g).numel() for g in grads if g is not None)

@@ -11,6 +11,7 @@ from tiny_models import folder_settings
 
 from moeflow.checkpoint.export import save_final_model
 from moeflow.model import lora, routing
+from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.plan.counts import count_parameters, lora_count
@@ -214,7 +215,7 @@ def test_reentrant_checkpointing_without_input_grads_trains_nothing_on_4_57():
     itself when checkpointing is enabled; 4.57 does so only for adapters it loaded itself."""
     model = lora.apply_lora(tiny(), lora_of({"rank": 4, "targets": ["attention"]}), gradient_checkpointing=False)
     perturb_adapters(model)
-    compat.enable_activation_checkpointing(model.get_base_model(), reentrant=True)
+    enable_activation_checkpointing(model.get_base_model(), reentrant=True)
     if V5:
         assert all(g.abs().sum() > 0 for g in adapter_grads(model, inputs()).values())
     else:

@@ -23,6 +23,7 @@ from tiny_training import VOCAB, losses, make_trainer, packed_rows, settings  # 
 from moeflow.data.collate import collate  # noqa: E402
 from moeflow.model.factory import make_model  # noqa: E402
 from moeflow.model.settings import ModelSettings  # noqa: E402
+from moeflow.parallel import dtensors  # noqa: E402
 from moeflow.plan.counts import count_parameters  # noqa: E402
 from moeflow.plan.memory import Job, memory_per_device, resident_state  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
@@ -226,7 +227,7 @@ def _set_gradients(model: torch.nn.Module) -> None:
     generator = torch.Generator().manual_seed(5)
     for _, p in sorted(model.named_parameters(), key=lambda np: clean_name(np[0])):
         whole = torch.randn(tuple(original_shape(p)), generator=generator) * 1e-2
-        if compat.is_dtensor(p):
+        if dtensors.is_dtensor(p):
             from torch.distributed.tensor import distribute_tensor
 
             whole = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
@@ -267,7 +268,7 @@ def _main_fsdp(out: str) -> None:
     parallel = typed(ParallelSettings, {"strategy": "fsdp"})
     with process_group("cpu") as ranks:
         model, fresh = (shard_model(_model(seed), parallel, ranks, "fp32") for seed in (0, 1))
-        assert any(compat.is_dtensor(p) for p in model.parameters())
+        assert any(dtensors.is_dtensor(p) for p in model.parameters())
         model, optimizer = _muon_steps(model, 2, fresh, Path(out) / "checkpoint")
         weights, optim_state = full_state_dict(model, optimizer)
         names = {i: n for i, n in enumerate(n for g in optim_state["param_groups"] for n in g["params"])}

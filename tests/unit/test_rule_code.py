@@ -13,7 +13,7 @@ import rerun_expectations as E
 
 from moeflow.settings import REPO_ROOT
 from moeflow.workflow import rule_code as R
-from moeflow.workflow.imports import direct_imports, import_graph, transitive_imports
+from moeflow.workflow.imports import direct_imports, import_graph, module_path, transitive_imports, used_names
 
 RULE_FILES = sorted((REPO_ROOT / "workflow" / "rules").glob("*.smk"))
 
@@ -89,6 +89,55 @@ def test_the_check_names_an_import_across_concerns(tmp_path):
     found = undeclared("coverage_valset", script, import_graph())
     assert found and all(chain.startswith("coverage_valset.py -> moeflow.paper") for chain in found), found
     assert "coverage_valset.py -> moeflow.paper.tables" in found
+
+
+def computing_files(script: Path) -> list[Path]:
+    """The code a stage computes with: its script and every moeflow module it reaches that is not infrastructure."""
+    return [script, *(module_path(m) for m in transitive_imports(script) if not R.is_infrastructure(m))]
+
+
+def infrastructure_calls(rule: str, script: Path) -> set[str]:
+    """The names of infrastructure that the code ``rule`` computes with uses, as ``file: name``."""
+    return {
+        f"{path.name}: {name}"
+        for path in computing_files(script)
+        for name in used_names(path)
+        if R.is_infrastructure(name)
+    }
+
+
+def test_computing_code_uses_of_infrastructure_only_its_reviewed_plumbing():
+    """Infrastructure is no rule's input, so it must hold no computation: every name of it that a stage's own
+    code uses is on moeflow.workflow.rule_code's PLUMBING list with a reason. A helper that computes (a DTensor's
+    local part, activation checkpointing, TF32) lives in the concern that declares it."""
+    plumbing = R.plumbing_names()
+    unlisted = sorted(
+        f"{rule}: {use}"
+        for rule, script in rule_scripts().items()
+        for use in infrastructure_calls(rule, script)
+        if use.split(": ")[1] not in plumbing
+    )
+    assert not unlisted, (
+        "code a stage computes with uses infrastructure that is not reviewed plumbing (an edit to it would rerun "
+        "nothing): move it to the concern that uses it and declare it in moeflow.workflow.rule_code, or, if it "
+        "cannot change any output, list it in PLUMBING with the reason:\n" + "\n".join(unlisted)
+    )
+    used = {use.split(": ")[1] for rule, script in rule_scripts().items() for use in infrastructure_calls(rule, script)}
+    assert sorted(plumbing - used) == [], "PLUMBING lists a name no stage's code uses: drop it"
+
+
+def test_the_boundary_check_names_a_computing_helper_in_infrastructure(tmp_path):
+    """The check above, shown failing: a stage module that takes a DTensor's local part from runtime."""
+    module = tmp_path / "gradients.py"
+    module.write_text("from moeflow.runtime.compat import local_tensor\n\ndef f(g):\n    return local_tensor(g)\n")
+    assert used_names(module) == {"moeflow.runtime.compat.local_tensor"}
+    assert "moeflow.runtime.compat.local_tensor" not in R.plumbing_names()
+    script = tmp_path / "warmup.py"
+    script.write_text(
+        "from moeflow.runtime import compat\nfrom moeflow.runtime.files import write_json as w\n"
+        "compat.version_of('torch'); w('x', {})\n"
+    )
+    assert used_names(script) == {"moeflow.runtime.compat.version_of", "moeflow.runtime.files.write_json"}
 
 
 def test_infrastructure_is_no_rules_input():

@@ -24,10 +24,10 @@ from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training
 from moeflow.checkpoint.state import latest_checkpoint
 from moeflow.data.collate import collate
 from moeflow.data.order import DataOrder, DataOrderError
+from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.parallel.settings import ParallelSettings
-from moeflow.runtime import compat
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import ConfigError, typed
@@ -183,7 +183,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model = make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=0).double()
         model.train()
         if checkpointing:
-            compat.enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model)
         step = accumulate_gradients(
             model,
             batches,

@@ -58,10 +58,11 @@ def code(rule):
     return code_files(rule, SRC / "moeflow")
 
 
-def runtime(run=None):
-    """Stack, precision and seed: recorded in every output, and part of every rule's params."""
+def runtime(run=None, torch=True):
+    """Stack, precision and seed, and for a rule that computes with torch (``torch``) its threads, which split
+    torch's reductions: recorded in every output, and part of every rule's params, so a change reruns it."""
     cfg = RUNS[run] if run else config
-    return {"stack": STACK, "precision": cfg["precision"], "seed": cfg["seed"]}
+    return {"stack": STACK, "precision": cfg["precision"], "seed": cfg["seed"]} | ({"threads": config["threads"]} if torch else {})
 
 
 def log_path(rule, *parts):

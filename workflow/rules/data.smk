@@ -9,7 +9,7 @@ rule train_tokenizer:
         directory(f"{RESULTS}/tokenizer/{{tokkey}}"),
     params:
         settings=lambda wc: TOKENIZERS[wc.tokkey],
-        runtime=runtime(),
+        runtime=runtime(torch=False),
     threads: config["threads"]
     log:
         log_path("train_tokenizer", "{tokkey}"),
@@ -31,7 +31,7 @@ rule tokenize:
     params:
         settings=lambda wc: DATASETS[wc.datakey],
         corpus=lambda wc: wc.corpus,
-        runtime=runtime(),
+        runtime=runtime(torch=False),
     threads: config["threads"]
     log:
         log_path("tokenize", "{datakey}", "{corpus}"),

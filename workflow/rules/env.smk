@@ -17,7 +17,7 @@ rule verify_env:
         trust_remote_code={run: True for run, cfg in RUNS.items() if cfg["model"]["trust_remote_code"]},
         fingerprint=environment_fingerprint(),
         layout=gpu_layout(config),  # the GPU count is checked against parallel.nproc_per_node on CUDA
-        runtime=runtime(),
+        runtime=runtime(torch=False),
     threads: 1
     log:
         log_path("verify_env"),

@@ -52,7 +52,7 @@ rule humaneval_execute:
     params:
         settings=lambda wc: stage_keys.humaneval_execution_settings(RUNS[wc.run]),
         generation=lambda wc: stage_keys.humaneval_generation_settings(RUNS[wc.run]),
-        runtime=lambda wc: runtime(wc.run),
+        runtime=lambda wc: runtime(wc.run, torch=False),
     threads: config["threads"]
     log:
         log_path("humaneval_execute", "{run}", "{model}"),

@@ -27,7 +27,7 @@ rule paper:
         outdir=lambda wc, output: os.path.dirname(output.provenance),
         settings=config["paper"],
         config=config,
-        runtime=runtime(),
+        runtime=runtime(torch=False),
     threads: 1
     log:
         log_path("paper"),

@@ -11,7 +11,7 @@ rule plan_memory:
         md=report(f"{RESULTS}/runs/{{run}}/plan.md", caption="../report/plan_memory.rst", category="Memory plan", subcategory="{run}"),
     params:
         settings=lambda wc: stage_keys.plan_settings(RUNS[wc.run]),
-        runtime=lambda wc: runtime(wc.run),
+        runtime=lambda wc: runtime(wc.run, torch=False),
     threads: 1
     log:
         log_path("plan_memory", "{run}"),

@@ -69,7 +69,7 @@ rule esft_select:
         figure=report(f"{RESULTS}/esft/selection/{{selkey}}/selection.png", category="ESFT"),
     params:
         settings=lambda wc: stage_keys.esft_selection_settings(RUNS[ESFT_SELECTIONS[wc.selkey]]),
-        runtime=lambda wc: runtime(ESFT_SELECTIONS[wc.selkey]),
+        runtime=lambda wc: runtime(ESFT_SELECTIONS[wc.selkey], torch=False),
     log:
         log_path("esft_select", "{selkey}"),
     conda:

@@ -3,9 +3,9 @@ its device, in its precision and as its layout holds the experts (moeflow.model.
 choice, which the rules that load the model take as input, and the timings, which only the reports read."""
 
 from moeflow.model import experts_choice
+from moeflow.model.device import compute_device
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime.files import write_json
-from moeflow.runtime.hardware import compute_device
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
 

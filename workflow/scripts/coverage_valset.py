@@ -7,11 +7,11 @@ Started through torchrun by its rule: ``coverage.ranks`` ranks hold the base mod
 rank 0 merges the statistics (moeflow.model.routing_stats.merge_parts), selects and writes the outputs."""
 
 from moeflow.coverage.build import StageOutputs, build_valset
+from moeflow.model.device import compute_dtype
 from moeflow.model.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
 from moeflow.parallel.settings import ParallelSettings
-from moeflow.runtime.hardware import compute_dtype
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed

@@ -6,6 +6,7 @@ coverage.strategy's layout (so a model trained sharded is routed sharded) and ro
 rank 0 adds every rank's batches in order (the totals equal one rank's, bit for bit) and writes them."""
 
 from moeflow.data.shards import iter_rows, open_split
+from moeflow.model.device import compute_dtype
 from moeflow.model.factory import Layout, make_model
 from moeflow.model.routing import adapter_for
 from moeflow.model.routing_stats import route_pool
@@ -13,7 +14,6 @@ from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import gather_to_main, teardown
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime.files import write_json
-from moeflow.runtime.hardware import compute_dtype
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed

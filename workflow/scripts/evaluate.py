@@ -10,12 +10,12 @@ import gc
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
 from moeflow.evaluation import run_metrics as ev
+from moeflow.model.device import compute_dtype
 from moeflow.model.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import gather_objects, teardown
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime.files import write_json, write_text
-from moeflow.runtime.hardware import compute_dtype
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
 from moeflow.settings import typed

@@ -9,12 +9,12 @@ from functools import partial
 from moeflow.evaluation import humaneval as he
 from moeflow.evaluation.generation import Decoding, generate
 from moeflow.evaluation.humaneval import HumanEvalGeneration
+from moeflow.model.device import compute_dtype
 from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
 from moeflow.parallel.settings import ParallelSettings
-from moeflow.runtime.hardware import compute_dtype
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed

@@ -10,13 +10,13 @@ import tempfile
 
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation.lm_eval_tasks import TaskSpecError, missing_data_files, resolve
+from moeflow.model.device import compute_dtype
 from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime.files import write_json
-from moeflow.runtime.hardware import compute_dtype
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
 from moeflow.settings import typed

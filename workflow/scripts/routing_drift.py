@@ -8,12 +8,12 @@ import gc
 
 from moeflow.data.valset import open_valset
 from moeflow.evaluation import drift
+from moeflow.model.device import compute_dtype
 from moeflow.model.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime.files import write_json
-from moeflow.runtime.hardware import compute_dtype
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
 from moeflow.settings import typed

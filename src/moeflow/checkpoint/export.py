@@ -47,10 +47,10 @@ from moeflow.model.lora import is_lora_model, merge_adapters
 from moeflow.model.parameters import clean_name
 from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1, unwrap
+from moeflow.parallel import dtensors
 from moeflow.parallel.layouts import original_shape, reshard
 from moeflow.parallel.process_group import barrier, exact_sum_view, rank
 from moeflow.parallel.rank_load import global_rows, persistent_buffers
-from moeflow.runtime import compat
 from moeflow.runtime.files import atomic_dir
 
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -120,7 +120,7 @@ def _rows_over_all_ranks(tensor: torch.Tensor) -> bool:
     mesh): gathered on rank 0 alone, its rows sent by the ranks that hold them."""
     import torch.distributed as dist
 
-    if not compat.is_dtensor(tensor) or not dist.is_initialized() or not tensor.dim():
+    if not dtensors.is_dtensor(tensor) or not dist.is_initialized() or not tensor.dim():
         return False
     return all(p.is_replicate() or getattr(p, "dim", None) == 0 for p in tensor.placements)
 

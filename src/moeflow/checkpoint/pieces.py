@@ -16,10 +16,10 @@ import torch
 from moeflow.checkpoint.storage import Piece
 from moeflow.model.parameters import clean_name
 from moeflow.model.wrappers import is_fsdp1, unwrap
+from moeflow.parallel import dtensors
 from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import DistributedError
 from moeflow.parallel.rank_load import local_pieces, persistent_buffers
-from moeflow.runtime import compat
 
 
 @dataclass
@@ -92,7 +92,7 @@ def state_pieces(
 def _tensor_piece(value: torch.Tensor) -> Piece:
     """A DTensor's local rows, or a whole tensor, as a piece (a 0-d tensor: one element)."""
     shape = tuple(value.shape)
-    if not compat.is_dtensor(value):
+    if not dtensors.is_dtensor(value):
         return Piece(value.detach().view(-1), 0, shape)
     found = local_pieces(value)
     local, offsets = found[0]

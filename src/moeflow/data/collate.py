@@ -111,7 +111,7 @@ def model_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
     ``position_ids`` (1, B * L), row after row, with :func:`varlen_kwargs`. The model's outputs are then per
     token in the same order as the (B, L) batch flattened: the loss and the routing read them by token, and
     the labels stay (B, L), so the next-token shift never crosses from one row into the next."""
-    from moeflow.runtime.hardware import to_device
+    from moeflow.runtime.host_copies import to_device
 
     parameter = next(model.parameters())
     if flattens_rows(model.config):
@@ -140,7 +140,7 @@ def varlen_kwargs(position_ids: Any, device: Any) -> dict[str, Any]:
     would compute in every layer, computed once on the host (no device sync)."""
     import torch
 
-    from moeflow.runtime.hardware import to_device
+    from moeflow.runtime.host_copies import to_device
 
     flat = torch.as_tensor(position_ids).reshape(-1)
     starts = (flat == 0).nonzero().view(-1)

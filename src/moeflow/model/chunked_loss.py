@@ -33,7 +33,7 @@ from transformers.utils import ModelOutput
 
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.wrappers import unwrap
-from moeflow.runtime.hardware import to_device
+from moeflow.runtime.host_copies import to_device
 
 LOSS_KWARG = "loss_labels"  # the installed forward's keyword: labels as in the batch (unshifted)
 DECODER_KWARG = "decoder_only"  # the installed forward's keyword for the decoder body alone (no output layer)

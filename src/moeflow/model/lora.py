@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from moeflow.model import parameters as P
+from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import FAMILIES
 from moeflow.model.wrappers import unwrap
@@ -271,7 +272,7 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
             for param in router.parameters():
                 param.requires_grad_(True)
     if gradient_checkpointing:
-        compat.enable_activation_checkpointing(peft_model.get_base_model(), reentrant=False)
+        enable_activation_checkpointing(peft_model.get_base_model(), reentrant=False)
         peft_model.get_base_model().enable_input_require_grads()
     peft_model._moeflow_lora = settings
     return peft_model

@@ -22,7 +22,7 @@ from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import linear_cross_entropy, logit_scale
 from moeflow.model.families.mtp import mtp_units
 from moeflow.model.wrappers import unwrap
-from moeflow.runtime.hardware import to_device
+from moeflow.runtime.host_copies import to_device
 
 
 def depth_targets(labels: torch.Tensor, position_ids: torch.Tensor, depth: int) -> torch.Tensor:

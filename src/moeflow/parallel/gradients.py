@@ -10,9 +10,9 @@ import torch
 
 from moeflow.model.parameters import clean_name
 from moeflow.model.wrappers import is_fsdp1, unwrap
+from moeflow.parallel import dtensors
 from moeflow.parallel.layouts import is_sharded
 from moeflow.parallel.process_group import all_reduce_sum, collective_device, world_size
-from moeflow.runtime import compat
 
 GRADIENT_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket size
 
@@ -134,13 +134,13 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     ``clip_grad_norm_`` iterates a set of parameters: its last digits vary)."""
     params = [p for p in model.parameters() if p.grad is not None]
     fsdp1 = is_fsdp1(model)
-    if not fsdp1 and not any(compat.is_dtensor(p) or compat.is_dtensor(p.grad) for p in params):
+    if not fsdp1 and not any(dtensors.is_dtensor(p) or dtensors.is_dtensor(p.grad) for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     total = float(squared_norm(model).sqrt())  # the one read-back of the step's clipping
     coef = max_norm / (total + 1e-6)
     if coef < 1:
         with torch.no_grad():  # on the local tensors (a DTensor's to_local is a view of its shard): one kernel
-            torch._foreach_mul_([compat.local_tensor(p.grad) for p in params], coef)
+            torch._foreach_mul_([dtensors.local_tensor(p.grad) for p in params], coef)
     return total
 
 
@@ -160,17 +160,17 @@ def squared_norm(model: torch.nn.Module) -> torch.Tensor:
         if not p.requires_grad:
             continue
         grad = None if p.grad is None else p.grad.detach()
-        if compat.is_dtensor(grad) and any(placement.is_partial() for placement in grad.placements):
+        if dtensors.is_dtensor(grad) and any(placement.is_partial() for placement in grad.placements):
             grad = grad.full_tensor()  # a pending sum (not what FSDP leaves): made whole, counted once
-        like = grad if compat.is_dtensor(grad) else p
-        if compat.is_dtensor(like):
+        like = grad if dtensors.is_dtensor(grad) else p
+        if dtensors.is_dtensor(like):
             mesh = like.device_mesh
             key = tuple(mesh.get_group(dim) for dim, placement in enumerate(like.placements) if placement.is_shard())
         else:
             key = (None,) if fsdp1 else ()  # None: the default group
         local = keys.setdefault(key, [])
         if grad is not None:
-            local.append(compat.local_tensor(grad))
+            local.append(dtensors.local_tensor(grad))
     total = None
     for key, grads in keys.items():
         if grads:
@@ -204,6 +204,6 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         if p.grad is not None:
             out[clean_name(name)] = (
-                p.grad.full_tensor().detach().clone() if compat.is_dtensor(p.grad) else p.grad.detach().clone()
+                p.grad.full_tensor().detach().clone() if dtensors.is_dtensor(p.grad) else p.grad.detach().clone()
             )
     return out

@@ -38,6 +38,7 @@ import torch
 
 from moeflow.model.parameters import clean_name
 from moeflow.model.wrappers import is_fsdp1
+from moeflow.parallel import dtensors
 from moeflow.parallel.process_group import DistributedError, Ranks, world_size
 from moeflow.parallel.rank_load import (
     has_meta_parameters,
@@ -186,7 +187,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     """Whether parameters are sharded (FSDP1, FSDP2 or transformers' EP/FSDP), i.e. FSDP reduces gradients."""
     if is_fsdp1(model):
         return True
-    return any(compat.is_dtensor(p) for p in model.parameters())
+    return any(dtensors.is_dtensor(p) for p in model.parameters())
 
 
 def _state_dict_options(full_state_dict: bool = True, **kwargs):

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from moeflow.model.device import compute_device
 from moeflow.parallel.settings import ParallelSettings
-from moeflow.runtime.hardware import compute_device
 
 log = logging.getLogger("moeflow.parallel.process_group")
 

@@ -39,8 +39,7 @@ from moeflow.checkpoint.safetensors_files import SafetensorsError, read_elements
 from moeflow.model.parameters import clean_name
 from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1
-from moeflow.parallel import process_group
-from moeflow.runtime import compat
+from moeflow.parallel import dtensors, process_group
 
 META = torch.device("meta")
 
@@ -107,7 +106,7 @@ def local_pieces(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
 
     if isinstance(value, ShardedTensor):  # FSDP1's sharded state dict (torch 2.3)
         return [(shard.tensor, tuple(shard.metadata.shard_offsets)) for shard in value.local_shards()]
-    if compat.is_dtensor(value):
+    if dtensors.is_dtensor(value):
         local = value.to_local()
         rows = global_rows(value)
         pieces, start = [], 0
@@ -225,7 +224,7 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
     if is_fsdp1(model):
         _fill_fsdp1(model, folder, files, headers, names_of)
         return
-    sharded = any(compat.is_dtensor(p) for p in model.parameters())
+    sharded = any(dtensors.is_dtensor(p) for p in model.parameters())
     # an unsharded model's own state dict shares its storage (torch 2.3's get_model_state_dict wants a process group)
     state = get_model_state_dict(model) if sharded else model.state_dict()
     with torch.no_grad():

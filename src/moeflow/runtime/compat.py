@@ -1,6 +1,9 @@
 """What differs between the two supported stacks (torch 2.3 + transformers 4.57, and torch 2.6+ + transformers 5).
 
-Every stack-dependent branch in the package asks these functions instead of parsing versions itself.
+Every stack-dependent branch in the package asks these functions instead of parsing versions itself. They read
+the installed versions, which the stack fixes (every result lives under results/<stack>), and compute nothing:
+moeflow.workflow.rule_code's ``PLUMBING`` says why an edit here reruns no stage. Code that computes on what the
+stack provides lives with its concern (moeflow.parallel.dtensors, moeflow.model.activation_checkpointing).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import importlib.machinery
 import sys
 from collections.abc import Callable
 from importlib import metadata
-from typing import Any
 
 from packaging.version import Version
 
@@ -59,31 +61,6 @@ def torch_has_muon() -> bool:
     """Whether torch ships ``torch.optim.Muon`` (torch >= 2.9: the current stack), read from the installed version
     without importing torch (config check)."""
     return version_of("torch").release[:2] >= (2, 9)
-
-
-def is_dtensor(value: object) -> bool:
-    """Whether ``value`` is a DTensor (FSDP2's and transformers 5's sharded parameters and gradients); it lives
-    in ``torch.distributed._tensor`` on torch 2.3."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch 2.3
-        from torch.distributed._tensor import DTensor
-    return isinstance(value, DTensor)
-
-
-def local_tensor(tensor: Any) -> Any:
-    """This rank's part of a tensor: a DTensor's local tensor (a view of its shard, so in-place edits reach the
-    DTensor), any other tensor itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
-
-
-def enable_activation_checkpointing(model: object, reentrant: bool = False) -> None:
-    """Activation checkpointing of a transformers model: ``activation_checkpointing_enable`` on transformers 5
-    (which renamed it; the old name warns there), ``gradient_checkpointing_enable`` on 4.57."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
 
 
 # transformers 4.57's generation code imports scikit-learn at import when it is installed (lm-eval brings it), for

@@ -26,9 +26,9 @@ import torch
 
 from moeflow.model import parameters as P
 from moeflow.model.wrappers import is_fsdp1
+from moeflow.parallel import dtensors
 from moeflow.parallel.layouts import original_shape
 from moeflow.parallel.rank_load import global_rows
-from moeflow.runtime import compat
 
 
 class EsftError(ValueError):
@@ -51,7 +51,7 @@ class FusedRows:
     @classmethod
     def of(cls, name: str, param: torch.nn.Parameter, selected: list[int]) -> FusedRows:
         """The rows of ``param`` (whole, or a DTensor sharded along dim 0: FSDP2, expert parallelism)."""
-        rows = global_rows(param) if compat.is_dtensor(param) else list(range(param.shape[0]))
+        rows = global_rows(param) if dtensors.is_dtensor(param) else list(range(param.shape[0]))
         chosen = set(selected)
         local = [i for i, row in enumerate(rows) if row in chosen]
         return cls(
@@ -105,10 +105,10 @@ class ExpertMask:
         decay = {id(p): (g["lr"], g.get("row_weight_decay", 0.0)) for g in optimizer.param_groups for p in g["params"]}
         with torch.no_grad():
             for fused in self.fused:
-                param = compat.local_tensor(fused.param)
+                param = dtensors.local_tensor(fused.param)
                 rows = fused.local_selected.to(param.device)
                 if fused.param.grad is not None:
-                    grad = compat.local_tensor(fused.param.grad)
+                    grad = dtensors.local_tensor(fused.param.grad)
                     keep = torch.zeros(fused.local_rows, dtype=torch.bool, device=grad.device)
                     keep[rows] = True
                     grad.masked_fill_(~keep.view(-1, *[1] * (grad.dim() - 1)), 0)

@@ -17,8 +17,8 @@ import torch
 
 from moeflow.model import parameters as P
 from moeflow.model.wrappers import unwrap
+from moeflow.parallel import dtensors
 from moeflow.parallel.layouts import original_shape
-from moeflow.runtime import compat
 from moeflow.settings import typed
 from moeflow.train.optim import param_groups
 from moeflow.train.settings import MuonSettings
@@ -108,7 +108,7 @@ class SlicedMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                if compat.is_dtensor(p):
+                if dtensors.is_dtensor(p):
                     gathered_step(p, state["momentum_buffer"], settings)
                     continue
                 params += matrices(p)

@@ -36,17 +36,18 @@ from moeflow.checkpoint import state as C
 from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.order import DataOrder
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
+from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
 from moeflow.model.families.mtp import mtp_layers
 from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.routing_stats import layer_health
 from moeflow.model.wrappers import unwrap
+from moeflow.parallel import dtensors
 from moeflow.parallel.gradients import clip_grad_norm, fill_missing_gradients, reduce_gradients, release_gradients
 from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import all_reduce_sum, gather_objects, rank, world_size
-from moeflow.runtime import compat
-from moeflow.runtime.hardware import to_device
+from moeflow.runtime.host_copies import to_device
 from moeflow.runtime.stage import kill_point, progress
 from moeflow.settings import PRECISIONS, enum
 from moeflow.train import guards as G
@@ -198,7 +199,7 @@ class Trainer:
         inner = unwrap(model)
         inner.config.use_cache = False
         if settings.gradient_checkpointing:
-            compat.enable_activation_checkpointing(inner)
+            enable_activation_checkpointing(inner)
         model.train()
         self.adapter = adapter_or_none(inner)
         # The optimizer holds the shards: after a forward without backward (a base reference, an evaluation)
@@ -273,7 +274,7 @@ class Trainer:
         method costs beyond the weights (AdamW: two moments per parameter it updates). A collective where the
         ranks are several; call it after a step (AdamW creates its state at the first one)."""
         held = sum(
-            compat.local_tensor(t).nbytes
+            dtensors.local_tensor(t).nbytes
             for state in self.optimizer.state.values()
             for t in state.values()
             if torch.is_tensor(t)

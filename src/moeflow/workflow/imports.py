@@ -65,6 +65,31 @@ def direct_imports(path: str | os.PathLike, package_dir: Path = PACKAGE_DIR) -> 
     return {m for m in with_parents if _is_package_module(m, package_dir)}
 
 
+def used_names(path: str | os.PathLike, package_dir: Path = PACKAGE_DIR) -> set[str]:
+    """The names of moeflow modules that the file at ``path`` uses, dotted (``moeflow.runtime.files.write_json``):
+    those it imports by name (``from moeflow.runtime.files import write_json``), and the attributes it reads of a
+    moeflow module it imports (``from moeflow.runtime import compat`` ... ``compat.version_of``)."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
+    names: dict[str, str] = {}  # local name -> dotted name of a module's attribute
+    modules: dict[str, str] = {}  # local name -> dotted module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == PACKAGE:
+            for alias in node.names:
+                dotted = f"{node.module}.{alias.name}"
+                (modules if _is_package_module(dotted, package_dir) else names)[alias.asname or alias.name] = dotted
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name.split(".")[0] == PACKAGE:
+                    modules[alias.asname] = alias.name
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in names:
+            used.add(names[node.id])
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            used.add(f"{modules[node.value.id]}.{node.attr}")
+    return used
+
+
 def import_graph(package_dir: Path = PACKAGE_DIR) -> dict[str, set[str]]:
     """Every package module and the package modules it imports."""
     modules = {module_name(p, package_dir): p for p in sorted(package_dir.rglob("*.py"))}

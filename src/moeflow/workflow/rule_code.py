@@ -7,11 +7,12 @@ does not make their stages rerun together. docs/reruns.md says what editing each
 
 - A name is a package (``paper``: every module under ``src/moeflow/paper``) or one module
   (``model.factory``); a package's ``__init__`` comes with any of its modules (Python runs it first).
-- ``INFRASTRUCTURE`` is no rule's input: the package root, ``runtime`` (how a stage runs: threads, seeds,
-  logging, atomic writes, the device, the torchrun job, the environment report), ``settings`` (reading
-  config sections into typed settings) and ``workflow`` (what only the Snakefile reads; the params it
-  computes rerun what a setting changes). An edit there that changes outputs is a format change: rerun
-  what it affects with ``--forcerun``.
+- ``INFRASTRUCTURE`` is no rule's input: the package root, ``runtime`` (how a stage runs: logging, atomic
+  writes, provenance, GPU claims, the environment report, the torchrun job), ``settings`` (reading config sections
+  into typed settings) and ``workflow`` (what only the Snakefile reads; the params it computes rerun what a setting
+  changes). Infrastructure holds no computation: code that can change a number in an output lives with its
+  concern and is declared here. What computing code calls of infrastructure is listed in ``PLUMBING``, each with
+  the reason an edit there cannot change an output; tests/unit/test_rule_code.py refuses any other call.
 - tests/unit/test_rule_code.py checks that every moeflow module a rule's script reaches through its
   imports is declared here for that rule or is infrastructure, so an import never goes silently stale;
   tests/pipeline/test_library_reruns.py edits every module of a finished pipeline and checks what reruns.
@@ -27,6 +28,66 @@ from moeflow.workflow.imports import PACKAGE_DIR, module_name
 
 # With the package root (moeflow/__init__.py): how a stage runs, not what it computes.
 INFRASTRUCTURE = ("runtime", "settings", "workflow")
+
+# Every name of infrastructure that code a stage computes with (its script and the declared modules it reaches)
+# uses, with the reason an edit to it cannot change a number in any output. Reviewed: a name added here must
+# hold no computation; a helper that computes moves to its concern instead (tests/unit/test_rule_code.py).
+PLUMBING: dict[str, tuple[str, ...]] = {
+    "the installed versions, which the stack fixes (results/<stack>, every rule's runtime param) and the "
+    "environment fingerprint reruns verify_env on": (
+        "runtime.compat.version_of",
+        "runtime.compat.transformers_major",
+        "runtime.compat.is_transformers_v5",
+        "runtime.compat.require_transformers_v5",
+        "runtime.compat.fsdp2_available",
+        "runtime.compat.UnsupportedOnStack",
+    ),
+    "the job's plumbing: its params, typed (Snakemake compares the params), threads from the runtime param, "
+    "logging, progress lines, the kill points of the fault tests": (
+        "runtime.job.Job",
+        "runtime.stage.Stage",
+        "runtime.stage.log",
+        "runtime.stage.progress",
+        "runtime.stage.kill_point",
+        "settings.typed",
+        "settings.plain",
+        "settings.enum",
+        "settings.BAD_RECORD_POLICIES",
+        "settings.MODEL_SCHEMA",
+        "settings.PRECISIONS",
+        "settings.SOURCE_SCHEMA",
+    ),
+    "provenance: which code and settings made an output, recorded beside its numbers": (
+        "runtime.stage.code_version",
+        "workflow.keys.stable_hash",
+    ),
+    "atomic writes and reads of files whose content the caller computed": (
+        "runtime.files.atomic_dir",
+        "runtime.files.atomic_file",
+        "runtime.files.disk_full_error",
+        "runtime.files.dumps_json",
+        "runtime.files.read_json",
+        "runtime.files.replace_dir",
+        "runtime.files.write_json",
+        "runtime.files.write_text",
+    ),
+    "a batch copied to the device: the same values through pinned memory or not": ("runtime.host_copies.to_device",),
+    "figures rendered reproducibly (backend, hash salt): how a figure is drawn, no number in it": (
+        "runtime.figures.pyplot",
+    ),
+    "the environment report and the facts of this machine (device memory for the plan's verdict, the experts "
+    "implementations torch offers), which verify_env's fingerprint and the GPU checks cover": (
+        "runtime.env.collect",
+        "runtime.env.enforce",
+        "runtime.env.render_markdown",
+        "runtime.env.device_memory_bytes",
+        "runtime.env.experts_implementations",
+        "runtime.env.torch_facts",
+        "runtime.gpu_node.check",
+        "runtime.gpu_node.enforce",
+        "runtime.gpu_node.render_markdown",
+    ),
+}
 
 
 # --- concerns, each the code that does one thing for the rules that list it
@@ -44,6 +105,8 @@ MODEL_CONFIG = ("model.configs", "model.families", "model.settings", "model.fold
 MODEL = (
     *MODEL_CONFIG,
     "model.factory",
+    "model.device",
+    "model.activation_checkpointing",
     "model.chunked_loss",
     "model.wrappers",
     "model.lora",
@@ -81,7 +144,7 @@ SANDBOX = ("evaluation.humaneval_execution", "evaluation.sandbox", "evaluation.s
 
 RULES: dict[str, tuple[str, ...]] = {
     "verify_env": (),  # its script runs infrastructure only; its fingerprint param reruns it when packages change
-    "choose_experts": ("model.experts_choice", *MODEL_CONFIG, "model.routing"),
+    "choose_experts": ("model.experts_choice", "model.device", *MODEL_CONFIG, "model.routing"),
     "train_tokenizer": TOKENIZER,
     "tokenize": ("data.tokenize", "data.packing", *TOKENIZER),
     "pretrain_base": TRAINING,
@@ -134,6 +197,11 @@ def is_infrastructure(module: str) -> bool:
     of ``INFRASTRUCTURE``."""
     inside = module.split(".")[1:]
     return not inside or inside[0] in INFRASTRUCTURE
+
+
+def plumbing_names() -> set[str]:
+    """The dotted names of :data:`PLUMBING` (``moeflow.runtime.files.write_json``)."""
+    return {f"moeflow.{name}" for names in PLUMBING.values() for name in names}
 
 
 def code_files(rule: str, package_dir: Path = PACKAGE_DIR) -> list[str]:

@@ -1,4 +1,8 @@
-"""The device and dtype a stage computes in, from the config keys ``hardware.device`` and ``precision``."""
+"""The device and dtype a model computes in, from the config keys ``hardware.device`` and ``precision``.
+
+On CUDA, fp32 matmuls run on TF32 tensor cores: a choice that changes the numbers, so it is made here, in code
+every rule that computes declares (moeflow.workflow.rule_code), not in the job's plumbing.
+"""
 
 from __future__ import annotations
 
@@ -35,19 +39,3 @@ def enable_tf32() -> None:
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype the model's weights are loaded in for a forward-only stage with ``precision``."""
     return COMPUTE_DTYPES[precision]
-
-
-def copies_through_pinned_memory(source: torch.Tensor, device: torch.device | str) -> bool:
-    """Whether :func:`to_device` stages ``source`` in pinned (page-locked) memory and copies it without blocking:
-    a CPU tensor going to a CUDA device. A copy from pageable memory blocks the host until the GPU has it, after
-    the forward was queued; from pinned memory it is one asynchronous DMA."""
-    return source.device.type == "cpu" and torch.device(device).type == "cuda"
-
-
-def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``tensor`` on ``device``; a host tensor goes to a GPU through pinned memory with ``non_blocking`` (the
-    caching host allocator keeps the pinned buffer until the copy is done). Every host-to-device copy of a
-    batch (inputs, labels, positions) goes through here."""
-    if copies_through_pinned_memory(tensor, device):
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
