@@ -115,7 +115,9 @@ def reference(reference_model) -> dict[str, torch.Tensor]:
     return reference_model[0]
 
 
-def run_ranks(saved_model: Path, out: Path, parallel: dict, harness: str = "step") -> subprocess.CompletedProcess:
+def run_ranks(
+    saved_model: Path, out: Path, parallel: dict, harness: str = "step", ranks: int = RANKS
+) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
@@ -123,7 +125,8 @@ def run_ranks(saved_model: Path, out: Path, parallel: dict, harness: str = "step
         ),
         "OMP_NUM_THREADS": "1",
     }
-    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=RANKS)) + [
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=ranks)) + [
         __file__,
         str(saved_model),
         str(out),
@@ -187,6 +190,24 @@ def test_expert_parallel_plus_fsdp_gives_the_gradients_of_one_process(
     assert_same_weights(load_file(str(tmp_path / "weights.safetensors")), reference_model[1])
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert report["sharded"] and report["grad_norm"] == pytest.approx(whole_norm(reference), rel=1e-5)
+
+
+@pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
+def test_expert_parallel_inside_a_wider_fsdp_clips_on_the_whole_gradient(saved_model, reference, tmp_path):
+    """#36 item 2: ep_size 2 inside fsdp_size 4 places the experts (_StridedShard(0), Shard(0)), whose strided
+    placement's is_shard() is False: the norm must still count every rank's expert rows. Four ranks in that layout
+    and four plain FSDP ranks give one process's norm at step 1 and the same clipped gradients."""
+    from safetensors.torch import load_file
+
+    norm = whole_norm(reference)
+    coef = (norm / 2) / (norm + 1e-6)
+    for name, parallel in (("ep", {"strategy": "ep", "ep_size": 2, "fsdp_size": 4}), ("fsdp", {"strategy": "fsdp"})):
+        run_ranks(saved_model, tmp_path / name, parallel, ranks=4)
+        report = json.loads((tmp_path / name / "rank0.json").read_text())
+        assert report["grad_norm"] == pytest.approx(norm, rel=1e-5), name
+        assert_same_gradients(
+            load_file(str(tmp_path / name / "clipped.safetensors")), {n: g * coef for n, g in reference.items()}
+        )
 
 
 @pytest.mark.skipif(compat.is_transformers_v5(), reason="transformers 5 has expert parallelism")
@@ -311,7 +332,8 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         model.config.use_cache = False
         model.train()
         model = shard_model(model, parallel, ranks, "fp32")
-        mine = packed_rows()[ranks.rank * ROWS_PER_RANK : (ranks.rank + 1) * ROWS_PER_RANK]
+        per_rank = len(packed_rows()) // ranks.world_size
+        mine = packed_rows()[ranks.rank * per_rank : (ranks.rank + 1) * per_rank]
         step = one_step(model, [mine])
         reduce_gradients(model)
         grad_norm = clip_grad_norm(model, float("inf"))  # the whole model's norm, clipping nothing
@@ -331,8 +353,11 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
         again, again_optim = full_state_dict(fresh, fresh_optimizer)
         assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
         assert json.dumps(_tensor_free(again_optim)) == json.dumps(_tensor_free(optim_state))
+        clip_grad_norm(model, grad_norm / 2)  # now it clips: every gradient scaled by about a half
+        clipped = full_gradients(model)
         if ranks.is_main:
             save_file({k: v.contiguous() for k, v in grads.items()}, str(Path(out) / "grads.safetensors"))
+            save_file({k: v.contiguous() for k, v in clipped.items()}, str(Path(out) / "clipped.safetensors"))
             save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(out) / "weights.safetensors"))
             shapes = {clean_name(n): list(original_shape(p)) for n, p in model.named_parameters()}
             report = {

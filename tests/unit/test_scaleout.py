@@ -196,12 +196,20 @@ def test_recipe_launch_flags_map_to_the_parallel_section_or_are_refused():
     assert layout(run_config(cfg, "moe"))["ep_size"] == 2
 
 
-@pytest.mark.parametrize(
-    "value,implementation", [("alltoall", "all_to_all"), ("all_to_all", "all_to_all"), ("allgather", "all_reduce")]
-)
-def test_dispatcher_types_with_a_transformers_equivalent_map_to_ep_implementation(value, implementation):
+@pytest.mark.parametrize("value", ["alltoall", "all_to_all"])
+def test_dispatcher_types_with_a_transformers_equivalent_map_to_ep_implementation(value):
     overrides, refused = translate_recipe_flags({"moe_token_dispatcher_type": value})
-    assert overrides == {"parallel": {"ep_implementation": implementation}} and refused == []
+    assert overrides == {"parallel": {"ep_implementation": "all_to_all"}} and refused == []
+
+
+def test_the_allgather_dispatcher_is_refused_not_mapped_to_all_reduce():
+    """transformers' all_reduce dispatch needs ep_size == tp_size, and moeflow's tp_size is 1: it would crash
+    at start (#36 item 6), so the recipe's allgather is refused, and so is the key itself."""
+    overrides, refused = translate_recipe_flags({"moe_token_dispatcher_type": "allgather"})
+    assert overrides == {} and len(refused) == 1 and "tensor parallelism" in refused[0]
+    ep = {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2, "ep_implementation": "all_reduce"}
+    with pytest.raises(ConfigError, match=r"'parallel.ep_implementation': all_reduce .* use all_to_all"):
+        load(overrides={"parallel": ep, "hardware": {"num_devices": 2}})
 
 
 @pytest.mark.parametrize(
@@ -340,3 +348,54 @@ def test_the_profile_gives_each_forward_only_rule_its_sections_ranks_as_gpus(mod
             assert profile_request(profile, rule).gpus == cfg[section]["ranks"], rule
     if model == "step3p5-flash":  # 392 GB of bf16: never on one 80 GB GPU
         assert cfg["coverage"]["ranks"] == cfg["evaluate"]["ranks"] == cfg["parallel"]["nproc_per_node"]
+
+
+TRAINING_LAYOUTS = [
+    {"strategy": "none", "nproc_per_node": 1},
+    {"strategy": "fsdp", "nproc_per_node": 2},
+    {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2},
+    {"strategy": "ep", "ep_size": 2, "fsdp_size": 4, "nproc_per_node": 4},
+    {"strategy": "ep", "ep_size": 4, "nproc_per_node": 4},
+]
+
+
+@pytest.mark.parametrize("parallel", TRAINING_LAYOUTS, ids=lambda p: f"{p['strategy']}{p['nproc_per_node']}")
+def test_every_accepted_forward_stage_layout_tiles_its_ranks(parallel):
+    """#36 item 12: over training layouts x the forward stages' ranks and strategies, a config the check accepts
+    gives every forward-only stage (coverage.*, evaluate.*) a layout that tiles its ranks, and one it refuses
+    names the section's keys. The defaults (ranks 1, strategy null) are always accepted."""
+    from moeflow.workflow.keys import forward_parallel
+
+    accepted = 0
+    for ranks in (1, 2, 3, 4):
+        for strategy in (None, "none", "fsdp", "ep"):
+            forward = {"ranks": ranks, "strategy": strategy}
+            overrides = {
+                "parallel": parallel,
+                "hardware": {"num_devices": parallel["nproc_per_node"]},
+                "coverage": forward,
+                "evaluate": forward,
+            }
+            try:
+                cfg = run_config(load(overrides=overrides), "moe")
+            except ConfigError as err:
+                assert "'coverage.ranks'" in str(err) or "'evaluate.ranks'" in str(err), (forward, str(err))
+                assert "'parallel.ep_size'" in str(err) and forward["strategy"] in (None, "ep"), (forward, str(err))
+                continue
+            accepted += 1
+            for section in ("coverage", "evaluate"):
+                layout = forward_parallel(cfg, section)
+                assert layout["nproc_per_node"] == ranks and layout["fsdp_size"] is None
+                if layout["strategy"] == "ep":
+                    assert layout["ep_size"] > 1 and ranks % layout["ep_size"] == 0, (forward, layout)
+                    if compat.is_transformers_v5():  # transformers' own tiling check
+                        from moeflow.parallel.layouts import distributed_config
+                        from moeflow.parallel.settings import ParallelSettings
+                        from moeflow.settings import typed
+
+                        distributed_config(typed(ParallelSettings, layout), "fp32", world=ranks)
+                else:
+                    assert layout["ep_size"] == 1
+            if ranks == 1 and strategy is None:  # one rank holds the whole model, whatever training's layout
+                assert forward_parallel(cfg, "coverage")["strategy"] == "none"
+    assert accepted >= 8

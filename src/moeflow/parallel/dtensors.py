@@ -26,3 +26,11 @@ def local_tensor(tensor: Any) -> Any:
     """This rank's part of a tensor: a DTensor's local tensor (a view of its shard, so in-place edits reach the
     DTensor), any other tensor itself."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def split_mesh_dims(tensor: Any) -> list[int]:
+    """The mesh dimensions over which a DTensor's elements are divided, not copied: every placement but
+    ``Replicate`` and a pending sum (``Partial``). That is ``Shard`` and ``_StridedShard`` (FSDP2's placement of
+    experts that expert parallelism already split, ``(_StridedShard(0, sf=ep), Shard(0))``), whose ``is_shard()``
+    is False on torch 2.13: counting shards by ``is_shard()`` missed the FSDP dimension of those experts."""
+    return [dim for dim, p in enumerate(tensor.placements) if not (p.is_replicate() or p.is_partial())]

@@ -148,8 +148,9 @@ def squared_norm(model: torch.nn.Module) -> torch.Tensor:
     """The squared 2-norm of all of a sharded model's gradients (float64, a 0-dim tensor on every rank).
 
     Every parameter names the process groups its gradient is sharded over: none for a whole tensor, the
-    world for FSDP1's flat shards, for a DTensor the groups of its mesh's ``Shard`` dimensions (a
-    ``Replicate`` dimension holds copies, counted once). Per such key, in parameter order, the squares of
+    world for FSDP1's flat shards, for a DTensor the groups of the mesh dimensions that divide it
+    (``Shard`` and ``_StridedShard``: :func:`moeflow.parallel.dtensors.split_mesh_dims`; a ``Replicate``
+    dimension holds copies, counted once). Per such key, in parameter order, the squares of
     the local float32 norms are summed on this rank (a cumulative sum: the digits of a sequential loop),
     then all-reduced once per group. The keys come from every parameter, with a gradient here or not, so
     that every rank runs the same collectives in the same order; a key with no local gradient adds a zero
@@ -165,7 +166,7 @@ def squared_norm(model: torch.nn.Module) -> torch.Tensor:
         like = grad if dtensors.is_dtensor(grad) else p
         if dtensors.is_dtensor(like):
             mesh = like.device_mesh
-            key = tuple(mesh.get_group(dim) for dim, placement in enumerate(like.placements) if placement.is_shard())
+            key = tuple(mesh.get_group(dim) for dim in dtensors.split_mesh_dims(like))
         else:
             key = (None,) if fsdp1 else ()  # None: the default group
         local = keys.setdefault(key, [])

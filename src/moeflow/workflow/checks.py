@@ -29,6 +29,7 @@ from moeflow.settings import (
     schema_node,
     with_defaults,
 )
+from moeflow.workflow.keys import forward_parallel
 from moeflow.workflow.merge import merged_run, resolved_precision
 from moeflow.workflow.recipe import copied_recipe_problems
 
@@ -372,6 +373,31 @@ def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:
         problems.append(
             "config key 'parallel.fsdp_size' is set but parallel.strategy is 'none': use strategy: fsdp or ep"
         )
+    if par["ep_implementation"] == "all_reduce":
+        problems.append(
+            "config key 'parallel.ep_implementation': all_reduce needs transformers' ep_size equal to its tensor-"
+            "parallel size, and moeflow runs no tensor parallelism (tp_size 1): use all_to_all, or auto (all_to_all "
+            "in training)"
+        )
+    problems += forward_layout_problems(cfg)
+    return problems
+
+
+def forward_layout_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Each forward-only stage's layout (moeflow.workflow.keys.forward_parallel: coverage.* for coverage_valset and
+    esft_routing, evaluate.* for the evaluation stages) must tile its ranks, as training's must: refused here, not
+    after the data stages ran."""
+    problems = []
+    for section in ("coverage", "evaluate"):
+        layout = forward_parallel(cfg, section)
+        ranks, ep = layout["nproc_per_node"], layout["ep_size"]
+        if layout["strategy"] == "ep" and (ep < 2 or ranks % ep):
+            problems.append(
+                f"config keys '{section}.ranks' ({ranks}), '{section}.strategy' ({cfg[section]['strategy']}) and "
+                f"'parallel.ep_size' ({cfg['parallel']['ep_size']}): the {section} stages run expert parallelism on "
+                f"{ranks} rank(s), and ep_size must be at least 2 and divide them. Set {section}.ranks to a multiple "
+                f"of parallel.ep_size, or {section}.strategy: fsdp (or none on one rank)"
+            )
     return problems
 
 

@@ -127,10 +127,21 @@ def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def forward_parallel(cfg: Mapping[str, Any], section: str = "evaluate") -> dict[str, Any]:
     """The ``parallel`` section of a forward-only job of ``cfg`` whose layout ``section`` sets (evaluate:
-    evaluate_run; coverage: coverage_valset): its ``strategy`` (null: the run's parallel.strategy, the model
-    sharded as training shards it) on its ``ranks`` ranks of one node."""
-    strategy = cfg[section]["strategy"] or cfg["parallel"]["strategy"]
-    return {**cfg["parallel"], "strategy": strategy, "nproc_per_node": int(cfg[section]["ranks"]), "nnodes": 1}
+    evaluate_run; coverage: coverage_valset): its ``strategy`` on its ``ranks`` ranks of one node, the FSDP
+    dimension over all of them. A null ``strategy`` is the run's parallel.strategy (the model sharded as training
+    shards it), but one rank holds the whole model (none), whatever training's layout: the defaults always tile.
+    moeflow.workflow.checks refuses an expert-parallel layout whose ep_size does not divide the ranks."""
+    ranks = int(cfg[section]["ranks"])
+    strategy = cfg[section]["strategy"] or (cfg["parallel"]["strategy"] if ranks > 1 else "none")
+    ep_size = cfg["parallel"]["ep_size"] if strategy == "ep" else 1
+    return {
+        **cfg["parallel"],
+        "strategy": strategy,
+        "ep_size": ep_size,
+        "fsdp_size": None,
+        "nproc_per_node": ranks,
+        "nnodes": 1,
+    }
 
 
 HUMANEVAL_GENERATION_KEYS = ("problems", "n_samples", "temperature", "top_p", "max_new_tokens", "batch_size")

@@ -28,12 +28,13 @@ def recipe_flag_advice(flag: str, value: Any) -> str | None:
             return f"'{flag}: {value}' is parallel.ep_implementation: all_to_all (transformers 5's token exchange)"
         if text == "allgather":
             return (
-                f"'{flag}: {value}' is parallel.ep_implementation: all_reduce (every rank runs its experts on the "
-                "shared batch and the outputs are summed; transformers allows it only when ep_size equals tp_size)"
+                f"'{flag}: {value}' is refused: its transformers equivalent, parallel.ep_implementation: all_reduce, "
+                "needs ep_size equal to the tensor-parallel size, and moeflow runs no tensor parallelism; remove it "
+                "(moeflow exchanges the tokens with all_to_all, the same maths)"
             )
         return (
-            f"'{flag}: {value}' is refused: transformers' expert parallelism dispatches tokens with all_to_all or "
-            "all_reduce (parallel.ep_implementation), and no dispatcher balances load; load balancing is the "
+            f"'{flag}: {value}' is refused: moeflow's expert parallelism dispatches tokens with all_to_all "
+            "(parallel.ep_implementation), and no dispatcher balances load; load balancing is the "
             "global-batch balancing loss (train.balance)"
         )
     if name == "moe_eval_capacity_factor":
@@ -65,8 +66,8 @@ def translate_recipe_flags(flags: Mapping[str, Any]) -> tuple[dict[str, Any], li
         if name == "moe_expert_parallel_degree":
             if int(value) > 1:
                 parallel |= {"strategy": "ep", "ep_size": int(value)}
-        elif name == "moe_token_dispatcher_type" and text in ("alltoall", "alltoallseq", "allgather"):
-            parallel["ep_implementation"] = "all_reduce" if text == "allgather" else "all_to_all"
+        elif name == "moe_token_dispatcher_type" and text in ("alltoall", "alltoallseq"):
+            parallel["ep_implementation"] = "all_to_all"
         elif name == "group_experts_by" and text == "device":
             parallel.setdefault("strategy", "ep")
         else:
