@@ -109,7 +109,10 @@ INFRASTRUCTURE = (
         "src/moeflow/workflow/merge.py",
         "merging the config's layers (a run's overlay, `precision: auto`): the values reach stages as params",
     ),
-    ("src/moeflow/workflow/recipe.py", "advice for a copied recipe: its flags refused at config check, naming moeflow's keys"),
+    (
+        "src/moeflow/workflow/recipe.py",
+        "advice for a copied recipe: its flags refused at config check, naming moeflow's keys",
+    ),
     ("src/moeflow/workflow/report_card.py", "the report card the Snakefile prints after a run"),
     (
         "src/moeflow/workflow/rule_code.py",

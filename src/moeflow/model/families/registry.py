@@ -48,5 +48,7 @@ def register() -> None:
         from moeflow.model.families import step3p5
 
         AutoModelForCausalLM.register(step3p5.Step3p7TextConfig, step3p5.Step3p5ForCausalLM, exist_ok=True)
-        register_checkpoint_conversion_mapping(step3p5.ARCHITECTURE, step3p5.KEY_MAPPING, overwrite=True)
+        # By model type, not class name: FSDP2's fully_shard swaps the class for FSDPStep3p5ForCausalLM, which a
+        # class-name lookup misses, and the sharded loader then found no file tensor for the renamed weights.
+        register_checkpoint_conversion_mapping(step3p5.MODEL_TYPE, step3p5.KEY_MAPPING, overwrite=True)
     _registered = True
