@@ -6,6 +6,8 @@ DeepSeek-V3 (1 and 2 MTP layers) on both stacks, Step-3.5-Flash (2 layers in its
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -306,3 +308,50 @@ def _mtp_rank(rank: int, root: str, parallel: dict, results: dict) -> None:
         if rank == 0:
             save_file({k: v.contiguous() for k, v in weights.items()}, f"{root}/trained.safetensors")
             results["records"] = [[r[k] for k in ("loss", "ce", "mtp_loss")] for r in trainer.train_records()]
+
+
+@pytest.mark.parametrize("parallel", SHARDED_LAYOUTS)
+def test_mode_train_in_bf16_after_a_forward_trains_the_mtp_layers_on_two_sharded_ranks(tmp_path, parallel):
+    """#36 item 1: warmup routes the base model (a forward) before its Trainer is built. FSDP2 fixes each unit's
+    gradient dtypes at its first forward from the parameters that require grad then; MTP layers still frozen then
+    got bf16 gradients for fp32 parameters and the first backward failed. The factory now unfreezes them as it
+    builds a model for training: in bf16 on two ranks, after a forward, the first step completes and every MTP
+    layer moves."""
+    model = build("deepseek_v3", 2)
+    model.save_pretrained(tmp_path / "model")
+    results = run_ranks(_mtp_bf16_rank, str(tmp_path), parallel, timeout_s=300)
+    assert results["steps"] == 2 and results["masters"] == ["torch.float32"]
+    assert results["moved"] and all(results["moved"].values()), results["moved"]
+
+
+def _mtp_bf16_rank(rank: int, root: str, parallel: dict, results: dict) -> None:
+    from gloo_ranks import gloo_group, sharded_layout
+
+    from moeflow.model.parameters import clean_name
+    from moeflow.model.wrappers import unwrap
+    from moeflow.parallel.layouts import full_state_dict
+
+    torch.set_num_threads(1)
+    with gloo_group(rank, root) as ranks:
+        train = settings(micro_batch_size=1, steps=2)
+        layout = dataclasses.replace(sharded_layout(ranks, parallel), train=train, precision="bf16")
+        cfg = model_config("deepseek_v3")
+        cfg["config"]["num_nextn_predict_layers"] = 2
+        model = make_model(typed(ModelSettings, cfg), folder=f"{root}/model", layout=layout).train()
+        before, _ = full_state_dict(model)
+        batch = collate(rows()[rank : rank + 1])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # warmup's base reference
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        trainer = Trainer(model, train, rows(), collate_fn=collate, seed=0, precision="bf16")
+        trainer.run()
+        masters = sorted({str(p.dtype) for _, layer in mtp_layers(model) for p in layer.parameters()})
+        after, _ = full_state_dict(trainer.model)
+        prefixes = tuple(clean_name(prefix) for prefix in mtp_prefixes(unwrap(model)))  # without FSDP1's wrappers
+        if rank == 0:
+            results["steps"] = trainer.step
+            results["masters"] = masters
+            results["moved"] = {
+                name: not torch.equal(after[name], before[name])
+                for name in after
+                if is_mtp_name(name, prefixes) and name.endswith(("eh_proj.weight", "enorm.weight"))
+            }

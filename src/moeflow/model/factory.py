@@ -40,6 +40,7 @@ import torch
 
 from moeflow.model.chunked_loss import install as install_chunked_loss
 from moeflow.model.configs import build_config, causal_lm_class, transformers_config
+from moeflow.model.families.mtp import unfreeze_mtp_layers
 from moeflow.model.folder import ModelError, check_model_folder, check_vocabulary, refusing_remote_code
 from moeflow.model.lora import apply_lora
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
@@ -118,6 +119,8 @@ def make_model(
     else:
         model = _loaded(settings, Path(folder), dtype)
     model = install_chunked_loss(model, settings.loss_chunk_tokens)
+    if layout.train is not None and layout.train.trained_mtp is not None:
+        unfreeze_mtp_layers(model)  # before any forward: FSDP2 fixes its gradient dtypes at the first one
     check_vocabulary(model, list(data), folder or "the model")
     names_of = tied_names(model)
     if layout.adapters:

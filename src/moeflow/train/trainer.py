@@ -38,7 +38,7 @@ from moeflow.data.order import DataOrder
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
-from moeflow.model.families.mtp import mtp_layers
+from moeflow.model.families.mtp import unfreeze_mtp_layers
 from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.routing_stats import layer_health
@@ -114,16 +114,14 @@ def routed_forward(
 
 
 def train_mtp_layers(model: torch.nn.Module) -> None:
-    """``train.mtp.mode: train``: the MTP layers' parameters get gradients (they are built frozen), so that
-    param_groups puts them in the optimizer's groups, with weight decay as the main layers' alike."""
-    layers = mtp_layers(model)
-    if not layers:
+    """``train.mtp.mode: train``: the MTP layers train (moeflow.model.families.mtp.unfreeze_mtp_layers; the factory
+    did it already for a model built for training), so that param_groups puts them in the optimizer's groups,
+    with weight decay as the main layers' alike; a model without MTP layers is refused."""
+    if not unfreeze_mtp_layers(model):
         raise TrainConfigError(
             f"config key 'train.mtp.mode': train, but the model ({unwrap(model).config.model_type}) has no MTP "
             "layers (num_nextn_predict_layers); set train.mtp.mode: frozen"
         )
-    for _, layer in layers:
-        layer.requires_grad_(True)
 
 
 def accumulate_gradients(

@@ -18,7 +18,7 @@ the embedding of token ``t + k + 1``: :meth:`MTPLayer.depth` is that step (DeepS
 call of the layer so that FSDP covers it; the MTP loss is moeflow.model.mtp_loss. Their parameters are built
 frozen (``requires_grad`` off, in the layer classes, so every build and load path has them so): with
 ``train.mtp.mode: frozen`` (the default) the training loop never runs them, AdamW holds no state for them, and
-LoRA gives them no adapters; ``train.mtp.mode: train`` turns them on (moeflow.train.trainer.train_mtp_layers)
+LoRA gives them no adapters; ``train.mtp.mode: train`` turns them on (:func:`unfreeze_mtp_layers`)
 and adds their loss to the step's.
 """
 
@@ -69,6 +69,17 @@ def add_mtp_modules(
 def mtp_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(module name, module) of every MTP layer in the model (inside any FSDP or PEFT wrapper), in order."""
     return [(name, m) for name, m in model.named_modules() if getattr(type(m), MTP_FLAG, False)]
+
+
+def unfreeze_mtp_layers(model: nn.Module) -> int:
+    """``train.mtp.mode: train``: the MTP layers' parameters get gradients (they are built frozen); returns how
+    many layers. moeflow.model.factory does it as it builds a model for training, before any forward: FSDP2 fixes
+    each unit's gradient and reduction dtypes at its first forward from the parameters that require grad then, so
+    a unit unfrozen after a forward (warmup's base reference) had bf16 gradients assigned to fp32 parameters."""
+    layers = mtp_layers(model)
+    for _, layer in layers:
+        layer.requires_grad_(True)
+    return len(layers)
 
 
 def mtp_prefixes(model: nn.Module) -> tuple[str, ...]:
