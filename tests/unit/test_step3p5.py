@@ -170,6 +170,53 @@ def test_the_router_runs_in_fp32_under_bf16_autocast(published):
         assert shipped(h)[0].dtype == torch.bfloat16  # what transformers' own router computes in
 
 
+def with_config(published: Path, folder: Path, **keys) -> Path:
+    """A copy of the published folder whose config.json sets ``keys``."""
+    import shutil
+
+    shutil.copytree(published, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **keys}))
+    return folder
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_norm_expert_weight_gives_the_experts_their_published_weights(published, tmp_path, renormalise):
+    """#36 item 11: the published ``norm_expert_weight`` decides whether the chosen experts' sigmoid scores are
+    renormalised to sum 1 before the routed scaling; false was ignored (the MoE block 40-50% off the published
+    rule). The block's output against a hand computation from its own router weight, bias and experts."""
+    folder = with_config(published, tmp_path / "model", norm_expert_weight=renormalise)
+    model = make_model(typed(ModelSettings, MODEL), folder=folder).eval()
+    block = model.model.layers[1].mlp
+    h = torch.randn(10, block.gate.hidden_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        scores = F.linear(h, block.gate.weight).sigmoid()
+        index = torch.topk(scores + block.gate.e_score_correction_bias, block.gate.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        want = block.shared_experts(h) + 3.0 * block.experts(h, index, weights)
+        got = block(h.unsqueeze(0)).squeeze(0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not renormalise or torch.allclose(weights.sum(-1), torch.ones(10))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("moe_router_activation", "softmax"), ("use_moe_router_bias", False), ("need_fp32_gate", False)]
+)
+def test_published_routing_keys_moeflow_does_not_compute_are_refused(published, tmp_path, key, value):
+    """The other published routing keys hold the values moeflow computes, or the folder is refused at config check
+    and at build, naming the key."""
+    from moeflow.workflow.checks import model_type_problems
+
+    folder = with_config(published, tmp_path / "model", **{key: value})
+    (problem,) = model_type_problems(folder)
+    assert f"key {key!r} is {value!r}" in problem and "config.json" in problem
+    with pytest.raises(ValueError, match=f"key '{key}'"):
+        make_model(typed(ModelSettings, MODEL), folder=folder)
+    assert model_type_problems(published) == []
+
+
 def test_loss_free_balancing_moves_the_fp32_expert_choice_bias_under_bf16(published):
     model = make_model(typed(ModelSettings, MODEL), folder=published).train()
     biases = correction_biases(model)

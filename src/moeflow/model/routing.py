@@ -95,7 +95,7 @@ def _read_v5_router(block, router, args, output):
 
 
 def _read_v5_scaled_after(block, router, args, output):
-    """transformers 5 Step-3.5 (step3p7's block): the router returns renormalised weights and the block
+    """transformers 5 Step-3.5 (step3p7's block): the router returns the chosen experts' weights and the block
     multiplies the experts' sum by ``routed_scaling_factor``: the weights the experts really get are their product."""
     logits, weights, index = output
     return logits, index, weights * block.routed_scaling_factor

@@ -17,6 +17,7 @@ import jsonschema
 
 from moeflow.evaluation.lm_eval_tasks import task_problems
 from moeflow.model.families import registry
+from moeflow.model.families.step3p5_keys import routing_key_problems
 from moeflow.plan.shapes import experts_fused
 from moeflow.runtime import compat
 from moeflow.settings import (
@@ -293,9 +294,10 @@ def model_type_problems(folder: Path) -> list[str]:
     if not config_file.is_file():
         return []  # moeflow.model.folder names what the folder lacks when a stage loads it
     try:
-        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
+    model_type = config.get("model_type")
     # transformers' model tables, imported only for a pretrained folder (they import torch: seconds at DAG build)
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -317,6 +319,8 @@ def model_type_problems(folder: Path) -> list[str]:
             f"{where}: transformers {transformers.__version__} has its config but no causal-LM class for it "
             "(AutoModelForCausalLM cannot load it), and moeflow fine-tunes causal language models only"
         ]
+    if model_type == "step3p5":
+        return routing_key_problems(config, f"config key 'model.pretrained': {config_file}")
     return []
 
 

@@ -10,8 +10,10 @@ what the published model does or what moeflow needs:
   ``use_experts_implementation``: ``grouped_mm`` and ``batched_mm`` really run (``Step3p7Experts`` opts out:
   ``grouped_mm`` raises at load and ``batched_mm`` silently runs the per-expert loop);
 * the router is :class:`Step3p5Router`, computed in float32 at least with autocast off, as the published
-  code's ``need_fp32_gate`` does (the shipped router's ``F.linear`` runs in bf16 under autocast); FSDP mixed
-  precision keeps its weight fp32 too (``_keep_in_fp32_modules_strict``, moeflow.parallel.layouts). The
+  code's ``need_fp32_gate`` does (the shipped router's ``F.linear`` runs in bf16 under autocast), and honouring
+  the published ``norm_expert_weight`` (the other published routing keys are refused unless they hold the values
+  moeflow computes: moeflow.model.families.step3p5_keys); FSDP mixed precision keeps its weight fp32 too
+  (``_keep_in_fp32_modules_strict``, moeflow.parallel.layouts). The
   expert-choice bias ``e_score_correction_bias`` stays a float32 buffer (the published ``router_bias``);
 * the published checkpoint's MTP layers (``model.layers.45-47``) are built and loaded with the model
   (:class:`Step3p5MTPLayer`, moeflow.model.families.mtp) instead of dropped.
@@ -47,6 +49,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
 from moeflow.model.families.mtp import MTPLayer, add_mtp_modules
+from moeflow.model.families.step3p5_keys import routing_key_problems
 
 MODEL_TYPE = "step3p5"
 
@@ -78,8 +81,13 @@ class Step3p5Experts(Step3p7Experts):
 class Step3p5Router(Step3p7TopKRouter):
     """The sigmoid router with expert-choice bias, in float32 at least (float64 stays float64) with autocast
     off: logits ``h W^T``, scores ``sigmoid(logits)``, the top-k of ``scores + e_score_correction_bias`` chosen,
-    their unbiased scores renormalised to sum 1 (the block then scales the routed output by
+    their unbiased scores renormalised to sum 1 unless the published ``norm_expert_weight`` is false (the
+    shipped router always renormalises; the block then scales the routed output by
     ``moe_router_scaling_factor``). Returns ``(logits, weights, index)`` as the shipped router does."""
+
+    def __init__(self, config: Step3p7TextConfig):
+        super().__init__(config)
+        self.renormalise = bool(getattr(config, "norm_expert_weight", True))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(self.weight.dtype, torch.float32)
@@ -89,7 +97,8 @@ class Step3p5Router(Step3p7TopKRouter):
             scores = logits.sigmoid()
             index = torch.topk(scores + self.e_score_correction_bias.to(dtype), self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, index)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            if self.renormalise:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights, index
 
 
@@ -138,6 +147,9 @@ class Step3p5TextModel(Step3p7TextModel):
     to ``layers`` (its forward runs the first ``num_hidden_layers`` only)."""
 
     def __init__(self, config: Step3p7TextConfig):
+        problems = routing_key_problems(config.to_dict(), "the step3p5 config")
+        if problems:
+            raise ValueError("; ".join(problems))
         super().__init__(config)
         if config.num_nextn_predict_layers:
             built = mtp_config(config)
