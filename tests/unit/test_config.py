@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, ConfigError, enum, plain, resolved, schema, typed, with_defaults
 from moeflow.train.settings import (
     BalanceSettings,
@@ -374,3 +375,16 @@ def test_flash_attention_in_fp32_is_refused_naming_both_keys():
         load(overrides={"model": {"attn_implementation": "flash_attention_2"}})
     on_cuda = {"model": {"attn_implementation": "flash_attention_2"}, "hardware": {"device": "cuda"}}
     assert load(overrides=on_cuda)["precision"] == "bf16"
+
+
+@pytest.mark.skipif(not compat.is_transformers_v5(), reason="Step-3.5-Flash is a current-stack model")
+def test_flash_attention_for_a_family_without_it_is_refused_naming_sdpa():
+    """#36 item 5: transformers marks Step-3.5's attention as not supporting flash-attn; the load would fail."""
+    from tiny_models import model_config
+
+    model = {**model_config("step3p5"), "attn_implementation": "flash_attention_2"}
+    with pytest.raises(ConfigError, match=r"flash_attention_2 cannot load step3p5.*Use sdpa"):
+        load(overrides={"model": model, "hardware": {"device": "cuda"}})
+    from moeflow.model.families.step3p5 import Step3p5ForCausalLM
+
+    assert Step3p5ForCausalLM._supports_flash_attn is False  # what the refusal stands for

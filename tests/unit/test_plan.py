@@ -15,8 +15,10 @@ from moeflow.plan.fit import min_devices, plan, verdict
 from moeflow.plan.memory import (
     CPU_RANK_RUNTIME_BYTES,
     GIB,
+    MASKS_BUILT_BY_MOEFLOW_V5,
     PHASES,
     Job,
+    attention_mask_bytes,
     host_per_node_bytes,
     memory_per_device,
     phase_memory,
@@ -517,3 +519,56 @@ def test_lora_makes_a_refused_step3p5_flash_fine_tune_fit_on_enough_cards(env_re
     assert suggestion["min_devices"] == n
     assert f"train.method: lora (rank 16 on all, router frozen): at least {n} devices" in summary(full)
     assert "LoRA rank 16 on all, router frozen" in summary(lora) and "## LoRA adapters" in render_markdown(lora)
+
+
+MASK_FAMILIES = ["qwen3_moe", "step3p5", "gpt_oss"]
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.skipif(not compat.is_transformers_v5(), reason="transformers 5 only"))
+        if f in TRANSFORMERS_5_ONLY
+        else f
+        for f in MASK_FAMILIES
+    ],
+)
+def test_the_planner_counts_the_attention_masks_a_packed_forward_builds(family):
+    """#36 item 5: with sdpa, a forward on packed rows gets a [B, 1, L, L] mask per attention type (transformers
+    5's booleans, or moeflow's additive float32 masks where it builds them): every distinct mask the attention
+    functions receive, measured, is the planner's attention_masks term."""
+    import torch
+    from tiny_models import model_config
+
+    from moeflow.data.collate import POSITIONS_NOT_IN_MASKS_V5, model_inputs
+
+    assert MASKS_BUILT_BY_MOEFLOW_V5 == POSITIONS_NOT_IN_MASKS_V5
+    attention = "eager" if family == "gpt_oss" else "sdpa"  # transformers runs gpt_oss's sinks in eager only
+    cfg = model_config(family, attention)
+    model = make_model(typed(ModelSettings, cfg), vocab_size=96, seed=0)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    masks, sdpa = {}, ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None:
+            masks[attention_mask.data_ptr()] = attention_mask.nbytes
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    micro_batch, length = 2, 24
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).repeat(micro_batch, 1)
+    batch = {"input_ids": torch.randint(3, 90, (micro_batch, length)), "position_ids": positions}
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = recording
+    try:
+        inputs = model_inputs(model, batch)
+        given = inputs.get("attention_mask")  # moeflow's own masks, where it builds them
+        for mask in given.values() if isinstance(given, dict) else [given] if given is not None else []:
+            masks[mask.data_ptr()] = mask.nbytes
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    shape = model_shape(dict(cfg["config"]), 96)
+    job = default_job(micro_batch_size=micro_batch, seq_len=length, attn_implementation=attention)
+    assert masks and sum(masks.values()) == attention_mask_bytes(shape, job), masks
+    assert attention_mask_bytes(shape, dataclasses.replace(job, attn_implementation="flash_attention_2")) == 0

@@ -108,6 +108,9 @@ def test_qwen3_30b_a3b_terms_on_8_x_80gb_by_hand(qwen):
         "root_unit": QWEN_ROOT * (2 + 2),  # embedding + LM head + norm in bf16, and their bf16 gradient
         "residual_stream": QWEN_TOKENS * 48 * 2048 * 2,  # one bf16 layer input per layer (checkpointing)
         "activations": qwen_activation_bytes(QWEN_TOKENS),
+        # sdpa: one [1, 1, 4096, 4096] mask (full attention only): transformers 5's booleans, or on 4.57 moeflow's
+        # additive float32 mask
+        "attention_masks": QWEN_TOKENS * 4096 * (1 if compat.is_transformers_v5() else 4),
         # the chunked loss: 1024 tokens' fp32 logits and their bf16 product/gradient copy; kept in fp32 from the
         # forward to the backward pass: the hidden states' gradient, the token losses, the LM head's gradient
         "loss": 1024 * 151_936 * (4 + 2) + (QWEN_TOKENS * (2048 + 1) + 151_936 * 2048) * 4,
@@ -136,7 +139,7 @@ def test_qwen3_30b_a3b_does_not_fit_when_a_term_pushes_it_over(qwen):
     # the chunk size is the planner's too: micro-batch 4 in one chunk of 16,384 tokens holds 13.9 GiB of logits
     whole = memory_per_device(shape, count, dataclasses.replace(job, micro_batch_size=4, loss_chunk_tokens=16384))
     assert whole["loss"] == 16384 * 151_936 * 6 + (16384 * 2049 + 151_936 * 2048) * 4
-    assert whole["total"] - whole["loss"] < 0.9 * visible < visible < whole["total"]
+    assert whole["total"] - whole["loss"] < visible < whole["total"]  # the logits push it over the card
     assert verdict(whole["total"], visible) == "does_not_fit"
     # seven cards: the states grow to 16 x N / 7; the per-layer FSDP terms and the root unit stay
     seven = memory_per_device(shape, count, dataclasses.replace(job, num_devices=7))

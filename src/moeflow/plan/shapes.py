@@ -63,6 +63,9 @@ class Shape:
     mtp_heads: tuple[int, ...] = ()
     mtp_moe: tuple[bool, ...] = ()
     mtp_embedding: bool = False
+    # The attention masks transformers builds per forward, one per attention type of the main layers (full,
+    # sliding window: config layer_types), each [micro-batch, 1, L, L] booleans with sdpa or eager attention.
+    attention_masks: int = 1
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -172,7 +175,14 @@ def _gpt_oss(f: Mapping[str, Any]) -> dict[str, Any]:
         "sinks": True,
         "expert_bias": True,
         "router_bias": True,
+        # transformers' GptOssConfig alternates sliding-window and full layers when layer_types is not given
+        "attention_masks": 2 if f.get("sliding_window") and not f.get("layer_types") else _mask_kinds(f, None),
     }
+
+
+def _mask_kinds(f: Mapping[str, Any], num_layers: int | None) -> int:
+    """The attention types of the main layers (config layer_types: full, sliding window): one mask each."""
+    return len(set(list(f.get("layer_types") or [])[:num_layers])) or 1
 
 
 def _deepseek_v3(f: Mapping[str, Any]) -> dict[str, Any]:
@@ -295,6 +305,7 @@ def model_shape(config_fields: Mapping[str, Any], vocab_size: int) -> Shape:
             f"config key 'model.config.model_type': the planner knows {', '.join(sorted(FAMILIES))}; got {model_type!r}"
         )
     fields = FAMILIES[model_type](config_fields)
+    fields.setdefault("attention_masks", _mask_kinds(config_fields, fields["num_layers"]))
     return Shape(model_type=model_type, vocab_size=int(vocab_size), **fields)
 
 

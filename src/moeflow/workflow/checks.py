@@ -259,8 +259,18 @@ def _model_type_and_experts(model: Mapping[str, Any]) -> tuple[str | None, dict[
 
 
 def attention_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """flash-attn refuses fp32 inputs (it would fail at the first forward): flash_attention_2 needs bf16."""
-    if cfg["model"]["attn_implementation"] != "flash_attention_2" or resolved_precision(cfg) != "fp32":
+    """flash-attn refuses fp32 inputs (it would fail at the first forward): flash_attention_2 needs bf16; and a
+    family whose transformers classes do not support flash-attn fails at load with it."""
+    if cfg["model"]["attn_implementation"] != "flash_attention_2":
+        return []
+    model_type, _ = _model_type_and_experts(cfg["model"])
+    if model_type in registry.NO_FLASH_ATTENTION:
+        return [
+            f"config key 'model.attn_implementation': flash_attention_2 cannot load {model_type}: transformers "
+            f"{compat.version_of('transformers')} marks its attention as not supporting flash-attn, so the load "
+            "would fail. Use sdpa (the memory planner counts its attention masks)"
+        ]
+    if resolved_precision(cfg) != "fp32":
         return []
     return [
         "config keys 'model.attn_implementation': flash_attention_2 and 'precision': fp32 do not combine: flash-attn "

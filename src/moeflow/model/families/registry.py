@@ -16,6 +16,10 @@ from moeflow.runtime import compat
 # Families whose code exists in transformers 5 only: on transformers 4.57 they are refused naming the stack.
 CURRENT_STACK_ONLY = ("step3p5",)
 
+# Families whose transformers attention does not support flash-attn (``_supports_flash_attn = False``): refused
+# at config check with model.attn_implementation: flash_attention_2, which would fail at load.
+NO_FLASH_ATTENTION = ("step3p5",)
+
 
 _registered = False
 
