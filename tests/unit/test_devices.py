@@ -69,8 +69,44 @@ def test_the_launcher_prefix_keeps_the_claim_while_its_command_runs(tmp_path):
 
 
 def test_more_gpus_than_the_machine_shows_is_refused_naming_the_setting(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in a job that claims before importing torch
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("MOEFLOW_GPU_LOCK_DIR", str(tmp_path))
     with pytest.raises(DeviceError, match="asks for 2 GPU.*resources.gpu.*parallel.nproc_per_node"):
         claim(2, what="rule warmup")
     assert claim(0) == [] and os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_a_claim_after_torch_was_imported_is_refused(tmp_path, monkeypatch):
+    """#36 item 8: CUDA takes CUDA_VISIBLE_DEVICES at its first device query, which transformers' import makes:
+    choose_experts imported torch before Stage.start claimed its GPU, so it timed on cuda:0 beside another job."""
+    import torch  # noqa: F401 (imported: what the refusal is about)
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("MOEFLOW_GPU_LOCK_DIR", str(tmp_path))
+    with pytest.raises(DeviceError, match="rule choose_experts claims its 1 GPU.*after torch was imported"):
+        claim(1, what="rule choose_experts")
+    assert claim(0) == []  # a job without GPUs claims nothing, whatever it imported
+
+
+def test_script_rules_with_gpus_claim_before_importing_anything_that_imports_torch():
+    """A ``script:`` rule that may declare GPUs claims them in Stage.start: its script imports only
+    moeflow.runtime.stage before that call (the torchrun rules claim in their launcher prefix, before Python)."""
+    import ast
+    import re
+
+    from moeflow.settings import REPO_ROOT
+
+    blocks = [
+        block for smk in (REPO_ROOT / "workflow" / "rules").glob("*.smk") for block in smk.read_text().split("\nrule ")
+    ]
+    scripts = {
+        script for block in blocks if "gpu=" in block for script in re.findall(r'scripts/(\w+\.py)"\s*$', block, re.M)
+    }
+    scripts = {s for s in scripts if any(f'script:\n        "../scripts/{s}"' in block for block in blocks)}
+    assert scripts == {"choose_experts.py"}
+    for script in scripts:
+        body = ast.parse((REPO_ROOT / "workflow" / "scripts" / script).read_text()).body
+        start = next(i for i, node in enumerate(body) if "Stage.start" in ast.unparse(node))
+        before = [ast.unparse(node) for node in body[:start] if isinstance(node, (ast.Import, ast.ImportFrom))]
+        assert before == ["from moeflow.runtime.stage import Stage"], (script, before)

@@ -87,6 +87,13 @@ def claim(count: int, *, what: str = "this job", poll_s: float = 0.5, timeout_s:
     free (``timeout_s``: then a DeviceError). ``count`` 0: nothing is claimed or changed."""
     if count <= 0:
         return []
+    if "torch" in sys.modules:
+        # CUDA takes CUDA_VISIBLE_DEVICES at the first device query (transformers' import makes one): a claim
+        # after that would lock GPUs the process does not use, and it would run on cuda:0 beside another job.
+        raise DeviceError(
+            f"{what} claims its {count} GPU(s) after torch was imported: claim first (moeflow.runtime.stage's "
+            "Stage.start before any import of torch, or the launcher prefix claim_command)"
+        )
     devices = visible_devices()
     if len(devices) < count:
         raise DeviceError(
