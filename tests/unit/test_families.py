@@ -7,7 +7,7 @@ from pathlib import Path
 
 import family_checks as C
 import pytest
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, VOCAB, model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs" / "families.md"
@@ -36,3 +36,27 @@ def test_the_readme_summary_is_the_tables(committed):
     assert C.with_summary(readme, committed) == readme, (
         "the README's family table is out of date: run tools/family_table.py"
     )
+
+
+def test_deepseek_v3_routes_in_float32_under_bf16_autocast():
+    """#36 item 7: DeepSeek-V3's published router computes in float32; transformers' F.linear on float32 tensors
+    ran in bf16 under the Trainer's autocast. Under autocast the router's output is exactly its float32
+    computation without autocast (both stacks: 5 returns logits, weights and index; 4.57 index and weights)."""
+    import torch
+
+    from moeflow.model.factory import make_model
+    from moeflow.model.families.deepseek_v3 import DeepseekV3Router
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
+
+    model = make_model(typed(ModelSettings, model_config("deepseek_v3")), vocab_size=VOCAB, seed=0)
+    routers = [m for m in model.modules() if isinstance(m, DeepseekV3Router)]
+    assert routers and all(r.weight.dtype == torch.float32 for r in routers)
+    router = routers[0]
+    hidden = torch.randn(12, router.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = router(hidden.float())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = router(hidden)
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype and torch.equal(g, w)

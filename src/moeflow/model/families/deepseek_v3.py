@@ -10,6 +10,7 @@ modules, initialised alike).
 
 from __future__ import annotations
 
+import torch
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as shipped
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
@@ -19,6 +20,23 @@ MODEL_TYPE = "deepseek_v3"
 
 
 config_class = DeepseekV3Config
+
+
+class DeepseekV3Router(shipped.DeepseekV3TopkRouter):
+    """transformers' DeepSeek-V3 router with autocast off: its logits, scores and weights in float32, as the
+    published code computes them (``F.linear`` on float32 inputs otherwise runs in bf16 under autocast). No state
+    of its own: a built router becomes one by its class (:func:`float32_routers`), its weights kept."""
+
+    def forward(self, hidden_states: torch.Tensor):
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            return super().forward(hidden_states)
+
+
+def float32_routers(model: torch.nn.Module) -> None:
+    """Every DeepSeek-V3 router of ``model`` computes in float32 (:class:`DeepseekV3Router`)."""
+    for module in model.modules():
+        if type(module) is shipped.DeepseekV3TopkRouter:
+            module.__class__ = DeepseekV3Router
 
 
 class DeepseekV3MTPLayer(MTPLayer, shipped.DeepseekV3DecoderLayer):
@@ -51,6 +69,7 @@ class DeepseekV3ForCausalLM(shipped.DeepseekV3ForCausalLM):
             self.model.layers.append(DeepseekV3MTPLayer(config, config.num_hidden_layers + i))
         if depth:
             self.post_init()
+        float32_routers(self)
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
