@@ -44,8 +44,8 @@ MUON_NAMES = re.compile(
 ROUTER_LR = 0.5
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
-    return make_model(typed(ModelSettings, tiny_model_cfg()), vocab_size=VOCAB, seed=seed)
+def _model(seed: int = 0, **config) -> torch.nn.Module:
+    return make_model(typed(ModelSettings, tiny_model_cfg(**config)), vocab_size=VOCAB, seed=seed)
 
 
 def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -187,8 +187,7 @@ def test_muon_is_refused_at_config_check_where_it_is_not_implemented():
     assert [p for p in problems if "torch.optim.Muon" in p] == ([problems[0]] if stack else [])
     assert all(p.startswith("config key 'train.optimizer'") for p in problems)
     assert len(optimizer_problems(_config("muon", "fsdp"))) == len(stack)
-    ep = optimizer_problems(_config("muon", "ep"))
-    assert len(ep) == len(stack) + 1 and "parallel.strategy 'ep'" in ep[-1]
+    assert len(optimizer_problems(_config("muon", "ep"))) == len(stack)  # #36 item 4: Muon under ep
     lora = optimizer_problems(_config("muon", method="lora"))
     assert len(lora) == len(stack) + 1 and "method: full" in lora[-1]
 
@@ -256,20 +255,33 @@ def _muon_steps(model: torch.nn.Module, steps: int, fresh=None, folder: Path | N
     return model, optimizer
 
 
-def _main_fsdp(out: str) -> None:
-    """One of two ranks: FSDP2, two Muon steps with a checkpoint between them; rank 0 saves the whole state."""
+def _main_fsdp(out: str, strategy: str = "fsdp") -> None:
+    """One of two ranks: FSDP2 (two Muon steps with a checkpoint between them) or expert parallelism (two steps of
+    a model loaded from ``out/model``); rank 0 saves the whole state and the shapes Muon gathered whole."""
+    import json
+
     from safetensors.torch import save_file
 
+    from moeflow.model.factory import Layout
     from moeflow.parallel.layouts import full_state_dict, shard_model
     from moeflow.parallel.process_group import process_group
     from moeflow.parallel.settings import ParallelSettings
+    from moeflow.train import optimizers
 
     torch.set_num_threads(1)
-    parallel = typed(ParallelSettings, {"strategy": "fsdp"})
+    gathered, gathered_step = [], optimizers.gathered_step
+    optimizers.gathered_step = lambda p, *a: gathered.append(list(p.shape)) or gathered_step(p, *a)
     with process_group("cpu") as ranks:
-        model, fresh = (shard_model(_model(seed), parallel, ranks, "fp32") for seed in (0, 1))
+        if strategy == "ep":
+            layout = Layout(ranks, typed(ParallelSettings, {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2}))
+            untied = tiny_model_cfg(tie_word_embeddings=False)  # transformers' ep unties them: refused tied
+            model = make_model(typed(ModelSettings, untied), folder=f"{out}/model", layout=layout)
+            model, optimizer = _muon_steps(model, 2)
+        else:
+            parallel = typed(ParallelSettings, {"strategy": "fsdp"})
+            model, fresh = (shard_model(_model(seed), parallel, ranks, "fp32") for seed in (0, 1))
+            model, optimizer = _muon_steps(model, 2, fresh, Path(out) / "checkpoint")
         assert any(dtensors.is_dtensor(p) for p in model.parameters())
-        model, optimizer = _muon_steps(model, 2, fresh, Path(out) / "checkpoint")
         weights, optim_state = full_state_dict(model, optimizer)
         names = {i: n for i, n in enumerate(n for g in optim_state["param_groups"] for n in g["params"])}
         buffers = {
@@ -281,22 +293,52 @@ def _main_fsdp(out: str) -> None:
             save_file(
                 {k: v.contiguous() for k, v in {**weights, **buffers}.items()}, str(Path(out) / "state.safetensors")
             )
+            (Path(out) / "gathered.json").write_text(json.dumps(gathered))
 
 
-@needs_muon
-def test_fsdp2_muon_updates_each_whole_matrix_as_one_process_does_through_a_checkpoint(tmp_path):
+def _two_ranks(out: Path, strategy: str) -> dict[str, torch.Tensor]:
+    """:func:`_main_fsdp` on two gloo ranks: the whole state rank 0 saved; the shapes gathered are checked."""
+    import json
+
     from safetensors.torch import load_file
 
     from moeflow.parallel.launch import torchrun_command
-    from moeflow.parallel.layouts import full_state_dict
     from moeflow.settings import REPO_ROOT
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT / "tests"), env.get("PYTHONPATH", "")])
-    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=2)) + [__file__, str(tmp_path)]
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=2)) + [__file__, str(out), strategy]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    got = load_file(str(tmp_path / "state.safetensors"))
+    # #36 item 4: a fused [E, out, in] expert tensor split by experts is updated where it lies, never gathered;
+    # the 2-D matrices FSDP2 splits by rows are gathered whole
+    gathered = json.loads((out / "gathered.json").read_text())
+    assert gathered and all(len(shape) == 2 for shape in gathered), gathered
+    return load_file(str(out / "state.safetensors"))
+
+
+@needs_muon
+def test_muon_under_expert_parallelism_gives_one_processes_update(tmp_path):
+    """#36 item 4: Muon under ep, each rank updating its own experts: the update of every tensor within 1% of one
+    process's (the experts' Newton-Schulz sees the same whole matrices; only the reductions' order differs)."""
+    from moeflow.parallel.layouts import full_state_dict
+
+    start = _model(tie_word_embeddings=False)
+    before = {k: v.clone() for k, v in start.state_dict().items()}
+    start.save_pretrained(tmp_path / "model")
+    got = _two_ranks(tmp_path, "ep")
+    model, optimizer = _muon_steps(_model(tie_word_embeddings=False), 2)
+    want, _ = full_state_dict(model, optimizer)
+    assert set(want) <= set(got)
+    off = [n for n in want if float((got[n] - want[n]).norm()) > 1e-2 * float((want[n] - before[n]).norm()) + 1e-7]
+    assert off == [], off
+
+
+@needs_muon
+def test_fsdp2_muon_updates_each_whole_matrix_as_one_process_does_through_a_checkpoint(tmp_path):
+    from moeflow.parallel.layouts import full_state_dict
+
+    got = _two_ranks(tmp_path, "fsdp")
     model, optimizer = _muon_steps(_model(), 2)
     weights, optim_state = full_state_dict(model, optimizer)
     names = {i: n for i, n in enumerate(n for g in optim_state["param_groups"] for n in g["params"])}
@@ -312,4 +354,4 @@ def test_fsdp2_muon_updates_each_whole_matrix_as_one_process_does_through_a_chec
 
 
 if __name__ == "__main__":
-    _main_fsdp(sys.argv[1])
+    _main_fsdp(*sys.argv[1:3])

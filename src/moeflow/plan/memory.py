@@ -450,8 +450,9 @@ def optimizer_state_bytes(params: ParamCount, trained: int, job: Job) -> int:
 
 
 def muon_gathered_bytes(params: ParamCount, job: Job) -> int:
-    """Muon under FSDP (moeflow.train.optimizers.gathered_step): one parameter's weight, gradient and momentum
-    buffer gathered whole in fp32 for its update (the largest tensor counted: a conservative bound)."""
+    """Muon in a sharded layout (moeflow.train.optimizers.gathered_step): one parameter's weight, gradient and
+    momentum buffer gathered whole in fp32 for its update (the largest tensor counted: a conservative bound, since
+    fused experts split by experts are updated where they lie and never gathered)."""
     if job.optimizer != "muon" or job.method == "lora" or not job.sharded:
         return 0
     return 3 * params.largest_tensor * FP32_BYTES

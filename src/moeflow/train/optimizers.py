@@ -66,8 +66,9 @@ class SlicedMuon(torch.optim.Optimizer):
     """torch.optim.Muon's update (its functional ``torch.optim._muon.muon``) on every matrix of each parameter
     (:func:`matrices`): a 2-D weight as torch.optim.Muon updates it, a fused expert tensor one expert's slice at
     a time, through views of the parameter, its gradient and its one momentum buffer (state
-    ``momentum_buffer``, shaped as the parameter, as torch.optim.Muon's). A parameter FSDP2 shards is updated
-    whole (:func:`gathered_step`)."""
+    ``momentum_buffer``, shaped as the parameter, as torch.optim.Muon's). A sharded fused expert tensor whose
+    ranks hold whole experts is updated where it lies (:func:`holds_whole_matrices`); any other sharded
+    parameter (a 2-D matrix split by rows) is gathered whole for its update (:func:`gathered_step`)."""
 
     def __init__(self, params, *, lr: float, weight_decay: float, settings: MuonSettings):
         from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
@@ -108,14 +109,22 @@ class SlicedMuon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                if dtensors.is_dtensor(p):
+                if dtensors.is_dtensor(p) and not holds_whole_matrices(p):
                     gathered_step(p, state["momentum_buffer"], settings)
                     continue
-                params += matrices(p)
-                grads += matrices(p.grad)
-                buffers += matrices(state["momentum_buffer"])
+                params += matrices(dtensors.local_tensor(p))
+                grads += matrices(dtensors.local_tensor(p.grad))
+                buffers += matrices(dtensors.local_tensor(state["momentum_buffer"]))
             muon(params, grads, buffers, **settings, has_complex=False)
         return loss
+
+
+def holds_whole_matrices(param: torch.Tensor) -> bool:
+    """Whether each rank holds whole matrices of a sharded parameter: a fused ``[E, out, in]`` expert tensor split
+    along its experts only (FSDP2's ``Shard(0)``; expert parallelism's ``Shard(0)`` and ``_StridedShard(0)``).
+    Muon then updates the rank's own experts where they are, with no communication."""
+    placements = [param.placements[dim] for dim in dtensors.split_mesh_dims(param)]
+    return param.dim() == 3 and all(getattr(placement, "dim", None) == 0 for placement in placements)
 
 
 def gathered_step(param: torch.Tensor, buffer: torch.Tensor, settings: dict[str, Any]) -> None:

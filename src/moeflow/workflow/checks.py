@@ -416,9 +416,8 @@ def forward_layout_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 
 def optimizer_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """``optimizer: muon`` where it is implemented only: the current stack (torch.optim.Muon), full fine-tuning,
-    and for ``train`` the layouts ``parallel.strategy`` none and fsdp (FSDP2 gathers each matrix whole for its
-    update; pretraining runs on one rank). Under ep transformers places the experts itself: not implemented."""
+    """``optimizer: muon`` where it is implemented only: the current stack (torch.optim.Muon) and full fine-tuning
+    (every layout: moeflow.train.optimizers)."""
     problems = []
     for section in ("train", "pretrain"):
         train = cfg[section]
@@ -434,12 +433,5 @@ def optimizer_problems(cfg: Mapping[str, Any]) -> list[str]:
             problems.append(
                 f"{key}: muon is implemented for method: full only ({section}.method is {train['method']!r}); "
                 "use optimizer: adamw"
-            )
-        strategy = cfg["parallel"]["strategy"]
-        if section == "train" and strategy == "ep":
-            problems.append(
-                f"{key}: muon orthogonalises each whole matrix; under parallel.strategy 'ep' transformers shards the "
-                "experts itself, and gathering them for Muon's update is not implemented. Use parallel.strategy: "
-                "fsdp or none, or optimizer: adamw"
             )
     return problems
