@@ -278,8 +278,13 @@ def test_stepfuns_recipe_sets_their_values_with_a_source_on_every_line():
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":"):  # a value
             assert "#" in line and ("StepFun" in line or "moeflow" in line), f"{path.name}:{number}: {line}"
-    train = run_config(load(path), "moe")["train"]
-    assert (train["method"], train["optimizer"], train["order"]) == ("full", "adamw", "sequential")
+    others = {"runs": {"dense": None, "lora": None, "esft": None}, "paper": {"dense_runs": []}}  # LoRA: no Muon
+    if not compat.torch_has_muon():  # Muon, as StepFun trains: the current stack's (so is the model)
+        with pytest.raises(ConfigError, match="muon needs torch.optim.Muon.*STACK=current"):
+            load(path, overrides=others)
+        return
+    train = run_config(load(path, overrides=others), "moe")["train"]
+    assert (train["method"], train["optimizer"], train["order"]) == ("full", "muon", "sequential")
     assert (train["lr"], train["min_lr"], train["warmup_steps"], train["weight_decay"]) == (1e-5, 5e-6, 140, 0.1)
     assert train["balance"]["coef"] == 0 and train["balance"]["bias_update_rate"] == 0
     assert train["gradient_checkpointing"] and "Muon" in path.read_text()
