@@ -91,7 +91,7 @@ INFRASTRUCTURE = (
     ("src/moeflow/runtime/pins.py", "the stacks' pip pins (envs/<stack>.yaml is the install's input)"),
     (
         "src/moeflow/runtime/stage.py",
-        "a stage's start: logging, offline mode, the threads of its runtime param, provenance, kill points",
+        "a stage's start: logging, offline mode, torch's threads set to the job's, provenance, kill points",
     ),
     (
         "src/moeflow/settings.py",

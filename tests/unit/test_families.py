@@ -60,3 +60,10 @@ def test_deepseek_v3_routes_in_float32_under_bf16_autocast():
             got = router(hidden)
     for w, g in zip(want, got):
         assert g.dtype == w.dtype and torch.equal(g, w)
+    # and the routing capture's logits (the z-loss's and balance loss's input) are the router's float32 ones
+    from moeflow.model.routing import capture
+
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(model) as routing:
+        model(input_ids=ids, use_cache=False)
+    assert routing.layers and all(layer.logits.dtype == torch.float32 for layer in routing.layers)

@@ -521,54 +521,53 @@ def test_lora_makes_a_refused_step3p5_flash_fine_tune_fit_on_enough_cards(env_re
     assert "LoRA rank 16 on all, router frozen" in summary(lora) and "## LoRA adapters" in render_markdown(lora)
 
 
-MASK_FAMILIES = ["qwen3_moe", "step3p5", "gpt_oss"]
+MASK_CASES = [("qwen3_moe", "sdpa"), ("qwen3_moe", "eager"), ("step3p5", "sdpa"), ("gpt_oss", "eager")]
 
 
 @pytest.mark.parametrize(
-    "family",
+    ("family", "attention"),
     [
-        pytest.param(f, marks=pytest.mark.skipif(not compat.is_transformers_v5(), reason="transformers 5 only"))
-        if f in TRANSFORMERS_5_ONLY
-        else f
-        for f in MASK_FAMILIES
+        pytest.param(*c, marks=pytest.mark.skipif(not compat.is_transformers_v5(), reason="transformers 5 only"))
+        if c[0] in TRANSFORMERS_5_ONLY
+        else c
+        for c in MASK_CASES
     ],
 )
-def test_the_planner_counts_the_attention_masks_a_packed_forward_builds(family):
-    """#36 item 5: with sdpa, a forward on packed rows gets a [B, 1, L, L] mask per attention type (transformers
-    5's booleans, or moeflow's additive float32 masks where it builds them): every distinct mask the attention
-    functions receive, measured, is the planner's attention_masks term."""
+def test_the_planner_counts_the_attention_masks_a_packed_forward_builds(family, attention):
+    """#36 item 5: with sdpa or eager attention, a forward on packed rows gives its attention modules a
+    [B, 1, L, L] mask per attention type (transformers 5's booleans for sdpa, additive float masks for eager and
+    where moeflow builds them): every distinct mask the attention modules receive, measured, is the planner's
+    attention_masks term (gpt_oss runs its sinks in eager only)."""
     import torch
     from tiny_models import model_config
 
     from moeflow.data.collate import POSITIONS_NOT_IN_MASKS_V5, model_inputs
 
     assert MASKS_BUILT_BY_MOEFLOW_V5 == POSITIONS_NOT_IN_MASKS_V5
-    attention = "eager" if family == "gpt_oss" else "sdpa"  # transformers runs gpt_oss's sinks in eager only
     cfg = model_config(family, attention)
     model = make_model(typed(ModelSettings, cfg), vocab_size=96, seed=0)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    masks = {}
 
-    masks, sdpa = {}, ALL_ATTENTION_FUNCTIONS["sdpa"]
+    def record(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            masks[mask.data_ptr()] = mask.nbytes
 
-    def recording(module, query, key, value, attention_mask, **kwargs):
-        if attention_mask is not None:
-            masks[attention_mask.data_ptr()] = attention_mask.nbytes
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
-
+    hooks = [
+        m.register_forward_pre_hook(record, with_kwargs=True)
+        for name, m in model.named_modules()
+        if name.endswith("self_attn")
+    ]
     micro_batch, length = 2, 24
     positions = torch.cat([torch.arange(10), torch.arange(14)]).repeat(micro_batch, 1)
     batch = {"input_ids": torch.randint(3, 90, (micro_batch, length)), "position_ids": positions}
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = recording
     try:
-        inputs = model_inputs(model, batch)
-        given = inputs.get("attention_mask")  # moeflow's own masks, where it builds them
-        for mask in given.values() if isinstance(given, dict) else [given] if given is not None else []:
-            masks[mask.data_ptr()] = mask.nbytes
         with torch.no_grad():
-            model(**inputs, use_cache=False)
+            model(**model_inputs(model, batch), use_cache=False)
     finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+        for hook in hooks:
+            hook.remove()
     shape = model_shape(dict(cfg["config"]), 96)
     job = default_job(micro_batch_size=micro_batch, seq_len=length, attn_implementation=attention)
-    assert masks and sum(masks.values()) == attention_mask_bytes(shape, job), masks
+    assert hooks and masks and sum(masks.values()) == attention_mask_bytes(shape, job), masks
     assert attention_mask_bytes(shape, dataclasses.replace(job, attn_implementation="flash_attention_2")) == 0

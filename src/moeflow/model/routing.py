@@ -66,8 +66,9 @@ class LayerRouting:
     logits: torch.Tensor  # (tokens, E) router logits as computed in this forward (carry grad when grad is on)
     topk_index: torch.Tensor  # (tokens, k) int64: the experts actually chosen
     # (tokens, k): the weights the chosen experts' outputs are really multiplied by, routed scaling included
-    # (Step-3.5: the router's renormalised weights x moe_router_scaling_factor, which its MoE block applies after
-    # the experts; DeepSeek-V3's router returns its weights already x routed_scaling_factor)
+    # (Step-3.5: the router's weights, renormalised unless norm_expert_weight is false, x moe_router_scaling_factor,
+    # which its MoE block applies after the experts; DeepSeek-V3's router returns its weights already x
+    # routed_scaling_factor)
     topk_weight: torch.Tensor
     scoring: str = SOFTMAX  # how the router scores experts: softmax, or sigmoid (DeepSeek-V3, Step)
 
@@ -115,10 +116,12 @@ def _read_linear_gate(block, router, args, output):
 
 def _read_v4_deepseek(block, router, args, output):
     """transformers 4.57 DeepSeek-V3: the router returns (index, weights) only; the logits are its
-    linear map of the same input, recomputed as the router computes it (float32)."""
+    linear map of the same input, recomputed as the router computes it (float32, autocast off: the hook runs
+    outside the router's own autocast-off block, moeflow.model.families.deepseek_v3.DeepseekV3Router)."""
     index, weights = output
     hidden = args[0].reshape(-1, router.weight.shape[1])
-    logits = F.linear(hidden.float(), router.weight.float())
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = F.linear(hidden.float(), router.weight.float())
     return logits, index, weights
 
 

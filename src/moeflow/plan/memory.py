@@ -56,8 +56,8 @@ buffers and the gathered layers of the backward pass are not all live at the sam
         - without checkpointing: ``T x a x sum over layers``; with gradient checkpointing: ``T x a x the
           largest layer`` (one layer recomputed at a time); less the layer inputs the residual stream
           counts, plus the final norm;
-    * attention_masks: with sdpa or eager attention, the ``micro_batch_size x L x L`` boolean mask of each
-      attention type (full, sliding window), built once per forward and held for the step
+    * attention_masks: with sdpa or eager attention, the ``micro_batch_size x L x L`` mask of each attention type
+      (full, sliding window; booleans or additive floats), built once per forward and held for the step
       (:func:`attention_mask_bytes`); none with flash-attn;
     * loss: moeflow.model.chunked_loss applies the output layer to ``C = min(model.loss_chunk_tokens, T)`` tokens
       at a time: ``C x vocab x (4 + 2 with bf16)`` (a chunk's fp32 logits, turned into their gradient in
@@ -338,11 +338,16 @@ MASKS_BUILT_BY_MOEFLOW_V5 = ("gpt_oss",)
 def attention_mask_bytes(s: Shape, job: Job) -> int:
     """The attention masks of a forward with sdpa or eager attention, held for the whole step (every checkpointed
     layer takes them as an input): one ``[micro-batch, 1, L, L]`` mask per attention type (full, sliding window),
-    booleans where transformers 5 builds them from the packed rows' positions, additive float32 masks where
-    moeflow.data.collate builds them (transformers 4.57, and the families above). flash-attn builds none."""
+    booleans where transformers 5 builds them for sdpa from the packed rows' positions, additive float masks
+    (counted at float32) where it builds them for eager attention and where moeflow.data.collate builds them
+    (transformers 4.57, and the families above). flash-attn builds none."""
     if job.attn_implementation == "flash_attention_2":
         return 0
-    boolean = compat.is_transformers_v5() and s.model_type not in MASKS_BUILT_BY_MOEFLOW_V5
+    boolean = (
+        job.attn_implementation == "sdpa"
+        and compat.is_transformers_v5()
+        and s.model_type not in MASKS_BUILT_BY_MOEFLOW_V5
+    )
     return job.micro_batch_size * job.seq_len**2 * s.attention_masks * (1 if boolean else FP32_BYTES)
 
 

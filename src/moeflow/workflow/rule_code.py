@@ -42,7 +42,7 @@ PLUMBING: dict[str, tuple[str, ...]] = {
         "runtime.compat.fsdp2_available",
         "runtime.compat.UnsupportedOnStack",
     ),
-    "the job's plumbing: its params, typed (Snakemake compares the params), threads from the runtime param, "
+    "the job's plumbing: its params, typed (Snakemake compares the params), torch's threads set to the job's, "
     "logging, progress lines, the kill points of the fault tests": (
         "runtime.job.Job",
         "runtime.stage.Stage",
