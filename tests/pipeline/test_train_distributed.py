@@ -330,16 +330,18 @@ def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_afte
 
     results = pipeline_copy / "results" / active_stack()
     target = f"results/{active_stack()}/runs/moe/model"
-    # 2 threads for the rule (the smoke config's 1 would hide how the node's ranks share them). The coverage pass
-    # keeps its one-rank layout (coverage.strategy null would follow parallel's and run it again, same bytes).
+    # 2 threads for the training rules (the smoke config's 1 would hide how the node's ranks share them), set as a
+    # profile sets them: the config key `threads` is every torch rule's param, and changing it would rerun the base
+    # model and the coverage pass too. The coverage pass keeps its one-rank layout (coverage.strategy null would
+    # follow parallel's and run it again, same bytes).
     two_ranks = {
         "parallel": {"nproc_per_node": RANKS, "strategy": "fsdp"},
         "hardware": {"num_devices": RANKS},
-        "threads": RANKS,
         "coverage": {"strategy": "none"},
     }
     (pipeline_copy / "config" / "ranks.yaml").write_text(json.dumps(two_ranks))
-    args = ("--cores", "2", "--configfile", "config/smoke.yaml", "config/ranks.yaml")
+    threads = ("--set-threads", f"warmup={RANKS}", f"train_model={RANKS}")
+    args = ("--cores", "2", *threads, "--configfile", "config/smoke.yaml", "config/ranks.yaml")
     # the training stages and the memory plan, which plans for the devices; and the run's experts choice, timed in
     # the layout training runs (#24 item 11). Not the base model, its experts choice or its coverage pass: the base
     # does not depend on the run's layout. Read from the run's own job table: a dry run before it would cost a
