@@ -142,3 +142,16 @@ def write_published_folder(folder: Path, vocab_size: int, tokenizer=None, seed: 
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return folder
+
+
+def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files by its stored name (an index and its shards, or one file)."""
+    from safetensors import safe_open
+
+    from moeflow.checkpoint.safetensors_files import weight_files
+
+    out = {}
+    for name, file in weight_files(folder).items():
+        with safe_open(str(file), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out

@@ -17,7 +17,7 @@ import torch
 import yaml
 from conftest import copy_workflow, executed_rules, results, snakemake
 from safetensors import safe_open
-from step3p5_folder import LAYERS, MTP, write_published_folder
+from step3p5_folder import LAYERS, MTP, file_tensors, write_published_folder
 
 from moeflow.checkpoint.safetensors_files import weight_files
 from moeflow.data.tokenizer import train_tokenizer
@@ -180,24 +180,16 @@ def test_the_published_layout_trains_its_mtp_layers_in_bf16_on_two_fsdp_and_two_
     assert {"warmup", "train_model"} <= rules, rules
 
     res, source = results(workdir), workdir / "models" / "step3p5"
-    files = {name: tensor for name, tensor in _file_tensors(source).items() if f"layers.{LAYERS}." in name}
+    files = {name: tensor for name, tensor in file_tensors(source).items() if f"layers.{LAYERS}." in name}
     losses = {}
     for name in ("moe", "fsdp", "ep"):
         run = res / "runs" / name
         summary = json.loads((run / "train" / "summary.json").read_text())
         assert summary["mtp_layers"]["trained"] is True, name
         assert shapes(run / "model") == shapes(source), name  # the published names and shapes, MTP layers included
-        exported = _file_tensors(run / "model")
+        exported = file_tensors(run / "model")
         assert any(not torch.equal(exported[n].float(), files[n].float()) for n in files), f"{name}: MTP unmoved"
         losses[name] = train_losses(run)
     assert len(losses["moe"]) == 3 and np.isfinite(losses["moe"]).all()
     for name in ("fsdp", "ep"):  # bf16: measured within 1e-4 of each other
         np.testing.assert_allclose(losses[name], losses["moe"], rtol=2e-3, err_msg=name)
-
-
-def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, file in weight_files(folder).items():
-        with safe_open(str(file), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out

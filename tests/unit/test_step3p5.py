@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from step3p5_folder import LAYERS, MOE_LAYERS, MTP, write_published_folder
+from step3p5_folder import LAYERS, MOE_LAYERS, MTP, file_tensors, write_published_folder
 
 from moeflow.checkpoint import export
 from moeflow.checkpoint.safetensors_files import weight_files
@@ -51,14 +50,6 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def published(tmp_path_factory, tokenizer) -> Path:
     return write_published_folder(tmp_path_factory.mktemp("published") / "step3p5", len(tokenizer), tokenizer)
-
-
-def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, file in weight_files(folder).items():
-        with safe_open(str(file), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 def expected_state(files: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
