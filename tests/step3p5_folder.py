@@ -22,8 +22,11 @@ LAYER_TYPES = ["full_attention", "sliding_attention", "sliding_attention", "slid
 MOE_LAYERS = (1, 2, 3)  # layer 0 dense, as are the MTP layers
 
 
-def published_config(vocab_size: int, bos: int = 0, eos: list[int] | None = None) -> dict:
-    """The published config.json's keys at the tiny size (48-entry lists become LAYERS + MTP entries)."""
+def published_config(
+    vocab_size: int, bos: int = 0, eos: list[int] | None = None, experts: int = EXPERTS, expert_ffn: int = EXPERT_FFN
+) -> dict:
+    """The published config.json's keys at the tiny size (48-entry lists become LAYERS + MTP entries), the
+    routed experts' number and width as asked (the load-memory test makes them dominate the folder)."""
     full = [t == "full_attention" for t in LAYER_TYPES]
     return {
         "architectures": ["Step3p5ForCausalLM"],
@@ -47,9 +50,9 @@ def published_config(vocab_size: int, bos: int = 0, eos: list[int] | None = None
         "sliding_window": 8,
         "rope_theta": [5000000.0 if f else 10000.0 for f in full],
         "partial_rotary_factors": [0.5 if f else 1.0 for f in full],
-        "moe_num_experts": EXPERTS,
+        "moe_num_experts": experts,
         "moe_top_k": TOP_K,
-        "moe_intermediate_size": EXPERT_FFN,
+        "moe_intermediate_size": expert_ffn,
         "share_expert_dim": SHARED_FFN,
         "moe_layers_enum": ",".join(str(i) for i in MOE_LAYERS),
         "moe_router_activation": "sigmoid",
@@ -71,7 +74,9 @@ def published_config(vocab_size: int, bos: int = 0, eos: list[int] | None = None
     }
 
 
-def published_tensors(vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def published_tensors(
+    vocab_size: int, seed: int = 0, experts: int = EXPERTS, expert_ffn: int = EXPERT_FFN
+) -> dict[str, torch.Tensor]:
     """Every tensor of the published layout (names and shapes as the published checkpoint has them)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -95,11 +100,11 @@ def published_tensors(vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]
         out[p + "self_attn.q_norm.weight"] = rand(HEAD_DIM, scale=0.1)
         out[p + "self_attn.k_norm.weight"] = rand(HEAD_DIM, scale=0.1)
         if i in MOE_LAYERS:
-            out[p + "moe.gate.weight"] = rand(EXPERTS, h, scale=0.5)
-            out[p + "moe.router_bias"] = ((torch.rand(EXPERTS, generator=g) - 0.5) * 0.2).float()
-            out[p + "moe.gate_proj.weight"] = rand(EXPERTS, EXPERT_FFN, h)
-            out[p + "moe.up_proj.weight"] = rand(EXPERTS, EXPERT_FFN, h)
-            out[p + "moe.down_proj.weight"] = rand(EXPERTS, h, EXPERT_FFN)
+            out[p + "moe.gate.weight"] = rand(experts, h, scale=0.5)
+            out[p + "moe.router_bias"] = ((torch.rand(experts, generator=g) - 0.5) * 0.2).float()
+            out[p + "moe.gate_proj.weight"] = rand(experts, expert_ffn, h)
+            out[p + "moe.up_proj.weight"] = rand(experts, expert_ffn, h)
+            out[p + "moe.down_proj.weight"] = rand(experts, h, expert_ffn)
             for name, shape in (
                 ("gate_proj", (SHARED_FFN, h)),
                 ("up_proj", (SHARED_FFN, h)),
@@ -122,13 +127,22 @@ def published_tensors(vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]
     return out
 
 
-def write_published_folder(folder: Path, vocab_size: int, tokenizer=None, seed: int = 0, shards: int = 2) -> Path:
+def write_published_folder(
+    folder: Path,
+    vocab_size: int,
+    tokenizer=None,
+    seed: int = 0,
+    shards: int = 2,
+    experts: int = EXPERTS,
+    expert_ffn: int = EXPERT_FFN,
+) -> Path:
     """The folder: config.json, ``shards`` safetensors files with model.safetensors.index.json, the tokenizer."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     ids = {} if tokenizer is None else {"bos": tokenizer.bos_token_id, "eos": [tokenizer.eos_token_id]}
-    (folder / "config.json").write_text(json.dumps(published_config(vocab_size, **ids), indent=2))
-    tensors = published_tensors(vocab_size, seed)
+    sizes = {"experts": experts, "expert_ffn": expert_ffn}
+    (folder / "config.json").write_text(json.dumps(published_config(vocab_size, **ids, **sizes), indent=2))
+    tensors = published_tensors(vocab_size, seed, **sizes)
     names = sorted(tensors)
     parts = [names[i::shards] for i in range(shards)]
     weight_map = {}

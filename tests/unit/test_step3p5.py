@@ -274,11 +274,14 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- FSDP mixed precision
 
 
-def test_fsdp_mixed_precision_keeps_the_router_in_fp32(published, tmp_path):
-    """Two gloo ranks, strategy fsdp, precision bf16: the attention computes with bf16-gathered weights, the
-    router with its fp32 master weights (its own fp32 FSDP unit); a training step with loss-free balancing
-    keeps the bias fp32 and moves it identically on both ranks."""
-    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=2)) + [__file__, str(published), str(tmp_path)]
+@pytest.mark.parametrize("strategy", ["fsdp", "ep"])
+def test_fsdp_mixed_precision_keeps_the_router_in_fp32(published, tmp_path, strategy):
+    """Two gloo ranks, strategy fsdp (moeflow's FSDP2) or ep (transformers' expert parallelism and its FSDP2),
+    precision bf16: the attention computes with bf16-gathered weights, the router with its fp32 master weights
+    (its own fp32 FSDP unit; under ep transformers' one bf16 policy gathered it in bf16); a training step with
+    loss-free balancing keeps the bias fp32 and moves it identically on both ranks."""
+    cmd = shlex.split(torchrun_command(sys.executable, cpu_ranks=2))
+    cmd += [__file__, str(published), str(tmp_path), strategy]
     env = {"PYTHONPATH": f"{REPO_ROOT / 'src'}:{REPO_ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ, **env}, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -288,17 +291,23 @@ def test_fsdp_mixed_precision_keeps_the_router_in_fp32(published, tmp_path):
     assert report["bias_moved"] and report["same_bias_on_both_ranks"]
 
 
-def _fsdp_rank(published: str, out: str) -> None:
+def _fsdp_rank(published: str, out: str, strategy: str) -> None:
     from moeflow.model.wrappers import unwrap
     from moeflow.parallel.layouts import shard_model
     from moeflow.parallel.process_group import all_reduce_sum, process_group
     from moeflow.parallel.settings import ParallelSettings
 
     torch.set_num_threads(1)
-    parallel = typed(ParallelSettings, {"nproc_per_node": 2, "strategy": "fsdp"})
+    parallel = typed(
+        ParallelSettings, {"nproc_per_node": 2, "strategy": strategy} | ({"ep_size": 2} if strategy == "ep" else {})
+    )
     with process_group("cpu") as ranks:
-        model = make_model(typed(ModelSettings, MODEL), folder=published).train()
-        model = shard_model(model, parallel, ranks, "bf16")
+        if strategy == "ep":  # sharded by transformers as it builds, then filled from the files
+            layout = Layout(ranks, parallel, precision="bf16")
+            model = make_model(typed(ModelSettings, MODEL), folder=published, layout=layout).train()
+        else:
+            model = make_model(typed(ModelSettings, MODEL), folder=published).train()
+            model = shard_model(model, parallel, ranks, "bf16")
         inner = unwrap(model)
         seen = {"attention_weights": set(), "router_weights": set(), "router_logits": set()}
         inner.model.layers[1].self_attn.q_proj.register_forward_pre_hook(
@@ -325,4 +334,4 @@ def _fsdp_rank(published: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    _fsdp_rank(*sys.argv[1:3])
+    _fsdp_rank(*sys.argv[1:4])

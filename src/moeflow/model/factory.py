@@ -44,7 +44,7 @@ from moeflow.model.families.mtp import unfreeze_mtp_layers
 from moeflow.model.folder import ModelError, check_model_folder, check_vocabulary, refusing_remote_code
 from moeflow.model.lora import apply_lora
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
-from moeflow.parallel.layouts import distributed_config, shard_model
+from moeflow.parallel.layouts import distributed_config, fp32_units_for_expert_parallel, shard_model
 from moeflow.parallel.process_group import DistributedError, Ranks, check_ranks, init
 from moeflow.parallel.rank_load import fill_from_folder, parameters_on_meta, tied_names
 from moeflow.parallel.settings import ParallelSettings
@@ -156,10 +156,12 @@ def _check_combination(layout: Layout, folder: str | os.PathLike | None) -> None
 def _expert_parallel(model: torch.nn.Module, settings: ModelSettings, folder: Path, layout: Layout) -> torch.nn.Module:
     """The meta model sharded as transformers 5's ``from_pretrained`` shards it for its ``DistributedConfig``
     (``prepare_distribute_model`` then ``maybe_distribute_model``, before any weight is read): experts over
-    ``ep_size`` ranks, the rest FSDP2-sharded; its parameters still on the meta device."""
+    ``ep_size`` ranks, the rest FSDP2-sharded (the routers in fp32 units of their own); its parameters still on
+    the meta device."""
     _refuse_tied_embeddings_for_ep(settings, folder)
     config = distributed_config(layout.parallel, layout.precision)
     config, _, mesh = type(model).prepare_distribute_model(config)
+    fp32_units_for_expert_parallel(model, config, mesh)
     return type(model).maybe_distribute_model(model, config, mesh)
 
 

@@ -158,9 +158,8 @@ def fsdp2_mixed_precision(precision: str) -> dict[str, Any]:
 def fp32_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose own parameters the model class keeps in fp32 (transformers'
     ``_keep_in_fp32_modules_strict``: DeepSeek-V3's and Step-3.5's routers, ``gate.weight``), which moeflow's
-    FSDP2 mixed precision gathers and computes in fp32 as their own units. transformers' expert-parallel FSDP
-    (``strategy: ep``) applies one policy to every unit: there the routers gather bf16 weights (Step-3.5's
-    router still computes in fp32)."""
+    FSDP2 mixed precision gathers and computes in fp32 as their own units, under ``strategy: fsdp`` and (through
+    :func:`fp32_units_for_expert_parallel`) ``strategy: ep``."""
     patterns = [
         re.compile(rf"(^|\.){re.escape(p)}$") for p in getattr(model, "_keep_in_fp32_modules_strict", None) or []
     ]
@@ -175,6 +174,35 @@ def fp32_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             for rule in patterns
         )
     ]
+
+
+def fp32_units_for_expert_parallel(model: torch.nn.Module, config: Any, mesh_manager: Any) -> None:
+    """Under ``strategy: ep`` with bf16 mixed precision: the modules :func:`fp32_modules` names become fp32 FSDP2
+    units on the mesh transformers shards the rest of the model on, before it does (``maybe_distribute_model``):
+    its FSDP applies one bf16 policy to every unit it makes, which would gather the routers' weights in bf16.
+    Its own plan then leaves these modules out (where it builds in bf16 it gives them units of their own too, in
+    its bf16 policy, and a second ``fully_shard`` of a module is an error)."""
+    if mesh_manager is None or config.dp_size <= 1 or not config.fsdp_mixed_precision:
+        return
+    modules = fp32_modules(model)
+    if not modules:
+        return
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = mesh_manager.get_mesh(("dp_replicate", "fsdp") if config.dp_replicate_size > 1 else "fsdp")
+    for module in modules:
+        fully_shard(module, mesh=mesh, **fsdp2_mixed_precision("fp32"))
+    resolve = model._resolve_parallel_plans
+
+    def plans_without_fp32_units(distributed_config):
+        tp_plan, ep_plan, fsdp_plan = resolve(distributed_config)
+        return (
+            tp_plan,
+            ep_plan,
+            {n: s for n, s in fsdp_plan.items() if not isinstance(model.get_submodule(n), FSDPModule)},
+        )
+
+    model._resolve_parallel_plans = plans_without_fp32_units
 
 
 def original_shape(param: torch.nn.Parameter) -> tuple[int, ...]:

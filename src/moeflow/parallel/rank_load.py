@@ -143,26 +143,78 @@ def _placed_rows(rows: int, mesh: Any, placements: tuple, rank: int) -> tuple[in
     return tuple(distribute_tensor(probe, mesh, list(placements), src_data_rank=None).to_local().tolist())
 
 
+# About the most index elements computed at once when a rank places a converted file tensor's elements (at least
+# one file row): 8 MB of int64.
+INDEX_BLOCK = 2**20
+
+
+class IndexProbe(torch.Tensor):
+    """A broadcast probe of element positions handed to transformers' conversion. Its ``contiguous()`` and
+    ``clone()`` return it as it is: only its values matter here, and transformers' Chunk, Split and Transpose
+    make each piece contiguous, which would write one index per element of the whole tensor (24 GB of int32 for
+    one stacked expert tensor of Step-3.5-Flash)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.contiguous, torch.Tensor.clone):
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 @dataclass(frozen=True)
 class Source:
     """Where a file tensor's elements sit in the model's tensor: its shape, the first and last dim-0 row of the
     model's tensor it holds elements of, and, for a file tensor that overlaps the rows asked for
-    (:func:`file_sources`), each element's row (``rows``) and offset within that row (``within``)."""
+    (:func:`file_sources`), each element's row (``rows``) and offset within that row (``within``), as broadcast
+    views of the probes (no index per element). ``runs``: where each file row is one run of consecutive
+    elements of the model's flattened tensor (the conversion only took views), ``(start, step, length)``: file
+    row ``r`` holds the model's elements ``start + r * step`` onwards, ``length`` of them (a stacked expert
+    tensor: one expert's matrix per row); None where it is not so (the elements are then placed by index)."""
 
     shape: tuple[int, ...]
     first_row: int
     last_row: int
     rows: torch.Tensor | None = None
     within: torch.Tensor | None = None
+    runs: tuple[int, int, int] | None = None
 
     def overlaps(self, rows: range) -> bool:
         return self.first_row < rows.stop and self.last_row >= rows.start
 
-    def indices(self, row_numel: int) -> torch.Tensor:
-        """The flat index (into the whole model tensor) of every element of the file tensor, int64."""
+    def index_blocks(self, row_numel: int, file_rows: range | None = None) -> Iterator[tuple[range, torch.Tensor]]:
+        """The file tensor's dim-0 rows (``file_rows``: all) in blocks of about :data:`INDEX_BLOCK` elements,
+        each with the flat index (into the whole model tensor, int64) of each of its elements."""
         if self.rows is None or self.within is None:
             raise RuntimeError("moeflow: file_sources was asked for other rows than this piece's (a bug)")
-        return self.rows.long() * row_numel + self.within.long()
+        rows, within = (t.as_subclass(torch.Tensor).reshape(t.shape or (1,)) for t in (self.rows, self.within))
+        file_rows = range(rows.shape[0]) if file_rows is None else file_rows
+        step = max(1, INDEX_BLOCK // max(1, rows[0].numel()))
+        for start in range(file_rows.start, file_rows.stop, step):
+            block = range(start, min(start + step, file_rows.stop))
+            index = within[start : block.stop].to(torch.int64)
+            yield block, index.add_(rows[start : block.stop], alpha=row_numel)
+
+
+def _affine(view: torch.Tensor, probe: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
+    """A view of a probe (an arange's storage: each value is its position) holds ``offset + sum(i * stride)`` at
+    index ``i``: (offset, strides), or None for a tensor the conversion copied."""
+    if view.untyped_storage().data_ptr() != probe.untyped_storage().data_ptr():
+        return None
+    return view.storage_offset(), view.stride()
+
+
+def _row_runs(row_view, row_probe, within_view, within_probe, row_numel: int) -> tuple[int, int, int] | None:
+    """:attr:`Source.runs` of a file tensor from its views of the two probes."""
+    rows, within = _affine(row_view, row_probe), _affine(within_view, within_probe)
+    if rows is None or within is None or not row_view.dim():
+        return None
+    strides = [row_numel * r + w for r, w in zip(rows[1], within[1])]
+    length = 1
+    for size, stride in reversed(list(zip(row_view.shape[1:], strides[1:]))):
+        if size > 1 and stride != length:
+            return None
+        length *= size
+    return rows[0] * row_numel + within[0], strides[0], length
 
 
 def _distinct(view: torch.Tensor) -> torch.Tensor:
@@ -174,41 +226,42 @@ def _index_dtype(n: int) -> torch.dtype:
     return torch.int16 if n < 2**15 else torch.int32 if n < 2**31 else torch.int64
 
 
+def _probe(values: torch.Tensor, shape: tuple[int, ...]) -> IndexProbe:
+    return values.expand(shape).as_subclass(IndexProbe)
+
+
 def file_sources(
     model: torch.nn.Module, name: str, shape: tuple[int, ...], rows: range | None = None
 ) -> dict[str, Source]:
     """The file tensors ``save_pretrained`` writes for the model's tensor ``name``, each as a :class:`Source`
     (``{name: ...}`` when the files hold it as the model does), with element positions kept only for those
     that overlap the model rows ``rows`` (a rank's; None: all). transformers' own reverse conversion is applied
-    to broadcast probes (each element's row, then its offset in the row, in the smallest integer type that
-    holds them): no whole-tensor index is built (24 GB of int32 for one fused expert tensor of Step-3.5-Flash),
-    though transformers' conversion may copy each expert's part of a probe while it runs."""
+    to broadcast probes (:class:`IndexProbe`: each element's row, then its offset in the row, in the smallest
+    integer type that holds them), which stay broadcast views through it: no index the size of the whole
+    tensor is built."""
     shape = shape or (1,)
     row_numel = math.prod(shape[1:])
     ones = [1] * (len(shape) - 1)
-    row_probe = torch.arange(shape[0], dtype=_index_dtype(shape[0])).reshape(-1, *ones).expand(shape)
+    row_values = torch.arange(shape[0], dtype=_index_dtype(shape[0])).reshape(-1, *ones)
     placed = {}
-    for stored, view in saved_format(model, {name: row_probe}).items():
+    for stored, view in saved_format(model, {name: _probe(row_values, shape)}).items():
         distinct = _distinct(view)
         placed[stored] = (view, int(distinct.min()), int(distinct.max()))
-    del row_probe
     wanted = {s for s, (_, first, last) in placed.items() if rows is None or (first < rows.stop and last >= rows.start)}
     within = {}
     if wanted:
-        within_probe = torch.arange(row_numel, dtype=_index_dtype(row_numel)).reshape(1, *shape[1:]).expand(shape)
-        within = {s: v for s, v in saved_format(model, {name: within_probe}).items() if s in wanted}
+        within_values = torch.arange(row_numel, dtype=_index_dtype(row_numel)).reshape(1, *shape[1:])
+        within = {s: v for s, v in saved_format(model, {name: _probe(within_values, shape)}).items() if s in wanted}
         if set(within) != wanted:
             raise SafetensorsError(f"the saved format of {name!r} is not one layout of its elements ({sorted(placed)})")
-    return {
-        stored: Source(
-            tuple(view.shape),
-            first,
-            last,
-            view if stored in wanted else None,
-            within.get(stored),
-        )
-        for stored, (view, first, last) in placed.items()
-    }
+    out = {}
+    for stored, (view, first, last) in placed.items():
+        if stored not in wanted:
+            out[stored] = Source(tuple(view.shape), first, last)
+            continue
+        runs = _row_runs(view, row_values, within[stored], within_values, row_numel)
+        out[stored] = Source(tuple(view.shape), first, last, view, within[stored], runs)
+    return out
 
 
 def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: Mapping[str, list[str]]) -> None:
@@ -316,33 +369,64 @@ def _fill_piece(folder, files, headers, name, shape, sources, local: torch.Tenso
             continue  # another rank's: not read
         row_numel = local[0].numel() if local.dim() else 1
         lo, hi = rows.start * row_numel, rows.stop * row_numel
-        flat = source.indices(row_numel).reshape(-1)
-        first = int(flat[0])
-        if _is_range(flat) and first >= lo and first + flat.numel() <= hi:
-            # a block of the whole tensor (one expert's matrix): read straight into its place
-            _read_rows(
-                file, entry, range(entry.shape[0]), local.view(-1)[first - lo :][: flat.numel()].view(entry.shape)
-            )
-            continue
-        _scatter_owned(file, entry, flat.view(entry.shape or (1,)), lo, hi, local)
+        partly = _fill_runs(file, entry, source.runs, lo, hi, local) if source.runs else None
+        for file_rows, index in source.index_blocks(row_numel, partly):
+            _fill_block(file, entry, file_rows, index, lo, hi, local)
 
 
-def _scatter_owned(file: Path, entry, indices: torch.Tensor, lo: int, hi: int, local: torch.Tensor) -> None:
-    """The elements of a file tensor whose model indices fall in ``lo:hi`` into ``local`` (flat from ``lo``):
-    only the file rows that hold some are read, and the values are copied on ``local``'s device."""
+def _fill_runs(file: Path, entry, runs: tuple[int, int, int], lo: int, hi: int, local: torch.Tensor) -> range:
+    """The file rows whose run of model elements (:attr:`Source.runs`) lies inside the piece's elements
+    ``lo:hi``, read straight into place (file rows whose runs follow each other: in one read). Returns the file
+    rows left to place by index: those whose run crosses ``lo`` or ``hi`` (none in the layouts transformers
+    converts; an empty range)."""
+    start, step, length = runs
+    count = entry.shape[0]
+    inside = [r for r in range(count) if lo <= start + r * step and start + r * step + length <= hi]
+    crossing = [r for r in range(count) if start + r * step < hi and start + r * step + length > lo]
+    left = sorted(set(crossing) - set(inside))
+    flat, tail = local.view(-1), tuple(entry.shape[1:])
+    groups = [inside] if step == length and inside else [[r] for r in inside]
+    for group in groups:
+        first, n = group[0], len(group)
+        at = start + first * step - lo
+        _read_rows(file, entry, range(first, first + n), flat[at : at + n * length].view(n, *tail))
+    return range(left[0], left[-1] + 1) if left else range(0)
+
+
+def _fill_block(
+    file: Path, entry, file_rows: range, index: torch.Tensor, lo: int, hi: int, local: torch.Tensor
+) -> None:
+    """The file tensor's rows ``file_rows``, whose elements lie at the model indices ``index``, into ``local``
+    (the model's elements ``lo:hi``): read straight into place where the block is a consecutive run inside the
+    piece, else element by element (:func:`_scatter_owned`)."""
+    flat = index.reshape(-1)
+    first = int(flat[0])
+    if first >= lo and first + flat.numel() <= hi and _is_range(flat):
+        _read_rows(file, entry, file_rows, local.view(-1)[first - lo :][: flat.numel()].view(index.shape))
+        return
+    _scatter_owned(file, entry, file_rows, index, lo, hi, local)
+
+
+def _scatter_owned(file: Path, entry, file_rows: range, indices: torch.Tensor, lo: int, hi: int, local: torch.Tensor):
+    """The elements of the file tensor's rows ``file_rows`` (at model ``indices``) that fall in ``lo:hi`` into
+    ``local`` (flat from ``lo``): only the file rows that hold some are read, and the values are copied on
+    ``local``'s device."""
     owned = (indices >= lo) & (indices < hi)
     has = owned.reshape(owned.shape[0], -1).any(dim=1).nonzero().reshape(-1)
     if not has.numel():
         return
     first, last = int(has[0]), int(has[-1]) + 1
-    data = read_tensor(file, entry, range(first, last)) if entry.shape else read_tensor(file, entry).reshape(1)
+    if entry.shape:
+        data = read_tensor(file, entry, range(file_rows.start + first, file_rows.start + last))
+    else:
+        data = read_tensor(file, entry).reshape(1)
     mine = owned[first:last]
     index = (indices[first:last][mine] - lo).to(local.device)
     local.view(-1).index_copy_(0, index, data[mine].to(device=local.device, dtype=local.dtype))
 
 
 def _is_range(flat: torch.Tensor) -> bool:
-    """Whether indices are consecutive: the file tensor is one contiguous block of the model's tensor."""
+    """Whether indices are consecutive: the file rows are one contiguous block of the model's tensor."""
     first = int(flat[0])
     return int(flat[-1]) == first + flat.numel() - 1 and torch.equal(
         flat, torch.arange(first, first + flat.numel(), dtype=flat.dtype)
