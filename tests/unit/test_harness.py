@@ -14,6 +14,7 @@ import pytest
 import torch
 from gloo_ranks import fsdp_layout, gloo_group, run_ranks
 from tiny_models import tiny_model_cfg
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow.data.packing import pack_documents
 from moeflow.data.shards import open_split, write_split
@@ -112,42 +113,100 @@ def test_perplexity_task_agrees_with_moeflow_evaluation(corpus, model, tmp_path)
     assert record["num_samples"] == sum(len(docs) for docs, _ in documents.values())
 
 
-def test_lm_eval_scores_a_bf16_model_with_an_fp32_log_softmax(corpus, model, tmp_path, monkeypatch):
-    """On GPU the model's logits are bf16: lm-eval's log-softmax over them must run in fp32 (HFLM's
-    softmax_dtype), or its scores round to bf16 and the 1e-6 cross-check cannot hold."""
-    import torch.nn.functional as F
+class LargestLogits(TorchDispatchMode):
+    """The most rows of any tensor with the vocabulary's width that an operation makes (not a view of its
+    inputs: the output weight's transpose), and those tensors' dtypes."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows, self.dtypes = vocab, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in inputs:
+                continue
+            if t.dim() and t.shape[-1] == self.vocab and t.is_floating_point():
+                self.rows = max(self.rows, t.numel() // self.vocab)
+                self.dtypes.add(t.dtype)
+        return out
+
+
+def test_lm_eval_scores_a_bf16_model_by_fp32_chunks_of_logits(corpus, tmp_path):
+    """lm-eval's requests are scored from the hidden states a chunk of tokens at a time: no tensor with the
+    vocabulary's width has more rows than ``loss_chunk_tokens`` (HFLM builds the batch's [batch, length,
+    vocabulary] logits, a copy and an fp32 log-softmax of them: 30 GB for 8 x 4,096 tokens of Qwen3-30B-A3B),
+    and a bf16 model's chunks are scored in fp32 (the 1e-6 cross-check against moeflow's evaluation holds on
+    GPU too)."""
+    from moeflow.model.chunked_loss import install
 
     tokenizer, folders, _ = corpus
     bf16 = make_model(
         typed(ModelSettings, tiny_model_cfg("sdpa", max_position_embeddings=128)), vocab_size=len(tokenizer), seed=1
     )
-    bf16 = bf16.to(torch.bfloat16).eval()
-    seen = []
-    log_softmax = F.log_softmax
-
-    def recording(*args, **kwargs):
-        out = log_softmax(*args, **kwargs)
-        seen.append((args[0].dtype, out.dtype))
-        return out
-
-    monkeypatch.setattr(F, "log_softmax", recording)
-    settings = {**SETTINGS, "limit": 2}
+    bf16 = install(bf16.to(torch.bfloat16).eval(), chunk_tokens=16)
+    settings = {**SETTINGS, "limit": 4}
     documents = harness.corpus_documents(PERPLEXITY, {"prose": folders["prose"]}, tokenizer, settings, SEQ_LEN, 0)
     lm_eval_docs.write_docs(tmp_path / "prose.jsonl", documents["prose"][0])
-    output = harness.evaluate_task(
-        bf16,
-        tokenizer,
-        PERPLEXITY,
-        settings,
-        SEQ_LEN,
-        0,
-        tmp_path / "prose.jsonl",
-        True,
-        {d["text"]: d["input_ids"] for d in documents["prose"][0]},
-    )
-    assert harness.num_samples(output) == 2
-    assert seen and all(out == torch.float32 for _, out in seen), seen
-    assert any(logits == torch.bfloat16 for logits, _ in seen)  # the logits were bf16: the softmax upcast them
+    with LargestLogits(len(tokenizer)) as largest:
+        output = harness.evaluate_task(
+            bf16,
+            tokenizer,
+            PERPLEXITY,
+            settings,
+            SEQ_LEN,
+            0,
+            tmp_path / "prose.jsonl",
+            True,
+            {d["text"]: d["input_ids"] for d in documents["prose"][0]},
+        )
+    assert harness.num_samples(output) == 4
+    assert 0 < largest.rows <= 16, largest.rows
+    assert torch.float32 in largest.dtypes and torch.bfloat16 in largest.dtypes  # bf16 logits, scored in fp32
+
+
+def test_continuation_scores_equal_lm_evals_own(corpus, model):
+    """Chunked scores equal HFLM's whole-logits ``_loglikelihood_tokens`` (log-likelihood and greedy flag), for
+    continuations of several lengths, batches that pad, and a request truncated from the left."""
+    from lm_eval.models.huggingface import HFLM
+
+    from moeflow.model.chunked_loss import install
+
+    tokenizer = corpus[0]
+    rng = random.Random(3)
+    vocab = len(tokenizer)
+    requests = []
+    for i in range(9):
+        context = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+        continuation = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 6))]
+        requests.append(((f"c{i}", f"x{i}"), context, continuation))
+    requests.append((("long", "x"), [rng.randrange(3, vocab) for _ in range(SEQ_LEN + 10)], [7, 8]))
+    # a continuation the model predicts: greedy decoding of 4 tokens after a context
+    context = requests[0][1]
+    with torch.no_grad():
+        ids = torch.tensor([context])
+        for _ in range(4):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    requests.append((("greedy", "x"), context, ids[0, len(context) :].tolist()))
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=3, max_length=SEQ_LEN)
+    want = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    got = harness.continuation_scores(install(model, chunk_tokens=7), requests, 3, SEQ_LEN, "cpu")
+    assert [g for _, g in got] == [g for _, g in want] and got[-1][1]
+    assert [s for s, _ in got] == pytest.approx([s for s, _ in want], rel=1e-5, abs=1e-5)
+
+
+def test_perplexity_scoring_drops_the_prefix_and_refuses_windows_it_cannot_reproduce(corpus, model):
+    """A perplexity window is scored from its first token at position 0, as moeflow's evaluation scores a
+    segment: the prefix lm-eval puts before it is dropped and the first token counts as certain; a window
+    without the prefix as its whole context (lm-eval split a document) is refused, naming the key."""
+    with torch.no_grad():
+        log_probs = model(torch.tensor([[6, 7, 9]])).logits[0].log_softmax(-1)
+    want = float(log_probs[0, 7] + log_probs[1, 9])
+    ((got, _),) = harness.continuation_scores(model, [(None, [5], [6, 7, 9])], 1, SEQ_LEN, "cpu", 5)
+    assert got == pytest.approx(want, rel=1e-6)
+    with pytest.raises(harness.HarnessError, match="max_length"):
+        harness.continuation_scores(model, [(None, [9, 4], [6, 7])], 1, SEQ_LEN, "cpu", 5)
 
 
 def test_perplexity_limit_compares_the_same_segments(corpus, model, tmp_path):
@@ -159,17 +218,6 @@ def test_perplexity_limit_compares_the_same_segments(corpus, model, tmp_path):
     check = record["cross_check"]["prose"]
     assert check["label_tokens"] == sum(d["labels"] for d in documents["prose"][0][:3]) and check["segments"] == 3
     assert check["relative_difference"] < 1e-6
-
-
-def test_prefix_hook_refuses_windows_it_cannot_reproduce(corpus, model):
-    ids = torch.tensor([[5, 6, 7]])
-    with harness.first_token_as_context(model, prefix_id=5), torch.no_grad():
-        logits = model(ids).logits
-        assert logits[0, 0].log_softmax(-1)[6] == 0.0  # the first token: certain
-        with pytest.raises(harness.HarnessError, match="max_length"):
-            model(torch.tensor([[9, 6, 7]]))
-    with torch.no_grad():
-        assert torch.equal(logits[:, 1:], model(ids[:, 1:]).logits)  # the rest: the model without the prefix
 
 
 MODEL_SETTINGS = typed(ModelSettings, tiny_model_cfg("sdpa", max_position_embeddings=128))

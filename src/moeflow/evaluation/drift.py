@@ -30,6 +30,7 @@ import torch
 
 from moeflow.data.collate import model_inputs, token_mask
 from moeflow.evaluation.loop import FILLER, batches
+from moeflow.model.chunked_loss import decoder_forward
 from moeflow.model.routing import NoMoELayers, RoutingAdapter, adapter_or_none, capture
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.process_group import Ranks, gather_to_main
@@ -83,7 +84,7 @@ def route_batches(
         for batch in collated:
             real = token_mask(batch).reshape(-1)
             with capture(model, adapter) as routing:
-                model(**model_inputs(model, batch), use_cache=False)
+                decoder_forward(model, model_inputs(model, batch))  # the routers only: no output layer
             if FILLER in batch:
                 continue
             layers: BatchRouting = {}

@@ -10,7 +10,7 @@ moeflow's corpus tasks run once per evaluation corpus, on documents built from t
 (``moeflow.evaluation.lm_eval_docs``); their metrics are named ``<corpus>/<metric>``. The perplexity task is a
 cross-check of
 moeflow's own evaluation, so its contexts are made the same as the evaluation's (see
-:func:`first_token_as_context`), and its record puts moeflow's perplexity over the same segments beside lm-eval's.
+:func:`continuation_scores`), and its record puts moeflow's perplexity over the same segments beside lm-eval's.
 """
 
 from __future__ import annotations
@@ -44,10 +44,6 @@ from moeflow.runtime import compat
 log = logging.getLogger(__name__)
 
 
-# A logit that takes all the probability: log_softmax gives exactly 0 for it in float32 and bfloat16.
-CERTAIN = 1.0e4
-
-
 class HarnessUnavailable(compat.UnsupportedOnStack):
     """lm-eval does not import on this stack."""
 
@@ -70,49 +66,87 @@ def lm_eval_version() -> str:
     return str(compat.version_of("lm_eval"))
 
 
-@contextlib.contextmanager
-def first_token_as_context(model: Any, prefix_id: int) -> Iterator[None]:
-    """Score lm-eval's rolling windows as moeflow's evaluation scores a packed segment.
+def continuation_scores(
+    model: Any,
+    requests: Sequence[tuple[Any, Sequence[int], Sequence[int]]],
+    batch_size: int,
+    max_length: int,
+    device: Any,
+    first_token_as_context: int | None = None,
+) -> list[tuple[float, bool]]:
+    """lm-eval's ``_loglikelihood_tokens`` with the output layer applied a chunk of tokens at a time
+    (``model.loss_chunk_tokens``, moeflow.model.chunked_loss): for each ``(key, context tokens, continuation
+    tokens)`` request, the continuation's log-likelihood after the context and whether every continuation token
+    is the model's top choice (an exact tie counts as top, where lm-eval's argmax takes the lower token id), in
+    the requests' order. HFLM builds the whole batch's [batch, length, vocabulary] logits, a copy and an fp32
+    log-softmax of them (about 30 GB for 8 x 4,096 tokens of Qwen3-30B-A3B); here at most one chunk of fp32
+    logits exists. Requests run longest first in batches of ``batch_size``, right-padded, each truncated from
+    the left to ``max_length`` + 1 tokens as HFLM does.
 
-    lm-eval's ``loglikelihood_rolling`` puts a prefix token (BOS) before a document and predicts every
-    token of it, the first from the prefix. moeflow's evaluation runs a segment from its first token at position
-    0, which is context only. While this is active the model is called without the prefix (so positions and
-    attention are the evaluation's) and the first token is returned as certain (log-probability 0), so lm-eval's
-    sum is the segment's log-likelihood over the tokens moeflow predicts. Every window must start with the
-    prefix: one window per document, which a ``max_length`` of at least ``data.seq_len`` gives.
-    """
+    ``first_token_as_context`` (the perplexity task, given the prefix token lm-eval puts before a document):
+    score a rolling window as moeflow's evaluation scores a packed segment, from its first token at position 0,
+    which is context only: the window's prefix is dropped and its first token is certain (log-probability 0),
+    so the sum is the segment's log-likelihood over the tokens moeflow predicts. Every window must be a whole
+    document after the prefix, which a ``max_length`` of at least ``data.seq_len`` gives."""
     import torch
 
-    targets: list[Any] = []
+    from moeflow.data.shards import IGNORE_INDEX
+    from moeflow.model.chunked_loss import token_losses
 
-    def drop_prefix(module, args, kwargs):
-        ids = args[0] if args else kwargs["input_ids"]
-        if ids.shape[1] < 2 or not bool((ids[:, 0] == prefix_id).all()):
-            raise HarnessError(
-                "lm-eval split a perplexity document into several windows (or gave one without its prefix): "
-                "set evaluate.lm_eval.max_length to at least data.seq_len, or null"
-            )
-        targets.append(ids[:, 1])
-        if args:
-            return (ids[:, 1:], *args[1:]), kwargs
-        return args, {**kwargs, "input_ids": ids[:, 1:]}
+    order = sorted(range(len(requests)), key=lambda i: (-len(requests[i][1]) - len(requests[i][2]), i))
+    out: list[tuple[float, bool] | None] = [None] * len(requests)
+    for start in range(0, len(order), batch_size):
+        rows = []  # (tokens, number of continuation tokens scored)
+        for i in order[start : start + batch_size]:
+            _, context, continuation = requests[i]
+            tokens = (list(context) + list(continuation))[-(max_length + 1) :]
+            scored = min(len(continuation), len(tokens) - 1)
+            if first_token_as_context is not None:
+                if list(context) != [first_token_as_context]:
+                    raise HarnessError(
+                        "lm-eval split a perplexity document into several windows (or gave one without its prefix): "
+                        "set evaluate.lm_eval.max_length to at least data.seq_len, or null"
+                    )
+                tokens, scored = list(continuation), len(continuation) - 1
+            rows.append((tokens, scored))
+        width = max(len(tokens) for tokens, _ in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for b, (tokens, scored) in enumerate(rows):
+            ids[b, : len(tokens)] = torch.tensor(tokens)
+            if scored:
+                labels[b, len(tokens) - scored : len(tokens)] = torch.tensor(tokens[-scored:])
+        with torch.no_grad():
+            scores = token_losses(model, {"input_ids": ids.to(device)}, labels)
+        # position t's loss predicts token t + 1: the continuation's are the scored positions before the last
+        for i, (b, (tokens, scored)) in zip(order[start : start + batch_size], enumerate(rows)):
+            at = slice(len(tokens) - 1 - scored, len(tokens) - 1)
+            out[i] = (-float(scores.token_loss[b, at].sum()), bool(scores.token_greedy[b, at].all()))
+    return out
 
-    def certain_first(module, args, kwargs, output):
-        logits = output.logits
-        first = torch.zeros_like(logits[:, :1])
-        first.scatter_(-1, targets.pop()[:, None, None], CERTAIN)
-        output.logits = torch.cat([first, logits], dim=1)
-        return output
 
-    handles = [
-        model.register_forward_pre_hook(drop_prefix, with_kwargs=True),
-        model.register_forward_hook(certain_first, with_kwargs=True),
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+def chunked_lm(model: Any, tokenizer: Any, settings: Mapping[str, Any], max_length: int, first_token_as_context: bool):
+    """lm-eval's HFLM on ``model`` whose log-likelihoods come from :func:`continuation_scores` (chunked logits;
+    with ``first_token_as_context``, the perplexity task's scoring); generation is HFLM's own."""
+    from lm_eval.models.huggingface import HFLM
+
+    class ChunkedHFLM(HFLM):
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+            prefix = self.prefix_token_id if first_token_as_context else None
+            answers = continuation_scores(self.model, requests, self.batch_size, self.max_length, self.device, prefix)
+            for (request, _, _), answer in zip(requests, answers):
+                if request is not None:  # loglikelihood_rolling caches per document itself
+                    self.cache_hook.add_partial("loglikelihood", request, answer)
+            return answers
+
+    return ChunkedHFLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        backend="causal",
+        batch_size=settings["batch_size"],
+        max_length=max_length,
+        logits_cache=False,
+    )
 
 
 def exact_tokens(encode: Callable[..., list[int]], token_ids: Mapping[str, Sequence[int]]) -> Callable[..., list[int]]:
@@ -139,7 +173,7 @@ def share_requests(lm: Any, model: Any, ranks: Ranks | None) -> None:
         return
     import torch
 
-    # a two-token window of the prefix token: a valid input for the perplexity task's hook too
+    # a two-token window of the prefix token: a forward a rank with no request left pairs with the others'
     filler = torch.full((1, 2), lm.prefix_token_id, dtype=torch.long, device=lm.device)
     world = ranks.world_size
 
@@ -216,7 +250,6 @@ def evaluate_task(
     """
     require_lm_eval()
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     include = [str(TASKS_DIR)] + ([str(task.yaml_path.parent)] if task.yaml_path else [])
@@ -225,34 +258,23 @@ def evaluate_task(
         include_defaults=task.registry,
         metadata={DOCS_FILE: str(docs_file)} if docs_file else None,
     )
-    lm = HFLM(
-        pretrained=model,
-        tokenizer=tokenizer,
-        backend="causal",
-        batch_size=settings["batch_size"],
-        max_length=max_length,
-        # the log-softmax over the logits in fp32 whatever the model's dtype (bf16 logits on GPU): the 1e-6
-        # cross-check against moeflow's evaluation (fp32 cross-entropy) holds on GPU too
-        softmax_dtype="float32",
-    )
+    lm = chunked_lm(model, tokenizer, settings, max_length, first_token_as_context=task.docs == SEGMENTS)
     if token_ids:
         lm.tok_encode = exact_tokens(lm.tok_encode, token_ids)
     share_requests(lm, model, ranks)
-    scoring = first_token_as_context(model, lm.prefix_token_id) if task.docs == SEGMENTS else contextlib.nullcontext()
-    with scoring:
-        output = simple_evaluate(
-            model=lm,
-            tasks=[task.spec],
-            task_manager=manager,
-            num_fewshot=settings["num_fewshot"],
-            limit=settings["limit"],
-            bootstrap_iters=settings["bootstrap_iters"],
-            log_samples=log_samples,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+    output = simple_evaluate(
+        model=lm,
+        tasks=[task.spec],
+        task_manager=manager,
+        num_fewshot=settings["num_fewshot"],
+        limit=settings["limit"],
+        bootstrap_iters=settings["bootstrap_iters"],
+        log_samples=log_samples,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
     if ranks is not None and ranks.world_size > 1:
         # under torchrun lm-eval returns its output on LOCAL_RANK 0 only (it takes the ranks for tensor
         # parallelism); every rank computed it, and every rank takes part in the cross-check

@@ -47,7 +47,9 @@ class LinearLossError(ValueError):
 @dataclass
 class TokenLosses(ModelOutput):
     """What the installed forward returns: ``loss`` the summed cross-entropy (with gradient), ``token_loss``
-    (B, L) each position's loss of predicting the next token (0 where it has no label; no gradient), and
+    (B, L) each position's loss of predicting the next token (0 where it has no label; no gradient),
+    ``token_greedy`` (B, L) whether that next token is the output layer's top choice (an exact tie counts as
+    top; False where there is no label; in a forward without gradients only, else None), and
     with ``keep_hidden`` the decoder's output the loss was computed from (what the MTP loss continues from; else
     None, so that it is freed after the forward as before). A
     ModelOutput, so FSDP finds the tensors in it (it hooks the backward pass on a forward's outputs)."""
@@ -55,6 +57,7 @@ class TokenLosses(ModelOutput):
     loss: torch.Tensor | None = None
     token_loss: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
+    token_greedy: torch.Tensor | None = None
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,9 +66,10 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunks(hidden, weight, bias, targets, chunk_tokens: int, scale: float, grads=(False, False, False)):
-    """The per-token losses and the gradients of their sum with respect to hidden, weight and bias where
-    ``grads`` asks for them (in the accumulation dtype; None otherwise), one chunk of rows at a time. A
-    frozen output layer (LoRA) costs no weight-gradient product or buffer."""
+    """The per-token losses, whether each target is the top logit, and the gradients of the losses' sum with
+    respect to hidden, weight and bias where ``grads`` asks for them (in the accumulation dtype; None
+    otherwise), one chunk of rows at a time. A frozen output layer (LoRA) costs no weight-gradient product or
+    buffer."""
     acc = accumulation_dtype(hidden.dtype)
     n = hidden.shape[0]
 
@@ -73,6 +77,7 @@ def _chunks(hidden, weight, bias, targets, chunk_tokens: int, scale: float, grad
         return torch.zeros(like.shape, dtype=acc, device=like.device) if wanted and like is not None else None
 
     token_loss = torch.zeros(n, dtype=acc, device=hidden.device)
+    token_greedy = torch.zeros(n, dtype=torch.bool, device=hidden.device)
     grad_hidden, grad_weight, grad_bias = (zeros_if(g, t) for g, t in zip(grads, (hidden, weight, bias)))
     for start in range(0, n, chunk_tokens):
         rows = slice(start, min(start + chunk_tokens, n))
@@ -85,6 +90,7 @@ def _chunks(hidden, weight, bias, targets, chunk_tokens: int, scale: float, grad
         target = z.gather(1, safe).squeeze(1)
         # log-sum-exp and softmax in place of the logits, one exp per entry and no chunk-sized temporary
         top = z.amax(dim=-1, keepdim=True)
+        token_greedy[rows] = valid & (target >= top.squeeze(1))
         exp_sum = z.sub_(top).exp_().sum(dim=-1, keepdim=True)
         token_loss[rows] = torch.where(valid, (top + exp_sum.log()).squeeze(1) - target, 0)
         if not any(grads):
@@ -102,13 +108,13 @@ def _chunks(hidden, weight, bias, targets, chunk_tokens: int, scale: float, grad
         if grad_bias is not None:
             grad_bias += g.sum(0).to(acc)
         del z, g
-    return token_loss, grad_hidden, grad_weight, grad_bias
+    return token_loss, token_greedy, grad_hidden, grad_weight, grad_bias
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_tokens, scale):
-        token_loss, grad_hidden, grad_weight, grad_bias = _chunks(
+        token_loss, _, grad_hidden, grad_weight, grad_bias = _chunks(
             hidden, weight, bias, targets, chunk_tokens, scale, grads=ctx.needs_input_grad[:3]
         )
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -149,6 +155,11 @@ def linear_cross_entropy(
 
     ``hidden`` (N, H), ``weight`` (V, H), ``targets`` (N,). Under autocast the products run in its dtype
     (as the output layer would); losses and gradient sums are float32 at least."""
+    return _linear_losses(hidden, weight, targets, chunk_tokens, bias, scale)[:2]
+
+
+def _linear_losses(hidden, weight, targets, chunk_tokens: int, bias, scale: float):
+    """:func:`linear_cross_entropy` and, without gradients, each row's greedy flag (else None)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     compute = _autocast_dtype(hidden.device.type)
@@ -162,9 +173,9 @@ def linear_cross_entropy(
     with torch.autocast(hidden.device.type, enabled=False):
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         if needs_grad:
-            return _LinearCrossEntropy.apply(hidden, weight, bias, targets, int(chunk_tokens), float(scale))
-        token_loss = _chunks(hidden, weight, bias, targets, int(chunk_tokens), float(scale))[0]
-        return token_loss.sum(), token_loss
+            return (*_LinearCrossEntropy.apply(hidden, weight, bias, targets, int(chunk_tokens), float(scale)), None)
+        token_loss, token_greedy = _chunks(hidden, weight, bias, targets, int(chunk_tokens), float(scale))[:2]
+        return token_loss.sum(), token_loss, token_greedy
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -200,16 +211,19 @@ def _loss_forward(self, loss_labels: torch.Tensor, chunk_tokens: int, kwargs: di
     hidden = self.base_model(**kwargs).last_hidden_state
     head = self.get_output_embeddings()
     targets = next_token_targets(to_device(loss_labels, hidden.device))  # pinned, non-blocking from the host
-    loss, token_loss = linear_cross_entropy(
+    loss, token_loss, token_greedy = _linear_losses(
         hidden.reshape(-1, hidden.shape[-1]),
         head.weight,
         targets.reshape(-1),
-        bias=head.bias,
-        chunk_tokens=chunk_tokens,
-        scale=logit_scale(self.config),
+        chunk_tokens,
+        head.bias,
+        logit_scale(self.config),
     )
     kept = hidden if keep_hidden else None
-    return TokenLosses(loss=loss, token_loss=token_loss.view(targets.shape), last_hidden_state=kept)
+    greedy = None if token_greedy is None else token_greedy.view(targets.shape)
+    return TokenLosses(
+        loss=loss, token_loss=token_loss.view(targets.shape), last_hidden_state=kept, token_greedy=greedy
+    )
 
 
 def install(model: torch.nn.Module, chunk_tokens: int) -> torch.nn.Module:
