@@ -154,7 +154,16 @@ ROWS = (
         ("src/moeflow/coverage/*", "src/moeflow/data/valset.py"),
         frozenset({"coverage_valset", *AFTER_FINE_TUNING}),
     ),
-    Row("the memory planner", ("src/moeflow/plan/*",), frozenset({"plan_memory", *AFTER_FINE_TUNING})),
+    Row(
+        "the memory planner (training's plan; each forward-only stage checks its own plan before it loads its model)",
+        ("src/moeflow/plan/report.py", "src/moeflow/plan/scaleout.py"),
+        frozenset({"plan_memory", *AFTER_FINE_TUNING}),
+    ),
+    Row(
+        "the memory planner's counts and per-rank memory, which the forward-only stages' plans use too",
+        ("src/moeflow/plan/*",),
+        frozenset({"plan_memory", "coverage_valset", "warmup", *AFTER_FINE_TUNING}),
+    ),
     Row(
         "the experts implementation's timing",
         ("src/moeflow/model/experts_choice.py",),

@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from moeflow.parallel.launch import torchrun_command
-from moeflow.plan import counts
+from moeflow.plan import counts, shapes
+from moeflow.plan.fit import device_memory
+from moeflow.plan.forward import ForwardJob, forward_plan
 from moeflow.plan.scaleout import (
     ASSUMED_MFU,
     DEFAULT_TOKEN_BUDGET,
@@ -28,7 +30,7 @@ from moeflow.plan.scaleout import (
 )
 from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, ConfigError
-from moeflow.workflow.keys import plan_settings
+from moeflow.workflow.keys import forward_batch, forward_plan_settings, forward_stages, plan_settings
 from moeflow.workflow.load import load, run_config
 from moeflow.workflow.merge import deep_merge
 from moeflow.workflow.recipe import translate_recipe_flags
@@ -348,6 +350,75 @@ def test_the_profile_gives_each_forward_only_rule_its_sections_ranks_as_gpus(mod
             assert profile_request(profile, rule).gpus == cfg[section]["ranks"], rule
     if model == "step3p5-flash":  # 392 GB of bf16: never on one 80 GB GPU
         assert cfg["coverage"]["ranks"] == cfg["evaluate"]["ranks"] == cfg["parallel"]["nproc_per_node"]
+
+
+@pytest.mark.parametrize("model,profile", sorted(LARGE_MODELS.items()))
+def test_each_forward_only_stage_fits_on_its_profiles_gpus_and_not_on_half(model, profile):
+    """Every forward-only stage of the run, planned per rank on its section's ranks in its layout
+    (moeflow.plan.forward: weights in bf16, the gathered layers, one layer's tensors, router scores, chunked
+    logits or the KV cache), fits on the GPUs its profile gives it; on half of them it does not."""
+    cfg = cluster_config(model, profile)
+    shape, params, _ = counts.count_parameters(cfg["model"], cfg["tokenizer"]["vocab_size"])
+    memory, _ = device_memory({"hardware": cfg["hardware"]}, {})
+    assert set(forward_stages(cfg)) == set(EVALUATE_RANKS_RULES) | {"coverage_valset"}
+    for stage in forward_stages(cfg):
+        job = ForwardJob.from_settings(forward_plan_settings(cfg, stage))
+        gpus = profile_request(profile, stage).gpus
+        p = forward_plan(shape, params, job, memory)
+        assert (p["ranks"], p["verdict"]) == (gpus, "fits"), (stage, p["phases"]["forward"])
+        if gpus > 1:  # half the ranks, sharded the same (an ep_size of all of them: fsdp)
+            fewer = job.on(gpus // 2) or dataclasses.replace(
+                job, layout=dataclasses.replace(job.layout, expert_parallel=False)
+            ).on(gpus // 2)
+            half = forward_plan(shape, params, fewer, memory)
+            assert half["verdict"] == "does_not_fit" and p["min_ranks"] > gpus // 2, stage
+
+
+class _Card:
+    total_memory = int(23.68 * 2**30)  # what torch sees of a 24 GB card
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_forward_only_stage_that_does_not_fit_its_gpu_is_refused_before_it_loads(tmp_path, monkeypatch, ranks):
+    """At its start (moeflow.plan.forward.refuse_unless_fits, before the load), lm_eval_task for Qwen3-30B-A3B (a
+    folder with its config.json: 57 GiB of bf16 weights) on one 24 GB card is refused naming its section's keys
+    and the ranks it fits on, and accepted on those; on the CPU nothing is checked."""
+    import json
+
+    import torch
+
+    from moeflow.model.factory import Layout
+    from moeflow.parallel.process_group import Ranks
+    from moeflow.parallel.settings import ParallelSettings
+    from moeflow.plan.forward import refuse_unless_fits
+    from moeflow.plan.shapes import PlanError
+    from moeflow.settings import typed
+
+    cfg = cluster_config("qwen3-30b-a3b", "slurm")
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    config = shapes.hf_config_fields(shapes.model_config_fields(cfg["model"]), cfg["tokenizer"]["vocab_size"])[1]
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Card())
+    batch = forward_batch(cfg, "lm_eval_task")
+    model = cfg["model"] | {"config": {}}
+
+    def layout(n: int, device: str = "cuda") -> Layout:
+        parallel = typed(ParallelSettings, {"strategy": "none" if n == 1 else "fsdp", "nproc_per_node": n})
+        return Layout(Ranks(rank=0, world_size=n, local_rank=0, device=torch.device(device)), parallel, None, "bf16")
+
+    assert refuse_unless_fits(batch, model, folder, layout(ranks, "cpu")) is None
+    with pytest.raises(PlanError) as refused:
+        refuse_unless_fits(batch, model, folder, layout(ranks))
+    message = str(refused.value)
+    fits_on = re.search(r"it fits on (\d+): set evaluate.ranks: (\d+)", message)
+    assert (
+        message.startswith("does not fit: rule lm_eval_task on its")
+        and "'evaluate.ranks' and 'evaluate.strategy'" in message
+    )
+    assert fits_on and fits_on[1] == fits_on[2] and int(fits_on[1]) > ranks
+    assert "'evaluate.lm_eval.batch_size'" in message
+    assert refuse_unless_fits(batch, model, folder, layout(int(fits_on[1])))["verdict"] == "fits"
 
 
 TRAINING_LAYOUTS = [

@@ -8,6 +8,7 @@ COVERAGE_VALSET_PARAMS = dict(
     # the layout changes no number (tests/pipeline/test_sharded_coverage.py), but starts the stage anew
     parallel=lambda wc: stage_keys.forward_parallel(COVERAGES[wc.covkey], "coverage"),
     runtime=runtime(),
+    batch=lambda wc: stage_keys.forward_batch(COVERAGES[wc.covkey], "coverage_valset"),  # its memory plan
 )
 
 

@@ -10,6 +10,7 @@ ROUTING_DRIFT_PARAMS = dict(
     # evaluation's layout (evaluate.ranks, evaluate.strategy), as evaluate_run's: it changes no number
     parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], "evaluate"),
     runtime=lambda wc: runtime(wc.run),
+    batch=lambda wc: stage_keys.forward_batch(RUNS[wc.run], "routing_drift"),  # its memory plan
 )
 
 

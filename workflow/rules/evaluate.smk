@@ -15,6 +15,7 @@ EVALUATE_RUN_PARAMS = dict(
     # the layout changes no number (tests/pipeline/test_sharded_evaluation.py), but starts the stage anew
     parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], "evaluate"),
     runtime=lambda wc: runtime(wc.run),
+    batch=lambda wc: stage_keys.forward_batch(RUNS[wc.run], "evaluate_run"),  # its memory plan
 )
 
 

@@ -10,6 +10,7 @@ HUMANEVAL_GENERATE_PARAMS = dict(
     # evaluation's layout (evaluate.ranks, evaluate.strategy), as evaluate_run's: it changes no completion
     parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], "evaluate"),
     runtime=lambda wc: runtime(wc.run),
+    batch=lambda wc: stage_keys.forward_batch(RUNS[wc.run], "humaneval_generate"),  # its memory plan
 )
 
 

@@ -29,6 +29,7 @@ ESFT_ROUTING_PARAMS = dict(
     # coverage's layout (the same routing pass): it changes no number, but starts the stage anew
     parallel=lambda wc: stage_keys.forward_parallel(RUNS[ESFT_ROUTINGS[wc.routkey]], "coverage"),
     runtime=lambda wc: runtime(ESFT_ROUTINGS[wc.routkey]),
+    batch=lambda wc: stage_keys.forward_batch(RUNS[ESFT_ROUTINGS[wc.routkey]], "esft_routing"),  # its memory plan
 )
 
 

@@ -12,6 +12,7 @@ from moeflow.model.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
 from moeflow.parallel.settings import ParallelSettings
+from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
@@ -21,6 +22,7 @@ stage = Stage.start(job)
 params = job.params
 settings = params.settings  # moeflow.workflow.keys.coverage_settings
 layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
+refuse_unless_fits(params.batch, settings["model"], job.input.model, layout)  # its memory plan, before the load
 model_settings = typed(ModelSettings, settings["model"])
 model = make_model(
     model_settings,

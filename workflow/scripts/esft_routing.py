@@ -13,6 +13,7 @@ from moeflow.model.routing_stats import route_pool
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import gather_to_main, teardown
 from moeflow.parallel.settings import ParallelSettings
+from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.files import write_json
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
@@ -23,6 +24,7 @@ job = Job.from_argv()
 stage = Stage.start(job)
 settings = job.params.settings  # moeflow.workflow.keys.esft_routing_settings
 layout = Layout.join(typed(ParallelSettings, job.params.parallel), job.params.device, None, stage.precision)
+refuse_unless_fits(job.params.batch, settings["model"], job.input.model, layout)  # its memory plan, before the load
 model_settings = typed(ModelSettings, settings["model"])
 model = make_model(
     model_settings,

@@ -15,6 +15,7 @@ from moeflow.model.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import gather_objects, teardown
 from moeflow.parallel.settings import ParallelSettings
+from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.files import write_json, write_text
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
@@ -24,6 +25,7 @@ job = Job.from_argv()
 stage = Stage.start(job)
 params = job.params
 layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
+refuse_unless_fits(params.batch, params.model, job.input.base, layout)  # its memory plan, before the load
 device = layout.ranks.device
 
 sets = [ev.EvalSet("valset", list(params.pool_corpora), open_valset(job.input.valset))]

@@ -15,6 +15,7 @@ from moeflow.model.folder import load_tokenizer
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
 from moeflow.parallel.settings import ParallelSettings
+from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
@@ -26,6 +27,7 @@ cfg = typed(HumanEvalGeneration, params.settings)
 problems = he.load_problems(cfg.problems)  # before the model loads: a bad count fails first
 
 layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
+refuse_unless_fits(params.batch, params.model, job.input.model, layout)  # its memory plan, before the load
 model_settings = typed(ModelSettings, params.model)
 model = make_model(
     model_settings,

@@ -16,6 +16,7 @@ from moeflow.model.folder import load_tokenizer
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
 from moeflow.parallel.settings import ParallelSettings
+from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.files import write_json
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
@@ -42,6 +43,7 @@ documents = (
 )
 
 layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
+refuse_unless_fits(params.batch, params.model, job.input.model, layout)  # its memory plan, before the load
 model = make_model(
     model_settings,
     experts=job.input.experts,

