@@ -67,3 +67,19 @@ rule evaluate:
     # `snakemake --cores 8 paper` (rule paper in workflow/rules/paper.smk) then makes the figures and tables.
     input:
         [f"{RESULTS}/runs/{run}/eval/metrics.json" for run in RUNS],
+
+
+rule on_device:
+    # Every stage that runs a model, for every run: rule evaluate's, and the lm-eval tasks, HumanEval's generated
+    # samples and the routing drift, without HumanEval's sandboxed execution and the paper (CPU work). What the GPU
+    # check runs on a lent machine (docs/gpu.md).
+    input:
+        rules.evaluate.input,
+        [path for run in RUNS for by_model in lm_eval_files(run).values() for path in by_model.values()],
+        [
+            f"{run_eval_dir(run)}/humaneval/{model}/samples.jsonl"
+            for run in RUNS
+            if RUNS[run]["evaluate"]["humaneval"]["enabled"]
+            for model in MODELS
+        ],
+        [drift_file(run) for run in RUNS if drift_file(run)],

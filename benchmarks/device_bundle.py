@@ -319,8 +319,10 @@ def build(out: Path) -> dict:
 def check(bundle: Path, site: Path, mimic: bool) -> dict:
     """In the environment the bundle was installed into (``site`` on sys.path before the machine's packages):
     each bundled package imports from ``site`` at its pinned version, torch is the machine's own, and every
-    requirement of a bundled package is met there. ``mimic``: also, nothing the machine's image lacks is
-    installed outside ``site`` (the CPU mimic hides no missing package). Raises SystemExit naming what fails."""
+    requirement of a bundled package is met there: a package missing, or a machine's package at a version a
+    bundled one rejects (a conflict the install cannot resolve: the bundle must carry a meeting version, which
+    then shadows the machine's). ``mimic``: also, nothing the machine's image lacks is installed outside
+    ``site`` (the CPU mimic hides no missing package). Raises SystemExit naming what fails."""
     import importlib.metadata as md
 
     from packaging.version import Version
@@ -351,18 +353,14 @@ def check(bundle: Path, site: Path, mimic: bool) -> dict:
         return None if specifier.contains(version, prereleases=True) else f"{name} {versions[name][0]} is installed"
 
     conflicts = unmet_requirements(found, installed)
-    errors += [c for c in conflicts if "is not installed" in c]
+    errors += [c if "is not installed" in c else f"{c}: add a meeting version to {WHERE}" for c in conflicts]
     if mimic:
         # moeflow travels as the tree's source (src/; `make env` leaves its egg-info there), never as a package
         extra = sorted(
             n for n, (_, where) in versions.items() if where != site and n not in DEVICE_IMAGE and n != "moeflow"
         )
         errors += [f"the mimic has {n}, which the machine's image lacks: remove it from envs/device.txt" for n in extra]
-    report = {
-        "bundled": len(found),
-        "torch": torch_found[0] if torch_found else None,
-        "version_conflicts": [c for c in conflicts if "is not installed" not in c],
-    }
+    report = {"bundled": len(found), "torch": torch_found[0] if torch_found else None}
     if errors:
         raise SystemExit("the device bundle does not install as it should:\n" + "".join(f"  {e}\n" for e in errors))
     return report
@@ -382,8 +380,6 @@ def main() -> None:
     if args.site is None:
         raise SystemExit("check needs --site: the folder the bundle was installed into")
     report = check(args.bundle, args.site, args.mimic)
-    for conflict in report["version_conflicts"]:
-        print(f"warning: {conflict}", file=sys.stderr)
     print(f"device bundle: {report['bundled']} packages from {args.site}, torch {report['torch']} (the machine's)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")

@@ -67,3 +67,22 @@ def test_the_install_check_refuses_a_package_that_does_not_import_from_the_bundl
     (bundle / B.REQUIREMENTS).write_text("some-tool==1.1\n")
     with pytest.raises(SystemExit, match="some-tool: 1.0 from .* imports, not the bundle's 1.1"):
         B.check(bundle, site, mimic=False)
+
+
+def test_the_install_check_fails_on_a_machine_package_a_bundled_one_rejects(tmp_path, monkeypatch):
+    """A version conflict the install cannot resolve (the machine's package at a version a bundled package
+    rejects, with no meeting version in the bundle to shadow it) fails the check, naming the line to add; it
+    was only a warning, and the GPU run then failed at import on the lent machine's minutes."""
+    bundle, site = tmp_path / "bundle", tmp_path / "site"
+    bundle.mkdir()
+    site.mkdir()
+    (bundle / B.REQUIREMENTS).write_text("some-tool==1.0\n")
+    dist = site / "some_tool-1.0.dist-info"
+    dist.mkdir()
+    metadata = "Metadata-Version: 2.1\nName: some-tool\nVersion: 1.0\nRequires-Dist: pytest<{}\n"
+    monkeypatch.syspath_prepend(str(site))
+    (dist / "METADATA").write_text(metadata.format("999"))
+    assert B.check(bundle, site, mimic=False)["bundled"] == 1
+    (dist / "METADATA").write_text(metadata.format("1"))
+    with pytest.raises(SystemExit, match=r"some-tool needs pytest<1: pytest .* is installed: add a meeting version"):
+        B.check(bundle, site, mimic=False)
