@@ -7,7 +7,10 @@ from pathlib import Path
 
 import family_checks as C
 import pytest
+from gloo_ranks import SHARDED_LAYOUTS, run_ranks
 from tiny_models import FAMILIES, VOCAB, model_config
+
+from moeflow.runtime import compat
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs" / "families.md"
@@ -67,3 +70,60 @@ def test_deepseek_v3_routes_in_float32_under_bf16_autocast():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(model) as routing:
         model(input_ids=ids, use_cache=False)
     assert routing.layers and all(layer.logits.dtype == torch.float32 for layer in routing.layers)
+
+
+def _deepseek_router_rank(rank: int, root: str, parallel: dict, results: dict) -> None:
+    import dataclasses
+
+    import torch
+    from gloo_ranks import gloo_group, sharded_layout
+
+    from moeflow.model.factory import make_model
+    from moeflow.model.families.deepseek_v3 import DeepseekV3Router
+    from moeflow.model.routing import capture
+    from moeflow.model.settings import ModelSettings
+    from moeflow.model.wrappers import unwrap
+    from moeflow.settings import typed
+
+    torch.set_num_threads(1)
+    with gloo_group(rank, root) as ranks:
+        layout = dataclasses.replace(sharded_layout(ranks, parallel), precision="bf16")
+        model = make_model(
+            typed(ModelSettings, model_config("deepseek_v3")), folder=Path(root) / "model", layout=layout
+        )
+        seen = {"router_weights": set(), "router_logits": set(), "attention_weights": set()}
+        inner = unwrap(model)
+        router = next(m for m in inner.modules() if isinstance(m, DeepseekV3Router))
+        router.register_forward_pre_hook(lambda m, a: seen["router_weights"].add(str(m.weight.dtype)))
+        attention = inner.model.layers[1].self_attn
+        projection = next(m for m in attention.modules() if isinstance(m, torch.nn.Linear))
+        projection.register_forward_pre_hook(lambda m, a: seen["attention_weights"].add(str(m.weight.dtype)))
+        ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(model) as routing:
+            model(input_ids=ids, use_cache=False)
+        seen["router_logits"] = {str(layer.logits.dtype) for layer in routing.layers}
+        results[rank] = {k: sorted(v) for k, v in seen.items()}
+
+
+@pytest.mark.parametrize("parallel", SHARDED_LAYOUTS)
+def test_deepseek_v3_routes_in_float32_under_fsdp_and_ep_mixed_precision(tmp_path, parallel):
+    """#36 item 7: two gloo ranks, bf16 mixed precision, fsdp (moeflow's FSDP2, FSDP1 on pinned) or ep
+    (transformers' expert parallelism and its FSDP2): the attention computes with bf16-gathered weights, the router
+    with fp32 ones (its own fp32 unit; under ep transformers' one bf16 policy gathered it in bf16) and its logits
+    are fp32."""
+    from moeflow.model.factory import make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
+
+    model = make_model(typed(ModelSettings, model_config("deepseek_v3")), vocab_size=VOCAB, seed=0)
+    model.save_pretrained(tmp_path / "model")
+    results = run_ranks(_deepseek_router_rank, str(tmp_path), parallel)
+    # FSDP1 (the pinned stack) casts a unit's whole flat parameter, and the router is in its layer's unit: it computes
+    # in fp32 from bf16-rounded weights there (not fixed)
+    fsdp1 = not compat.fsdp2_available()
+    for rank in (0, 1):
+        report = results[rank]
+        assert report["attention_weights"] == ["torch.bfloat16"], report
+        assert report["router_logits"] == ["torch.float32"], report
+        if not fsdp1:
+            assert report["router_weights"] == ["torch.float32"], report
