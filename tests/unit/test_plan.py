@@ -571,3 +571,29 @@ def test_the_planner_counts_the_attention_masks_a_packed_forward_builds(family, 
     job = default_job(micro_batch_size=micro_batch, seq_len=length, attn_implementation=attention)
     assert hooks and masks and sum(masks.values()) == attention_mask_bytes(shape, job), masks
     assert attention_mask_bytes(shape, dataclasses.replace(job, attn_implementation="flash_attention_2")) == 0
+
+
+def test_the_planner_never_suggests_a_setting_the_job_already_has(env_report):
+    """Qwen3-30B-A3B with LoRA on one 24 GiB card, with gradient checkpointing, micro-batch 1 and sdpa already
+    set: refused, and none of those three is among its suggestions (they were, #38)."""
+    settings = settings_of(
+        QWEN3_30B,
+        overrides={
+            "hardware": {"memory_gib_per_device": 24, "num_devices": 1},
+            "parallel": {"strategy": "none", "nproc_per_node": 1},
+            "data": {"seq_len": 2048},
+            "train": {"method": "lora", "micro_batch_size": 1, "gradient_checkpointing": True},
+            "model": {"attn_implementation": "sdpa"},
+        },
+    )
+    result = plan(settings, env_report)
+    changes = [o["change"] for o in result["suggestions"]]
+    assert result["verdict"] == "does_not_fit" and changes
+    assert changes[0].startswith("shard over more devices")
+    for already in (
+        "train.gradient_checkpointing: true",
+        "train.micro_batch_size: 1",
+        "model.attn_implementation: sdpa",
+    ):
+        assert already not in changes, changes
+    assert "gradient checkpointing and micro-batch 1" not in changes

@@ -162,9 +162,11 @@ def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dic
         longest = max_seq_len(s, params, base, memory)
         if longest and longest < job.seq_len:
             candidates.append((f"data.seq_len: {longest}{label}", dataclasses.replace(base, seq_len=longest)))
-    options, seen = [], {job}
+    options, seen = [], set()
     for change, variant in candidates:
-        if variant in seen and variant != job:
+        # a change that changes nothing (a setting the job has already) or repeats another is no suggestion; the
+        # first, the job as it is on more devices, always is
+        if variant in seen or (variant == job and change != candidates[0][0]):
             continue
         seen.add(variant)
         devices = min_devices(s, params, variant, memory)
