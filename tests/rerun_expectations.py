@@ -200,7 +200,6 @@ ROWS = (
             "src/moeflow/model/activation_checkpointing.py",
             "src/moeflow/model/chunked_loss.py",
             "src/moeflow/model/mtp_loss.py",
-            "src/moeflow/model/wrappers.py",
             "src/moeflow/model/lora.py",
             "src/moeflow/model/saved_names.py",
             "src/moeflow/parallel/*",
@@ -226,8 +225,8 @@ ROWS = (
         frozenset({"choose_experts", *AFTER_BASE_MODEL}),
     ),
     Row(
-        "reading routers per family",
-        ("src/moeflow/model/routing.py",),
+        "reading routers per family, inside FSDP1's and peft's wrappers",
+        ("src/moeflow/model/routing.py", "src/moeflow/model/wrappers.py"),
         frozenset({"choose_experts", *AFTER_BASE_MODEL}),
     ),
     Row(

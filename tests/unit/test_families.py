@@ -10,8 +10,6 @@ import pytest
 from gloo_ranks import SHARDED_LAYOUTS, run_ranks
 from tiny_models import FAMILIES, VOCAB, model_config
 
-from moeflow.runtime import compat
-
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "docs" / "families.md"
 
@@ -109,8 +107,8 @@ def _deepseek_router_rank(rank: int, root: str, parallel: dict, results: dict) -
 def test_deepseek_v3_routes_in_float32_under_fsdp_and_ep_mixed_precision(tmp_path, parallel):
     """#36 item 7: two gloo ranks, bf16 mixed precision, fsdp (moeflow's FSDP2, FSDP1 on pinned) or ep
     (transformers' expert parallelism and its FSDP2): the attention computes with bf16-gathered weights, the router
-    with fp32 ones (its own fp32 unit; under ep transformers' one bf16 policy gathered it in bf16) and its logits
-    are fp32."""
+    with fp32 ones (its own fp32 unit; under ep transformers' one bf16 policy, and under FSDP1 its layer's flat
+    parameter, gathered it in bf16) and its logits are fp32."""
     from moeflow.model.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
@@ -118,12 +116,7 @@ def test_deepseek_v3_routes_in_float32_under_fsdp_and_ep_mixed_precision(tmp_pat
     model = make_model(typed(ModelSettings, model_config("deepseek_v3")), vocab_size=VOCAB, seed=0)
     model.save_pretrained(tmp_path / "model")
     results = run_ranks(_deepseek_router_rank, str(tmp_path), parallel)
-    # FSDP1 (the pinned stack) casts a unit's whole flat parameter, and the router is in its layer's unit: it computes
-    # in fp32 from bf16-rounded weights there (not fixed)
-    fsdp1 = not compat.fsdp2_available()
     for rank in (0, 1):
         report = results[rank]
         assert report["attention_weights"] == ["torch.bfloat16"], report
-        assert report["router_logits"] == ["torch.float32"], report
-        if not fsdp1:
-            assert report["router_weights"] == ["torch.float32"], report
+        assert report["router_logits"] == report["router_weights"] == ["torch.float32"], report
