@@ -75,11 +75,4 @@ rule on_device:
     # check runs on a lent machine (docs/gpu.md).
     input:
         rules.evaluate.input,
-        [path for run in RUNS for by_model in lm_eval_files(run).values() for path in by_model.values()],
-        [
-            f"{run_eval_dir(run)}/humaneval/{model}/samples.jsonl"
-            for run in RUNS
-            if RUNS[run]["evaluate"]["humaneval"]["enabled"]
-            for model in MODELS
-        ],
-        [drift_file(run) for run in RUNS if drift_file(run)],
+        lambda wildcards: model_stage_results(),

@@ -130,6 +130,7 @@ class UserRuns:
             "device": cfg["hardware"]["device"],
             "parallel": keys.forward_parallel(cfg, "coverage"),
             "runtime": self.runtime(family),
+            "batch": keys.forward_batch(cfg, "coverage_valset"),
         }
         run_torchrun_script("coverage_valset.py", "coverage_valset", inputs, outputs, params)
         return outputs["valset"]

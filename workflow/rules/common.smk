@@ -198,6 +198,14 @@ def drift_file(run):
     return f"{run_eval_dir(run)}/drift.json" if is_moe_run(run) else None
 
 
+def model_stage_results():
+    """Every run's results of the evaluation stages that run a model (rule on_device): its lm-eval tasks,
+    HumanEval's samples (not their execution) and the routing drift."""
+    lm_eval = [path for run in RUNS for by_model in lm_eval_files(run).values() for path in by_model.values()]
+    samples = [f"{run_eval_dir(run)}/humaneval/{model}/samples.jsonl" for run in RUNS for model in humaneval_files(run)]
+    return lm_eval + samples + [drift for drift in map(drift_file, RUNS) if drift]
+
+
 def eval_result_files():
     """Every run's lm-eval, HumanEval and routing-drift results, as moeflow.paper.eval_results.read_run_results
     takes them (the paper rule's params; ``eval_result_paths`` lists the same files as its inputs)."""

@@ -76,12 +76,13 @@ def continuation_scores(
 ) -> list[tuple[float, bool]]:
     """lm-eval's ``_loglikelihood_tokens`` with the output layer applied a chunk of tokens at a time
     (``model.loss_chunk_tokens``, moeflow.model.chunked_loss): for each ``(key, context tokens, continuation
-    tokens)`` request, the continuation's log-likelihood after the context and whether every continuation token
-    is the model's top choice (an exact tie counts as top, where lm-eval's argmax takes the lower token id), in
-    the requests' order. HFLM builds the whole batch's [batch, length, vocabulary] logits, a copy and an fp32
-    log-softmax of them (about 30 GB for 8 x 4,096 tokens of Qwen3-30B-A3B); here at most one chunk of fp32
-    logits exists. Requests run longest first in batches of ``batch_size``, right-padded, each truncated from
-    the left to ``max_length`` + 1 tokens as HFLM does.
+    tokens)`` request, the continuation's log-likelihood after the context and whether every continuation token is
+    the model's top choice (argmax, as lm-eval's), in the requests' order. HFLM builds the whole batch's [batch,
+    length, vocabulary] logits, a copy and an fp32 log-softmax of them (about 30 GB for 8 x 4,096 tokens of
+    Qwen3-30B-A3B); here at most one chunk of fp32 logits exists. Requests run longest first in batches of
+    ``batch_size``, right-padded, each truncated from the left to ``max_length`` + 1 tokens as HFLM does; all of
+    them are the model's input (HFLM's drops the last, whose logits it does not use), so that the chunked loss
+    scores the last continuation token.
 
     ``first_token_as_context`` (the perplexity task, given the prefix token lm-eval puts before a document):
     score a rolling window as moeflow's evaluation scores a packed segment, from its first token at position 0,

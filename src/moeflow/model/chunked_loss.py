@@ -48,8 +48,8 @@ class LinearLossError(ValueError):
 class TokenLosses(ModelOutput):
     """What the installed forward returns: ``loss`` the summed cross-entropy (with gradient), ``token_loss``
     (B, L) each position's loss of predicting the next token (0 where it has no label; no gradient),
-    ``token_greedy`` (B, L) whether that next token is the output layer's top choice (an exact tie counts as
-    top; False where there is no label; in a forward without gradients only, else None), and
+    ``token_greedy`` (B, L) whether that next token is the output layer's top choice (argmax: of tied logits the
+    lowest token id; False where there is no label; in a forward without gradients only, else None), and
     with ``keep_hidden`` the decoder's output the loss was computed from (what the MTP loss continues from; else
     None, so that it is freed after the forward as before). A
     ModelOutput, so FSDP finds the tensors in it (it hooks the backward pass on a forward's outputs)."""
@@ -89,8 +89,8 @@ def _chunks(hidden, weight, bias, targets, chunk_tokens: int, scale: float, grad
         safe = torch.where(valid, t, 0).unsqueeze(1)
         target = z.gather(1, safe).squeeze(1)
         # log-sum-exp and softmax in place of the logits, one exp per entry and no chunk-sized temporary
+        token_greedy[rows] = valid & (z.argmax(dim=-1) == t)  # the first of tied maxima, as lm-eval's argmax
         top = z.amax(dim=-1, keepdim=True)
-        token_greedy[rows] = valid & (target >= top.squeeze(1))
         exp_sum = z.sub_(top).exp_().sum(dim=-1, keepdim=True)
         token_loss[rows] = torch.where(valid, (top + exp_sum.log()).squeeze(1) - target, 0)
         if not any(grads):

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
-from moeflow.model.wrappers import unwrap
 from moeflow.runtime import compat
 
 SOFTMAX = "softmax"
@@ -316,8 +315,6 @@ def adapter_for(model: torch.nn.Module) -> RoutingAdapter:
         if type(module).__name__ != family.block_class or is_mtp_name(name, mtp):
             continue
         router = getattr(module, family.router_attr, None)
-        if router is not None:  # FSDP1's unit of its own (a router kept in fp32): hooked inside it, while gathered
-            router = unwrap(router)
         if router is None:
             raise UnsupportedModel(
                 f"{model_type}: MoE block {name} ({family.block_class}) has no attribute "

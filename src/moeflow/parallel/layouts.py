@@ -122,16 +122,13 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
         fully_shard(model, mesh=mesh, **policy)
         return materialize(model, ranks.device) if has_meta_parameters(model) else model
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
-    from torch.distributed.fsdp.wrap import CustomPolicy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     for param in model.parameters():  # FSDP1 turns them into flat 1-D shards; FSDP2 keeps the shapes
         param._moeflow_shape = tuple(param.shape)
-    # with bf16, the modules the class keeps in fp32 (routers) are units of their own gathered in fp32, as under FSDP2
-    fp32 = {id(m) for m in fp32_modules(model)} if precision == "bf16" else set()
-    fp32_policy = {"mixed_precision": MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32)}
     return FullyShardedDataParallel(
         model,
-        auto_wrap_policy=CustomPolicy(lambda m: fp32_policy if id(m) in fp32 else isinstance(m, layers)),
+        auto_wrap_policy=ModuleWrapPolicy(set(layers)),
         use_orig_params=True,  # parameter names (and so AdamW's groups) stay those of the model
         device_id=ranks.device,  # torch 2.3 assumes CUDA unless told (gloo on CPU needs device_id=cpu)
         sync_module_states=False,  # every rank built or loaded the same weights
@@ -161,8 +158,8 @@ def fsdp2_mixed_precision(precision: str) -> dict[str, Any]:
 def fp32_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose own parameters the model class keeps in fp32 (transformers'
     ``_keep_in_fp32_modules_strict``: DeepSeek-V3's and Step-3.5's routers, ``gate.weight``), which moeflow's
-    FSDP mixed precision gathers and computes in fp32 as their own units, under ``strategy: fsdp`` (FSDP2, and
-    FSDP1 on the pinned stack) and (through :func:`fp32_units_for_expert_parallel`) ``strategy: ep``."""
+    FSDP2 mixed precision gathers and computes in fp32 as their own units, under ``strategy: fsdp`` and (through
+    :func:`fp32_units_for_expert_parallel`) ``strategy: ep``."""
     patterns = [
         re.compile(rf"(^|\.){re.escape(p)}$") for p in getattr(model, "_keep_in_fp32_modules_strict", None) or []
     ]
@@ -171,8 +168,7 @@ def fp32_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [
         module
         for prefix, module in model.named_modules()
-        if any(rule.search(prefix) for rule in patterns)  # transformers 4.57 names modules
-        or any(
+        if any(
             rule.search(f"{prefix}.{name}" if prefix else name)
             for name, _ in module.named_parameters(recurse=False)
             for rule in patterns

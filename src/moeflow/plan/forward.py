@@ -14,8 +14,9 @@ dtype (bf16 with ``precision: bf16``, moeflow.model.device.compute_dtype) in the
   input and sum); the attention masks (moeflow.plan.memory.attention_mask_bytes); what the stage computes at the
   end of the decoder:
 
-  - ``routing`` (every stage but lm_eval_task and humaneval_generate): each MoE layer's router scores for
-    the forward's tokens in fp32, captured until the forward ends (moeflow.model.routing.capture);
+  - ``routing`` (every stage but humaneval_generate; lm_eval_task for moeflow_perplexity's cross-check): each MoE
+    layer's router scores for the forward's tokens in fp32, captured until the forward ends
+    (moeflow.model.routing.capture);
   - ``chunked`` logits (evaluate_run, lm_eval_task: moeflow.model.chunked_loss): one chunk of
     ``model.loss_chunk_tokens`` rows of the vocabulary at a time, never the batch's;
   - ``generate`` (humaneval_generate: transformers' generate, which computes the last position's logits only):
@@ -65,7 +66,7 @@ COMPUTES: dict[str, tuple[str, ...]] = {
     "coverage_valset": ("routing",),
     "esft_routing": ("routing",),
     "evaluate_run": ("routing", "chunked"),
-    "lm_eval_task": ("chunked",),
+    "lm_eval_task": ("routing", "chunked"),  # moeflow_perplexity's cross-check evaluates with routing captured
     "humaneval_generate": ("generate",),
     "routing_drift": ("routing",),
 }
@@ -228,9 +229,10 @@ def summary(p: Mapping[str, Any], batch: Mapping[str, Any]) -> str:
 def refusal(p: Mapping[str, Any], batch: Mapping[str, Any]) -> str:
     """Why a stage's :func:`forward_plan` does not fit, naming its section's keys, and what would fit."""
     section = batch["section"]
+    sharded = f" and {section}.strategy: fsdp" if p["strategy"] == "none" and (p["min_ranks"] or 1) > 1 else ""
     fix = (
-        f"it fits on {p['min_ranks']}: set {section}.ranks: {p['min_ranks']} (and give rule {p['stage']} as many GPUs "
-        "in the profile)"
+        f"it fits on {p['min_ranks']}: set {section}.ranks: {p['min_ranks']}{sharded} (and give rule {p['stage']} as "
+        "many GPUs in the profile)"
         if p["min_ranks"]
         else f"no count of ranks in {p['strategy']} fits"
     )

@@ -195,7 +195,7 @@ def forward_batch(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
     """A forward-only stage's batch as its memory plan counts it (moeflow.plan.forward), with the config keys a
     refusal names: sequences per forward and tokens per sequence (coverage_valset and esft_routing:
     ``coverage.batch_tokens`` of ``data.seq_len``-token rows; evaluate_run and routing_drift: ``evaluate.batch_size``
-    rows; lm_eval_task: ``evaluate.lm_eval.batch_size`` requests of ``max_length`` (null: ``data.seq_len``) tokens;
+    rows; lm_eval_task: ``evaluate.lm_eval.batch_size`` requests of ``max_length`` (null: ``data.seq_len``) + 1 tokens;
     humaneval_generate: ``evaluate.humaneval.batch_size`` prompts of at most :data:`HUMANEVAL_PROMPT_TOKENS` (or
     ``data.seq_len``) tokens and ``max_new_tokens`` new ones)."""
     seq_len = int(cfg["data"]["seq_len"])
@@ -204,7 +204,8 @@ def forward_batch(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
     batches = {  # stage: (batch key, sequences, tokens per sequence)
         "coverage_valset": ("coverage.batch_tokens", max(1, cfg["coverage"]["batch_tokens"] // seq_len), seq_len),
         "evaluate_run": ("evaluate.batch_size", evaluate["batch_size"], seq_len),
-        "lm_eval_task": ("evaluate.lm_eval.batch_size", lm_eval["batch_size"], lm_eval["max_length"] or seq_len),
+        # a request's max_length + 1 tokens are the model's input (moeflow.evaluation.lm_eval_run.continuation_scores)
+        "lm_eval_task": ("evaluate.lm_eval.batch_size", lm_eval["batch_size"], (lm_eval["max_length"] or seq_len) + 1),
         "humaneval_generate": (
             "evaluate.humaneval.batch_size",
             humaneval["batch_size"],

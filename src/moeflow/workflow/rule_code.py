@@ -147,8 +147,7 @@ SANDBOX = ("evaluation.humaneval_execution", "evaluation.sandbox", "evaluation.s
 
 RULES: dict[str, tuple[str, ...]] = {
     "verify_env": (),  # its script runs infrastructure only; its fingerprint param reruns it when packages change
-    # the routers are read inside FSDP1's units (model.wrappers) wherever a stage runs the same reader
-    "choose_experts": ("model.experts_choice", "model.device", *MODEL_CONFIG, "model.routing", "model.wrappers"),
+    "choose_experts": ("model.experts_choice", "model.device", *MODEL_CONFIG, "model.routing"),
     "train_tokenizer": TOKENIZER,
     "tokenize": ("data.tokenize", "data.packing", *TOKENIZER),
     "pretrain_base": TRAINING,

@@ -15,7 +15,6 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as shipped
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
 from moeflow.model.families.mtp import MTPLayer, add_mtp_modules
-from moeflow.runtime import compat
 
 MODEL_TYPE = "deepseek_v3"
 
@@ -62,11 +61,6 @@ class DeepseekV3ForCausalLM(shipped.DeepseekV3ForCausalLM):
 
     _no_split_modules = ["DeepseekV3DecoderLayer", "DeepseekV3MTPLayer"]
     _keys_to_ignore_on_load_unexpected = None  # the MTP layers' keys are the model's own here
-    # The routers kept in fp32 as transformers 5's class keeps them (its ["e_score_correction_bias", "gate.weight"]);
-    # 4.57's declares none and takes module names: loaded in fp32 in a bf16 model, and under FSDP mixed precision
-    # gathered in fp32 as units of their own (moeflow.parallel.layouts.fp32_modules).
-    if not compat.is_transformers_v5():
-        _keep_in_fp32_modules_strict = ["gate"]
 
     def __init__(self, config: DeepseekV3Config):
         super().__init__(config)
