@@ -199,8 +199,8 @@ def drift_file(run):
 
 
 def model_stage_results():
-    """Every run's results of the evaluation stages that run a model (rule on_device): its lm-eval tasks,
-    HumanEval's samples (not their execution) and the routing drift."""
+    """Every run's results of the evaluation stages that run a model, the on_device target's inputs: its lm-eval
+    tasks, HumanEval's samples (not their execution) and the routing drift."""
     lm_eval = [path for run in RUNS for by_model in lm_eval_files(run).values() for path in by_model.values()]
     samples = [f"{run_eval_dir(run)}/humaneval/{model}/samples.jsonl" for run in RUNS for model in humaneval_files(run)]
     return lm_eval + samples + [drift for drift in map(drift_file, RUNS) if drift]
