@@ -53,15 +53,22 @@ def test_an_unmet_requirement_is_named_with_the_line_to_add():
     assert any("the bundle has pulp 3.5.0" in p for p in B.unmet_requirements(found, B.on_the_machine))
 
 
-def test_the_install_check_refuses_a_package_that_does_not_import_from_the_bundle(tmp_path, monkeypatch):
+def installed_tool(tmp_path, monkeypatch, requires: str = "") -> tuple[Path, Path, Path]:
+    """A bundle pinning some-tool 1.0 and a site folder on sys.path holding it (its METADATA ``requires`` lines):
+    (bundle, site, the METADATA file)."""
     bundle, site = tmp_path / "bundle", tmp_path / "site"
     bundle.mkdir()
     site.mkdir()
     (bundle / B.REQUIREMENTS).write_text("some-tool==1.0\n")
     dist = site / "some_tool-1.0.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: some-tool\nVersion: 1.0\n")
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: some-tool\nVersion: 1.0\n{requires}")
     monkeypatch.syspath_prepend(str(site))
+    return bundle, site, dist / "METADATA"
+
+
+def test_the_install_check_refuses_a_package_that_does_not_import_from_the_bundle(tmp_path, monkeypatch):
+    bundle, site, _ = installed_tool(tmp_path, monkeypatch)
     report = B.check(bundle, site, mimic=False)
     assert report["bundled"] == 1 and report["torch"]  # torch: this environment's own
     (bundle / B.REQUIREMENTS).write_text("some-tool==1.1\n")
@@ -73,16 +80,8 @@ def test_the_install_check_fails_on_a_machine_package_a_bundled_one_rejects(tmp_
     """A version conflict the install cannot resolve (the machine's package at a version a bundled package
     rejects, with no meeting version in the bundle to shadow it) fails the check, naming the line to add; it
     was only a warning, and the GPU run then failed at import on the lent machine's minutes."""
-    bundle, site = tmp_path / "bundle", tmp_path / "site"
-    bundle.mkdir()
-    site.mkdir()
-    (bundle / B.REQUIREMENTS).write_text("some-tool==1.0\n")
-    dist = site / "some_tool-1.0.dist-info"
-    dist.mkdir()
-    metadata = "Metadata-Version: 2.1\nName: some-tool\nVersion: 1.0\nRequires-Dist: pytest<{}\n"
-    monkeypatch.syspath_prepend(str(site))
-    (dist / "METADATA").write_text(metadata.format("999"))
+    bundle, site, metadata = installed_tool(tmp_path, monkeypatch, "Requires-Dist: pytest<999\n")
     assert B.check(bundle, site, mimic=False)["bundled"] == 1
-    (dist / "METADATA").write_text(metadata.format("1"))
+    metadata.write_text(metadata.read_text().replace("pytest<999", "pytest<1"))
     with pytest.raises(SystemExit, match=r"some-tool needs pytest<1: pytest .* is installed: add a meeting version"):
         B.check(bundle, site, mimic=False)

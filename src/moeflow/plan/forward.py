@@ -55,6 +55,7 @@ from moeflow.plan.memory import (
     layer_activation_elements,
     root_unit_parameters,
     runtime_bytes,
+    with_total,
 )
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.settings import typed
@@ -175,12 +176,8 @@ def forward_memory(s: Shape, params: ParamCount, job: ForwardJob) -> dict[str, d
     out = {}
     for phase in FORWARD_PHASES:
         side = host[phase] | {"runtime": CUDA_HOST_RUNTIME_BYTES} if on_cuda else {}
-        out[phase] = {"device": _with_total(device[phase]), "host": _with_total(side)}
+        out[phase] = {"device": with_total(device[phase]), "host": with_total(side)}
     return out
-
-
-def _with_total(terms: Mapping[str, int]) -> dict[str, int]:
-    return dict(terms) | {"total": sum(terms.values())}
 
 
 def worst_total(s: Shape, params: ParamCount, job: ForwardJob) -> int:

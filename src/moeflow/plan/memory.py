@@ -527,11 +527,12 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     for phase, (device, copies) in terms.items():
         device = device if phase == "step" else device | runtime
         host = copies | {"runtime": CUDA_HOST_RUNTIME_BYTES} if on_cuda else {}
-        out[phase] = {"device": _with_total(device), "host": _with_total(host)}
+        out[phase] = {"device": with_total(device), "host": with_total(host)}
     return out
 
 
-def _with_total(terms: Mapping[str, int]) -> dict[str, int]:
+def with_total(terms: Mapping[str, int]) -> dict[str, int]:
+    """``terms`` with their sum under ``total`` (a phase side of :func:`phase_memory` and of moeflow.plan.forward)."""
     return dict(terms) | {"total": sum(terms.values())}
 
 
