@@ -75,4 +75,4 @@ rule on_device:
     # check runs on a lent machine (docs/gpu.md).
     input:
         rules.evaluate.input,
-        lambda wildcards: model_stage_results(),
+        model_stage_results,

@@ -129,7 +129,8 @@ if ((smoke)); then
   ((cores > 8)) && cores=8
   t=$SECONDS
   rc=0
-  (cd "$work/tree" && timeout "$SMOKE_LIMIT" "$python" -m snakemake on_device --cores "$cores" --configfile "${overlays[@]}" \
+  # the copy's own library first: common.smk refuses a moeflow imported from another folder
+  (cd "$work/tree" && PYTHONPATH="$work/tree/src:$PYTHONPATH" timeout "$SMOKE_LIMIT" "$python" -m snakemake on_device --cores "$cores" --configfile "${overlays[@]}" \
     >"$work/smoke.log" 2>&1) || rc=$?
   seconds=$((SECONDS - t))
   tail -5 "$work/smoke.log"

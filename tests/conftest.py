@@ -54,9 +54,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.full)
 
 
+def workflow_env(workdir: Path, **env: str) -> dict[str, str]:
+    """This environment for Snakemake in ``workdir``, a copy of the workflow: its own src/ first on PYTHONPATH
+    (common.smk refuses a moeflow imported from anywhere else), the active stack, and ``env``."""
+    path = os.pathsep.join([str(Path(workdir).resolve() / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "STACK": active_stack(), "PYTHONPATH": path, **env}
+
+
 def snakemake(workdir: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run Snakemake (this interpreter's) in ``workdir``; the target must come first in ``args``."""
-    run_env = {**os.environ, "STACK": active_stack(), **(env or {})}
+    run_env = workflow_env(workdir, **(env or {}))
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
         cwd=workdir,

@@ -115,6 +115,10 @@ INFRASTRUCTURE = (
     ),
     ("src/moeflow/workflow/report_card.py", "the report card the Snakefile prints after a run"),
     (
+        "src/moeflow/workflow/rule_settings.py",
+        "each rule's settings from the config: they reach stages as params, which Snakemake compares",
+    ),
+    (
         "src/moeflow/workflow/rule_code.py",
         "each rule's declared code (this table's other side): a change of a declaration changes the rule's inputs",
     ),
@@ -163,6 +167,11 @@ ROWS = (
         "the memory planner's counts and per-rank memory, which the forward-only stages' plans use too",
         ("src/moeflow/plan/*",),
         frozenset({"plan_memory", "coverage_valset", *AFTER_FINE_TUNING}),
+    ),
+    Row(
+        "the forward-only stages' typed settings and shared opening (layout, memory plan, the model in its dtype)",
+        ("src/moeflow/stages/*",),
+        frozenset({"coverage_valset", *AFTER_FINE_TUNING}),
     ),
     Row(
         "the experts implementation's timing",

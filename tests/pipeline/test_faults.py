@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NOT_REPRODUCED, active_stack, only_on, snakemake  # noqa: E402
+from conftest import NOT_REPRODUCED, active_stack, only_on, snakemake, workflow_env  # noqa: E402
 
 from moeflow.runtime.files import DiskFull  # noqa: E402
 from moeflow.runtime.stage import KILL_ENV, KILL_SCOPE_ENV  # noqa: E402
@@ -41,7 +41,7 @@ def files_of(folder: Path) -> dict[str, bytes]:
 def snakemake_killed_with_its_jobs(workdir: Path, *args: str, kill_at: str) -> subprocess.CompletedProcess:
     """Run Snakemake in its own session and let the stage SIGKILL the whole session at ``kill_at``: Snakemake
     dies with its job, as in a power cut, leaving its incomplete-job markers behind."""
-    env = {**os.environ, "STACK": active_stack(), KILL_ENV: kill_at, KILL_SCOPE_ENV: "group"}
+    env = workflow_env(workdir, **{KILL_ENV: kill_at, KILL_SCOPE_ENV: "group"})
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
         cwd=workdir,

@@ -323,7 +323,7 @@ def test_stages_without_network_give_the_same_outputs(pipeline_copy, tmp_path):
         "HTTPS_PROXY": dead,
         "http_proxy": dead,
         "https_proxy": dead,
-        "PYTHONPATH": os.pathsep.join([str(guard), run_env.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(guard), str(pipeline_copy / "src"), run_env.get("PYTHONPATH", "")]),
     }
     targets = [
         str(results.relative_to(pipeline_copy) / "env" / "report.json"),

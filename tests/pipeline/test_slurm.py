@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SMOKE, active_stack, copy_workflow, only_on
+from conftest import SMOKE, active_stack, copy_workflow, only_on, workflow_env
 from slurm_cluster import Cluster, Unavailable
 
 from moeflow.runtime.stage import KILL_ENV, KILL_SCOPE_ENV
@@ -58,15 +58,15 @@ def files_of(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def snakemake_env(cluster: Cluster, **extra: str) -> dict[str, str]:
-    return {**os.environ, "STACK": active_stack(), **cluster.env, **extra}
+def snakemake_env(workdir: Path, cluster: Cluster, **extra: str) -> dict[str, str]:
+    return workflow_env(workdir, **cluster.env, **extra)
 
 
 def run_snakemake(workdir: Path, cluster: Cluster, *args: str, env: dict | None = None, timeout: float = 300):
     return subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
         cwd=workdir,
-        env=snakemake_env(cluster, **(env or {})),
+        env=snakemake_env(workdir, cluster, **(env or {})),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -143,7 +143,7 @@ def through_slurm(local_cluster: Cluster, smoke_pipeline: Path, tmp_path_factory
     args = (str(outputs["base"]), *SMOKE, "--workflow-profile", str(profile), *FAST_STATUS)
 
     kill = {KILL_ENV: f"pretrain_base.step{STEP_KILLED}", KILL_SCOPE_ENV: "stop"}
-    env = snakemake_env(local_cluster, **kill, PYTHONUNBUFFERED="1")  # its output is read while it runs
+    env = snakemake_env(workdir, local_cluster, **kill, PYTHONUNBUFFERED="1")  # its output is read while it runs
     output = workdir.parent / "first-run.out"
     with open(output, "w") as out:
         first = subprocess.Popen(
@@ -268,7 +268,7 @@ def planned_jobs(workdir: Path, profile: str) -> list[PlannedJob]:
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
         cwd=workdir,
-        env={**os.environ, "STACK": active_stack()},
+        env=workflow_env(workdir),
         capture_output=True,
         text=True,
     )

@@ -142,7 +142,6 @@ def test_warmup_and_train_model_stages_make_a_loadable_model(stage_inputs, tmp_p
         outputs,
         {
             "settings": train_settings,
-            "export": {"max_shard_size": "5GB"},
             "runtime": runtime,
             "checkpoints": str(tmp_path / "ckpt"),
         },

@@ -393,3 +393,31 @@ def test_flash_attention_for_a_family_without_it_is_refused_naming_sdpa():
     from moeflow.model.families.step3p5 import Step3p5ForCausalLM
 
     assert Step3p5ForCausalLM._supports_flash_attn is False  # what the refusal stands for
+
+
+def test_runs_that_share_a_keyed_stage_must_agree_on_what_it_reads():
+    """Two runs with one coverage key share its job: a layout they disagree on is refused naming both runs."""
+    from moeflow.workflow.rule_settings import configs_by_key
+
+    cfg = load(overrides={"runs": {"a": {}, "b": {"train": {"steps": 9}}, "c": {"coverage": {"ranks": 2}}}})
+    runs = {name: run_config(cfg, name) for name in ("a", "b")}
+    assert list(configs_by_key("covkey", runs).values()) == [runs["a"]]  # train.steps is no part of it
+    assert len(configs_by_key("warmkey", runs)) == 1
+    runs["c"] = run_config(cfg, "c")
+    with pytest.raises(ConfigError, match=r"runs 'a' and 'c' share rule coverage_valset's output c-\w+ .*parallel"):
+        configs_by_key("covkey", runs)
+
+
+def test_a_torchrun_jobs_settings_are_compared_as_a_dict_and_passed_as_json():
+    """Snakemake's params trigger compares repr(); the shell command line formats str()."""
+    from moeflow.runtime.job import Job
+    from moeflow.workflow.rule_settings import CommandLineJson, rule_settings
+
+    cfg = run_config(load(), "moe")
+    settings = CommandLineJson(rule_settings("train_model", cfg, {"run": "moe"}, cfg))
+    assert repr(settings) == repr(dict(settings)) and json.loads(str(settings)) == settings
+    argv = ["--job", json.dumps({"rule": "train_model", "input": {}, "output": {}, "params": {"checkpoints": "c"}})]
+    argv += ["--settings", str(settings), "--runtime", json.dumps({"precision": "fp32"}), "--threads", "1"]
+    job = Job.from_argv(TrainModelStage, argv)
+    assert job.params.checkpoints == "c" and job.params.runtime == {"precision": "fp32"}
+    assert job.settings == typed(TrainModelStage, settings) and job.settings.export == cfg["export"]

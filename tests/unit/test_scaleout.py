@@ -320,7 +320,7 @@ def rules_on_the_device() -> set[str]:
             name = block.split(":", 1)[0]
             script = re.search(r'script:\s*"\.\./scripts/(\w+\.py)"', block)
             on_device = script and "compute_device(" in (REPO_ROOT / "workflow" / "scripts" / script[1]).read_text()
-            if on_device or "TRAIN_SHELL" in block:
+            if on_device or "TORCHRUN_SHELL" in block:
                 rules.add(name)
     return rules
 

@@ -32,6 +32,7 @@ from moeflow.runtime.job import Named
 from moeflow.settings import REPO_ROOT
 from moeflow.workflow import keys
 from moeflow.workflow.load import load, run_config
+from moeflow.workflow.rule_settings import rule_settings
 
 SCRIPTS = REPO_ROOT / "workflow" / "scripts"
 FIRST = TRAINED[0]  # its coverage validation set serves every run (coverage.valset_of_run), as in the pipeline test
@@ -125,13 +126,7 @@ class UserRuns:
         out = f"coverage/{keys.coverage_key(cfg)}"
         inputs = {"model": cfg["model"]["pretrained"], "experts": self.experts(family), "pool": [self.data(family)]}
         outputs = {"valset": f"{out}/valset", "json": f"{out}/coverage.json", "heatmap": f"{out}/heatmap.png"}
-        params = {
-            "settings": keys.coverage_settings(cfg),
-            "device": cfg["hardware"]["device"],
-            "parallel": keys.forward_parallel(cfg, "coverage"),
-            "runtime": self.runtime(family),
-            "batch": keys.forward_batch(cfg, "coverage_valset"),
-        }
+        params = {"settings": rule_settings("coverage_valset", cfg, {}, cfg), "runtime": self.runtime(family)}
         run_torchrun_script("coverage_valset.py", "coverage_valset", inputs, outputs, params)
         return outputs["valset"]
 
@@ -169,7 +164,6 @@ class UserRuns:
         outputs = {"model": f"{out}/model", "logs": f"{out}/train", "adapter": f"{out}/adapter"}
         params = {
             "settings": keys.train_model_settings(cfg),
-            "export": keys.export_settings(cfg),
             "runtime": self.runtime(family),
             "checkpoints": "checkpoints",
         }

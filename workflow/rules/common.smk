@@ -1,33 +1,42 @@
-# Shared by all stage files: config validation, the stack, the runs, result paths, and the library
-# code each stage lists as inputs (Snakemake does not track code imported by a script otherwise).
-# Functions live here only; workflow/rules/<stage>.smk hold rules only.
+# Shared by all stage files: the config, the stack, the runs, result paths, each rule's settings, and the
+# library code each stage lists as inputs (Snakemake does not track code imported by a script otherwise).
+# Plain functions of wildcards and the config live here; workflow/rules/<stage>.smk hold the rules.
+#
+# Snakemake's Python imports moeflow as an installed package (`make env` installs this folder's src/ in
+# editable mode; a copy of the workflow puts its own src/ on PYTHONPATH): the stage scripts, started by the
+# same interpreter or by torchrun from it, import the same one.
 
-import json
 import os
-import re
 import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from moeflow.evaluation.lm_eval_tasks import by_label as lm_eval_task_labels
+from moeflow.paper.build import paper_outputs
+from moeflow.paper.eval_results import MODELS
+from moeflow.parallel.launch import torchrun_command
+from moeflow.plan.shapes import PlanError, model_config_fields, model_shape
+from moeflow.runtime.devices import claim_command
+from moeflow.runtime.env import fingerprint as environment_fingerprint
+from moeflow.runtime.gpu_node import layout as gpu_layout
+from moeflow.settings import REPO_ROOT, ConfigError
+from moeflow.workflow import keys as stage_keys
+from moeflow.workflow.load import load as load_config, resolve_stack, run_config
+from moeflow.workflow.merge import run_names
+from moeflow.workflow.rule_code import code_files
+from moeflow.workflow.rule_settings import CommandLineJson, configs_by_key, rule_settings
+
 SRC = Path(workflow.basedir) / "src"
-sys.path.insert(0, str(SRC))
-# Stage scripts run in their own interpreter (the rule's conda env, or Snakemake's own Python):
-# they find the moeflow package through PYTHONPATH.
-os.environ.update(
-    PYTHONPATH=os.pathsep.join([str(SRC)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-)
+if REPO_ROOT.resolve() != Path(workflow.basedir).resolve():
+    raise WorkflowError(
+        f"moeflow: this Python imports moeflow from {REPO_ROOT / 'src'}, not from this workflow's {SRC}: "
+        f"run `make env` here (pip install -e .), or put {SRC} first on PYTHONPATH"
+    )
 
 # Jobs share the cores (`--cores 8` on a laptop runs several at once): idle OpenMP threads sleep instead
 # of spinning, which took a loaded step from 28-49 s to 3.4-4.3 s (benchmarks/train.py). Timing only.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from moeflow.settings import ConfigError
-from moeflow.workflow import keys as stage_keys
-from moeflow.workflow.load import load as load_config, resolve_stack, run_config
-from moeflow.workflow.merge import run_names
-from moeflow.runtime.env import fingerprint as environment_fingerprint
-from moeflow.workflow.rule_code import code_files
 
 try:
     # The config again from config/config.yaml and the --configfile overlays, merged by moeflow's rules (null
@@ -58,10 +67,10 @@ def code(rule):
     return code_files(rule, SRC / "moeflow")
 
 
-def runtime(run=None, torch=True):
-    """Stack, precision and seed, and for a rule that computes with torch (``torch``) its threads, which split
-    torch's reductions: recorded in every output, and part of every rule's params, so a change reruns it."""
-    cfg = RUNS[run] if run else config
+def runtime(cfg=config, torch=True):
+    """Stack, precision and seed of the config ``cfg`` (a run's, or the whole config's), and for a rule that
+    computes with torch (``torch``) its threads, which split torch's reductions: recorded in every output, and
+    part of every rule's params, so a change reruns it."""
     return {"stack": STACK, "precision": cfg["precision"], "seed": cfg["seed"]} | ({"threads": config["threads"]} if torch else {})
 
 
@@ -73,30 +82,7 @@ def bench_path(rule, *parts):
     return f"{RESULTS}/benchmarks/{rule}/{'/'.join(parts) or rule}.tsv"
 
 
-# --- paths shared between stages
-
-
-def tokenizer_dir(settings):
-    """The tokenizer folder for a set of tokenizer settings: the pretrained model's, or one trained here."""
-    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{stage_keys.stable_hash(settings)}"
-
-
-def corpus_files(wc):
-    """Source files of a corpus, so that editing one reruns the stage (stdlib is recorded in the manifest)."""
-    from moeflow.data.corpus import source_files
-
-    return source_files(DATASETS[wc.datakey]["data"]["sources"][wc.corpus])
-
-
-def data_dir(cfg, corpus):
-    return f"{RESULTS}/data/{stage_keys.data_key(cfg)}/{corpus}"
-
-
-BASES = {stage_keys.base_key(cfg): cfg for cfg in RUNS.values() if not cfg["model"]["pretrained"]}
-
-
-def base_model_dir(cfg):
-    return cfg["model"]["pretrained"] or f"{RESULTS}/base/{stage_keys.base_key(cfg)}"
+# --- the run config a job serves: its run's ({run}), or the one behind the key that names its output
 
 
 def coverage_source(cfg):
@@ -110,7 +96,52 @@ def coverage_source(cfg):
     return RUNS[other]
 
 
-COVERAGES = {stage_keys.coverage_key(coverage_source(cfg)): coverage_source(cfg) for cfg in RUNS.values()}
+def is_esft(cfg):
+    return cfg["train"]["method"] == "esft"
+
+
+try:
+    # Key -> the run config it serves; two runs with one key must agree on what its stage reads.
+    KEYED = {
+        "basekey": configs_by_key("basekey", {run: cfg for run, cfg in RUNS.items() if not cfg["model"]["pretrained"]}),
+        "covkey": configs_by_key("covkey", {run: coverage_source(cfg) for run, cfg in RUNS.items()}),
+        "warmkey": configs_by_key("warmkey", RUNS),
+        "routkey": configs_by_key("routkey", {run: cfg for run, cfg in RUNS.items() if is_esft(cfg)}),
+        "selkey": configs_by_key("selkey", {run: cfg for run, cfg in RUNS.items() if is_esft(cfg)}),
+    }
+except ConfigError as exc:
+    raise WorkflowError(f"moeflow: {exc}") from None
+
+
+def config_of(wildcards):
+    """The run config a job serves: its run's for a ``{run}`` job, else the config behind its key wildcard."""
+    named = dict(wildcards.items())
+    if "run" in named:
+        return RUNS[named["run"]]
+    return next(KEYED[name][key] for name, key in named.items() if name in KEYED)
+
+
+# --- paths shared between stages
+
+
+def tokenizer_dir(settings):
+    """The tokenizer folder for a set of tokenizer settings: the pretrained model's, or one trained here."""
+    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{stage_keys.stable_hash(settings)}"
+
+
+def corpus_files(wildcards):
+    """Source files of a corpus, so that editing one reruns the stage (stdlib is recorded in the manifest)."""
+    from moeflow.data.corpus import source_files
+
+    return source_files(DATASETS[wildcards.datakey]["data"]["sources"][wildcards.corpus])
+
+
+def data_dir(cfg, corpus):
+    return f"{RESULTS}/data/{stage_keys.data_key(cfg)}/{corpus}"
+
+
+def base_model_dir(cfg):
+    return cfg["model"]["pretrained"] or f"{RESULTS}/base/{stage_keys.base_key(cfg)}"
 
 
 def coverage_dir(cfg):
@@ -141,19 +172,132 @@ def run_targets(cfg, run):
     ] + [data_dir(cfg, c) for c in [cfg["data"]["finetune_corpus"], *cfg["data"]["eval_corpora"]]]
 
 
-# --- evaluation and paper
+# --- a job's inputs, as functions of its wildcards
 
-from moeflow.paper.build import paper_outputs
-from moeflow.paper.eval_results import MODELS
-from moeflow.evaluation.lm_eval_tasks import by_label as lm_eval_task_labels
-from moeflow.plan.shapes import PlanError, model_config_fields, model_shape
 
-PAPER = f"{RESULTS}/paper"
+def base_model(wildcards):
+    return base_model_dir(config_of(wildcards))
+
+
+def base_tokenizer(wildcards):
+    return tokenizer_dir(stage_keys.tokenizer_settings(config_of(wildcards)))
+
+
+def base_corpus_data(wildcards):
+    cfg = config_of(wildcards)
+    return data_dir(cfg, cfg["data"]["base_corpus"])
+
+
+def finetune_data(wildcards):
+    cfg = config_of(wildcards)
+    return data_dir(cfg, cfg["data"]["finetune_corpus"])
+
+
+def eval_data(wildcards):
+    cfg = config_of(wildcards)
+    return [data_dir(cfg, c) for c in cfg["data"]["eval_corpora"]]
+
+
+def pool_data(wildcards):
+    cfg = config_of(wildcards)
+    return [data_dir(cfg, c) for c in cfg["coverage"]["pool_corpora"]]
+
+
+def experts(wildcards):
+    """The experts choice of a job that loads the run's model after fine-tuning starts (fine-tuning, evaluation)."""
+    return experts_choice(config_of(wildcards))
+
+
+def pretrain_experts(wildcards):
+    """The experts choice of a job that loads the base model as pretraining holds it (pretrain_base, coverage_valset)."""
+    return experts_choice(config_of(wildcards), "pretrain")
+
+
+def valset(wildcards):
+    return f"{coverage_dir(config_of(wildcards))}/valset"
+
+
+def warmup_checkpoint(wildcards):
+    return warmup_dir(config_of(wildcards))
+
+
+def expert_selection(wildcards):
+    """ESFT's expert selection (esft_select's output) for the training stages; none for other methods."""
+    return esft_selection(config_of(wildcards))
+
+
+def routing_totals(wildcards):
+    return esft_totals(config_of(wildcards))
+
+
+def finetuned_model(wildcards):
+    return final_model_dir(wildcards.run)
+
+
+def memory_plan(wildcards):
+    return f"{RESULTS}/runs/{wildcards.run}/plan.json"
 
 
 def evaluated_model_dir(wildcards):
     """The folder of the model a per-model evaluation job reads: the run's base ({model} = base) or its fine-tuned model."""
-    return base_model_dir(RUNS[wildcards.run]) if wildcards.model == "base" else final_model_dir(wildcards.run)
+    return base_model(wildcards) if wildcards.model == "base" else finetuned_model(wildcards)
+
+
+def model_config_file(wildcards):
+    """The pretrained folder's config.json that choose_experts reads (none for a model built from config)."""
+    return [f"{p}/config.json" for p in [EXPERTS[wildcards.expkey]["model"]["pretrained"]] if p]
+
+
+# --- a job's params: its settings and runtime (Snakemake compares both), as functions of its wildcards
+
+# The rules whose scripts never compute with torch: their runtime leaves torch's threads out.
+WITHOUT_TORCH = ("verify_env", "train_tokenizer", "tokenize", "plan_memory", "esft_select", "humaneval_execute", "paper")
+
+
+def settings(rule):
+    """``params.settings`` of ``rule``: moeflow.workflow.rule_settings's settings of the config its job serves."""
+
+    def of(wildcards):
+        cfg = config_of(wildcards)
+        return CommandLineJson(rule_settings(rule, cfg, dict(wildcards.items()), coverage_source(cfg)))
+
+    return of
+
+
+def job_runtime(rule):
+    """``params.runtime`` of ``rule`` (:func:`runtime`) for the config its job serves. coverage_valset's is the
+    whole config's: its key holds no precision, so every run that shares the set shares how it was routed."""
+
+    def of(wildcards):
+        return runtime(config if rule == "coverage_valset" else config_of(wildcards), torch=rule not in WITHOUT_TORCH)
+
+    return of
+
+
+def tokenizer_settings(wildcards):
+    return TOKENIZERS[wildcards.tokkey]
+
+
+def data_settings(wildcards):
+    return DATASETS[wildcards.datakey]
+
+
+def experts_settings(wildcards):
+    return EXPERTS[wildcards.expkey]
+
+
+def experts_gpus(wildcards):
+    """choose_experts times one MoE block on one GPU with hardware.device cuda."""
+    return 1 if EXPERTS[wildcards.expkey]["device"] == "cuda" else 0
+
+
+def data_tokenizer(wildcards):
+    return tokenizer_dir(DATASETS[wildcards.datakey]["tokenizer"])
+
+
+# --- evaluation and paper
+
+PAPER = f"{RESULTS}/paper"
 
 
 def run_eval_dir(run):
@@ -176,14 +320,20 @@ def lm_eval_files(run):
     }
 
 
-def lm_eval_task_of(wc):
+def lm_eval_task_of(wildcards):
     """An lm_eval_task job's task (wildcards run and task), resolved from the run's evaluate.tasks."""
-    return lm_eval_task_labels(RUNS[wc.run]["evaluate"]["tasks"])[wc.task]
+    return lm_eval_task_labels(RUNS[wildcards.run]["evaluate"]["tasks"])[wildcards.task]
 
 
-def task_corpora(wc):
+def task_files(wildcards):
+    """The task's YAML and code, relative to the working directory: an absolute path would change (and rerun
+    the task) in a moved copy."""
+    return [os.path.relpath(p) for p in lm_eval_task_of(wildcards).files]
+
+
+def task_data(wildcards):
     """The run's evaluation corpora if an lm_eval_task job's task reads their test splits (moeflow's own tasks)."""
-    return RUNS[wc.run]["data"]["eval_corpora"] if lm_eval_task_of(wc).docs else []
+    return eval_data(wildcards) if lm_eval_task_of(wildcards).docs else []
 
 
 def humaneval_files(run):
@@ -198,7 +348,7 @@ def drift_file(run):
     return f"{run_eval_dir(run)}/drift.json" if is_moe_run(run) else None
 
 
-def model_stage_results():
+def model_stage_results(wildcards=None):
     """Every run's results of the evaluation stages that run a model, the on_device target's inputs: its lm-eval
     tasks, HumanEval's samples (not their execution) and the routing drift."""
     lm_eval = [path for run in RUNS for by_model in lm_eval_files(run).values() for path in by_model.values()]
@@ -206,7 +356,7 @@ def model_stage_results():
     return lm_eval + samples + [drift for drift in map(drift_file, RUNS) if drift]
 
 
-def eval_result_files():
+def eval_result_files(wildcards=None):
     """Every run's lm-eval, HumanEval and routing-drift results, as moeflow.paper.eval_results.read_run_results
     takes them (the paper rule's params; ``eval_result_paths`` lists the same files as its inputs)."""
     return {run: {"lm_eval": lm_eval_files(run), "humaneval": humaneval_files(run), "drift": drift_file(run)} for run in RUNS}
@@ -248,8 +398,13 @@ def paper_output_files():
     }
 
 
-# --- training stages (pretrain_base, warmup, train_model): shell rules that start their script
-# through torchrun; the script reads its job, and its typed settings, with moeflow.runtime.job.Job.from_argv.
+def paper_outdir(wildcards, output):
+    return os.path.dirname(output.provenance)
+
+
+# --- stages that run through torchrun (pretrain_base, warmup, train_model and the six forward-only stages): shell
+# rules that start their script through torchrun; the script reads its job, and its typed settings, with
+# moeflow.runtime.job.Job.from_argv.
 
 
 def gpus_of(cfg, ranks=1):
@@ -260,16 +415,32 @@ def gpus_of(cfg, ranks=1):
     return ranks if cfg["hardware"]["device"] == "cuda" else 0
 
 
-def training_gpus(cfg):
-    """The GPUs of a training job of ``cfg`` (warmup, train_model): parallel.nproc_per_node on each of parallel.nnodes."""
-    return gpus_of(cfg, cfg["parallel"]["nproc_per_node"] * cfg["parallel"]["nnodes"])
+TRAINING_RULES = ("warmup", "train_model")
 
 
-def forward_gpus(cfg, ranks=1):
-    """The GPUs of a forward-only job of ``cfg`` on ``ranks`` ranks (evaluate_run, lm_eval_task, humaneval_generate
-    and routing_drift: evaluate.ranks; coverage_valset: coverage.ranks; choose_experts loads the whole model on one
-    device)."""
-    return gpus_of(cfg, ranks)
+def ranks_per_node(rule, cfg):
+    """The ranks per node of a job of ``rule``: parallel.nproc_per_node for training; a forward-only stage's
+    section's ``ranks`` (evaluate.ranks, coverage.ranks: moeflow.workflow.keys.FORWARD_STAGE_SECTIONS); one for
+    pretrain_base (the base model does not depend on parallel)."""
+    section = stage_keys.FORWARD_STAGE_SECTIONS.get(rule)
+    if section:
+        return cfg[section]["ranks"]
+    return cfg["parallel"]["nproc_per_node"] if rule in TRAINING_RULES else 1
+
+
+def job_gpus(rule):
+    """``resources.gpu`` of ``rule``'s job: one GPU per rank, on each of parallel.nnodes for training."""
+
+    def gpus(wildcards):
+        cfg = config_of(wildcards)
+        return gpus_of(cfg, ranks_per_node(rule, cfg) * (training_nodes(wildcards) if rule in TRAINING_RULES else 1))
+
+    return gpus
+
+
+def training_nodes(wildcards):
+    """``resources.nodes`` of a training job: parallel.nnodes."""
+    return config_of(wildcards)["parallel"]["nnodes"]
 
 
 def training_python():
@@ -279,62 +450,45 @@ def training_python():
     return "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
 
 
-def torchrun_launcher(rule, cfg_of=None, ranks_of=lambda cfg: cfg["parallel"]["nproc_per_node"]):
-    """``params.launcher`` of the torchrun rules, from moeflow.parallel.launch.torchrun_command (at one rank on one
-    node the interpreter alone). One rank per GPU
-    of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in a SLURM profile; on several nodes,
-    each node's torchrun gets the rule's threads); without
-    that resource, ``ranks_of(cfg)`` ranks (default parallel.nproc_per_node) of the run config ``cfg_of(wildcards)`` (GPUs with
-    hardware.device cuda, gloo CPU ranks with cpu), or one rank without ``cfg_of``. The script checks
-    that the ranks it finds are what the config's parallel section asks for."""
-    from moeflow.parallel.launch import torchrun_command
-    from moeflow.runtime.devices import claim_command
+def torchrun_launcher(rule):
+    """``params.launcher`` of ``rule``, from moeflow.parallel.launch.torchrun_command (at one rank on one node the
+    interpreter alone). One rank per GPU of the job's ``resources.gpu`` over ``resources.nodes`` (set per rule in
+    a SLURM profile; on several nodes, each node's torchrun gets the rule's threads); without that resource,
+    :func:`ranks_per_node` ranks (GPUs with hardware.device cuda, gloo CPU ranks with cpu); pretrain_base without
+    it, one CPU rank. The script checks that the ranks it finds are what its settings ask for."""
 
     def launcher(wildcards, resources, threads):
-        cfg = cfg_of(wildcards) if cfg_of else None
-        per_node = ranks_of(cfg) if cfg else 1
         gpus = int(getattr(resources, "gpu", 0) or 0)
         if gpus:
             nodes = int(getattr(resources, "nodes", 1) or 1)
             command = torchrun_command(training_python(), gpus=gpus, nodes=nodes, threads=threads)
             # on one node, the job's own GPUs first (moeflow.runtime.devices); several nodes are SLURM's
             return (claim_command(training_python(), gpus, f"rule {rule}") if nodes == 1 else "") + command
-        if cfg is not None and cfg["hardware"]["device"] == "cuda":
-            return torchrun_command(training_python(), gpus=per_node)
-        return torchrun_command(training_python(), cpu_ranks=per_node)
+        cfg = config_of(wildcards)
+        if cfg["hardware"]["device"] == "cuda" and rule != "pretrain_base":
+            return torchrun_command(training_python(), gpus=ranks_per_node(rule, cfg))
+        return torchrun_command(training_python(), cpu_ranks=ranks_per_node(rule, cfg))
 
     return launcher
 
 
-TRAIN_SHELL = "{params.launcher} {input.script:q} --job {params.job:q} --threads {threads} --log-file {log:q}"
-
-
-def torchrun_job(rule, **params):
-    """The script's job description (``moeflow.runtime.job.Job.from_argv``): rule, inputs, outputs, params.
-    Params are whole settings dicts, so Snakemake reruns the rule when one changes."""
+def torchrun_params(rule, **paths):
+    """A torchrun rule's params: ``settings`` and ``runtime``, which Snakemake compares (a change reruns the rule)
+    and the script reads from its command line as JSON; ``job``, the rule's name and its input, output and other
+    paths (``paths``: values or functions of wildcards), built from input and output, so Snakemake's params
+    trigger skips it, which is right for paths; and ``launcher``."""
 
     def job(wildcards, input, output):
-        values = {k: (v(wildcards) if callable(v) else v) for k, v in params.items()}
-        return json.dumps({"rule": rule, "input": dict(input.items()), "output": dict(output.items()), "params": values}, sort_keys=True)
+        named = {name: value(wildcards) if callable(value) else value for name, value in paths.items()}
+        return CommandLineJson(rule=rule, input=dict(input.items()), output=dict(output.items()), params=named)
 
-    return job
-
-
-def torchrun_params(rule, **params):
-    """A torchrun rule's params: ``job``, the script's job description (:func:`torchrun_job`), and ``compared``,
-    the same settings built from the wildcards only, which rerun the rule when they change (Snakemake's params
-    trigger skips params derived from input or output, as the job description is)."""
-    compared = lambda wildcards: {k: (v(wildcards) if callable(v) else v) for k, v in params.items()}
-    return {"job": torchrun_job(rule, **params), "compared": compared}
+    return {"settings": settings(rule), "runtime": job_runtime(rule), "job": job, "launcher": torchrun_launcher(rule)}
 
 
-WARMUPS = {stage_keys.warmup_key(cfg): run for run, cfg in reversed(list(RUNS.items()))}
-
-# ESFT (train.method: esft): the routing totals (expensive) and the selection from them (cheap), keyed apart.
-# Key -> the (first) run it serves, as WARMUPS.
-ESFT_RUNS = [(run, cfg) for run, cfg in reversed(list(RUNS.items())) if cfg["train"]["method"] == "esft"]
-ESFT_ROUTINGS = {stage_keys.esft_routing_key(cfg): run for run, cfg in ESFT_RUNS}
-ESFT_SELECTIONS = {stage_keys.esft_selection_key(cfg): run for run, cfg in ESFT_RUNS}
+TORCHRUN_SHELL = (
+    "{params.launcher} {input.script:q} --job {params.job:q} --settings {params.settings:q}"
+    " --runtime {params.runtime:q} --threads {threads} --log-file {log:q}"
+)
 
 
 def esft_totals(cfg):
@@ -343,14 +497,21 @@ def esft_totals(cfg):
 
 def esft_selection(cfg):
     """The expert selection (esft_select's output) the training stages of ``cfg`` take; none for other methods."""
-    if cfg["train"]["method"] != "esft":
+    if not is_esft(cfg):
         return []
     return f"{RESULTS}/esft/selection/{stage_keys.esft_selection_key(cfg)}/selection.json"
+
+
 CHECKPOINTS = f"{RESULTS}/checkpoints"  # resumable checkpoints, outside every declared output
 
 
 def warmup_dir(cfg):
     return f"{RESULTS}/warmup/{stage_keys.warmup_key(cfg)}"
+
+
+def warmup_report(wildcards):
+    """Where a warmup whose routing gate failed writes its report (a log, never an output)."""
+    return f"{RESULTS}/logs/warmup/{wildcards.warmkey}.routing_report.json"
 
 
 def final_model_dir(run):

@@ -8,7 +8,7 @@ rule train_tokenizer:
     output:
         directory(f"{RESULTS}/tokenizer/{{tokkey}}"),
     params:
-        settings=lambda wc: TOKENIZERS[wc.tokkey],
+        settings=tokenizer_settings,
         runtime=runtime(torch=False),
     threads: config["threads"]
     log:
@@ -23,14 +23,14 @@ rule train_tokenizer:
 
 rule tokenize:
     input:
-        tokenizer=lambda wc: tokenizer_dir(DATASETS[wc.datakey]["tokenizer"]),
+        tokenizer=data_tokenizer,
         sources=corpus_files,
         lib=code("tokenize"),
     output:
         directory(f"{RESULTS}/data/{{datakey}}/{{corpus}}"),
     params:
-        settings=lambda wc: DATASETS[wc.datakey],
-        corpus=lambda wc: wc.corpus,
+        settings=data_settings,
+        corpus="{corpus}",
         runtime=runtime(torch=False),
     threads: config["threads"]
     log:

@@ -1,9 +1,6 @@
 # Stage 1: what environment is this? Facts only (no timestamps), so an unchanged environment gives
 # the same bytes and reruns nothing downstream. The fingerprint param reruns it when packages change.
 
-from moeflow.runtime.gpu_node import layout as gpu_layout
-
-
 rule verify_env:
     input:
         env_file=f"envs/{STACK}.yaml",
@@ -35,19 +32,19 @@ rule verify_env:
 # every rule that loads the model; the timings only of the paper, so their run-to-run noise reruns nothing.
 rule choose_experts:
     input:
-        model_config=lambda wc: [f"{p}/config.json" for p in [EXPERTS[wc.expkey]["model"]["pretrained"]] if p],
+        model_config=model_config_file,
         lib=code("choose_experts"),
     output:
         choice=f"{RESULTS}/experts/{{expkey}}/choice.json",
         timings=f"{RESULTS}/experts/{{expkey}}/timings.json",
     params:
-        settings=lambda wc: EXPERTS[wc.expkey],
+        settings=experts_settings,
         fingerprint=environment_fingerprint(),  # new packages time again (the choice reruns training only if it changes)
         runtime=runtime(),
     wildcard_constraints:
         expkey="e-[0-9a-f]+",
     resources:
-        gpu=lambda wc: 1 if EXPERTS[wc.expkey]["device"] == "cuda" else 0,  # times one MoE block on one GPU
+        gpu=experts_gpus,  # times one MoE block on one GPU
     threads: config["threads"]
     log:
         log_path("choose_experts", "{expkey}"),

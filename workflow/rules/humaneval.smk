@@ -3,22 +3,11 @@
 # runs only inside moeflow.evaluation.sandbox, never in a rule's own process.
 
 
-HUMANEVAL_GENERATE_PARAMS = dict(
-    settings=lambda wc: stage_keys.humaneval_generation_settings(RUNS[wc.run]),
-    model=lambda wc: RUNS[wc.run]["model"],
-    device=lambda wc: RUNS[wc.run]["hardware"]["device"],
-    # evaluation's layout (evaluate.ranks, evaluate.strategy), as evaluate_run's: it changes no completion
-    parallel=lambda wc: stage_keys.forward_parallel(RUNS[wc.run], "evaluate"),
-    runtime=lambda wc: runtime(wc.run),
-    batch=lambda wc: stage_keys.forward_batch(RUNS[wc.run], "humaneval_generate"),  # its memory plan
-)
-
-
 rule humaneval_generate:
     # Started through torchrun like evaluate_run, on evaluate.ranks ranks in evaluate.strategy's layout.
     input:
         model=evaluated_model_dir,
-        experts=lambda wc: experts_choice(RUNS[wc.run]),
+        experts=experts,
         script="workflow/scripts/humaneval_generate.py",
         lib=code("humaneval_generate"),
     output:
@@ -26,10 +15,9 @@ rule humaneval_generate:
     wildcard_constraints:
         model="base|finetuned",
     params:
-        **torchrun_params("humaneval_generate", **HUMANEVAL_GENERATE_PARAMS),
-        launcher=torchrun_launcher("humaneval_generate", lambda wc: RUNS[wc.run], lambda cfg: cfg["evaluate"]["ranks"]),
+        **torchrun_params("humaneval_generate"),
     resources:
-        gpu=lambda wc: forward_gpus(RUNS[wc.run], RUNS[wc.run]["evaluate"]["ranks"]),  # common.smk's gpus_of
+        gpu=job_gpus("humaneval_generate"),
     threads: config["threads"]
     log:
         log_path("humaneval_generate", "{run}", "{model}"),
@@ -38,7 +26,7 @@ rule humaneval_generate:
     conda:
         ENV_FILE
     shell:
-        TRAIN_SHELL
+        TORCHRUN_SHELL
 
 
 rule humaneval_execute:
@@ -51,9 +39,8 @@ rule humaneval_execute:
     wildcard_constraints:
         model="base|finetuned",
     params:
-        settings=lambda wc: stage_keys.humaneval_execution_settings(RUNS[wc.run]),
-        generation=lambda wc: stage_keys.humaneval_generation_settings(RUNS[wc.run]),
-        runtime=lambda wc: runtime(wc.run, torch=False),
+        settings=settings("humaneval_execute"),
+        runtime=job_runtime("humaneval_execute"),
     threads: config["threads"]
     log:
         log_path("humaneval_execute", "{run}", "{model}"),

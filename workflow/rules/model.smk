@@ -4,23 +4,17 @@
 
 rule pretrain_base:
     input:
-        tokenizer=lambda wc: tokenizer_dir(stage_keys.tokenizer_settings(BASES[wc.basekey])),
-        data=lambda wc: data_dir(BASES[wc.basekey], BASES[wc.basekey]["data"]["base_corpus"]),
-        experts=lambda wc: experts_choice(BASES[wc.basekey], "pretrain"),
+        tokenizer=base_tokenizer,
+        data=base_corpus_data,
+        experts=pretrain_experts,
         script="workflow/scripts/pretrain_base.py",
         lib=code("pretrain_base"),
     output:
         model=directory(f"{RESULTS}/base/{{basekey}}"),
     params:
-        job=torchrun_job(
-            "pretrain_base",
-            settings=lambda wc: stage_keys.base_model_settings(BASES[wc.basekey]),
-            runtime=lambda wc: runtime() | {"precision": BASES[wc.basekey]["precision"], "seed": BASES[wc.basekey]["seed"]},
-            checkpoints=f"{RESULTS}/checkpoints",
-        ),
-        launcher=torchrun_launcher("pretrain_base"),  # the rule's GPUs, else one CPU rank: the base model does not depend on parallel
+        **torchrun_params("pretrain_base", checkpoints=CHECKPOINTS),
     resources:
-        gpu=lambda wc: gpus_of(BASES[wc.basekey]),  # one rank: the base model does not depend on parallel
+        gpu=job_gpus("pretrain_base"),  # one rank: the base model does not depend on parallel
     threads: config["threads"]
     log:
         log_path("pretrain_base", "{basekey}"),
@@ -29,4 +23,4 @@ rule pretrain_base:
     conda:
         ENV_FILE
     shell:
-        TRAIN_SHELL
+        TORCHRUN_SHELL

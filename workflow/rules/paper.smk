@@ -22,9 +22,9 @@ rule paper:
     params:
         runs=list(RUNS),
         data_labels=list(paper_data()),
-        eval_files=lambda wc: eval_result_files(),
+        eval_files=eval_result_files,
         corpora=paper_corpora(),
-        outdir=lambda wc, output: os.path.dirname(output.provenance),
+        outdir=paper_outdir,
         settings=config["paper"],
         config=config,
         runtime=runtime(torch=False),

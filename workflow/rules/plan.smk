@@ -10,8 +10,8 @@ rule plan_memory:
         json=f"{RESULTS}/runs/{{run}}/plan.json",
         md=report(f"{RESULTS}/runs/{{run}}/plan.md", caption="../report/plan_memory.rst", category="Memory plan", subcategory="{run}"),
     params:
-        settings=lambda wc: stage_keys.plan_settings(RUNS[wc.run]),
-        runtime=lambda wc: runtime(wc.run, torch=False),
+        settings=settings("plan_memory"),
+        runtime=job_runtime("plan_memory"),
     threads: 1
     log:
         log_path("plan_memory", "{run}"),

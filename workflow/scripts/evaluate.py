@@ -10,40 +10,27 @@ import gc
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
 from moeflow.evaluation import run_metrics as ev
-from moeflow.model.device import compute_dtype
-from moeflow.model.factory import Layout, make_model
-from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import gather_objects, teardown
-from moeflow.parallel.settings import ParallelSettings
-from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.files import write_json, write_text
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
-from moeflow.settings import typed
+from moeflow.stages.forward import EvaluateRunStage, forward_layout, load_model
 
-job = Job.from_argv()
+job = Job.from_argv(EvaluateRunStage)
 stage = Stage.start(job)
-params = job.params
-layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
-refuse_unless_fits(params.batch, params.model, job.input.base, layout)  # its memory plan, before the load
+settings = job.settings
+layout = forward_layout(job, stage, job.input.base)
 device = layout.ranks.device
 
-sets = [ev.EvalSet("valset", list(params.pool_corpora), open_valset(job.input.valset))]
-sets += [ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in zip(params.eval_corpora, job.input.eval_data)]
+sets = [ev.EvalSet("valset", list(settings.coverage["pool_corpora"]), open_valset(job.input.valset))]
+tests = zip(settings.eval_corpora, job.input.eval_data)
+sets += [ev.EvalSet(f"test/{c}", [c], open_split(d, "test")) for c, d in tests]
 
-model_settings = typed(ModelSettings, params.model)
 stats, speed, coverage, parameters = {}, {}, {}, {}
 for label in ("base", "finetuned"):
-    model = make_model(
-        model_settings,
-        experts=job.input.experts,
-        folder=job.input[label],
-        layout=layout,
-        dtype=compute_dtype(stage.precision),
-        data=list(job.input.eval_data),
-    )
-    stats[label] = ev.evaluate_model(model, sets, params.settings, stage.precision, layout.ranks)
-    coverage[label] = ev.valset_coverage(model, sets[0].rows, params.coverage, stage.precision, layout.ranks)
+    model = load_model(job, stage, layout, job.input[label], data=job.input.eval_data)
+    stats[label] = ev.evaluate_model(model, sets, settings.evaluate, stage.precision, layout.ranks)
+    coverage[label] = ev.valset_coverage(model, sets[0].rows, settings.coverage, stage.precision, layout.ranks)
     parameters = ev.parameter_counts(model)
     speed[label] = ev.speed_record(stats[label].values())
     del model
@@ -52,8 +39,9 @@ for label in ("base", "finetuned"):
 
 peak = max(gather_objects(ev.peak_memory_bytes(device.type)))
 if layout.ranks.is_main:
-    metrics = ev.run_metrics(params.run, sets, stats["base"], stats["finetuned"], params.finetune_corpus, parameters)
-    metrics["coverage_recheck"] = ev.coverage_recheck(coverage["base"], coverage["finetuned"], params.coverage)
+    base, finetuned = stats["base"], stats["finetuned"]
+    metrics = ev.run_metrics(settings.run, sets, base, finetuned, settings.finetune_corpus, parameters)
+    metrics["coverage_recheck"] = ev.coverage_recheck(coverage["base"], coverage["finetuned"], settings.coverage)
     metrics["provenance"] = stage.provenance()
     speed["peak_memory_bytes"] = peak
     speed["device"] = device.type

@@ -11,14 +11,14 @@ from moeflow.settings import typed
 
 stage = Stage.start(snakemake)
 params = snakemake.params
-cfg = typed(HumanEvalExecution, params.settings)
+cfg = typed(HumanEvalExecution, params.settings["execution"])
 samples = he.read_samples(snakemake.input.samples)
-problems = he.load_problems(params.generation["problems"])
+problems = he.load_problems(params.settings["generation"]["problems"])
 
 executed = execute(problems, samples, Limits(wall_s=cfg.timeout_s, memory_mb=cfg.memory_mb), stage.threads)
 record = he.results(problems, executed, cfg.k)
 isolation = "namespaces" if namespaces_available() else "audit_hook"
-record["settings"] = {"execution": params.settings, "generation": params.generation, "isolation": isolation}
+record["settings"] = params.settings | {"isolation": isolation}
 record["provenance"] = stage.provenance()
 write_text(snakemake.output.summary, he.summary_markdown(snakemake.wildcards.run, snakemake.wildcards.model, record))
 write_json(snakemake.output.results, record)

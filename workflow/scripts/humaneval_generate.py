@@ -9,34 +9,21 @@ from functools import partial
 from moeflow.evaluation import humaneval as he
 from moeflow.evaluation.generation import Decoding, generate
 from moeflow.evaluation.humaneval import HumanEvalGeneration
-from moeflow.model.device import compute_dtype
-from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
-from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
-from moeflow.parallel.settings import ParallelSettings
-from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import typed
+from moeflow.stages.forward import HumanEvalGenerateStage, forward_layout, load_model
 
-job = Job.from_argv()
+job = Job.from_argv(HumanEvalGenerateStage)
 stage = Stage.start(job)
-params = job.params
-cfg = typed(HumanEvalGeneration, params.settings)
+cfg = typed(HumanEvalGeneration, job.settings.humaneval)
 problems = he.load_problems(cfg.problems)  # before the model loads: a bad count fails first
 
-layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
-refuse_unless_fits(params.batch, params.model, job.input.model, layout)  # its memory plan, before the load
-model_settings = typed(ModelSettings, params.model)
-model = make_model(
-    model_settings,
-    experts=job.input.experts,
-    folder=job.input.model,
-    layout=layout,
-    dtype=compute_dtype(stage.precision),
-)
-tokenizer = load_tokenizer(job.input.model, model_settings.trust_remote_code)
+layout = forward_layout(job, stage, job.input.model)
+model = load_model(job, stage, layout, job.input.model)
+tokenizer = load_tokenizer(job.input.model, job.settings.model.trust_remote_code)
 complete = partial(
     generate, model, tokenizer, stops=he.STOP_SEQUENCES, batch_size=cfg.batch_size, seed=cfg.seed, ranks=layout.ranks
 )

@@ -10,47 +10,33 @@ import tempfile
 
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation.lm_eval_tasks import TaskSpecError, missing_data_files, resolve
-from moeflow.model.device import compute_dtype
-from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
-from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
-from moeflow.parallel.settings import ParallelSettings
-from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.files import write_json
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
-from moeflow.settings import typed
+from moeflow.stages.forward import LmEvalTaskStage, forward_layout, load_model
 
-job = Job.from_argv()
+job = Job.from_argv(LmEvalTaskStage)
 stage = Stage.start(job)
-params = job.params
-settings = params.settings
-model_settings = typed(ModelSettings, params.model)
+settings = job.settings.lm_eval
 harness.require_lm_eval()
 
 # Everything that can fail on the task's input fails here, before a model is loaded.
-where = f"evaluate.tasks entry {params.task!r}"
-task = resolve(params.task, where)
+where = f"evaluate.tasks entry {job.settings.task!r}"
+task = resolve(job.settings.task, where)
 problems = missing_data_files(task, where)
 if problems:
     raise TaskSpecError("; ".join(problems))
-max_length = settings["max_length"] or params.seq_len
-tokenizer = load_tokenizer(job.input.model, model_settings.trust_remote_code)
-corpus_dirs = dict(zip(params.eval_corpora, job.input.eval_data))
+max_length = settings["max_length"] or job.settings.seq_len
+tokenizer = load_tokenizer(job.input.model, job.settings.model.trust_remote_code)
+corpus_dirs = dict(zip(job.settings.eval_corpora, job.input.eval_data))
 documents = (
     harness.corpus_documents(task, corpus_dirs, tokenizer, settings, max_length, stage.seed) if task.docs else {}
 )
 
-layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
-refuse_unless_fits(params.batch, params.model, job.input.model, layout)  # its memory plan, before the load
-model = make_model(
-    model_settings,
-    experts=job.input.experts,
-    folder=job.input.model,
-    layout=layout,
-    dtype=compute_dtype(stage.precision),
-).eval()
+layout = forward_layout(job, stage, job.input.model)
+model = load_model(job, stage, layout, job.input.model).eval()
 kill_point("lm_eval_task.loaded")
 if task.docs:
     with tempfile.TemporaryDirectory() as workdir:
@@ -64,8 +50,8 @@ if layout.ranks.is_main:
     write_json(
         job.output.json,
         {
-            "task": params.task,
-            "model": params.label,
+            "task": job.settings.task,
+            "model": job.settings.label,
             **record,
             "settings": settings,
             "provenance": stage.provenance(),

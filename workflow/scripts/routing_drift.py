@@ -8,35 +8,21 @@ import gc
 
 from moeflow.data.valset import open_valset
 from moeflow.evaluation import drift
-from moeflow.model.device import compute_dtype
-from moeflow.model.factory import Layout, make_model
-from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import teardown
-from moeflow.parallel.settings import ParallelSettings
-from moeflow.plan.forward import refuse_unless_fits
 from moeflow.runtime.files import write_json
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
-from moeflow.settings import typed
+from moeflow.stages.forward import RoutingDriftStage, forward_layout, load_model
 
-job = Job.from_argv()
+job = Job.from_argv(RoutingDriftStage)
 stage = Stage.start(job)
-params = job.params
-layout = Layout.join(typed(ParallelSettings, params.parallel), params.device, None, stage.precision)
-refuse_unless_fits(params.batch, params.model, job.input.base, layout)  # its memory plan, before the load
+layout = forward_layout(job, stage, job.input.base)
 rows = open_valset(job.input.valset)
-model_settings = typed(ModelSettings, params.model)
 
 routing = {}
 for label in ("base", "finetuned"):
-    model = make_model(
-        model_settings,
-        experts=job.input.experts,
-        folder=job.input[label],
-        layout=layout,
-        dtype=compute_dtype(stage.precision),
-    )
-    routing[label] = drift.model_routing(model, rows, params.settings, stage.precision, label, layout.ranks)
+    model = load_model(job, stage, layout, job.input[label])
+    routing[label] = drift.model_routing(model, rows, job.settings.evaluate, stage.precision, label, layout.ranks)
     del model
     gc.collect()
     kill_point(f"routing_drift.{label}")

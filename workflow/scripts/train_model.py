@@ -28,7 +28,7 @@ from moeflow.train.trainer import train_stage
 job = Job.from_argv(TrainModelStage)
 stage = Stage.start(job)
 settings = job.settings
-export = typed(ExportSettings, job.params.export)
+export = typed(ExportSettings, settings.export)
 layout = Layout.join(settings.parallel, settings.hardware_device, settings.train, stage.precision)
 # the warmup checkpoint (start_from) replaces every weight: the base model's are not read (weights=False)
 model = make_model(
@@ -49,7 +49,7 @@ trainer = train_stage(
     open_split(job.input.data, "train"),
     log_dir=job.output.logs,
     checkpoint_root=job.params.checkpoints,
-    key_settings=job.params.settings,
+    key_settings={k: v for k, v in job.params.settings.items() if k != "export"},  # export: no part of the key
     key_inputs=[job.input.model, job.input.data, job.input.warmup, job.input.valset, *selection_inputs],
     start_from=job.input.warmup,
     eval_rows=open_valset(job.input.valset),

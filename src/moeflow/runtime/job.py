@@ -1,8 +1,7 @@
 """The job a stage script runs: its rule, inputs, outputs, params, threads, log and typed settings.
 
-The job a stage script runs: its rule, named inputs, outputs and params, threads, log file and typed
-settings. A ``script:`` rule's ``snakemake`` object becomes one with :meth:`Job.from_snakemake`; a training
-script that a ``shell:`` rule starts through torchrun reads its own with :meth:`Job.from_argv`.
+A ``script:`` rule's ``snakemake`` object becomes one with :meth:`Job.from_snakemake`; a script that a
+``shell:`` rule starts through torchrun reads its own with :meth:`Job.from_argv`.
 """
 
 from __future__ import annotations
@@ -42,24 +41,28 @@ class Job:
 
     @classmethod
     def from_argv(cls, settings: type | None = None, argv: Sequence[str] | None = None) -> Job:
-        """The job a training rule passes its torchrun script: ``--job`` (JSON: rule, input, output, params,
-        moeflow.workflow's ``torchrun_job``), ``--threads`` and ``--log-file``. Under torchrun the rule's threads
-        are shared by the node's ranks (``threads // LOCAL_WORLD_SIZE``), and only rank 0 writes the log file
-        (the other ranks log to stderr)."""
-        parser = argparse.ArgumentParser(description="a moeflow training stage (started by its Snakemake rule)")
-        parser.add_argument("--job", required=True, help="JSON with rule, input, output and params")
+        """The job a torchrun rule passes its script (common.smk's ``TORCHRUN_SHELL``): ``--job`` (JSON: rule,
+        named input and output paths, path params), ``--settings`` and ``--runtime`` (JSON: the params Snakemake
+        compares), ``--threads`` and ``--log-file``. Under torchrun the rule's threads are shared by the node's
+        ranks (``threads // LOCAL_WORLD_SIZE``), and only rank 0 writes the log file (the others log to stderr)."""
+        parser = argparse.ArgumentParser(description="a moeflow stage that runs through torchrun (started by its rule)")
+        parser.add_argument("--job", required=True, help="JSON with rule, input, output and path params")
+        parser.add_argument("--settings", type=json.loads, help="JSON: the rule's settings param")
+        parser.add_argument("--runtime", type=json.loads, help="JSON: the rule's runtime param")
         parser.add_argument("--threads", type=int, required=True)
         parser.add_argument("--log-file", default=None)
         args = parser.parse_args(argv)
         job = json.loads(args.job)
+        compared = {name: value for name, value in (("settings", args.settings), ("runtime", args.runtime)) if value}
+        params = job["params"] | compared
         return cls(
             rule=job["rule"],
             input=Named(job["input"]),
             output=Named(job["output"]),
-            params=Named(job["params"]),
+            params=Named(params),
             threads=max(1, args.threads // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
             log_file=args.log_file if int(os.environ.get("RANK", "0")) == 0 else None,
-            settings=_typed_settings(settings, job["params"]),
+            settings=_typed_settings(settings, params),
         )
 
     @classmethod

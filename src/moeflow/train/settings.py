@@ -196,10 +196,12 @@ class WarmupStage:
 
 @dataclass(frozen=True)
 class TrainModelStage:
-    """Rule train_model (moeflow.workflow.keys.train_model_settings)."""
+    """Rule train_model (moeflow.workflow.keys.train_model_settings; ``export`` as
+    moeflow.checkpoint.export.ExportSettings takes it)."""
 
     train: TrainSettings
     model: ModelSettings
     warmup: str
     parallel: ParallelSettings
     hardware_device: str
+    export: dict[str, Any]

@@ -237,6 +237,18 @@ def forward_plan_settings(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
     }
 
 
+def forward_settings(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
+    """What every forward-only stage loads its model with (moeflow.stages.forward.ForwardStage): the model, the
+    device, the layout of its section (:func:`forward_parallel`) and the batch its memory plan counts
+    (:func:`forward_batch`). The layout changes no number, but starts the stage anew."""
+    return {
+        "model": cfg["model"],
+        "device": cfg["hardware"]["device"],
+        "parallel": forward_parallel(cfg, FORWARD_STAGE_SECTIONS[stage]),
+        "batch": forward_batch(cfg, stage),
+    }
+
+
 def forward_stages(cfg: Mapping[str, Any]) -> list[str]:
     """The forward-only stages a run has: esft_routing with ``train.method: esft``, lm_eval_task with
     ``evaluate.tasks``, humaneval_generate when enabled, the others always."""
@@ -311,20 +323,16 @@ def warmup_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def train_model_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What train_model depends on (:class:`TrainModelStage`): the whole training settings, the model, the
-    warmup it continues from, the layout."""
+    warmup it continues from, the layout, and ``export``: how the final folder is written
+    (moeflow.checkpoint.export.ExportSettings), which the script leaves out of the checkpoints' key."""
     return {
         "train": train_settings(cfg),
         "model": cfg["model"],
         "warmup": warmup_key(cfg),
         "parallel": cfg["parallel"],
         "hardware_device": cfg["hardware"]["device"],
+        "export": dict(cfg["export"]),
     }
-
-
-def export_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """How train_model writes the final model folder (:class:`ExportSettings`): a rule param of its own,
-    outside the training settings and the checkpoints' key."""
-    return dict(cfg["export"])
 
 
 warmup_key = settings_key("w", warmup_settings)

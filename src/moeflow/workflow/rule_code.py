@@ -120,6 +120,8 @@ MODEL = (
 )
 # A forward-only stage's memory plan, checked before it loads its model (moeflow.plan.forward.refuse_unless_fits).
 FORWARD_PLAN = ("plan.forward", "plan.counts", "plan.fit", "plan.memory", "plan.shapes")
+# A forward-only stage's opening: its typed settings, its layout and memory plan, its model loaded in its dtype.
+FORWARD_OPENING = ("stages.forward", *FORWARD_PLAN)
 
 # Reading the routers per family, and routing statistics over a set of rows (expert load, layer health).
 ROUTING = ("model.routing", "model.routing_stats")
@@ -151,20 +153,20 @@ RULES: dict[str, tuple[str, ...]] = {
     "train_tokenizer": TOKENIZER,
     "tokenize": ("data.tokenize", "data.packing", *TOKENIZER),
     "pretrain_base": TRAINING,
-    "coverage_valset": ("coverage", *ROUTING, *MODEL, *ROWS, *VALSET, *FORWARD_PLAN),
+    "coverage_valset": ("coverage", *ROUTING, *MODEL, *ROWS, *VALSET, *FORWARD_OPENING),
     # the plan reads the model's shapes from the config the factory builds, and the typed training settings
     "plan_memory": ("plan", *MODEL_CONFIG, "model.parameters", "train.settings", "parallel.settings"),
     # ESFT: the routing totals of the fine-tuning corpus (the coverage stage's routing pass), the selection
-    "esft_routing": ("train.esft", *ROUTING, *MODEL, *ROWS, *FORWARD_PLAN),
+    "esft_routing": ("train.esft", *ROUTING, *MODEL, *ROWS, *FORWARD_OPENING),
     "esft_select": ("train.esft",),
     "warmup": TRAINING,
     "train_model": (*TRAINING, *VALSET),
-    "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters", *FORWARD_PLAN),
+    "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters", *FORWARD_OPENING),
     # the set evaluation: each result carries its cross-check against moeflow's own loss
-    "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *FORWARD_PLAN),
-    "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL, *FORWARD_PLAN),
+    "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *FORWARD_OPENING),
+    "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL, *FORWARD_OPENING),
     "humaneval_execute": (*HUMANEVAL, *SANDBOX),
-    "routing_drift": ("evaluation.drift", "evaluation.loop", "model.routing", *MODEL, *ROWS, *VALSET, *FORWARD_PLAN),
+    "routing_drift": ("evaluation.drift", "evaluation.loop", "model.routing", *MODEL, *ROWS, *VALSET, *FORWARD_OPENING),
     "paper": ("paper",),
 }
 
