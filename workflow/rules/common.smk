@@ -465,7 +465,8 @@ def torchrun_launcher(rule):
             # on one node, the job's own GPUs first (moeflow.runtime.devices); several nodes are SLURM's
             return (claim_command(training_python(), gpus, f"rule {rule}") if nodes == 1 else "") + command
         cfg = config_of(wildcards)
-        if cfg["hardware"]["device"] == "cuda" and rule != "pretrain_base":
+        on_gpus = cfg["hardware"]["device"] == "cuda" and rule != "pretrain_base"
+        if on_gpus:
             return torchrun_command(training_python(), gpus=ranks_per_node(rule, cfg))
         return torchrun_command(training_python(), cpu_ranks=ranks_per_node(rule, cfg))
 
