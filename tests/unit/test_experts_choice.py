@@ -366,7 +366,7 @@ def rules_that_load_a_model() -> set[str]:
             head, script = re.match(r"rule (\w+):", block), re.search(r"scripts/(\w+\.py)", block)
             if head and script:
                 code = (REPO_ROOT / "workflow" / "scripts" / script.group(1)).read_text()
-                if re.search(r"\bmake_model\(", code):
+                if re.search(r"\b(make_model|load_model)\(", code):
                     rules.add(head.group(1))
     return rules
 

@@ -269,7 +269,8 @@ def job_runtime(rule):
     whole config's: its key holds no precision, so every run that shares the set shares how it was routed."""
 
     def of(wildcards):
-        return runtime(config if rule == "coverage_valset" else config_of(wildcards), torch=rule not in WITHOUT_TORCH)
+        cfg = config if rule == "coverage_valset" else config_of(wildcards)
+        return CommandLineJson(runtime(cfg, torch=rule not in WITHOUT_TORCH))
 
     return of
 
