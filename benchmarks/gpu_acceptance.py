@@ -63,9 +63,9 @@ from benchmarks.compared_trainers import (  # noqa: E402
 )
 from benchmarks.synthetic_rows import two_document_rows  # noqa: E402
 from moeflow.data.collate import collate  # noqa: E402
+from moeflow.loading.factory import make_model  # noqa: E402
 from moeflow.model import parameters as P  # noqa: E402
 from moeflow.model.experts_choice import measure as time_experts  # noqa: E402
-from moeflow.model.factory import make_model  # noqa: E402
 from moeflow.model.settings import ModelSettings  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
 from moeflow.runtime.files import write_json  # noqa: E402

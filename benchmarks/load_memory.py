@@ -61,7 +61,7 @@ def _settings(experts: int):
 def save(folder: Path, experts: int, dtype: str) -> int:
     import torch
 
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
 
     model = make_model(_settings(experts), vocab_size=32000, seed=0).to(getattr(torch, dtype))
     model.save_pretrained(folder)
@@ -96,8 +96,8 @@ def load(folder: str, how: str, dtype: str, experts: int) -> None:
 def _load(folder: str, how: str, dtype: str, experts: int, ranks):
     import torch
 
+    from moeflow.loading.factory import Layout, make_model
     from moeflow.model.configs import causal_lm_class
-    from moeflow.model.factory import Layout, make_model
     from moeflow.parallel.layouts import distributed_config
     from moeflow.parallel.settings import ParallelSettings
     from moeflow.settings import typed

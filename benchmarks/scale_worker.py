@@ -8,7 +8,7 @@ training state, each measured on this rank.
         MODEL_DIR OUT_DIR --strategy fsdp|ep [--export-shard-size 200MB]
         the phases in order on gloo ranks, one thread each; rank 0 writes OUT_DIR/phases.json
 
-The phases: ``load`` (the training load of MODEL_DIR: ``moeflow.model.factory.make_model`` for the layout, or the
+The phases: ``load`` (the training load of MODEL_DIR: ``moeflow.loading.factory.make_model`` for the layout, or the
 baseline's ``distributed.load_for_training``); ``step`` (a Trainer's ``train_step`` in the steady state the
 planner plans: AdamW's moments are alive through the backward pass, made beforehand, unmeasured, by the step on
 zero gradients a resume gives a fresh optimizer, ``torch.distributed.checkpoint``'s ``_init_optim_state``: a
@@ -102,7 +102,7 @@ def packages() -> bool:
 
 
 def distributed():
-    """The process group and training load: ``moeflow.parallel`` and ``moeflow.model.factory.make_model``, or the
+    """The process group and training load: ``moeflow.parallel`` and ``moeflow.loading.factory.make_model``, or the
     baseline's ``moeflow.distributed``."""
     if not packages():
         from moeflow import distributed as D
@@ -123,7 +123,7 @@ def distributed():
 def load_for_training(model_dir, model_cfg, train, parallel, ranks, precision: str, weights: bool = True):
     """The baseline's ``load_for_training`` through this tree's factory: the model for the layout, as the
     warmup and train_model stages make it."""
-    from moeflow.model.factory import Layout, make_model
+    from moeflow.loading.factory import Layout, make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
 
@@ -328,7 +328,7 @@ def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
 def build(model_dir: Path) -> None:
     """The benchmark model, saved once (HF-sharded) for every run on this stack."""
     if packages():
-        from moeflow.model.factory import make_model
+        from moeflow.loading.factory import make_model
         from moeflow.model.settings import ModelSettings
         from moeflow.settings import typed
 

@@ -1,6 +1,6 @@
 """Tokenization throughput on the default corpus, three ways, same tokenizer, same cores, one process:
 
-1. ``moeflow_stage``: this pipeline's tokenize stage (``moeflow.data.tokenize.tokenize_corpus``) from the
+1. ``moeflow_stage``: this pipeline's tokenize stage (``moeflow.data.sharding.tokenize_corpus``) from the
    source files to packed Arrow shards and manifest (reading, hashing, splitting, packing, writing);
 2. ``datasets_map``: the usual recipe, ``Dataset.map(tokenize, batched=True, num_proc=N)`` then a
    second ``map`` that concatenates and chunks into seq_len blocks (transformers' run_clm ``group_texts``),
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from moeflow.data.corpus import SourceReader, split_documents  # noqa: E402
-from moeflow.data.tokenize import tokenize_corpus  # noqa: E402
+from moeflow.data.sharding import tokenize_corpus  # noqa: E402
 from moeflow.data.tokenizer import load_fast_tokenizer, set_tokenizer_threads, train_tokenizer_stage  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
 from moeflow.runtime.files import write_json  # noqa: E402

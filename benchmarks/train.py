@@ -179,7 +179,7 @@ def model_and_examples(setup: str, args, timed: int):
     """The setup's model and training examples: the real shape's built from config (the same weights in every
     setup) and enough of its synthetic rows for ``timed`` steps, or the base model folder (with LoRA adapters
     for the LoRA setup: config/config.yaml's ``train.lora``) and the corpus."""
-    from moeflow.model.factory import Layout, make_model
+    from moeflow.loading.factory import Layout, make_model
     from moeflow.model.folder import load_tokenizer
     from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 

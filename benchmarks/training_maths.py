@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 
 from moeflow.data.collate import collate  # noqa: E402
+from moeflow.loading.factory import make_model  # noqa: E402
 from moeflow.model.experts_choice import measure as time_experts  # noqa: E402
-from moeflow.model.factory import make_model  # noqa: E402
 from moeflow.model.routing import adapter_or_none  # noqa: E402
 from moeflow.model.settings import ModelSettings  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402

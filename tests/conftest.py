@@ -183,9 +183,9 @@ def coverage_inputs(tmp_path_factory):
     """A tokenized corpus (train/heldout/test) and a tiny qwen3_moe saved with its tokenizer."""
     from tiny_models import tiny_model_cfg
 
-    from moeflow.data.tokenize import tokenize_corpus
+    from moeflow.data.sharding import tokenize_corpus
     from moeflow.data.tokenizer import load_fast_tokenizer, train_tokenizer_stage
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
 
@@ -220,7 +220,7 @@ def coverage_inputs(tmp_path_factory):
 
 
 def run_coverage_stage(root: Path, model_cfg, out: Path, **overrides):
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
 

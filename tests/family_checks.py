@@ -21,9 +21,9 @@ from tiny_models import (
 )
 
 from moeflow.data.collate import collate, model_inputs
+from moeflow.loading.factory import make_model
 from moeflow.model import parameters as P
 from moeflow.model.chunked_loss import next_token_targets
-from moeflow.model.factory import make_model
 from moeflow.model.families import registry
 from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import SIGMOID, UnsupportedModel, adapter_for, capture

@@ -75,7 +75,7 @@ def gloo_group(rank: int, root: str, world_size: int = 2, timeout_s: float = 90.
 def sharded_layout(ranks: Any, parallel: dict | None = None) -> Any:
     """The layout of ``parallel`` (a ``parallel`` config section; default ``strategy: fsdp``) over ``ranks``
     (one node)."""
-    from moeflow.model.factory import Layout
+    from moeflow.loading.factory import Layout
     from moeflow.parallel.settings import ParallelSettings
     from moeflow.settings import typed
 

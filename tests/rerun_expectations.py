@@ -115,6 +115,10 @@ INFRASTRUCTURE = (
     ),
     ("src/moeflow/workflow/report_card.py", "the report card the Snakefile prints after a run"),
     (
+        "src/moeflow/workflow/scaleout.py",
+        "the planner's advice for a SLURM profile's layout and cost (docs/scaling-out.md): no stage runs it",
+    ),
+    (
         "src/moeflow/workflow/rule_settings.py",
         "each rule's settings from the config: they reach stages as params, which Snakemake compares",
     ),
@@ -160,7 +164,7 @@ ROWS = (
     ),
     Row(
         "the memory planner (training's plan; each forward-only stage checks its own plan before it loads its model)",
-        ("src/moeflow/plan/report.py", "src/moeflow/plan/scaleout.py"),
+        ("src/moeflow/plan/report.py",),
         frozenset({"plan_memory", *AFTER_FINE_TUNING}),
     ),
     Row(
@@ -205,7 +209,7 @@ ROWS = (
         "building and loading a model in every layout (whole, each rank's rows, FSDP, expert parallelism, "
         "LoRA), its chunked loss; sharding, gradients, ranks",
         (
-            "src/moeflow/model/factory.py",
+            "src/moeflow/loading/*",
             "src/moeflow/model/activation_checkpointing.py",
             "src/moeflow/model/chunked_loss.py",
             "src/moeflow/model/mtp_loss.py",
@@ -213,7 +217,7 @@ ROWS = (
             "src/moeflow/model/lora.py",
             "src/moeflow/model/saved_names.py",
             "src/moeflow/parallel/*",
-            "src/moeflow/checkpoint/safetensors_files.py",
+            "src/moeflow/model/safetensors_files.py",
         ),
         AFTER_BASE_MODEL,
     ),
@@ -241,7 +245,7 @@ ROWS = (
     ),
     Row(
         "routing statistics (expert load, layer health); rows to model inputs",
-        ("src/moeflow/model/routing_stats.py", "src/moeflow/data/collate.py"),
+        ("src/moeflow/evaluation/routing_stats.py", "src/moeflow/data/collate.py"),
         AFTER_BASE_MODEL,
     ),
     Row(
@@ -256,7 +260,7 @@ ROWS = (
     ),
     Row(
         "tokenizing a corpus, packing documents into rows",
-        ("src/moeflow/data/tokenize.py", "src/moeflow/data/packing.py"),
+        ("src/moeflow/data/sharding.py", "src/moeflow/data/packing.py"),
         frozenset({"tokenize", *AFTER_BASE_MODEL}),
     ),
     *(Row(f"infrastructure: {why}", (path,), frozenset()) for path, why in INFRASTRUCTURE),

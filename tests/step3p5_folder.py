@@ -162,7 +162,7 @@ def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a folder's safetensors files by its stored name (an index and its shards, or one file)."""
     from safetensors import safe_open
 
-    from moeflow.checkpoint.safetensors_files import weight_files
+    from moeflow.model.safetensors_files import weight_files
 
     out = {}
     for name, file in weight_files(folder).items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.families import registry
 from moeflow.model.routing import adapter_for
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings

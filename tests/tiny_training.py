@@ -12,7 +12,7 @@ import torch
 from tiny_models import tiny_model_cfg
 
 from moeflow.data.collate import collate
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime.stage import KILL_ENV
 from moeflow.settings import REPO_ROOT, typed

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from tiny_models import FAMILIES, model_config
 
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
 from moeflow.settings import typed

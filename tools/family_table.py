@@ -46,7 +46,7 @@ float32 buffer).
 - exact accumulation: micro-batches accumulated with `exact` balancing give the full batch's gradient.
 - parameter categories: `moeflow.model.parameters` finds the routers, routed experts, expert biases, shared
   experts and norms of the model.
-- train + reload: two training steps, then `save_pretrained` and `moeflow.model.factory.make_model` give the
+- train + reload: two training steps, then `save_pretrained` and `moeflow.loading.factory.make_model` give the
   same outputs.
 
 "refused" means the code stops that combination with the error quoted.

@@ -159,13 +159,13 @@ def test_warmup_killed_after_a_checkpoint_resumes_to_the_same_weights_and_losses
 def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_run(coverage_inputs, tmp_path):  # noqa: F811
     """Killed before its rename, a stage leaves only a hidden temporary (never the output's name); the
     rerun removes it, so a crash does not leave gigabytes behind."""
-    from moeflow.data.tokenize import tokenize_corpus
+    from moeflow.data.sharding import tokenize_corpus
 
     root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     out = tmp_path / "data" / "code"
     code = (
-        "from moeflow.data.tokenize import tokenize_corpus; "
+        "from moeflow.data.sharding import tokenize_corpus; "
         f"tokenize_corpus('code', {settings!r}, {str(root / 'tokenizer')!r}, {str(out)!r})"
     )
     env = {
@@ -190,8 +190,8 @@ def _no_space(path) -> OSError:
 
 
 def test_disk_full_while_writing_a_shard_keeps_the_previous_output(coverage_inputs, tmp_path, monkeypatch):  # noqa: F811
+    from moeflow.data.sharding import tokenize_corpus
     from moeflow.data.shards import SHARD_PATTERN, ShardWriter
-    from moeflow.data.tokenize import tokenize_corpus
 
     root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]

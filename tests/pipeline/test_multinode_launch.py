@@ -32,7 +32,7 @@ from tiny_training import VOCAB, packed_rows  # noqa: E402
 from tiny_training import settings as train_settings  # noqa: E402
 
 from moeflow.data.collate import collate
-from moeflow.model.factory import Layout, make_model
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.layouts import is_sharded
@@ -99,7 +99,7 @@ def launch(command: str, mode: str, model_dir: Path, out: Path, extra_env: dict 
 
 
 def test_two_nodes_of_one_rank_resume_a_one_node_two_rank_checkpoint(tmp_path):
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
 
     model_dir = tmp_path / "model"

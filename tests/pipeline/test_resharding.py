@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a torchru
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, packed_rows, settings  # noqa: E402
 
-from moeflow.checkpoint.safetensors_files import read_header  # noqa: E402
 from moeflow.checkpoint.state import latest_checkpoint, partial_folder, step_folder  # noqa: E402
 from moeflow.data.collate import collate  # noqa: E402
-from moeflow.model.factory import Layout, make_model  # noqa: E402
+from moeflow.loading.factory import Layout, make_model  # noqa: E402
+from moeflow.model.safetensors_files import read_header  # noqa: E402
 from moeflow.model.settings import ModelSettings  # noqa: E402
 from moeflow.parallel.launch import torchrun_command  # noqa: E402
 from moeflow.parallel.layouts import full_state_dict
@@ -108,7 +108,7 @@ def run_ok(world: int, out: Path, models: dict[str, Path], ops: list[dict]) -> N
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
 

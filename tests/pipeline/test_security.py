@@ -24,7 +24,7 @@ from conftest import (  # noqa: E402
 )
 from tiny_models import folder_settings, tiny_model_cfg  # noqa: E402
 
-from moeflow.model.factory import make_model  # noqa: E402
+from moeflow.loading.factory import make_model  # noqa: E402
 from moeflow.model.folder import ModelError, load_tokenizer  # noqa: E402
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import env  # noqa: E402

@@ -2,7 +2,7 @@
 coverage_valset through torchrun on two gloo ranks, each loading its FSDP shard of the base model from its folder
 (moeflow.parallel.rank_load) and routing its share of the pool's batches; rank 0 merges the statistics, selects
 and writes. Its valset, coverage.json and heatmap equal the one-rank outputs of the finished smoke pipeline, byte
-for byte (the statistics are counts, merged in one process's order: moeflow.model.routing_stats.merge_parts)."""
+for byte (the statistics are counts, merged in one process's order: moeflow.evaluation.routing_stats.merge_parts)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Sharded loading and the streamed export on two CPU ranks (gloo, started by torchrun).
 
-* ``parallel.strategy: fsdp``: ``moeflow.model.factory.make_model`` builds the model on the meta device,
+* ``parallel.strategy: fsdp``: ``moeflow.loading.factory.make_model`` builds the model on the meta device,
   shards it and reads each rank's rows from the folder's files; the gathered weights equal a whole
   ``from_pretrained`` load exactly, for tied and untied embeddings, from one ``model.safetensors`` and
   from an HF-sharded folder (index + several files).
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a torchru
 from tiny_models import tiny_model_cfg  # noqa: E402
 
 from moeflow.checkpoint import export
-from moeflow.model.factory import Layout, make_model
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel import dtensors
 from moeflow.parallel.launch import torchrun_command
@@ -51,7 +51,7 @@ LAYOUTS = ["fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory) -> dict[str, Path]:
     """Tiny qwen3_moe folders: tied and untied embeddings, one file; untied in several files (HF index)."""
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
 
     root = tmp_path_factory.mktemp("sharded-state")
@@ -103,7 +103,7 @@ def launched(saved_models, tmp_path_factory):
 
 
 def whole_load(folder: Path) -> dict[str, torch.Tensor]:
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
 
     return make_model(typed(ModelSettings, tiny_model_cfg()), folder=folder).state_dict()

@@ -19,8 +19,8 @@ from conftest import copy_workflow, executed_rules, results, snakemake
 from safetensors import safe_open
 from step3p5_folder import LAYERS, MTP, file_tensors, write_published_folder
 
-from moeflow.checkpoint.safetensors_files import weight_files
 from moeflow.data.tokenizer import train_tokenizer
+from moeflow.model.safetensors_files import weight_files
 from moeflow.runtime import compat
 
 pytestmark = pytest.mark.pipeline

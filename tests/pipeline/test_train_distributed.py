@@ -40,7 +40,7 @@ from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, packed_rows  # noqa: E402
 
 from moeflow.data.collate import collate
-from moeflow.model.factory import Layout, make_model
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.gradients import full_gradients
 from moeflow.parallel.launch import torchrun_command

@@ -14,8 +14,8 @@ import torch
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import packed_rows  # noqa: E402
 
+from moeflow.loading.factory import make_model
 from moeflow.model.experts_choice import choice_record, measure
-from moeflow.model.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime.files import write_json
 from moeflow.runtime.stage import KILL_ENV

@@ -21,7 +21,7 @@ CODE = sorted(
         *(REPO_ROOT / "workflow" / "scripts").glob("*.py"),
     ]
 )
-FACTORY = PACKAGE / "model" / "factory.py"
+FACTORY = PACKAGE / "loading" / "factory.py"
 # Modules that build a model on the meta device only to read it (one MoE block to time, parameters to count):
 # through the factory's class, never a model anything trains or evaluates.
 SKELETONS = {PACKAGE / "model" / "experts_choice.py", PACKAGE / "plan" / "counts.py"}
@@ -77,7 +77,7 @@ def _from_pretrained_lines(path: Path) -> list[int]:
 
 
 def test_the_factory_is_the_one_place_models_are_built_and_loaded():
-    """Stage scripts, benchmarks and the library go through moeflow.model.factory.make_model; tests may reload an
+    """Stage scripts, benchmarks and the library go through moeflow.loading.factory.make_model; tests may reload an
     export with transformers to check it."""
     library = [p for p in PACKAGE.rglob("*.py") if p not in SKELETONS | {FACTORY}]
     scripts = [*(REPO_ROOT / "workflow" / "scripts").glob("*.py"), *(REPO_ROOT / "benchmarks").glob("*.py")]

@@ -69,7 +69,7 @@ def metrics_for(run: str, moe: bool, seed: int) -> dict:
 def train_log(path: Path, moe: bool, steps: int = 12, step_seconds: float = 0.25) -> Path:
     """A metrics.jsonl as training writes it (``moeflow.train.metrics.MetricsLog``); step ``s`` takes
     ``step_seconds x (1 + (s % 3) / 10)``."""
-    from moeflow.model.routing_stats import layer_health
+    from moeflow.evaluation.routing_stats import layer_health
     from moeflow.train.metrics import MetricsLog
 
     log = MetricsLog(path)
@@ -276,7 +276,7 @@ def test_provenance_record_names_code_config_environment_and_data(tmp_path):
 def coverage_json() -> dict:
     """coverage.json as the coverage stage writes it, from synthetic routing of 60 documents."""
     from moeflow.coverage.cover import build_constraints, coverage_report, select_documents
-    from moeflow.model.routing_stats import StatsCollector
+    from moeflow.evaluation.routing_stats import StatsCollector
 
     rng = np.random.default_rng(0)
     collector = StatsCollector(list(range(LAYERS)), EXPERTS, TOP_K)

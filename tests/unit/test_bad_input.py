@@ -14,7 +14,7 @@ from tiny_models import folder_settings
 
 from moeflow.coverage.build import StageOutputs, build_valset
 from moeflow.coverage.cover import CoverageInfeasible, infeasible_message
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.folder import ModelError, check_vocabulary, load_tokenizer
 from moeflow.model.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
@@ -196,7 +196,7 @@ def test_a_tokenizer_larger_than_the_model_vocabulary(coverage_inputs):  # noqa:
 
 
 def test_an_empty_held_out_pool(coverage_inputs, tmp_path):  # noqa: F811
-    from moeflow.data.tokenize import tokenize_corpus
+    from moeflow.data.sharding import tokenize_corpus
 
     root, model_cfg = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]

@@ -23,11 +23,11 @@ from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training_script, settings  # noqa: E402
 
 from moeflow.checkpoint import state as checkpoint_state  # noqa: E402
-from moeflow.checkpoint.safetensors_files import read_header  # noqa: E402
 from moeflow.checkpoint.state import CheckpointError, latest_checkpoint, partial_folder, step_folder  # noqa: E402
 from moeflow.checkpoint.storage import ShardWriter  # noqa: E402
 from moeflow.data.collate import collate  # noqa: E402
-from moeflow.model.factory import make_model  # noqa: E402
+from moeflow.loading.factory import make_model  # noqa: E402
+from moeflow.model.safetensors_files import read_header  # noqa: E402
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.layouts import full_state_dict
 from moeflow.settings import typed

@@ -21,7 +21,7 @@ from moeflow.data.collate import (
     packed_attention_mask,
 )
 from moeflow.data.packing import pack_documents
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
 from moeflow.settings import typed

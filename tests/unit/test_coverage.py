@@ -29,7 +29,7 @@ from moeflow.coverage.cover import (
 )
 from moeflow.coverage.heatmap import coverage_heatmap
 from moeflow.data.valset import open_valset
-from moeflow.model.routing_stats import PoolStats, StatsCollector, cell_table, merge_parts, route_pool
+from moeflow.evaluation.routing_stats import PoolStats, StatsCollector, cell_table, merge_parts, route_pool
 from moeflow.runtime import compat
 
 LAYERS, E, K = [1, 3], 8, 2
@@ -149,7 +149,7 @@ def test_ranks_parts_merge_into_the_one_process_statistics(world):
 def test_each_rank_runs_as_many_forwards_and_the_ranks_count_each_batch_once(batches, world):
     """A sharded model's forward is a collective: every rank the same number of forwards, the fillers
     (place -1, the pool's first batch) not counted, every batch counted by one rank."""
-    from moeflow.model.routing_stats import rank_batches
+    from moeflow.evaluation.routing_stats import rank_batches
 
     rows = [{"input_ids": [i] * 10} for i in range(batches)]  # 10 tokens a row: one row a batch
     shares = [list(rank_batches(rows, 10, rank, world)) for rank in range(world)]
@@ -358,7 +358,7 @@ def test_stage_statistics_match_routing_each_document_alone(coverage_inputs):
     import torch
 
     from moeflow.data.shards import iter_rows, open_split, read_documents
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.routing import capture
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
@@ -402,7 +402,7 @@ def test_the_stage_covers_every_expert_of_every_family(coverage_inputs, tmp_path
     runs share the first family's validation set): every MoE layer of the family is reported, and every expert
     of it is met by the validation set."""
     from moeflow.data.tokenizer import load_fast_tokenizer
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
 

@@ -10,8 +10,8 @@ from device_check import DeviceCheck, DeviceMixError
 from tiny_models import model_config
 
 from moeflow.data.collate import collate
+from moeflow.loading.factory import make_model
 from moeflow.model import device
-from moeflow.model.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel import gradients
 from moeflow.parallel.gradients import clip_grad_norm

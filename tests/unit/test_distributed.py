@@ -89,7 +89,7 @@ def one_step(model, rows_per_micro_batch: list[list[dict]], autocast=contextlib.
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory) -> Path:
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
 
     folder = tmp_path_factory.mktemp("dist") / "model"
     make_model(SETTINGS, vocab_size=VOCAB, seed=3).save_pretrained(folder)
@@ -99,7 +99,7 @@ def saved_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference_model(saved_model):
     """One process, one micro-batch holding every rank's rows; then one optimizer step."""
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
 
     model = make_model(SETTINGS, folder=saved_model)
     model.config.use_cache = False
@@ -231,7 +231,7 @@ def checkpoint_round_trip(folder: Path, saved, fresh) -> None:
 def test_state_round_trips_in_one_process(saved_model, reference_model, tmp_path):
     """One process's whole state is the sharded layouts' (names, whole tensors), and its checkpoint loads
     into a fresh model and optimizer exactly."""
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
 
     model = make_model(SETTINGS, folder=saved_model)
     model.config.use_cache = False
@@ -252,7 +252,7 @@ def test_state_round_trips_in_one_process(saved_model, reference_model, tmp_path
 def test_bf16_fsdp_computes_in_bf16_over_fp32_masters_and_gives_the_bf16_gradient(saved_model, tmp_path):
     """precision: bf16 with strategy: fsdp: FSDP's mixed precision (bf16 gathers and compute, fp32 shards,
     fp32 reduction), and no whole-model .to(device) before sharding (on CUDA: the whole model on one GPU)."""
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
 
     run_ranks(saved_model, tmp_path, {"strategy": "fsdp"}, harness="bf16")
     from safetensors.torch import load_file
@@ -320,7 +320,7 @@ def _main(saved_model: str, out: str, parallel_json: str) -> None:
     """One rank: load, shard, one step on this rank's rows, reduce; rank 0 saves the whole gradients."""
     from safetensors.torch import save_file
 
-    from moeflow.model.factory import Layout, make_model
+    from moeflow.loading.factory import Layout, make_model
 
     torch.set_num_threads(1)
     parallel = typed(ParallelSettings, json.loads(parallel_json))
@@ -374,7 +374,7 @@ def _main_bf16(saved_model: str, out: str, parallel_json: str) -> None:
     of the weights a forward sees and of the reduced gradients; rank 0 saves the whole gradients."""
     from safetensors.torch import save_file
 
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
 
     torch.set_num_threads(1)
     parallel = typed(ParallelSettings, json.loads(parallel_json))
@@ -419,8 +419,8 @@ def _main_ep_load(saved_model: str, out: str, parallel_json: str) -> None:
     ``from_pretrained``'s with transformers' own sharding."""
     import re
 
+    from moeflow.loading.factory import Layout, make_model
     from moeflow.model.configs import causal_lm_class
-    from moeflow.model.factory import Layout, make_model
     from moeflow.parallel import rank_load
 
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ NAMING = [
 NOT_CODE = {
     "moeflow.yaml",
     "moeflow.runtime.job.job_from_argv",
-    "moeflow.model.factory.resolve_stage_experts",
+    "moeflow.loading.factory.resolve_stage_experts",
     "moeflow.model.loading.start_fine_tuning",
     # made-up modules: the import-graph test's tiny package, examples in comments
     "moeflow.a",

@@ -15,7 +15,7 @@ from tiny_models import tiny_dense_cfg, tiny_model_cfg
 from moeflow.data.packing import pack_documents
 from moeflow.evaluation import drift
 from moeflow.evaluation.loop import batches, evaluate_batches
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.routing import NoMoELayers, adapter_for, capture
 from moeflow.model.settings import ModelSettings
 from moeflow.settings import typed

@@ -91,8 +91,8 @@ def test_routing_pass_observer_matches_the_pool_statistics():
     """The totals come from the coverage stage's own routing pass and agree with its per-expert load."""
     from tiny_models import build_family
 
+    from moeflow.evaluation.routing_stats import cell_table, route_pool
     from moeflow.model.routing import adapter_for
-    from moeflow.model.routing_stats import cell_table, route_pool
 
     model = build_family("qwen3_moe", dtype=torch.float32)
     rows = task_documents()
@@ -114,9 +114,9 @@ def test_two_fsdp_ranks_give_one_processes_totals_bit_for_bit(tmp_path):
     from gloo_ranks import run_ranks
     from tiny_models import tiny_model_cfg
 
-    from moeflow.model.factory import make_model
+    from moeflow.evaluation.routing_stats import route_pool
+    from moeflow.loading.factory import make_model
     from moeflow.model.routing import adapter_for
-    from moeflow.model.routing_stats import route_pool
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
     from moeflow.train.esft import totals_json
@@ -134,9 +134,9 @@ def _routing_rank(rank: int, root: str, results: dict) -> None:
     from gloo_ranks import fsdp_layout, gloo_group
     from tiny_models import tiny_model_cfg
 
-    from moeflow.model.factory import make_model
+    from moeflow.evaluation.routing_stats import route_pool
+    from moeflow.loading.factory import make_model
     from moeflow.model.routing import adapter_for
-    from moeflow.model.routing_stats import route_pool
     from moeflow.model.settings import ModelSettings
     from moeflow.parallel.process_group import gather_to_main
     from moeflow.settings import typed

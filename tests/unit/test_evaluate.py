@@ -14,7 +14,7 @@ from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
 from moeflow.evaluation.loop import evaluate_batches
 from moeflow.evaluation.run_metrics import balance, change_record, set_comparison, set_record, summary_markdown
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.routing import adapter_for, capture
 from moeflow.model.settings import ModelSettings
 from moeflow.settings import typed

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from tiny_models import tiny_model_cfg
 
 from moeflow.checkpoint import export
-from moeflow.checkpoint.safetensors_files import weight_files
+from moeflow.loading.factory import make_model
 from moeflow.model import lora
-from moeflow.model.factory import make_model
+from moeflow.model.safetensors_files import weight_files
 from moeflow.model.saved_names import saved_format
 from moeflow.model.settings import ModelSettings
 from moeflow.settings import typed

@@ -48,7 +48,7 @@ def test_deepseek_v3_routes_in_float32_under_bf16_autocast():
     computation without autocast (both stacks: 5 returns logits, weights and index; 4.57 index and weights)."""
     import torch
 
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.families.deepseek_v3 import DeepseekV3Router
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
@@ -82,7 +82,7 @@ def _deepseek_router_rank(rank: int, root: str, parallel: dict, results: dict) -
     from tiny_training import settings as train_settings
 
     from moeflow.data.collate import collate
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.families.deepseek_v3 import DeepseekV3Router
     from moeflow.model.routing import capture
     from moeflow.model.settings import ModelSettings
@@ -125,7 +125,7 @@ def test_deepseek_v3_routes_in_float32_under_fsdp_and_ep_mixed_precision(tmp_pat
     with fp32 ones under FSDP2 (its own fp32 unit; under ep transformers' one bf16 policy gathered it in bf16) and
     its logits are fp32; a training step with activation checkpointing (the router's unit inside a recomputed
     layer) completes and moves the router."""
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
 

@@ -23,7 +23,7 @@ from moeflow.evaluation import lm_eval_docs
 from moeflow.evaluation import lm_eval_run as harness
 from moeflow.evaluation import lm_eval_tasks as harness_tasks
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.process_group import Ranks
 from moeflow.settings import DEFAULT_CONFIG, ConfigError, typed

@@ -23,7 +23,7 @@ from moeflow.evaluation.generation import Completion, Decoding, GenerationError,
 from moeflow.evaluation.humaneval import HumanEvalExecution, HumanEvalGeneration
 from moeflow.evaluation.humaneval_execution import execute
 from moeflow.evaluation.sandbox import Limits
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.settings import REPO_ROOT, ConfigError, typed
 from moeflow.workflow.keys import humaneval_execution_settings, humaneval_generation_settings

@@ -14,6 +14,45 @@ def test_the_package_has_no_import_cycle():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
+# The packages bottom to top (a module at the package root, such as moeflow.settings, is a layer of its own): a
+# package imports only itself and the layers below it, so no two packages import each other. The root's
+# __init__ runs before any import of the package and is no layer.
+LAYERS = (
+    "settings",
+    "runtime",
+    "data",
+    "model",
+    "parallel",
+    "evaluation",
+    "checkpoint",
+    "train",
+    "loading",
+    "coverage",
+    "plan",
+    "paper",
+    "stages",
+    "workflow",
+)
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_packages_import_only_the_layers_below_them():
+    graph = import_graph()
+    layers = {layer_of(m) for m in graph} - {None}
+    assert layers == set(LAYERS), "a package is missing from LAYERS, or LAYERS names one that is gone"
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if layer_of(module) and layer_of(target) and LAYERS.index(layer_of(target)) > LAYERS.index(layer_of(module))
+    )
+    assert upward == []
+
+
 def test_find_cycle_finds_one_through_imports_inside_functions(tmp_path):
     package = tmp_path / "moeflow"
     package.mkdir()

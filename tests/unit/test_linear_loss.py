@@ -11,8 +11,8 @@ from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, VOCAB, build_family, tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow.data.collate import collate, model_inputs
+from moeflow.loading.factory import make_model
 from moeflow.model.chunked_loss import LinearLossError, install, linear_cross_entropy, next_token_targets, token_losses
-from moeflow.model.factory import make_model
 from moeflow.model.lora import apply_lora
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat

@@ -18,7 +18,7 @@ import torch
 from step3p5_folder import write_published_folder
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moeflow.model.factory import Layout, make_model
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel import rank_load
 from moeflow.parallel.process_group import Ranks

@@ -10,9 +10,9 @@ import torch
 from tiny_models import folder_settings
 
 from moeflow.checkpoint.export import save_final_model
+from moeflow.loading.factory import make_model
 from moeflow.model import lora, routing
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
-from moeflow.model.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.plan.counts import count_parameters, lora_count
 from moeflow.runtime import compat
@@ -364,12 +364,12 @@ def test_train_settings_drop_lora_settings_of_a_full_run():
 
 @pytest.mark.parametrize("router", ["frozen", "trainable", "adapter"])
 def test_router_learning_rate_and_freeze_see_peft_names(router):
-    """moeflow.train.optim.param_groups finds the router under peft (its weight, base_layer or own adapter), and
+    """moeflow.train.param_groups.param_groups finds the router under peft (its weight, base_layer or own adapter), and
     the Trainer steps it at its learning rate."""
     from tiny_training import packed_rows
 
     from moeflow.data.collate import collate
-    from moeflow.train.optim import param_groups
+    from moeflow.train.param_groups import param_groups
     from moeflow.train.trainer import Trainer
 
     def train(**section):

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from tiny_models import tiny_model_cfg
 
 from moeflow.data.collate import collate, token_mask
+from moeflow.loading.factory import make_model
 from moeflow.model.chunked_loss import count_label_tokens, install
-from moeflow.model.factory import make_model
 from moeflow.model.routing import adapter_or_none
 from moeflow.model.settings import ModelSettings
 from moeflow.settings import ConfigError, typed

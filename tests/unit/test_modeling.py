@@ -1,4 +1,4 @@
-"""moeflow.model.factory.make_model, the one door to a model: the experts implementation it builds and loads
+"""moeflow.loading.factory.make_model, the one door to a model: the experts implementation it builds and loads
 with (the rule's choice for ``auto``), the chunked loss on every model it returns, the layouts it prepares
 (one process on a device, LoRA adapters), and the combinations it refuses."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_models import VOCAB, folder_settings, tiny_model_cfg
 
+from moeflow.loading.factory import Layout, make_model, resolve_experts
 from moeflow.model.chunked_loss import installed
-from moeflow.model.factory import Layout, make_model, resolve_experts
 from moeflow.model.folder import ModelError
 from moeflow.model.lora import is_lora_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings

@@ -14,15 +14,15 @@ from tiny_models import TRANSFORMERS_5_ONLY, VOCAB, build_family, model_config
 from moeflow.checkpoint import export
 from moeflow.checkpoint.state import load_checkpoint, save_checkpoint
 from moeflow.data.collate import collate
+from moeflow.loading.factory import make_model
 from moeflow.model import parameters as P
-from moeflow.model.factory import make_model
 from moeflow.model.families.mtp import mtp_layers, mtp_prefixes, mtp_report
 from moeflow.model.lora import apply_lora
 from moeflow.model.routing import adapter_for
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
 from moeflow.settings import typed
-from moeflow.train.optim import correction_biases
+from moeflow.train.param_groups import correction_biases
 from moeflow.train.settings import LoraSettings, TrainSettings
 from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import training

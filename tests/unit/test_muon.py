@@ -21,7 +21,7 @@ from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, losses, make_trainer, packed_rows, settings  # noqa: E402
 
 from moeflow.data.collate import collate  # noqa: E402
-from moeflow.model.factory import make_model  # noqa: E402
+from moeflow.loading.factory import make_model  # noqa: E402
 from moeflow.model.settings import ModelSettings  # noqa: E402
 from moeflow.parallel import dtensors  # noqa: E402
 from moeflow.plan.counts import count_parameters  # noqa: E402
@@ -262,7 +262,7 @@ def _main_fsdp(out: str, strategy: str = "fsdp") -> None:
 
     from safetensors.torch import save_file
 
-    from moeflow.model.factory import Layout
+    from moeflow.loading.factory import Layout
     from moeflow.parallel.layouts import full_state_dict, shard_model
     from moeflow.parallel.process_group import process_group
     from moeflow.parallel.settings import ParallelSettings

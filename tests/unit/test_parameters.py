@@ -12,7 +12,7 @@ from moeflow.model import parameters as P
 from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import adapter_for
 from moeflow.runtime import compat
-from moeflow.train.optim import param_groups
+from moeflow.train.param_groups import param_groups
 
 STACK_FAMILIES = [f for f in FAMILIES if compat.is_transformers_v5() or f not in TRANSFORMERS_5_ONLY]
 
@@ -107,7 +107,7 @@ def test_weight_decay_rule_uses_the_shape_in_the_model():
 def test_active_parameters_count_top_k_of_the_routed_experts_and_every_other_parameter():
     from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
     from moeflow.train.metrics import active_parameters
@@ -131,7 +131,7 @@ def test_the_mfu_counts_no_embedding_lookup_and_a_tied_head_once(tied):
     64): the input embedding is a lookup, not a matmul; the head (tied or not) is one 64x32 matmul."""
     from tiny_models import tiny_model_cfg
 
-    from moeflow.model.factory import make_model
+    from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
     from moeflow.train.metrics import flop_bearing_parameters

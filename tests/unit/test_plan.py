@@ -8,7 +8,7 @@ import pytest
 from conftest import active_stack
 from tiny_models import TRANSFORMERS_5_ONLY
 
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.plan.counts import count_parameters, formula_count, lora_count
 from moeflow.plan.fit import min_devices, plan, verdict
@@ -25,8 +25,9 @@ from moeflow.plan.memory import (
     rank_bytes,
 )
 from moeflow.plan.report import enforce, render_markdown, summary
-from moeflow.plan.shapes import PlanError, experts_fused, model_shape, resolve_vocab_size
+from moeflow.plan.shapes import PlanError, model_shape, resolve_vocab_size
 from moeflow.runtime import compat, env
+from moeflow.runtime.compat import experts_fused
 from moeflow.runtime.files import dumps_json
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.train.settings import LoraSettings

@@ -26,12 +26,12 @@ from moeflow.plan.memory import (
     root_unit_parameters,
 )
 from moeflow.plan.report import enforce, render_markdown, summary
-from moeflow.plan.scaleout import profile_request
-from moeflow.plan.shapes import PlanError, experts_fused
+from moeflow.plan.shapes import PlanError
 from moeflow.runtime import compat, env
 from moeflow.settings import REPO_ROOT
 from moeflow.workflow.keys import plan_settings
 from moeflow.workflow.load import load, run_config
+from moeflow.workflow.scaleout import profile_request
 
 GIB = 2**30
 MODELS = REPO_ROOT / "config" / "models"
@@ -51,7 +51,7 @@ QWEN_LAYER = (
 QWEN_ROOT = 2 * 151_936 * 2048 + 2048  # embedding, LM head, final norm
 QWEN_TOKENS = 1 * 4096
 # The largest parameter: the embedding (and LM head), or on transformers 5 a layer's fused experts' gate_up
-QWEN_LARGEST = max(151_936 * 2048, 128 * 2 * 768 * 2048 if experts_fused("qwen3_moe") else 0)
+QWEN_LARGEST = max(151_936 * 2048, 128 * 2 * 768 * 2048 if compat.experts_fused("qwen3_moe") else 0)
 
 
 def settings_of(*overlays, overrides=None) -> dict:
@@ -335,7 +335,7 @@ def test_step3p5_flash_on_the_multinode_profile_by_hand(step, env_report):
     # the load phase: each rank allocates only its share (fp32); its host reads one tensor's owned rows at a time
     phases = phase_memory(shape, count, ep)
     largest = 128_896 * 4096  # the embedding (transformers 5 fuses the experts: 288 x 2560 x 4096 is larger)
-    largest = max(largest, 288 * 2 * 1280 * 4096 if experts_fused("step3p5") else 0)
+    largest = max(largest, 288 * 2 * 1280 * 4096 if compat.experts_fused("step3p5") else 0)
     assert phases["load"]["device"] == {
         "weights": -(-STEP_TOTAL * 4 // 48),
         "wrapping_unit": 0,  # transformers 5 shards at load

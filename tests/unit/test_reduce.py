@@ -16,7 +16,7 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 from tiny_models import tiny_model_cfg
 
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel import gradients, process_group
 from moeflow.parallel.gradients import GRADIENT_BUCKET_BYTES, reduce_gradients

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import COMMON, FAMILY_CONFIGS, SEQ, TRANSFORMERS_5_ONLY, VOCAB
 
-from moeflow.model.factory import make_model
+from moeflow.loading.factory import make_model
 from moeflow.model.routing import NoMoELayers, UnsupportedModel, adapter_for, adapter_or_none, capture
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat

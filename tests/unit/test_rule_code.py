@@ -151,9 +151,9 @@ def test_infrastructure_is_no_rules_input():
 def test_a_package_brings_its_modules_and_a_module_its_packages_init(monkeypatch, tmp_path):
     files = [f.relative_to(R.PACKAGE_DIR).as_posix() for f in R.module_files("paper")]
     assert files == sorted(p.relative_to(R.PACKAGE_DIR).as_posix() for p in (R.PACKAGE_DIR / "paper").glob("*.py"))
-    assert [f.relative_to(R.PACKAGE_DIR).as_posix() for f in R.module_files("model.factory")] == [
-        "model/__init__.py",
-        "model/factory.py",
+    assert [f.relative_to(R.PACKAGE_DIR).as_posix() for f in R.module_files("loading.factory")] == [
+        "loading/__init__.py",
+        "loading/factory.py",
     ]
     monkeypatch.chdir(REPO_ROOT)  # Snakemake's working directory: inputs relative to it
     assert R.code_files("paper") == [f"src/moeflow/{f}" for f in files]

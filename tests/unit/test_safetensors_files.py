@@ -1,4 +1,4 @@
-"""moeflow.checkpoint.safetensors_files: files the safetensors library reads and writes, streamed a tensor at a time."""
+"""moeflow.model.safetensors_files: files the safetensors library reads and writes, streamed a tensor at a time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moeflow.checkpoint.safetensors_files import (
+from moeflow.model.safetensors_files import (
     SafetensorsError,
     SafetensorsWriter,
     read_header,

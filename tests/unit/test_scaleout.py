@@ -13,7 +13,13 @@ from moeflow.parallel.launch import torchrun_command
 from moeflow.plan import counts, shapes
 from moeflow.plan.fit import device_memory
 from moeflow.plan.forward import ForwardJob, forward_plan
-from moeflow.plan.scaleout import (
+from moeflow.runtime import compat
+from moeflow.settings import REPO_ROOT, ConfigError
+from moeflow.workflow.keys import forward_batch, forward_plan_settings, forward_stages, plan_settings
+from moeflow.workflow.load import load, run_config
+from moeflow.workflow.merge import deep_merge
+from moeflow.workflow.recipe import translate_recipe_flags
+from moeflow.workflow.scaleout import (
     ASSUMED_MFU,
     DEFAULT_TOKEN_BUDGET,
     ScaleoutError,
@@ -28,12 +34,6 @@ from moeflow.plan.scaleout import (
     scaleout_plan,
     wall_hours_fit,
 )
-from moeflow.runtime import compat
-from moeflow.settings import REPO_ROOT, ConfigError
-from moeflow.workflow.keys import forward_batch, forward_plan_settings, forward_stages, plan_settings
-from moeflow.workflow.load import load, run_config
-from moeflow.workflow.merge import deep_merge
-from moeflow.workflow.recipe import translate_recipe_flags
 
 MODELS = REPO_ROOT / "config" / "models"
 # Each shipped large model, the profile its training runs with, and the overlay of that profile's hardware.
@@ -387,7 +387,7 @@ def test_a_forward_only_stage_that_does_not_fit_its_gpu_is_refused_before_it_loa
 
     import torch
 
-    from moeflow.model.factory import Layout
+    from moeflow.loading.factory import Layout
     from moeflow.parallel.process_group import Ranks
     from moeflow.parallel.settings import ParallelSettings
     from moeflow.plan.forward import refuse_unless_fits

@@ -1,4 +1,4 @@
-"""moeflow.parallel.rank_load in one process, through moeflow.model.factory.make_model: a model built on the
+"""moeflow.parallel.rank_load in one process, through moeflow.loading.factory.make_model: a model built on the
 meta device and filled from its folder's files equals ``from_pretrained``'s, a rank's rows come from the file
 tensors that hold them (transformers 5's fused experts from their per-expert file tensors), and a folder that
 does not fit is a clear error. The same on two ranks (FSDP shards): tests/pipeline/test_sharded_state.py."""
@@ -12,10 +12,10 @@ import torch
 from gloo_ranks import run_ranks
 from tiny_models import tiny_model_cfg
 
-from moeflow.checkpoint.safetensors_files import SafetensorsError, read_header, weight_files
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.configs import causal_lm_class
-from moeflow.model.factory import Layout, make_model
 from moeflow.model.folder import check_model_folder
+from moeflow.model.safetensors_files import SafetensorsError, read_header, weight_files
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel import layouts, rank_load
 from moeflow.parallel.process_group import Ranks
@@ -163,7 +163,7 @@ def _train(method: str) -> TrainSettings:
 def test_without_weights_a_full_model_reads_none_and_lora_loads_the_base(tmp_path, monkeypatch):
     folder = saved(tmp_path)
     loaded = whole(folder)
-    monkeypatch.setattr("moeflow.model.factory.fill_from_folder", lambda *a: pytest.fail("read the weights"))
+    monkeypatch.setattr("moeflow.loading.factory.fill_from_folder", lambda *a: pytest.fail("read the weights"))
     model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("full")), weights=False)
     assert not any(p.is_meta for p in model.parameters())
     assert sorted(model.state_dict()) == sorted(loaded.state_dict())
@@ -222,7 +222,7 @@ def test_a_load_in_half_precision_keeps_in_float32_what_from_pretrained_keeps(tm
             "from_pretrained": kept.from_pretrained,
         },
     )
-    monkeypatch.setattr("moeflow.model.factory.causal_lm_class", lambda: as_auto_class)
+    monkeypatch.setattr("moeflow.loading.factory.causal_lm_class", lambda: as_auto_class)
     got = make_model(folder_settings(experts_implementation="eager"), folder=tmp_path / "ds", dtype=dtype)
     fp32 = {n for n, t in want.state_dict().items() if t.dtype == torch.float32}
     layer_norms = {"kv_a_layernorm", "q_a_layernorm"} if dtype == torch.float16 else {"q_a_layernorm"}

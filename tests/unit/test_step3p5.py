@@ -18,20 +18,20 @@ import torch.nn.functional as F
 from step3p5_folder import LAYERS, MOE_LAYERS, MTP, file_tensors, write_published_folder
 
 from moeflow.checkpoint import export
-from moeflow.checkpoint.safetensors_files import weight_files
 from moeflow.data.collate import collate
 from moeflow.data.tokenizer import train_tokenizer
-from moeflow.model.factory import Layout, make_model
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.families import registry
 from moeflow.model.families.mtp import mtp_prefixes
 from moeflow.model.routing import capture
+from moeflow.model.safetensors_files import weight_files
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.process_group import Ranks
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, typed
-from moeflow.train.optim import correction_biases
+from moeflow.train.param_groups import correction_biases
 from moeflow.train.settings import TrainSettings
 from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import training

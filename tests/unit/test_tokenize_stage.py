@@ -14,8 +14,8 @@ import pytest
 
 from moeflow.data.corpus import CorpusError, SourceReader, split_documents
 from moeflow.data.packing import Packer, pack_documents
+from moeflow.data.sharding import tokenize_corpus
 from moeflow.data.shards import COLUMNS, iter_rows, open_split, read_documents, row_schema, write_split
-from moeflow.data.tokenize import tokenize_corpus
 from moeflow.data.tokenizer import BOS, EOS, PAD, DocumentEncoder, folder_hash, train_tokenizer_stage
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -227,7 +227,7 @@ def test_skipped_records_are_counted_in_the_manifest(tokenizer_dir, tmp_path):
 def test_a_killed_run_leaves_no_output(tokenizer_dir, tmp_path):
     out = tmp_path / "out"
     code = (
-        "import sys; from moeflow.data.tokenize import tokenize_corpus; "
+        "import sys; from moeflow.data.sharding import tokenize_corpus; "
         f"tokenize_corpus('small', {settings({'small': SMALL_STDLIB})!r}, {str(tokenizer_dir)!r}, {str(out)!r})"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC), "MOEFLOW_KILL_AT": "tokenize.before_rename"}

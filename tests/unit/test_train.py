@@ -24,14 +24,14 @@ from tiny_training import VOCAB, losses, make_trainer, packed_rows, run_training
 from moeflow.checkpoint.state import latest_checkpoint
 from moeflow.data.collate import collate
 from moeflow.data.order import DataOrder, DataOrderError
+from moeflow.loading.factory import make_model
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
-from moeflow.model.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 from moeflow.settings import ConfigError, typed
-from moeflow.train.optim import lr_factor, param_groups
+from moeflow.train.param_groups import lr_factor, param_groups
 from moeflow.train.settings import BalanceSettings
 from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import warmup_key, warmup_settings
@@ -318,7 +318,7 @@ if __name__ == "__main__":
 
 
 def test_lora_fine_tuning_trains_adapters_only_and_resumes_exactly(tmp_path):
-    from moeflow.model.factory import Layout
+    from moeflow.loading.factory import Layout
 
     def lora_trainer():
         model = make_model(

@@ -6,7 +6,7 @@ torch and transformers start; here the stages share one). That pipeline test run
 The same folders and overlay (tests/user_models.py), each run's config from moeflow's own loader, each job from
 the settings functions the rules pass (moeflow.workflow.keys). The scripts of choose_experts, plan_memory,
 coverage_valset, warmup and train_model run as Snakemake or torchrun would start them (``runpy``, with the rule's
-``snakemake`` object or ``--job`` argument); tokenize is moeflow.data.tokenize's call, as its script makes it.
+``snakemake`` object or ``--job`` argument); tokenize is moeflow.data.sharding's call, as its script makes it.
 The warmup gate passes against each folder's own base routing, and each final model loads with transformers'
 ``from_pretrained``."""
 
@@ -24,7 +24,7 @@ import pytest
 from conftest import active_stack
 from user_models import TRAINED, check_final_model, check_warmup_report, overlay, save_family_folder, write_corpus
 
-from moeflow.data.tokenize import tokenize_corpus
+from moeflow.data.sharding import tokenize_corpus
 from moeflow.data.tokenizer import train_tokenizer
 from moeflow.runtime import env
 from moeflow.runtime.files import read_json, write_json

@@ -3,8 +3,8 @@ the validation set that exercises every (layer, expert) and the frequent expert 
 Writes the valset (data-stage format), coverage.json (with the random-subset comparison) and the heatmap;
 fails listing the unmet constraints unless coverage.allow_unmet is set.
 Started through torchrun by its rule: ``coverage.ranks`` ranks hold the base model in coverage.strategy's layout
-(moeflow.model.factory.Layout: fsdp shards it as training does) and route their share of the pool's batches;
-rank 0 merges the statistics (moeflow.model.routing_stats.merge_parts), selects and writes the outputs."""
+(moeflow.loading.factory.Layout: fsdp shards it as training does) and route their share of the pool's batches;
+rank 0 merges the statistics (moeflow.evaluation.routing_stats.merge_parts), selects and writes the outputs."""
 
 from moeflow.coverage.build import StageOutputs, build_valset
 from moeflow.parallel.process_group import teardown

@@ -6,8 +6,8 @@ coverage.strategy's layout (so a model trained sharded is routed sharded) and ro
 rank 0 adds every rank's batches in order (the totals equal one rank's, bit for bit) and writes them."""
 
 from moeflow.data.shards import iter_rows, open_split
+from moeflow.evaluation.routing_stats import route_pool
 from moeflow.model.routing import adapter_for
-from moeflow.model.routing_stats import route_pool
 from moeflow.parallel.process_group import gather_to_main, teardown
 from moeflow.runtime.files import write_json
 from moeflow.runtime.job import Job

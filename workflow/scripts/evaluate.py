@@ -2,7 +2,7 @@
 corpus's test split (loss, perplexity, per-expert load and loss), the coverage of the validation set
 rechecked with the fine-tuned router, and the throughput and peak memory of the evaluation passes.
 Started through torchrun by its rule: ``evaluate.ranks`` ranks hold the model in parallel.strategy's layout
-(moeflow.model.factory.Layout: fsdp shards it as training does), each evaluates its share of the batches and
+(moeflow.loading.factory.Layout: fsdp shards it as training does), each evaluates its share of the batches and
 the sums are added up (moeflow.evaluation.run_metrics); rank 0 writes the outputs."""
 
 import gc

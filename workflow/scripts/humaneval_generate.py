@@ -1,7 +1,7 @@
 """HumanEval completions of one model of a run (base or fine-tuned): per problem one greedy completion and
 ``n_samples`` sampled ones, cut at the benchmark's stop sequences, into samples.jsonl (no code runs here).
 Started through torchrun by its rule: ``evaluate.ranks`` ranks hold the model in evaluate.strategy's layout
-(moeflow.model.factory.Layout: fsdp shards it as training does) and generate their share of the batches in
+(moeflow.loading.factory.Layout: fsdp shards it as training does) and generate their share of the batches in
 step (moeflow.evaluation.generation); rank 0 writes the samples, the same as one process's."""
 
 from functools import partial

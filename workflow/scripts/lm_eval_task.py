@@ -3,7 +3,7 @@
 its metrics with lm-eval's standard errors and, for moeflow's perplexity task, the cross-check against
 moeflow's own perplexity of the same test segments.
 Started through torchrun by its rule: ``evaluate.ranks`` ranks hold the model in evaluate.strategy's layout
-(moeflow.model.factory.Layout: fsdp shards it as training does), each scores its share of lm-eval's requests
+(moeflow.loading.factory.Layout: fsdp shards it as training does), each scores its share of lm-eval's requests
 (moeflow.evaluation.lm_eval_run.share_requests); rank 0 writes the record."""
 
 import tempfile

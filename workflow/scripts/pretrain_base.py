@@ -10,7 +10,7 @@ from pathlib import Path
 
 from moeflow.checkpoint.export import ExportSettings, write_model_folder
 from moeflow.data.shards import open_split
-from moeflow.model.factory import Layout, make_model
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.folder import load_tokenizer
 from moeflow.parallel.process_group import init, teardown
 from moeflow.runtime.files import atomic_dir, write_json

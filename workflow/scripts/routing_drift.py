@@ -1,7 +1,7 @@
 """Routing drift of one MoE run: its base and its fine-tuned model routed over the coverage validation set,
 compared per MoE layer (moeflow.evaluation.drift).
 Started through torchrun by its rule: ``evaluate.ranks`` ranks hold each model in evaluate.strategy's layout
-(moeflow.model.factory.Layout: fsdp shards it as training does) and route their share of the batches; rank 0
+(moeflow.loading.factory.Layout: fsdp shards it as training does) and route their share of the batches; rank 0
 puts the batches back in order and writes the record."""
 
 import gc

@@ -5,7 +5,7 @@ AutoModelForCausalLM/AutoTokenizer.from_pretrained and a drop-in for the base fo
 MTP layers carried), the adapter (a LoRA run's peft adapter, or a full run's method marker;
 moeflow.model.lora.save_adapter_output) and the run's TensorBoard logs, metrics.jsonl (warmup steps included)
 and summary.json (whether MTP layers trained, the optimizer state's bytes). Started through torchrun by its rule:
-every rank runs this script, the layout is the config's ``parallel`` section (moeflow.model.factory.Layout), rank 0
+every rank runs this script, the layout is the config's ``parallel`` section (moeflow.loading.factory.Layout), rank 0
 writes."""
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 from moeflow.checkpoint.export import ExportSettings, export_dtype, save_final_model
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
-from moeflow.model.factory import Layout, make_model
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.families.mtp import mtp_report
 from moeflow.model.lora import save_adapter_output
 from moeflow.model.wrappers import unwrap

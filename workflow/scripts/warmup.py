@@ -5,10 +5,10 @@ stage with the report, before the expensive part starts. With train.routing_guar
 default) the gate judges change against the base model's own routing on the rows of the gate's window,
 routed here before training (moeflow.train.guards.base_reference); the reference travels in the checkpoint to
 train_model. Started through torchrun by its rule: every rank runs this script; the layout is the config's
-``parallel`` section (moeflow.model.factory.Layout)."""
+``parallel`` section (moeflow.loading.factory.Layout)."""
 
 from moeflow.data.shards import open_split
-from moeflow.model.factory import Layout, make_model
+from moeflow.loading.factory import Layout, make_model
 from moeflow.parallel.process_group import teardown
 from moeflow.runtime.files import dumps_json, read_json, write_json
 from moeflow.runtime.job import Job

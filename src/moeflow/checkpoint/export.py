@@ -8,7 +8,7 @@ whole in turn on rank 0 alone (DTensors split along dim 0 only, FSDP2's shards a
 expert-parallel 2-D layouts: the first rank holding each row sends it, run of rows by run, received one run at
 a time into host memory; FSDP1: the ranks' ranges of its elements summed into one buffer on rank 0; any other
 DTensor: ``DTensor.full_tensor`` on every rank), and rank 0 streams it into the open
-shard file (``moeflow.checkpoint.safetensors_files.SafetensorsWriter``: the layout is known in advance from the
+shard file (``moeflow.model.safetensors_files.SafetensorsWriter``: the layout is known in advance from the
 tensors' whole shapes and dtypes). A file is closed when the next tensor would take it past
 ``export.max_shard_size`` (a tensor larger than that gets a file of its own, as ``save_pretrained`` does);
 one file is ``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` with
@@ -40,11 +40,11 @@ from typing import Any, ClassVar
 import torch
 
 from moeflow.checkpoint.pieces import state_pieces
-from moeflow.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsWriter, tensor_nbytes
 from moeflow.checkpoint.storage import Piece
 from moeflow.model.folder import PICKLE_WEIGHTS
 from moeflow.model.lora import is_lora_model, merge_adapters
 from moeflow.model.parameters import clean_name
+from moeflow.model.safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsWriter, tensor_nbytes
 from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel import dtensors

@@ -33,7 +33,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moeflow.checkpoint.pieces import StatePieces, state_pieces
-from moeflow.checkpoint.safetensors_files import SafetensorsWriter, read_header, read_tensor
 from moeflow.checkpoint.storage import (
     METADATA_FILE,
     Piece,
@@ -44,12 +43,12 @@ from moeflow.checkpoint.storage import (
     piece_tensors,
 )
 from moeflow.model.parameters import clean_name
+from moeflow.model.safetensors_files import SafetensorsWriter, read_header, read_tensor
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel import process_group
 from moeflow.parallel.process_group import barrier, gather_objects
-from moeflow.runtime.files import disk_full_error, read_json, replace_dir, write_json
+from moeflow.runtime.files import disk_full_error, read_json, replace_dir, stable_hash, write_json
 from moeflow.runtime.stage import code_version, kill_point
-from moeflow.workflow.keys import stable_hash
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")
 

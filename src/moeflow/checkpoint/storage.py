@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from moeflow.checkpoint.safetensors_files import SafetensorsWriter, read_header, read_tensor, tensor_nbytes
+from moeflow.model.safetensors_files import SafetensorsWriter, read_header, read_tensor, tensor_nbytes
 from moeflow.runtime.files import read_json, write_json
 
 METADATA_FILE = "dcp_metadata.json"

@@ -1,6 +1,6 @@
 """The coverage stage: route the held-out pool, select the documents, write the set and its report.
 
-The coverage stage: route the held-out pool (``moeflow.model.routing_stats``), select the documents
+The coverage stage: route the held-out pool (``moeflow.evaluation.routing_stats``), select the documents
 (``moeflow.coverage.cover``), then write the set (``moeflow.data.valset``), ``coverage.json`` and the heatmap."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from moeflow.coverage.cover import (
 from moeflow.coverage.heatmap import coverage_heatmap
 from moeflow.data.shards import iter_rows, open_split
 from moeflow.data.valset import VALSET_SPLIT, write_valset
+from moeflow.evaluation.routing_stats import route_pool
 from moeflow.model.routing import UnsupportedModel, adapter_for
-from moeflow.model.routing_stats import route_pool
 from moeflow.parallel.process_group import Ranks
 from moeflow.runtime.files import write_json
 from moeflow.runtime.stage import kill_point

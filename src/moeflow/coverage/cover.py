@@ -1,6 +1,6 @@
 """Choosing the coverage validation set from routing statistics: constraints, greedy multi-cover, report.
 
-Choosing the expert-coverage validation set from a pool's routing statistics (``moeflow.model.routing_stats``):
+Choosing the expert-coverage validation set from a pool's routing statistics (``moeflow.evaluation.routing_stats``):
 constraints, greedy multi-cover, and the report with its random comparison.
 
 1. **Constraints** (``build_constraints``): one per (layer, expert), plus the ``pairs_per_layer`` most
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.coverage.bitsets import WORD, column_bit_counts, masked_popcounts, pack_word_bits, unpack_word_bits
-from moeflow.model.routing_stats import PoolStats, cell_table
+from moeflow.evaluation.routing_stats import PoolStats, cell_table
 
 ALLOW_UNMET_KEY = "coverage.allow_unmet"
 

@@ -28,9 +28,9 @@ import torch
 
 from moeflow.data.shards import iter_rows
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
+from moeflow.evaluation.routing_stats import cell_table, layer_health, route_pool
 from moeflow.model.parameters import active_per_token, clean_name
 from moeflow.model.routing import adapter_or_none
-from moeflow.model.routing_stats import cell_table, layer_health, route_pool
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.layouts import original_shape, reshard
 from moeflow.parallel.process_group import Ranks, gather_objects
@@ -42,7 +42,7 @@ def _finite(x: float) -> float | None:
 
 
 def balance(counts: Sequence[int]) -> dict[str, Any]:
-    """Load balance of one layer (``moeflow.model.routing_stats.layer_health``, the training guard's definition):
+    """Load balance of one layer (``moeflow.evaluation.routing_stats.layer_health``, the training guard's definition):
     max/mean, coefficient of variation, normalised load entropy (1 = uniform), dead experts."""
     health = layer_health([int(c) for c in counts])
     return {k: health[k] for k in ("max_over_mean", "cv", "load_entropy", "dead_experts")}
@@ -233,7 +233,8 @@ def valset_coverage(
     model, rows, coverage_settings: Mapping[str, Any], precision: str = "fp32", ranks: Ranks | None = None
 ) -> dict[str, Any] | None:
     """Per (layer, expert) of ``model``'s router: validation documents with at least ``min_tokens`` tokens
-    routed there (``moeflow.model.routing_stats.route_pool`` and ``cell_table``, as the coverage stage counts them).
+    routed there (``moeflow.evaluation.routing_stats.route_pool`` and ``cell_table``, as the coverage stage counts
+    them).
     With several ``ranks`` each routes its share of the batches and only the main rank gets the table.
     None for a model without experts, and on the other ranks."""
     adapter = adapter_or_none(unwrap(model))

@@ -267,7 +267,7 @@ def token_losses(model: torch.nn.Module, inputs: dict, labels: torch.Tensor, kee
     ``keep_hidden`` also the decoder's last hidden state."""
     if not installed(model):
         raise LinearLossError(
-            "this model has no chunked cross-entropy entry: build or load it with moeflow.model.factory.make_model, "
+            "this model has no chunked cross-entropy entry: build or load it with moeflow.loading.factory.make_model, "
             "or call moeflow.model.chunked_loss.install(model, chunk_tokens) first"
         )
     return model(**inputs, use_cache=False, **{LOSS_KWARG: labels, HIDDEN_KWARG: keep_hidden})
@@ -280,7 +280,7 @@ def decoder_forward(model: torch.nn.Module, inputs: dict) -> ModelOutput:
     pool pass, the warmup gate's base reference)."""
     if not installed(model):
         raise LinearLossError(
-            "this model has no decoder-only entry: build or load it with moeflow.model.factory.make_model, "
+            "this model has no decoder-only entry: build or load it with moeflow.loading.factory.make_model, "
             "or call moeflow.model.chunked_loss.install(model, chunk_tokens) first"
         )
     return model(**inputs, use_cache=False, **{DECODER_KWARG: True})

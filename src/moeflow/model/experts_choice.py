@@ -31,7 +31,7 @@ that module materialised (``to_empty``, then seeded random weights). In transfor
   choice (``model.experts_implementation``), which skips the race.
 
 Two outputs: the choice (:func:`choice_record`: the implementation and the shape it was chosen for, no
-timings), which every rule that loads the model takes as input and moeflow.model.factory.make_model applies
+timings), which every rule that loads the model takes as input and moeflow.loading.factory.make_model applies
 (its ``experts``); and the timings (:func:`measure`'s report, with the reasons), which only the reports read.
 """
 

@@ -59,11 +59,11 @@ from moeflow.model import parameters as P
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import FAMILIES
+from moeflow.model.settings import LORA_ALL, LoraSettings
 from moeflow.model.wrappers import unwrap
 from moeflow.runtime import compat
 from moeflow.runtime.files import atomic_dir, read_json, write_json
 from moeflow.settings import typed
-from moeflow.train.settings import LORA_ALL, LoraSettings
 
 log = logging.getLogger("moeflow.model.lora")
 

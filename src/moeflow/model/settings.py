@@ -1,11 +1,11 @@
-"""The ``model`` section's typed settings (moeflow.model.factory builds and loads models from them)."""
+"""The ``model`` section's typed settings (moeflow.loading.factory builds and loads models from them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moeflow.settings import MODEL_SCHEMA
+from moeflow.settings import MODEL_SCHEMA, enum, plain
 
 # ``model.experts_implementation`` that rule choose_experts resolves by measurement; the factory applies the
 # rule's choice file (moeflow.model.experts_choice).
@@ -29,3 +29,27 @@ class ModelSettings:
     experts_implementation: str | None
     loss_chunk_tokens: int
     config: dict[str, Any]
+
+
+LORA_ALL = "all"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``train.lora``. ``targets`` keeps what the config names; ``categories`` resolves ``all``."""
+
+    SCHEMA: ClassVar[str] = "#/$defs/lora"
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    router: str
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The module categories that get adapters, in the schema's order."""
+        every = tuple(t for t in enum("#/$defs/lora/properties/targets") if t != LORA_ALL)
+        return every if LORA_ALL in self.targets else tuple(t for t in every if t in self.targets)
+
+    def as_dict(self) -> dict[str, Any]:
+        return plain(self)

@@ -24,7 +24,7 @@ def sha256_file(path: str | Path) -> str:
 
 
 def config_hash(config: Mapping[str, Any]) -> str:
-    from moeflow.workflow.keys import stable_hash
+    from moeflow.runtime.files import stable_hash
 
     return stable_hash(config, length=16)
 

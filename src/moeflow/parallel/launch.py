@@ -7,7 +7,10 @@ SLURM allocation.
 
 from __future__ import annotations
 
-from moeflow.plan.scaleout import ScaleoutError
+
+class LaunchError(ValueError):
+    """A launch the job's resources cannot make, with what to change."""
+
 
 # The job's nodes. snakemake-executor-plugin-slurm's jobstep runs the rule's command with every SLURM_*
 # variable but SLURM_JOB_ID removed, so SLURM_JOB_NODELIST is usually missing: squeue knows the job's nodes.
@@ -29,7 +32,7 @@ def torchrun_command(
     started from the jobstep's environment sees none otherwise); they meet at a c10d rendezvous on the
     first node."""
     if gpus and gpus % nodes:
-        raise ScaleoutError(f"{gpus} GPUs do not split evenly over {nodes} nodes")
+        raise LaunchError(f"{gpus} GPUs do not split evenly over {nodes} nodes")
     per_node = gpus // nodes if gpus else cpu_ranks
     if per_node == 1 and nodes == 1:
         return python

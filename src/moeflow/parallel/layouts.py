@@ -12,7 +12,7 @@ whole state dict).
     on the pinned stack, whose torch 2.3.1 ``fully_shard`` fails without CUDA. With ``precision: bf16``,
     FSDP's mixed precision (bf16 gathers and compute, fp32 shards and gradient reduction).
   - ``ep``: transformers 5 shards the model on the meta device as its ``from_pretrained`` does for
-    ``DistributedConfig(ep_size=..., fsdp_size=...)`` (moeflow.model.factory): experts split over ``ep_size``
+    ``DistributedConfig(ep_size=..., fsdp_size=...)`` (moeflow.loading.factory): experts split over ``ep_size``
     ranks, the rest FSDP2-sharded; each rank then reads its rows (moeflow.parallel.rank_load).
     transformers 4.57 (pinned stack) has no expert parallelism: a clear error.
 
@@ -100,7 +100,7 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
     unit is all-gathered in bf16 and computes in bf16, gradients are reduce-scattered in fp32 (half the
     traffic of fp32 gathers; the Trainer's autocast keeps the losses fp32)."""
     if parallel.strategy != "fsdp" or ranks.world_size == 1:
-        if parallel.strategy == "ep":  # sharded on the meta device by transformers (moeflow.model.factory)
+        if parallel.strategy == "ep":  # sharded on the meta device by transformers (moeflow.loading.factory)
             return materialize(model, ranks.device) if has_meta_parameters(model) else model
         return materialize(model, ranks.device) if has_meta_parameters(model) else model.to(ranks.device)
     layers = _layer_classes(model)

@@ -51,7 +51,7 @@ def check_ranks(parallel: ParallelSettings, ranks: Ranks) -> ParallelSettings:
             "but config keys 'parallel.nproc_per_node' x 'parallel.nnodes' "
             f"ask for {parallel.world_size}: make the training rule's resources "
             "(gpu, nodes; set in the profile) and the "
-            "config's parallel section agree (moeflow.plan.scaleout.request_problems lists the differences)"
+            "config's parallel section agree (moeflow.workflow.scaleout.request_problems lists the differences)"
         )
     return parallel
 

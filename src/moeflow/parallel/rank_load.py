@@ -3,7 +3,7 @@
 A model built with its parameters on the meta device, then filled from its folder's safetensors files
 with only the rows each rank owns, so that no rank materialises parameters it does not hold.
 
-* :func:`parameters_on_meta`: modules built inside it (moeflow.model.factory builds the folder's model class
+* :func:`parameters_on_meta`: modules built inside it (moeflow.loading.factory builds the folder's model class
   from its config.json there) register their parameters on the meta device (no memory) and keep their
   buffers real: rotary ``inv_freq`` and the other non-persistent buffers are computed at construction and
   are not in the weight files. Persistent buffers are filled from the files.
@@ -12,7 +12,7 @@ with only the rows each rank owns, so that no rank materialises parameters it do
   the (local shards of the) parameters, the buffers kept.
 * :func:`fill_from_folder`: every entry of the model's sharded state dict (FSDP1: ShardedTensor, FSDP2:
   DTensor, unsharded: the tensor) gets its owned dim-0 rows from the folder's files (one
-  ``model.safetensors`` or an HF index with its files, ``moeflow.checkpoint.safetensors_files.weight_files``), read
+  ``model.safetensors`` or an HF index with its files, ``moeflow.model.safetensors_files.weight_files``), read
   with ``os.pread`` straight into the local shard.
 
 transformers 5 stores some weights in the model in another layout than in the files (fused experts:
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from moeflow.checkpoint.safetensors_files import SafetensorsError, read_elements, read_header, read_tensor, weight_files
 from moeflow.model.parameters import clean_name
+from moeflow.model.safetensors_files import SafetensorsError, read_elements, read_header, read_tensor, weight_files
 from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1
 from moeflow.parallel import dtensors, process_group

@@ -13,16 +13,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from moeflow.model.parameters import counted_category, is_hidden_matrix, layer_index
+from moeflow.model.settings import LoraSettings
 from moeflow.plan.shapes import (
     PlanError,
     Shape,
-    experts_fused,
     hf_config_fields,
     model_config_fields,
     model_shape,
     resolve_vocab_size,
 )
-from moeflow.train.settings import EsftSettings, LoraSettings
+from moeflow.runtime import compat
+from moeflow.train.settings import EsftSettings
 
 CATEGORIES = (
     "embedding",
@@ -204,7 +205,7 @@ def largest_tensor(s: Shape) -> int:
     if s.mtp_layers:
         candidates.append(2 * h * h)  # eh_proj
     if s.moe_layers:
-        fused = experts_fused(s.model_type) or s.model_type == "granitemoe"  # granitemoe fuses on both stacks
+        fused = compat.experts_fused(s.model_type) or s.model_type == "granitemoe"  # granitemoe fuses on both stacks
         candidates += [h * s.shared_ffn, h * s.num_experts]
         candidates.append(s.num_experts * 2 * s.expert_ffn * h if fused else h * s.expert_ffn)
     return max(candidates)
@@ -321,7 +322,7 @@ def lora_matrices(
     if moe:
         if "routed_experts" in categories:
             f = s.expert_ffn
-            pairs = [(h, 2 * f), (f, h)] if experts_fused(s.model_type) else [(h, f), (h, f), (f, h)]
+            pairs = [(h, 2 * f), (f, h)] if compat.experts_fused(s.model_type) else [(h, f), (h, f), (f, h)]
             out["routed_experts"] = [(i, o, s.num_experts) for i, o in pairs]
         if "shared_experts" in categories and s.shared_ffn:
             out["shared_experts"] = swiglu(s.shared_ffn)
@@ -386,7 +387,9 @@ def lora_count(s: Shape, lora: LoraSettings) -> LoraCount:
             moe_layer = max(moe_layer, (sum(added.values()), added.get("routed_experts", 0), router))
         else:
             dense_layer = max(dense_layer, sum(added.values()))
-    return LoraCount(by_category, router * len(s.moe_layers), moe_layer, dense_layer, experts_fused(s.model_type))
+    return LoraCount(
+        by_category, router * len(s.moe_layers), moe_layer, dense_layer, compat.experts_fused(s.model_type)
+    )
 
 
 def lora_activation_elements(s: Shape, lora: LoraSettings, moe: bool, heads: int | None = None) -> int:
@@ -407,7 +410,7 @@ def esft_trainable(s: Shape, params: ParamCount, esft: EsftSettings, selected_ex
     its unselected rows masked); plus the shared experts and the non-expert parameters where configured.
     ``selected_experts`` None (no selection yet): every expert, the upper bound."""
     routed = params.by_category["routed_experts"]
-    fused = experts_fused(s.model_type) or s.model_type == "granitemoe"
+    fused = compat.experts_fused(s.model_type) or s.model_type == "granitemoe"
     if not fused and selected_experts is not None:
         routed = routed * selected_experts // (s.num_experts * len(s.moe_layers))
     shared = params.by_category["shared_experts"]

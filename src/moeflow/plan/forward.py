@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from moeflow.model.settings import LoraSettings
 from moeflow.plan.counts import ParamCount, count_parameters
 from moeflow.plan.fit import gib, verdict
 from moeflow.plan.memory import (
@@ -59,7 +60,6 @@ from moeflow.plan.memory import (
 )
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.settings import typed
-from moeflow.train.settings import LoraSettings
 
 # What each forward-only stage computes after the decoder (module docstring); evaluate_run counts the routing
 # and scores the tokens. The section each runs on: moeflow.workflow.keys.FORWARD_STAGE_SECTIONS.
@@ -242,7 +242,7 @@ def refuse_unless_fits(
     """At a forward-only stage's start, before its model is loaded: its :func:`forward_plan` per rank against the
     memory of this rank's GPU (torch's total), refused (PlanError, :func:`refusal`) where it does not fit, a
     warning where it is tight. ``batch``: moeflow.workflow.keys.forward_batch; ``model``: the config's model
-    section, counted from ``folder``; ``layout``: the stage's moeflow.model.factory.Layout. On the CPU nothing is
+    section, counted from ``folder``; ``layout``: the stage's moeflow.loading.factory.Layout. On the CPU nothing is
     checked (None)."""
     if layout.ranks.device.type != "cuda":
         return None

@@ -118,11 +118,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from moeflow.model.settings import LoraSettings
 from moeflow.plan.counts import ParamCount, esft_trainable, lora_activation_elements, lora_count
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.runtime import compat
 from moeflow.settings import typed
-from moeflow.train.settings import EsftSettings, LoraSettings
+from moeflow.train.settings import EsftSettings
 
 GIB = 2**30
 

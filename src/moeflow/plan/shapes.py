@@ -356,9 +356,3 @@ def model_config_fields(model: Mapping[str, Any]) -> dict[str, Any]:
             raise PlanError(f"config key 'model.pretrained': {path} does not exist")
         return json.loads(path.read_text(encoding="utf-8"))
     return dict(model["config"])
-
-
-def experts_fused(model_type: str) -> bool:
-    """Whether the installed transformers keeps a layer's routed experts as fused 3D parameters (gate and
-    up projections in one ``gate_up_proj``): every family on transformers 5, GPT-OSS on both stacks."""
-    return model_type == "gpt_oss" or compat.is_transformers_v5()

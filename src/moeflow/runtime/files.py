@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -178,3 +179,9 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         if full is not None:
             raise full from exc
         raise
+
+
+def stable_hash(obj: Any, length: int = 12) -> str:
+    """A hash of a JSON-able object that is the same in every process (unlike ``hash()``)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:length]

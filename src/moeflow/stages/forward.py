@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from moeflow.loading.factory import Layout, make_model
 from moeflow.model.device import compute_dtype
-from moeflow.model.factory import Layout, make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.plan.forward import refuse_unless_fits

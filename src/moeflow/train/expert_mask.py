@@ -79,8 +79,8 @@ class ExpertMask:
         self._ids = {id(f.param) for f in fused}
 
     def param_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``groups`` (moeflow.train.optim.param_groups) with each group's fused expert tensors moved into a group
-        of their own without weight decay (class docstring)."""
+        """``groups`` (moeflow.train.param_groups.param_groups) with each group's fused expert tensors moved into a
+        group of their own without weight decay (class docstring)."""
         out = []
         for group in groups:
             rows = [p for p in group["params"] if id(p) in self._ids]

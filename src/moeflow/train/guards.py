@@ -25,8 +25,8 @@ from dataclasses import asdict
 from typing import Any
 
 from moeflow.data.order import DataOrder
+from moeflow.evaluation.routing_stats import expert_load, layer_health
 from moeflow.model.routing import adapter_or_none
-from moeflow.model.routing_stats import expert_load, layer_health
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import gather_floats

@@ -20,7 +20,7 @@ from moeflow.model.wrappers import unwrap
 from moeflow.parallel import dtensors
 from moeflow.parallel.layouts import original_shape
 from moeflow.settings import typed
-from moeflow.train.optim import param_groups
+from moeflow.train.param_groups import param_groups
 from moeflow.train.settings import MuonSettings
 
 

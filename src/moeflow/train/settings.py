@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moeflow.model.settings import ModelSettings
+from moeflow.model.settings import LoraSettings, ModelSettings
 from moeflow.parallel.settings import ParallelSettings
-from moeflow.settings import enum, plain
 
 
 @dataclass(frozen=True)
@@ -32,30 +31,6 @@ class BalanceSettings:
     @property
     def needs_counting_forward(self) -> bool:
         return self.balancing and self.mode == "exact"
-
-
-LORA_ALL = "all"
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """``train.lora``. ``targets`` keeps what the config names; ``categories`` resolves ``all``."""
-
-    SCHEMA: ClassVar[str] = "#/$defs/lora"
-    rank: int
-    alpha: float
-    dropout: float
-    targets: tuple[str, ...]
-    router: str
-
-    @property
-    def categories(self) -> tuple[str, ...]:
-        """The module categories that get adapters, in the schema's order."""
-        every = tuple(t for t in enum("#/$defs/lora/properties/targets") if t != LORA_ALL)
-        return every if LORA_ALL in self.targets else tuple(t for t in every if t in self.targets)
-
-    def as_dict(self) -> dict[str, Any]:
-        return plain(self)
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,12 @@ from moeflow.checkpoint import state as C
 from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.order import DataOrder
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
+from moeflow.evaluation.routing_stats import layer_health
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
 from moeflow.model.families.mtp import unfreeze_mtp_layers
 from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import adapter_or_none, capture
-from moeflow.model.routing_stats import layer_health
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel import dtensors
 from moeflow.parallel.gradients import clip_grad_norm, fill_missing_gradients, reduce_gradients, release_gradients
@@ -60,8 +60,8 @@ from moeflow.train.losses import (
     update_correction_bias,
 )
 from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
-from moeflow.train.optim import correction_biases, lr_factor, param_groups
 from moeflow.train.optimizers import build_optimizer
+from moeflow.train.param_groups import correction_biases, lr_factor, param_groups
 from moeflow.train.settings import BalanceSettings, MtpSettings, TrainSettings
 
 log = logging.getLogger("moeflow.train.trainer")
@@ -163,7 +163,7 @@ def accumulate_gradients(
 class Trainer:
     """The loop. ``rows``: any sequence of packed rows (a datasets.Dataset or a list of dicts).
 
-    ``model``: as ``moeflow.model.factory`` laid it out (whole, FSDP-wrapped, or sharded by transformers).
+    ``model``: as ``moeflow.loading.factory`` laid it out (whole, FSDP-wrapped, or sharded by transformers).
     With several ranks, each takes its share of the step's rows (``micro_batch_size x grad_accum_steps``
     per rank), the losses are normalised by the step's global counts, and the ranks' gradients are summed;
     every rank saves and loads its own shards of the checkpoints (``moeflow.checkpoint.state``), which load into

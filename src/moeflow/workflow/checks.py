@@ -18,7 +18,6 @@ import jsonschema
 from moeflow.evaluation.lm_eval_tasks import task_problems
 from moeflow.model.families import registry
 from moeflow.model.families.step3p5_keys import routing_key_problems
-from moeflow.plan.shapes import experts_fused
 from moeflow.runtime import compat
 from moeflow.settings import (
     REPO_ROOT,
@@ -196,7 +195,11 @@ def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
             f"{model_type!r} has none (moeflow.model.routing.FAMILIES: {', '.join(FAMILIES)}): use train.method: "
             "full or lora"
         )
-    if cfg["parallel"]["strategy"] == "fsdp" and not compat.fsdp2_available() and experts_fused(model_type or ""):
+    if (
+        cfg["parallel"]["strategy"] == "fsdp"
+        and not compat.fsdp2_available()
+        and compat.experts_fused(model_type or "")
+    ):
         problems.append(
             f"config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine for {model_type}'s fused "
             f"expert tensors on torch {compat.version_of('torch')}: FSDP1's flat shards split elements, not experts, "

@@ -6,18 +6,11 @@ them that names its cached output, so runs that agree on a stage's settings shar
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from moeflow.runtime.files import stable_hash
 from moeflow.settings import schema_node, with_defaults
-
-
-def stable_hash(obj: Any, length: int = 12) -> str:
-    """A hash of a JSON-able object that is the same in every process (unlike ``hash()``)."""
-    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:length]
 
 
 def settings_key(

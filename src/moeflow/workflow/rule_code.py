@@ -6,7 +6,7 @@ code does for that rule), not derived from the imports: a module that imports an
 does not make their stages rerun together. docs/reruns.md says what editing each part reruns.
 
 - A name is a package (``paper``: every module under ``src/moeflow/paper``) or one module
-  (``model.factory``); a package's ``__init__`` comes with any of its modules (Python runs it first).
+  (``loading.factory``); a package's ``__init__`` comes with any of its modules (Python runs it first).
 - ``INFRASTRUCTURE`` is no rule's input: the package root, ``runtime`` (how a stage runs: logging, atomic
   writes, provenance, GPU claims, the environment report, the torchrun job), ``settings`` (reading config sections
   into typed settings) and ``workflow`` (what only the Snakefile reads; the params it computes rerun what a setting
@@ -41,6 +41,7 @@ PLUMBING: dict[str, tuple[str, ...]] = {
         "runtime.compat.require_transformers_v5",
         "runtime.compat.fsdp2_available",
         "runtime.compat.UnsupportedOnStack",
+        "runtime.compat.experts_fused",
     ),
     "the job's plumbing: its params, typed (Snakemake compares the params), torch's threads set to the job's, "
     "logging, progress lines, the kill points of the fault tests": (
@@ -59,7 +60,7 @@ PLUMBING: dict[str, tuple[str, ...]] = {
     ),
     "provenance: which code and settings made an output, recorded beside its numbers": (
         "runtime.stage.code_version",
-        "workflow.keys.stable_hash",
+        "runtime.files.stable_hash",
     ),
     "atomic writes and reads of files whose content the caller computed": (
         "runtime.files.atomic_dir",
@@ -104,7 +105,7 @@ MODEL_CONFIG = ("model.configs", "model.families", "model.settings", "model.fold
 # parallelism, LoRA adapters), with the chunked loss it computes (which skips the rows' IGNORE_INDEX labels).
 MODEL = (
     *MODEL_CONFIG,
-    "model.factory",
+    "loading.factory",
     "model.device",
     "model.activation_checkpointing",
     "model.chunked_loss",
@@ -114,7 +115,7 @@ MODEL = (
     "model.parameters",
     "model.saved_names",
     "parallel",
-    "checkpoint.safetensors_files",
+    "model.safetensors_files",
     "train.settings",
     "data.shards",
 )
@@ -124,14 +125,14 @@ FORWARD_PLAN = ("plan.forward", "plan.counts", "plan.fit", "plan.memory", "plan.
 FORWARD_OPENING = ("stages.forward", *FORWARD_PLAN)
 
 # Reading the routers per family, and routing statistics over a set of rows (expert load, layer health).
-ROUTING = ("model.routing", "model.routing_stats")
+ROUTING = ("model.routing", "evaluation.routing_stats")
 
 # The tokenizer and the sources it reads.
 TOKENIZER = ("data.tokenizer", "data.corpus", "data.shards")
 
 # The training loop and what it runs: the model in every layout (LoRA included), sharding and gradient
 # reduction, checkpoints and the export, the rows in their order, and the evaluation loop of its evals.
-TRAINING = ("train", "model", "parallel", "checkpoint", *ROWS, "data.order", "evaluation.loop")
+TRAINING = ("train", "model", "loading", "parallel", "checkpoint", *ROUTING, *ROWS, "data.order", "evaluation.loop")
 
 # Loss, perplexity and per-expert tables of a model on sets of rows, with the batch loop behind them.
 SET_EVALUATION = ("evaluation.run_metrics", "evaluation.loop")
@@ -151,7 +152,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "verify_env": (),  # its script runs infrastructure only; its fingerprint param reruns it when packages change
     "choose_experts": ("model.experts_choice", "model.device", *MODEL_CONFIG, "model.routing"),
     "train_tokenizer": TOKENIZER,
-    "tokenize": ("data.tokenize", "data.packing", *TOKENIZER),
+    "tokenize": ("data.sharding", "data.packing", *TOKENIZER),
     "pretrain_base": TRAINING,
     "coverage_valset": ("coverage", *ROUTING, *MODEL, *ROWS, *VALSET, *FORWARD_OPENING),
     # the plan reads the model's shapes from the config the factory builds, and the typed training settings

@@ -73,7 +73,7 @@ def mtp_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def unfreeze_mtp_layers(model: nn.Module) -> int:
     """``train.mtp.mode: train``: the MTP layers' parameters get gradients (they are built frozen); returns how
-    many layers. moeflow.model.factory does it as it builds a model for training, before any forward: FSDP2 fixes
+    many layers. moeflow.loading.factory does it as it builds a model for training, before any forward: FSDP2 fixes
     each unit's gradient and reduction dtypes at its first forward from the parameters that require grad then, so
     a unit unfrozen after a forward (warmup's base reference) had bf16 gradients assigned to fp32 parameters."""
     layers = mtp_layers(model)

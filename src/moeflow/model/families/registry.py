@@ -3,7 +3,7 @@
 The families' registration with transformers' auto classes: Step-3.5-Flash's causal LM (transformers 5
 only) and DeepSeek-V3 with its MTP layers (both stacks).
 
-:func:`register` is called wherever moeflow builds or loads a model (moeflow.model.factory, the sharded
+:func:`register` is called wherever moeflow builds or loads a model (moeflow.loading.factory, the sharded
 loader's meta build, the planner's meta count); it is idempotent and cheap after the first call. The families'
 modules import transformers' modelling code, so they are imported here on first registration only; the rest
 of this module imports nothing heavy (the config check reads it while Snakemake builds the DAG).

@@ -174,7 +174,7 @@ def resolve_experts(settings: ModelSettings, choice_file: str | os.PathLike | No
             raise ModelError(
                 "model.experts_implementation is 'auto', which is resolved by measurement, and no choice was "
                 "given: the stage needs rule choose_experts's choice file (results/<stack>/experts/<key>/"
-                "choice.json) as its input 'experts', passed to moeflow.model.factory.make_model as experts= "
+                "choice.json) as its input 'experts', passed to moeflow.loading.factory.make_model as experts= "
                 "(or set model.experts_implementation to eager, grouped_mm or batched_mm)"
             )
         return settings
