@@ -56,9 +56,11 @@ def pytest_collection_modifyitems(config, items):
 
 def workflow_env(workdir: Path, **env: str) -> dict[str, str]:
     """This environment for Snakemake in ``workdir``, a copy of the workflow: its own src/ first on PYTHONPATH
-    (common.smk refuses a moeflow imported from anywhere else), the active stack, and ``env``."""
-    path = os.pathsep.join([str(Path(workdir).resolve() / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return {**os.environ, "STACK": active_stack(), "PYTHONPATH": path, **env}
+    (common.smk refuses a moeflow imported from anywhere else) before ``env``'s or this one's PYTHONPATH, the
+    active stack, and ``env``."""
+    rest = env.pop("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    path = os.pathsep.join([str(Path(workdir).resolve() / "src"), *filter(None, rest.split(os.pathsep))])
+    return {**os.environ, "STACK": active_stack(), **env, "PYTHONPATH": path}
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:

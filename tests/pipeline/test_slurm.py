@@ -59,7 +59,7 @@ def files_of(folder: Path) -> dict[str, bytes]:
 
 
 def snakemake_env(workdir: Path, cluster: Cluster, **extra: str) -> dict[str, str]:
-    return workflow_env(workdir, **cluster.env, **extra)
+    return workflow_env(workdir, **{**cluster.env, **extra})
 
 
 def run_snakemake(workdir: Path, cluster: Cluster, *args: str, env: dict | None = None, timeout: float = 300):
