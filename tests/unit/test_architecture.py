@@ -109,8 +109,15 @@ def test_no_library_module_is_over_600_lines():
     assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
 
 
+def restates(first: str, body: str) -> bool:
+    """Whether a docstring's body opens by saying its first line again (its first four words, or all of it)."""
+    first, body = first.strip().rstrip("."), " ".join(body.split())
+    return body.startswith(first) or (len(first.split()) >= 4 and body.split()[:4] == first.split()[:4])
+
+
 def test_every_module_has_a_docstring_whose_first_line_says_what_it_is():
-    """A sentence of its own on the first line (the module map shows it), the details after a blank line."""
+    """A sentence of its own on the first line (the module map shows it), the details after a blank line, which
+    do not say the first line again."""
     bad = []
     for path in module_map.modules():
         lines = (module_map.docstring(path) or "").splitlines()
@@ -118,7 +125,15 @@ def test_every_module_has_a_docstring_whose_first_line_says_what_it_is():
             bad.append(f"{relative(path)}: no docstring")
         elif not lines[0].rstrip().endswith(".") or (len(lines) > 1 and lines[1].strip()):
             bad.append(f"{relative(path)}: the first line is not a sentence of its own: {lines[0]!r}")
+        elif restates(lines[0], " ".join(lines[2:])):
+            bad.append(f"{relative(path)}: the body opens by saying the first line again")
     assert bad == []
+
+
+def test_a_body_that_says_the_first_line_again_is_caught():
+    first = "The tokenize stage: one corpus read, split, encoded and packed."
+    assert restates(first, "The tokenize stage: one corpus read, split, encoded and packed, with its manifest.")
+    assert not restates(first, "Each split is written with its manifest.json.")
 
 
 def test_the_module_map_is_the_docstrings():

@@ -1,5 +1,5 @@
 """Training state on disk: resumable checkpoints, the safetensors files, the final model's export.
 
-Training state on disk: resumable checkpoints (every rank writes its own pieces through
-torch.distributed.checkpoint), the safetensors files they and the exports use, and the final model's export.
+Every rank writes its own pieces of a resumable checkpoint through torch.distributed.checkpoint; the safetensors
+files are those the checkpoints and the exports use.
 """

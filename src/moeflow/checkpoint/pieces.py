@@ -1,8 +1,7 @@
 """Each rank's own pieces of the training state for checkpoints: every tensor flattened, as views.
 
-Each rank's own pieces of the training state, for the checkpoints: every tensor flattened, a rank's share
-the contiguous range of elements its layout already holds (FSDP1's flat shard, a DTensor's rows, the
-whole tensor unsharded), as views.
+A rank's share of a flattened tensor is the contiguous range of elements its layout already holds (FSDP1's flat
+shard, a DTensor's rows, the whole tensor unsharded).
 """
 
 from __future__ import annotations

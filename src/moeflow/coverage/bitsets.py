@@ -1,7 +1,6 @@
 """Sets of flags packed 64 to a uint64 word, with vectorised popcounts.
 
-Sets of flags packed 64 to a uint64 word: bit ``c % 64`` of word ``c // 64`` is flag c, with
-popcounts that stay vectorised over many rows of words."""
+Bit ``c % 64`` of word ``c // 64`` is flag c; the popcounts stay vectorised over many rows of words."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The coverage stage: route the held-out pool, select the documents, write the set and its report.
 
-The coverage stage: route the held-out pool (``moeflow.evaluation.routing_stats``), select the documents
-(``moeflow.coverage.cover``), then write the set (``moeflow.data.valset``), ``coverage.json`` and the heatmap."""
+The pool is routed with ``moeflow.evaluation.routing_stats``, the documents are selected with
+``moeflow.coverage.cover`` and the set is written with ``moeflow.data.valset``; the report is ``coverage.json`` and
+the heatmap."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The order the Trainer takes training rows in (``train.order``): shuffled per epoch or sequential.
 
-The order the Trainer takes training rows in (``train.order``): a deterministic permutation per epoch
-(``shuffled``), or the rows as they are stored, every epoch (``sequential``)."""
+``shuffled`` takes a deterministic permutation of the rows per epoch; ``sequential`` takes the rows as they are
+stored, every epoch."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Packing documents into rows of ``seq_len`` tokens, with the result's padding and boundary counts.
 
-Packing documents into rows of ``seq_len`` tokens (the row format is ``moeflow.data.shards``'s), with
-the padding and document-boundary counts of the result."""
+The row format is ``moeflow.data.shards``'s; the boundaries counted are those between documents."""
 
 from __future__ import annotations
 

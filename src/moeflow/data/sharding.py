@@ -1,7 +1,6 @@
 """The tokenize stage: one corpus read, split, encoded, packed and written as Arrow shards.
 
-The tokenize stage: one corpus read, split, encoded, packed and written as Arrow shards with its
-``manifest.json`` (the row format: ``moeflow.data.shards``)."""
+Each split is written with its ``manifest.json`` (the row format: ``moeflow.data.shards``)."""
 
 from __future__ import annotations
 

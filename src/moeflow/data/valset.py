@@ -1,7 +1,6 @@
 """The coverage validation set on disk, as a corpus folder in the data stages' format.
 
-The coverage validation set on disk: a corpus folder in the data stages' format whose one split holds the
-selected held-out documents.
+The folder's one split holds the selected held-out documents.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Evaluating a model: losses per set, lm-eval tasks, HumanEval, routing drift.
 
-Evaluating a model: losses per set with the shared batch loop, lm-evaluation-harness tasks, HumanEval
-generation and sandboxed execution, and routing drift between a base and a fine-tuned router.
+The losses per set use the shared batch loop; the lm-eval tasks run through lm-evaluation-harness; HumanEval
+covers generation and sandboxed execution; routing drift is between a base and a fine-tuned router.
 """

@@ -1,7 +1,7 @@
 """Routing drift: how fine-tuning moved the router, per MoE layer, over the same tokens.
 
-Routing drift: how fine-tuning moved the router, per MoE layer, between a run's base and fine-tuned model
-run over the same tokens (the coverage validation set, in ``moeflow.evaluation.loop`` batches).
+A run's base and fine-tuned model are run over the same tokens: the coverage validation set, in
+``moeflow.evaluation.loop`` batches.
 
 Per MoE layer, over the non-padding tokens:
 

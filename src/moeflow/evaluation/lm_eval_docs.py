@@ -1,8 +1,8 @@
 """The documents of moeflow's own lm-eval tasks, from an evaluation corpus's packed test split.
 
-The documents of moeflow's own lm-eval tasks (workflow/tasks/), built from an evaluation corpus's packed
-test split (the data stage's rows, ``moeflow.data.shards``), and lm-eval's side of them (the dataset loader and
-the per-document scores the task YAMLs name with ``!function``).
+The tasks are in workflow/tasks/, and the split's rows are the data stage's (``moeflow.data.shards``). This module
+is also lm-eval's side of the documents: the dataset loader and the per-document scores the task YAMLs name with
+``!function``.
 
 - ``segments``: one document per packed segment, the token span of one document inside one row that
   moeflow's evaluation scores on its own (attention stays inside it, its first token is context only).

@@ -1,7 +1,7 @@
 """One ``evaluate.tasks`` entry through lm-evaluation-harness on a loaded model, and its result record.
 
-One ``evaluate.tasks`` entry through lm-evaluation-harness (the lm-eval package's Python API) on a loaded
-model, and the stage's result record (``lm_eval/<model>/<task>.json``).
+The harness runs through the lm-eval package's Python API; the record is the stage's
+``lm_eval/<model>/<task>.json``.
 
 lm-eval is imported inside the functions that use it (its import takes seconds). Where it is missing the stage
 refuses with :class:`HarnessUnavailable`.

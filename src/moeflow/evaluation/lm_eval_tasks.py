@@ -1,7 +1,7 @@
 """The tasks ``evaluate.tasks`` names, resolved: moeflow's task YAMLs, a YAML file, lm-eval's registry.
 
-The tasks ``evaluate.tasks`` names, resolved: moeflow's own task YAMLs (workflow/tasks/), a task YAML file,
-or a task of lm-eval's registry (resolved through its TaskManager, whose data must be on the machine).
+moeflow's own task YAMLs are those of workflow/tasks/; a task of lm-eval's registry is resolved through its
+TaskManager, whose data must be on the machine.
 
 The config check (``moeflow.workflow.checks``) calls :func:`task_problems` when the Snakefile loads: an unknown
 name or a YAML that does not parse fails there, naming ``evaluate.tasks[i]``. Nothing here imports lm-eval except

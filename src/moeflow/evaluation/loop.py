@@ -1,7 +1,7 @@
 """The batch evaluation loop: token-normalised loss without grad, and per-expert tokens and losses.
 
-The batch evaluation loop: a model over collated batches, without grad, summing the token-normalised
-loss and, for an MoE model, each expert's routed tokens and the loss of the tokens it served.
+It runs a model over collated batches and sums the token-normalised loss and, for an MoE model, each expert's
+routed tokens and the loss of the tokens it served.
 
 The Trainer's periodic evaluation and the evaluation stage (``moeflow.evaluation.run_metrics``) both run it. With
 several ranks each takes its share of the batches (:func:`batches` with ``rank``/``world``) and the

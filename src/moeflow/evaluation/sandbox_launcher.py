@@ -1,8 +1,7 @@
 """The first code of a sandboxed interpreter: resource limits, the audit hook, then the program.
 
-The first code of a sandboxed interpreter (moeflow.evaluation.sandbox starts ``python -I -B -S`` on this file): it
-sets
-the resource limits, installs the audit hook that refuses what a program may not do, then runs the program.
+moeflow.evaluation.sandbox starts ``python -I -B -S`` on this file, which sets the resource limits, installs the
+audit hook that refuses what a program may not do, then runs the program.
 
 Standard library only, and nothing at import: moeflow.evaluation.sandbox imports this module for its path.
 

@@ -1,6 +1,6 @@
 """The one door to a model: build or load one for a layout, device and dtype (:func:`make_model`).
 
-The one door to a model moeflow trains or evaluates: :func:`make_model` builds one from ``model.config``
+Every model moeflow trains or evaluates comes from here: :func:`make_model` builds one from ``model.config``
 (seeded) or loads a local folder (safetensors only, the folder's own code only with
 ``model.trust_remote_code``), for a layout (``parallel.strategy`` none, fsdp or ep, LoRA adapters for
 ``train.method: lora``), on a device, in a dtype. It applies the rule's experts choice for

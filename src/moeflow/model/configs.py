@@ -1,9 +1,8 @@
 """A model's transformers config and class, without building it (no layout code).
 
-A model's transformers config and class, without building it: from ``model.config`` or a folder's
-config.json. The planner and the experts timing read shapes through it at no cost; ``moeflow.loading.factory``
-builds and loads with it. No layout code here, so what only reads a model's shape does not rerun when the
-loading code changes.
+Both are read from ``model.config`` or a folder's config.json. The planner and the experts timing read shapes
+through it at no cost; ``moeflow.loading.factory`` builds and loads with it. No layout code here, so what only
+reads a model's shape does not rerun when the loading code changes.
 """
 
 from __future__ import annotations

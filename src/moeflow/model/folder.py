@@ -1,7 +1,7 @@
 """A pretrained model folder: checked before loading, its tokenizer, the vocabulary check.
 
-A pretrained model folder: checked before loading (safetensors only, no remote code unless allowed), its
-tokenizer, and the vocabulary check against tokenized data.
+Before loading, the folder must hold safetensors only, and its remote code is refused unless allowed; the
+vocabulary is checked against tokenized data.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The model inside the wrappers a layout and LoRA put around it (FSDP1, peft).
 
-The model inside the wrappers a layout and LoRA put around a transformers causal LM: FSDP1's
-``FullyShardedDataParallel`` (the pinned stack's ``parallel.strategy: fsdp``) and peft's ``PeftModel``
-(``train.method: lora``). FSDP2 and transformers' expert parallelism keep the model's own class.
+Around a transformers causal LM, the wrappers are FSDP1's ``FullyShardedDataParallel`` (the pinned stack's
+``parallel.strategy: fsdp``) and peft's ``PeftModel`` (``train.method: lora``). FSDP2 and transformers' expert
+parallelism keep the model's own class.
 """
 
 from __future__ import annotations

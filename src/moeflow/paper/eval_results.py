@@ -1,8 +1,7 @@
 """The evaluation stages' results as the paper reads them, and the rows of its tables.
 
-The evaluation stages' results as the paper reads them: per run, the lm-eval task scores, HumanEval
-pass@k and routing drift (the JSON files of the lm_eval, humaneval and routing_drift rules), and the rows
-of the paper's task, pass@k, drift and forgetting tables.
+Per run: the lm-eval task scores, HumanEval pass@k and routing drift (the JSON files of the lm_eval, humaneval and
+routing_drift rules); the tables are the paper's task, pass@k, drift and forgetting tables.
 
 Forgetting is the change from the base to the fine-tuned model on the general slice (``data.base_corpus``'s
 test split) beside the target slice (``data.finetune_corpus``'s), for the loss (evaluate's metrics.json),

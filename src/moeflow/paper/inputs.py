@@ -1,7 +1,6 @@
 """What the paper reads of each run: training log, resource benchmark, evaluation results.
 
-What the paper reads of each run: the training log, the job's resource benchmark, the evaluation
-results, and the per-run rows the tables and figures share.
+The resource benchmark is the job's; the module also holds the per-run rows the tables and figures share.
 """
 
 from __future__ import annotations

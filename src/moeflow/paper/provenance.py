@@ -1,7 +1,7 @@
 """Provenance of the paper's artifacts: code versions, config hash, fingerprints, SHA-256s.
 
-Provenance of the paper's artifacts: the code version each upstream stage recorded, the config's hash,
-the environment report's and the data manifests' fingerprints, every artifact's SHA-256.
+The code versions are those each upstream stage recorded; the fingerprints are the environment report's and the
+data manifests'; every artifact has its SHA-256.
 """
 
 from __future__ import annotations

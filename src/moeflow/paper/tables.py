@@ -1,7 +1,6 @@
 """Tables rendered from one list of cells to CSV, Markdown and LaTeX, with the same digits in all three.
 
-Tables rendered from one list of formatted cells to CSV, Markdown and LaTeX, so all three show the same
-digits and the same inputs give the same bytes.
+The cells are formatted once, and the same inputs give the same bytes.
 """
 
 from __future__ import annotations

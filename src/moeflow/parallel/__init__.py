@@ -1,6 +1,5 @@
 """Ranks and layouts: the process group, FSDP and expert parallelism, gradients, per-rank loading.
 
-Ranks and layouts: the process group torchrun describes, FSDP and expert-parallel sharding, gradient
-reduction and clipping across ranks, each rank reading its own rows of the weight files, the torchrun
-command.
+The process group is the one torchrun describes; gradients are reduced and clipped across ranks; each rank reads
+its own rows of the weight files. The package also holds the torchrun command.
 """

@@ -1,7 +1,7 @@
 """Gradients across ranks: the data-parallel sum, clipping over every layout, FSDP1's flat gradients.
 
-Gradients across ranks: the sum over data-parallel ranks (the losses are normalised by the step's global
-token count), clipping over every layout's gradients, FSDP1's flat gradients released between steps.
+The sum is over data-parallel ranks (the losses are normalised by the step's global token count); FSDP1's flat
+gradients are released between steps.
 """
 
 from __future__ import annotations

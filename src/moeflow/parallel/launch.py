@@ -1,8 +1,7 @@
 """The command a torchrun rule starts its script with.
 
-The command a torchrun rule (training, coverage, evaluation) starts its script with: the interpreter alone
-for one rank on one node, torchrun for CPU ranks or GPUs on one node, or one torchrun agent per node of a
-SLURM allocation.
+The torchrun rules are training, coverage and evaluation. The command is the interpreter alone for one rank on one
+node, torchrun for CPU ranks or GPUs on one node, or one torchrun agent per node of a SLURM allocation.
 """
 
 from __future__ import annotations

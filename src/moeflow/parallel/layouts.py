@@ -1,8 +1,7 @@
 """The layouts of ``parallel.strategy``: FSDP (FSDP2 or FSDP1) and transformers' expert parallelism.
 
-The layouts of ``parallel.strategy``: FSDP (FSDP2 ``fully_shard`` on the current stack, FSDP1 on the
-pinned one), transformers' expert parallelism, and what every layout answers the same way (reshard, the
-whole state dict).
+FSDP is FSDP2 ``fully_shard`` on the current stack and FSDP1 on the pinned one; the module also holds what every
+layout answers the same way (reshard, the whole state dict).
 
 * ``parallel.strategy``:
 

@@ -1,9 +1,9 @@
 """The process group torchrun describes, this rank's place and device, and the collectives used.
 
-The process group torchrun describes: one from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, gloo on CPU, nccl
-on CUDA (and gloo for CPU tensors; across nodes on the interface :func:`gloo_socket_ifname` picks), nothing at
-all in one process (:func:`init` / :func:`teardown`, or the :func:`process_group`
-context), this rank's place and device (:class:`Ranks`), and the few collectives the library uses.
+The group is made from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``: gloo on CPU, nccl on CUDA (and gloo for CPU
+tensors; across nodes on the interface :func:`gloo_socket_ifname` picks), nothing at all in one process
+(:func:`init` / :func:`teardown`, or the :func:`process_group` context). This rank's place and device are a
+:class:`Ranks`; the collectives are the few the library uses.
 """
 
 from __future__ import annotations

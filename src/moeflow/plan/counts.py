@@ -1,9 +1,9 @@
 """Parameter counts from a model's shape: by category, active per token, LoRA's adapters.
 
-Parameter counts from a model's shape: exact on PyTorch's meta device where transformers (or
-moeflow.model.families) knows the family, in closed form otherwise, by category, active per token, and LoRA's
-adapters. MTP layers (moeflow.model.families.mtp) are their own category: held in memory, never run in the
-model's forward and never trained (so not active, and not in a full fine-tune's trained parameters).
+The counts are exact on PyTorch's meta device where transformers (or moeflow.model.families) knows the family,
+and in closed form otherwise. MTP layers (moeflow.model.families.mtp) are their own category: held in memory,
+never run in the model's forward and never trained (so not active, and not in a full fine-tune's trained
+parameters).
 """
 
 from __future__ import annotations

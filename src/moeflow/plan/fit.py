@@ -1,8 +1,8 @@
 """Whether a job's phases fit, the plan of a run, and what would make a job fit.
 
-Whether a job's phases fit, and the plan of a run: each phase of moeflow.plan.memory's per-rank memory
-against one device's memory and a node's host memory, the smallest device count at which every phase
-fits, the longest sequence that does, and what changes would make a job that does not fit fit.
+Each phase of moeflow.plan.memory's per-rank memory is set against one device's memory and a node's host memory;
+the plan has the smallest device count at which every phase fits, the longest sequence that does, and what
+changes would make a job that does not fit fit.
 
 The device's memory is ``hardware.memory_gib_per_device``, on CUDA as torch sees a card of that nominal
 size (``VISIBLE_GIB``: 79.11 GiB of an 80 GB H100), or what verify_env measured (torch's total).

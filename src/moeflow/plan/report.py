@@ -1,7 +1,6 @@
 """The memory plan as text: a failed plan's summary, the Markdown report, the refusal.
 
-The memory plan as text: the summary a failed plan raises with, the Markdown report, and the check that
-refuses a job that does not fit.
+A failed plan raises with the summary; the refusal is the check that refuses a job that does not fit.
 """
 
 from __future__ import annotations

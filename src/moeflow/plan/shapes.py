@@ -1,7 +1,7 @@
 """A model's shape from its config: per-family readers into the sizes the planner counts with.
 
-A model's shape from its config: per-family readers of ``model.config`` (or a folder's config.json) into
-the layer, attention, expert and vocabulary sizes the planner counts with.
+The readers take ``model.config`` (or a folder's config.json) into the layer, attention, expert and vocabulary
+sizes.
 """
 
 from __future__ import annotations

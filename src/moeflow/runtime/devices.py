@@ -1,8 +1,8 @@
 """Each local job's own GPUs, claimed with one lock per GPU before it touches CUDA.
 
-Each local job's own GPUs: a job that declares ``resources.gpu = N`` (every GPU rule, from its config:
-workflow/rules/common.smk's ``gpus_of``) claims N distinct GPUs of the machine before it touches CUDA, and sees
-only those (``CUDA_VISIBLE_DEVICES``).
+A job that declares ``resources.gpu = N`` (every GPU rule, from its config: workflow/rules/common.smk's
+``gpus_of``) claims N distinct GPUs of the machine before it touches CUDA, and sees only those
+(``CUDA_VISIBLE_DEVICES``).
 
 Snakemake's ``--resources gpu=N`` keeps the GPU jobs that run at once within N GPUs, but it does not say
 which GPUs a job gets: without this, every job would start on ``cuda:0``. A claim is an exclusive ``flock`` on

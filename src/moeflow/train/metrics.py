@@ -1,7 +1,6 @@
 """What training measures and writes: metrics.jsonl, TensorBoard events, memory readings.
 
-What training measures and writes: metrics.jsonl plus TensorBoard event files, memory readings, and
-the FLOP-bearing parameters per token behind the FLOP rates."""
+It also counts the FLOP-bearing parameters per token behind the FLOP rates."""
 
 from __future__ import annotations
 

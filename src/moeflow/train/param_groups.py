@@ -1,7 +1,7 @@
 """What the Trainer's AdamW needs: parameter groups, the learning-rate schedule, correction biases.
 
-What the Trainer's AdamW needs from the model and the settings: parameter groups, the learning-rate
-schedule, and the expert correction biases the loss-free balancing updates outside the optimizer."""
+It takes them from the model and the settings; the correction biases are the experts' ones, which the loss-free
+balancing updates outside the optimizer."""
 
 from __future__ import annotations
 

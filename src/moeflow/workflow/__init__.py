@@ -1,6 +1,5 @@
 """What only the Snakefile needs: config loading and checks, recipe advice, stage keys, rule code, the report card.
 
-What only the Snakefile needs: loading and merging the config, its checks, the advice for a copied
-recipe, the stage settings and keys that name cached outputs, each rule's library inputs, and the report card
-a finished run prints.
+The config is loaded and merged; the stage settings and keys name cached outputs; the rule code gives each rule's
+library inputs; the report card is the one a finished run prints.
 """

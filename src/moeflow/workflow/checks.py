@@ -1,7 +1,6 @@
 """The config's checks: the schema, then what a schema cannot express, per run.
 
-The config's checks: the schema, then what a schema cannot express (each message names the key and
-what to do), per run.
+Each message names the key and what to do.
 """
 
 from __future__ import annotations

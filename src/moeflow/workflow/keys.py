@@ -1,7 +1,7 @@
 """Stage settings and keys: the settings each stage depends on, and the hash naming its output.
 
-Stage settings and keys: exactly the settings each stage depends on (a rule's ``params``), and the hash of
-them that names its cached output, so runs that agree on a stage's settings share it.
+A stage's settings are exactly those it depends on (a rule's ``params``); the output their hash names is cached, so
+runs that agree on a stage's settings share it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Advice for a copied recipe: its flags translated into moeflow's keys, or refused.
 
-Advice for a copied recipe: flags of the widely copied MoE fine-tuning recipe (HF Trainer arguments and
-the like) translated into moeflow's keys, or refused with what moeflow does instead.
+The recipe is the widely copied MoE fine-tuning recipe (HF Trainer arguments and the like); a refusal says what
+moeflow does instead.
 """
 
 from __future__ import annotations

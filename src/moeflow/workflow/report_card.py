@@ -1,9 +1,9 @@
 """The report card a finished ``train`` or ``paper`` prints: per run, losses, routing, memory, paths.
 
-The report card a finished ``train`` or ``paper`` prints (the Snakefile's ``onsuccess``), kept as
-``results/<stack>/report_card.md``: per run, the loss before and after fine-tuning on each evaluation set,
-routing health (dead experts, balance, the warmup gate's verdict), the memory plan's verdict against the
-measured peak, and where the model, the logs and the paper are.
+It is printed from the Snakefile's ``onsuccess`` and kept as ``results/<stack>/report_card.md``. Per run: the
+loss before and after fine-tuning on each evaluation set, routing health (dead experts, balance, the warmup
+gate's verdict), the memory plan's verdict against the measured peak, and where the model, the logs and the
+paper are.
 
 Rendered as plain text (Markdown that reads as it is in a terminal) from the files the stages wrote, never
 by running anything: a stage the run does not have (a dense run's router, HumanEval turned off, a target

@@ -1,8 +1,7 @@
 """Multi-token prediction (MTP) layers carried with a model under the published checkpoints' names.
 
-Multi-token prediction (MTP) layers carried with a model: built, loaded, frozen, checkpointed and exported
-under the names of the published checkpoints, so that a fine-tuned folder still serves with speculative
-decoding (vLLM's MTP loaders raise when the tensors are missing).
+The layers are built, loaded, frozen, checkpointed and exported under those names, so that a fine-tuned folder
+still serves with speculative decoding (vLLM's MTP loaders raise when the tensors are missing).
 
 DeepSeek-V3 and Step-3.5-Flash publish their MTP layers as trailing decoder layers,
 ``model.layers.<num_hidden_layers + i>.*``: the decoder layer's own tensors plus ``enorm`` (the next token's

@@ -1,7 +1,6 @@
 """The families' registration with transformers' auto classes.
 
-The families' registration with transformers' auto classes: Step-3.5-Flash's causal LM (transformers 5
-only) and DeepSeek-V3 with its MTP layers (both stacks).
+It registers Step-3.5-Flash's causal LM (transformers 5 only) and DeepSeek-V3 with its MTP layers (both stacks).
 
 :func:`register` is called wherever moeflow builds or loads a model (moeflow.loading.factory, the sharded
 loader's meta build, the planner's meta count); it is idempotent and cheap after the first call. The families'
