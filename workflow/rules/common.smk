@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
+from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
+from moeflow.data.corpus import source_files
 from moeflow.evaluation.lm_eval_tasks import by_label as lm_eval_task_labels
 from moeflow.paper.build import paper_outputs
 from moeflow.paper.eval_results import MODELS
@@ -24,6 +27,7 @@ from moeflow.settings import REPO_ROOT, ConfigError
 from moeflow.workflow import keys as stage_keys
 from moeflow.workflow.load import load as load_config, resolve_stack, run_config
 from moeflow.workflow.merge import run_names
+from moeflow.workflow.report_card import CardFiles, RunFiles, card_stage, write_card
 from moeflow.workflow.rule_code import code_files
 from moeflow.workflow.rule_settings import CommandLineJson, configs_by_key, rule_settings
 
@@ -131,8 +135,6 @@ def tokenizer_dir(settings):
 
 def corpus_files(wildcards):
     """Source files of a corpus, so that editing one reruns the stage (stdlib is recorded in the manifest)."""
-    from moeflow.data.corpus import source_files
-
     return source_files(DATASETS[wildcards.datakey]["data"]["sources"][wildcards.corpus])
 
 
@@ -446,8 +448,6 @@ def training_nodes(wildcards):
 
 def training_python():
     """The job's Python: the rule's conda env with --sdm conda, else Snakemake's own."""
-    from snakemake_interface_executor_plugins.settings import DeploymentMethod
-
     return "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
 
 
@@ -533,8 +533,6 @@ REPORT_CARD = f"{RESULTS}/report_card.md"
 
 def report_card_files(stage):
     """Every run's output paths for the card of ``stage`` (train or paper): the rules' own paths, above."""
-    from moeflow.workflow.report_card import CardFiles, RunFiles
-
     evaluated = stage == "paper"
     runs = [
         RunFiles(
@@ -559,10 +557,6 @@ def report_card_files(stage):
 def print_report_card():
     """After a finished ``train`` or ``paper`` (or no target: train), the card of every run, logged and written
     to REPORT_CARD. Snakemake calls no onsuccess after a dry run or a run with nothing to be done."""
-    from snakemake.logging import logger
-
-    from moeflow.workflow.report_card import card_stage, write_card
-
     settings = workflow.dag_settings
     stage = card_stage(settings.targets, workflow.default_target)
     if stage is None or settings.until or settings.omit_from:
