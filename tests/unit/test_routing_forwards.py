@@ -10,7 +10,8 @@ import pytest
 import torch
 from tiny_training import make_trainer, packed_rows, settings
 
-from moeflow.model import chunked_loss, routing_stats
+from moeflow.evaluation import routing_stats
+from moeflow.model import chunked_loss
 from moeflow.train import trainer as trainer_module
 
 
