@@ -105,7 +105,7 @@ RERUN_TABLE = {
     # The experts implementation is timed at the micro-batch's token count.
     "micro-batch size": ({"train": {"micro_batch_size": 3}}, TRAINING | {"choose_experts"}),
     "evaluation setting": ({"evaluate": {"max_sequences": 4}}, {"evaluate_run", "routing_drift", "paper"}),
-    # The export's settings travel in train_model's job description only: its compared param reruns it.
+    # The export's settings are part of train_model's settings param only (no part of the checkpoints' key).
     "export setting": ({"export": {"max_shard_size": "1GB"}}, TRAINING - {"plan_memory", "warmup"}),
     # Evaluation's own layout (the forward-only stages after training): training and coverage are reused.
     "evaluation layout": ({"evaluate": {"strategy": "fsdp"}}, EVALUATION),

@@ -52,7 +52,7 @@ def own_logging():
 
 def run_torchrun_script(script: str, rule: str, input: dict, output: dict, params: dict) -> None:
     """A training rule's script as its torchrun launcher starts it (one rank): ``--job`` JSON, as common.smk's
-    torchrun_job writes it."""
+    torchrun_params pass it (settings and runtime inside the job here: Job.from_argv merges them)."""
     job = json.dumps({"rule": rule, "input": input, "output": output, "params": params}, sort_keys=True)
     argv = sys.argv
     sys.argv = [script, "--job", job, "--threads", "1"]

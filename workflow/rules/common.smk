@@ -14,6 +14,13 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
+try:
+    import moeflow  # noqa: F401 (the package this workflow runs: installed, or this folder's src/ on PYTHONPATH)
+except ModuleNotFoundError:
+    raise WorkflowError(
+        "moeflow: this Python cannot import moeflow: run `make env` (pip install -e .), or put this folder's src/ "
+        "first on PYTHONPATH"
+    ) from None
 from moeflow.data.corpus import source_files
 from moeflow.evaluation.lm_eval_tasks import by_label as lm_eval_task_labels
 from moeflow.paper.build import paper_outputs
@@ -22,6 +29,7 @@ from moeflow.parallel.launch import torchrun_command
 from moeflow.plan.shapes import PlanError, model_config_fields, model_shape
 from moeflow.runtime.devices import claim_command
 from moeflow.runtime.env import fingerprint as environment_fingerprint
+from moeflow.runtime.files import stable_hash
 from moeflow.runtime.gpu_node import layout as gpu_layout
 from moeflow.settings import REPO_ROOT, ConfigError
 from moeflow.workflow import keys as stage_keys
@@ -130,7 +138,7 @@ def config_of(wildcards):
 
 def tokenizer_dir(settings):
     """The tokenizer folder for a set of tokenizer settings: the pretrained model's, or one trained here."""
-    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{stage_keys.stable_hash(settings)}"
+    return settings["pretrained_model"] or f"{RESULTS}/tokenizer/t-{stable_hash(settings)}"
 
 
 def corpus_files(wildcards):

@@ -99,13 +99,14 @@ KEYED_STAGES: dict[str, tuple[Callable[[Mapping[str, Any]], str], tuple[str, ...
 
 def configs_by_key(wildcard: str, configs: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
     """The run config each key of the stage named by ``wildcard`` serves, from ``configs`` (run name -> the
-    config the stage reads for it). Two runs with one key must give the stage's rules the same settings and the
-    same precision and seed; otherwise a ConfigError names both runs and what differs."""
+    config the stage reads for it). Two runs with one key must give the stage's rules the same settings (its layout
+    included, which no key holds); otherwise a ConfigError names both runs and what differs. The runtime param is
+    not compared: where a stage's numbers depend on the precision or seed, its key holds them."""
     key_of, rules = KEYED_STAGES[wildcard]
     served: dict[str, tuple[str, Mapping[str, Any], dict[str, Any]]] = {}
     for run, cfg in configs.items():
         key = key_of(cfg)
-        view = {rule: BY_CONFIG[rule](cfg) for rule in rules} | {k: cfg[k] for k in ("precision", "seed")}
+        view = {rule: BY_CONFIG[rule](cfg) for rule in rules}
         if key not in served:
             served[key] = (run, cfg, view)
             continue
@@ -114,7 +115,8 @@ def configs_by_key(wildcard: str, configs: Mapping[str, Mapping[str, Any]]) -> d
             differ = sorted(_differences(seen, view))
             raise ConfigError(
                 f"runs {first!r} and {run!r} share rule {rules[0]}'s output {key} but differ in what it reads "
-                f"({', '.join(differ)}): give them the same settings there, or change one so that its key differs"
+                f"({', '.join(differ)}): give them the same settings there (for a layout: coverage.strategy and "
+                "coverage.ranks, or evaluate's), or change one so that its key differs"
             )
     return {key: cfg for key, (_, cfg, _) in served.items()}
 
