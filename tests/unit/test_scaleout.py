@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 
-from moeflow.parallel.launch import torchrun_command
+from moeflow.parallel.launch import LaunchError, torchrun_command
 from moeflow.plan import counts, shapes
 from moeflow.plan.fit import device_memory
 from moeflow.plan.forward import ForwardJob, forward_plan
@@ -253,7 +253,7 @@ def test_launcher_starts_one_rank_per_gpu_or_the_cpu_ranks():
     # the nodes from SLURM_JOB_NODELIST, or from squeue where the executor plugin's jobstep removed it
     # (tests/pipeline/test_slurm.py runs both profiles' training jobs on a real SLURM)
     assert '${SLURM_JOB_NODELIST:-$(squeue --noheader --jobs "$SLURM_JOB_ID" --format %N)}' in multi
-    with pytest.raises(ScaleoutError, match="evenly"):
+    with pytest.raises(LaunchError, match="evenly"):
         torchrun_command("python", gpus=12, nodes=8)
 
 
