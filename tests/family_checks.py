@@ -21,11 +21,11 @@ from tiny_models import (
 )
 
 from moeflow.data.collate import collate, model_inputs
+from moeflow.families import registry
+from moeflow.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.loading.factory import make_model
 from moeflow.model import parameters as P
 from moeflow.model.chunked_loss import next_token_targets
-from moeflow.model.families import registry
-from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import SIGMOID, UnsupportedModel, adapter_for, capture
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
@@ -57,7 +57,7 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def build(model_type: str, attn: str = "eager", seed: int = 0):
     """The family's tiny model; a family the stack lacks, or an attention implementation the model does not
-    take, is refused (moeflow.model.families names the stack; transformers raises a ValueError naming the
+    take, is refused (moeflow.families names the stack; transformers raises a ValueError naming the
     implementation)."""
     try:
         return build_family(model_type, attn, dtype_for(model_type), seed)

@@ -115,6 +115,10 @@ INFRASTRUCTURE = (
     ),
     ("src/moeflow/workflow/report_card.py", "the report card the Snakefile prints after a run"),
     (
+        "src/moeflow/workflow/method_table.py",
+        "docs/training.md's which-method-on-which-hardware table: no stage runs it",
+    ),
+    (
         "src/moeflow/workflow/scaleout.py",
         "the planner's advice for a SLURM profile's layout and cost (docs/scaling-out.md): no stage runs it",
     ),
@@ -183,12 +187,13 @@ ROWS = (
         frozenset({"choose_experts", *AFTER_BASE_MODEL}),
     ),
     Row(
-        "a model's transformers config and class (the families moeflow registers), its typed settings, the "
-        "folder checks",
+        "a model's transformers config and class, what moeflow knows about each family (moeflow.families), its "
+        "typed settings, the folder checks",
         (
             "src/moeflow/model/__init__.py",
             "src/moeflow/model/configs.py",
-            "src/moeflow/model/families/*",
+            "src/moeflow/families/*",
+            "src/moeflow/families/*/*",
             "src/moeflow/model/settings.py",
             "src/moeflow/model/folder.py",
         ),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from moeflow.families import registry
 from moeflow.loading.factory import make_model
-from moeflow.model.families import registry
 from moeflow.model.routing import adapter_for
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.settings import typed
@@ -97,7 +97,7 @@ FAMILY_CONFIGS = {
         "num_experts_per_tok": 2,
         "tie_word_embeddings": True,
     },
-    # The published model's features (moeflow.model.families.step3p5): 4 query heads on sliding layers and 2 on
+    # The published model's features (moeflow.families.step3p5): 4 query heads on sliding layers and 2 on
     # full ones, sliding:full 3:1, partial rotary and another rope theta on full layers, head-wise attention
     # gates (on by default), SwiGLU clamps that bite at this size (routed and shared), routed scaling 3.0, a
     # shared expert, a dense first layer, and 2 MTP layers (per-layer lists carry their entries, as published).

@@ -128,7 +128,7 @@ def test_the_published_layout_goes_through_snakemake_paper_and_exports_the_publi
         assert (model_dir / name).read_bytes() == (source / name).read_bytes(), name
     from transformers import AutoModelForCausalLM
 
-    from moeflow.model.families import registry
+    from moeflow.families import registry
 
     registry.register()  # what moeflow adds to transformers: Step3p5ForCausalLM
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True, dtype=torch.float32)

@@ -14,9 +14,10 @@ from tiny_models import folder_settings
 
 from moeflow.coverage.build import StageOutputs, build_valset
 from moeflow.coverage.cover import CoverageInfeasible, infeasible_message
+from moeflow.families.registry import FAMILIES
 from moeflow.loading.factory import make_model
 from moeflow.model.folder import ModelError, check_vocabulary, load_tokenizer
-from moeflow.model.routing import ADAPTER_NEEDS, FAMILIES, UnsupportedModel
+from moeflow.model.routing import ADAPTER_NEEDS, UnsupportedModel
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, ConfigError, typed
@@ -260,7 +261,7 @@ def test_esft_on_a_dense_model_an_unknown_family_or_fused_experts_under_fsdp1_is
     llama = config_error(train={"method": "esft"}, model={"config": {"model_type": "llama"}})
     assert llama.startswith(
         "invalid configuration: config key 'train.method': esft scores and masks experts through a routing adapter, "
-        "and model_type 'llama' has none (moeflow.model.routing.FAMILIES: qwen2_moe, "
+        "and model_type 'llama' has none (moeflow.families.registry.FAMILIES: qwen2_moe, "
     ) and llama.endswith("): use train.method: full or lora")
     fsdp = {
         "parallel": {"strategy": "fsdp", "nproc_per_node": 2},

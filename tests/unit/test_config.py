@@ -390,7 +390,7 @@ def test_flash_attention_for_a_family_without_it_is_refused_naming_sdpa():
     model = {**model_config("step3p5"), "attn_implementation": "flash_attention_2"}
     with pytest.raises(ConfigError, match=r"flash_attention_2 cannot load step3p5.*Use sdpa"):
         load(overrides={"model": model, "hardware": {"device": "cuda"}})
-    from moeflow.model.families.step3p5 import Step3p5ForCausalLM
+    from moeflow.families.step3p5.modeling import Step3p5ForCausalLM
 
     assert Step3p5ForCausalLM._supports_flash_attn is False  # what the refusal stands for
 

@@ -17,6 +17,7 @@ from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, build_family, tiny_model_
 from tiny_training import VOCAB, packed_rows, settings
 
 from moeflow.data.collate import collate
+from moeflow.families.registry import experts_fused
 from moeflow.loading.factory import make_model
 from moeflow.model import lora
 from moeflow.model import parameters as P
@@ -26,7 +27,6 @@ from moeflow.parallel import dtensors
 from moeflow.plan import memory as plan
 from moeflow.plan.counts import count_parameters, esft_trainable
 from moeflow.runtime import compat
-from moeflow.runtime.compat import experts_fused
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.train.expert_mask import EsftError, mask_experts
 from moeflow.train.settings import EsftSettings

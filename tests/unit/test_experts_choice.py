@@ -286,7 +286,7 @@ def test_experts_that_ignore_the_switch_are_not_eligible():
 
 @V5
 def test_a_model_class_that_opts_out_is_offered_eager_only_and_an_explicit_choice_is_refused(monkeypatch):
-    from moeflow.model.families.step3p5 import Step3p5ForCausalLM
+    from moeflow.families.step3p5.modeling import Step3p5ForCausalLM
 
     monkeypatch.setattr(Step3p5ForCausalLM, "_can_set_experts_implementation", classmethod(lambda cls: False))
     report = X.measure(auto(model_config("step3p5")), MICRO_BATCH, SEQ_LEN, CPU, "fp32")

@@ -48,8 +48,8 @@ def test_deepseek_v3_routes_in_float32_under_bf16_autocast():
     computation without autocast (both stacks: 5 returns logits, weights and index; 4.57 index and weights)."""
     import torch
 
+    from moeflow.families.deepseek_v3.modeling import DeepseekV3Router
     from moeflow.loading.factory import make_model
-    from moeflow.model.families.deepseek_v3 import DeepseekV3Router
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
 
@@ -82,8 +82,8 @@ def _deepseek_router_rank(rank: int, root: str, parallel: dict, results: dict) -
     from tiny_training import settings as train_settings
 
     from moeflow.data.collate import collate
+    from moeflow.families.deepseek_v3.modeling import DeepseekV3Router
     from moeflow.loading.factory import make_model
-    from moeflow.model.families.deepseek_v3 import DeepseekV3Router
     from moeflow.model.routing import capture
     from moeflow.model.settings import ModelSettings
     from moeflow.model.wrappers import unwrap

@@ -20,6 +20,7 @@ def test_the_package_has_no_import_cycle():
 LAYERS = (
     "settings",
     "runtime",
+    "families",
     "data",
     "model",
     "parallel",

@@ -460,3 +460,48 @@ def test_embedded_default_lora_trains_a_few_percent_of_the_parameters():
         f"\nembedded default: full {full_report['trainable']:,} trainable; LoRA {report['trainable']:,} "
         f"({100 * report['trainable_fraction']:.2f}%) {report['by_category']}"
     )
+
+
+# GPT-OSS (its norms kept in fp32 by transformers) where peft can adapt its fused experts: transformers 5
+@pytest.mark.parametrize("name,router", [("qwen3_moe", "trainable"), ("gpt_oss" if V5 else "mixtral", "frozen")])
+def test_lora_under_bf16_holds_the_frozen_base_in_bf16_and_the_adapters_in_fp32(tmp_path, name, router):
+    """#38: with precision bf16 the frozen base is loaded and held in bf16 (no fp32 copy of a 30B model), the
+    adapters and a trainable router in fp32. bf16-autocast steps move only those (every base tensor bit-identical),
+    the loss falls, and the planner counts the weights as they are held."""
+    from tiny_training import packed_rows, settings
+
+    from moeflow.data.collate import collate
+    from moeflow.loading.factory import Layout
+    from moeflow.model.wrappers import unwrap
+    from moeflow.plan.memory import Job, held_weight_bytes
+    from moeflow.train.trainer import Trainer
+
+    tiny(name).save_pretrained(tmp_path / "base")
+    train = settings(method="lora", lora={"rank": 4, "router": router}, steps=6, lr=2e-2, min_lr=2e-2)
+    one = Layout.single("cpu", train)
+    layout = Layout(one.ranks, one.parallel, train, "bf16")
+    model = make_model(folder_settings(attn_implementation="eager"), folder=tmp_path / "base", layout=layout)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    routers = {n for n in trained if "lora_" not in n}
+    assert trained and bool(routers) == (router == "trainable")
+    assert {n: p.dtype for n, p in model.named_parameters() if n in trained} == dict.fromkeys(trained, torch.float32)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if n not in trained}
+    fp32_modules = tuple(getattr(unwrap(model, peft=True), "_keep_in_fp32_modules", None) or ())
+    kept = {n for n, p in frozen.items() if p.dtype != torch.bfloat16 and not any(m in n for m in fp32_modules)}
+    assert not kept, f"frozen weights not in bf16: {sorted(kept)[:5]}"
+    # one batch of four rows, every step: the loss on it falls
+    trainer = Trainer(model, train, packed_rows(n=4), collate_fn=collate, seed=0, precision="bf16")
+    trainer.run()
+    loss = [r["ce"] for r in trainer.train_records()]
+    assert loss[-1] < loss[0], loss
+    for n, p in model.named_parameters():
+        if n not in trained:
+            assert torch.equal(p, frozen[n]), n
+
+    lora_section = {"method": "lora", "lora": {"rank": 4, "router": router}}
+    planned = plan_settings(load(overrides={"train": lora_section, "precision": "bf16"}))
+    planned["model"] = planned["model"] | {"config": section(name)["config"]}  # the tiny model's, no default's keys
+    shape, params, _ = count_parameters(planned["model"], VOCAB)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    # exact but for the few norms transformers keeps in fp32 (GPT-OSS's), which the planner counts in bf16
+    assert held_weight_bytes(shape, params, Job.from_settings(planned)) == pytest.approx(held, rel=0.01)

@@ -1,4 +1,4 @@
-"""MTP layers carried through (moeflow.model.families.mtp): built and loaded with the model under the published
+"""MTP layers carried through (moeflow.families.mtp): built and loaded with the model under the published
 names, frozen, untouched by training, kept by checkpoints and resume, written back in the export, and named
 in the run summary as not trained. DeepSeek-V3 on both stacks, Step-3.5-Flash on the current one."""
 
@@ -14,9 +14,9 @@ from tiny_models import TRANSFORMERS_5_ONLY, VOCAB, build_family, model_config
 from moeflow.checkpoint import export
 from moeflow.checkpoint.state import load_checkpoint, save_checkpoint
 from moeflow.data.collate import collate
+from moeflow.families.mtp import mtp_layers, mtp_prefixes, mtp_report
 from moeflow.loading.factory import make_model
 from moeflow.model import parameters as P
-from moeflow.model.families.mtp import mtp_layers, mtp_prefixes, mtp_report
 from moeflow.model.lora import apply_lora
 from moeflow.model.routing import adapter_for
 from moeflow.model.settings import ModelSettings

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from tiny_models import TRANSFORMERS_5_ONLY, VOCAB, model_config
 
 from moeflow.data.collate import collate, model_inputs
+from moeflow.families.mtp import mtp_layers
 from moeflow.loading.factory import make_model
 from moeflow.model.chunked_loss import decoder_forward
-from moeflow.model.families.mtp import mtp_layers
 from moeflow.model.mtp_loss import depth_targets, mtp_loss_sums
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat

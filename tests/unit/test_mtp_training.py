@@ -19,9 +19,9 @@ from tiny_models import TRANSFORMERS_5_ONLY, VOCAB, model_config, spread_routers
 from moeflow.checkpoint import export
 from moeflow.data.collate import collate, model_inputs
 from moeflow.data.shards import IGNORE_INDEX
+from moeflow.families.mtp import is_mtp_name, mtp_layers, mtp_prefixes, mtp_report
 from moeflow.loading.factory import make_model
 from moeflow.model.chunked_loss import decoder_forward
-from moeflow.model.families.mtp import is_mtp_name, mtp_layers, mtp_prefixes, mtp_report
 from moeflow.model.lora import trainable_parameter_report
 from moeflow.model.mtp_loss import mtp_loss_sums
 from moeflow.model.parameters import ROUTED_EXPERTS, counted_category

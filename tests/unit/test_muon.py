@@ -28,6 +28,7 @@ from moeflow.plan.counts import count_parameters  # noqa: E402
 from moeflow.plan.memory import Job, memory_per_device, resident_state  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
 from moeflow.settings import typed  # noqa: E402
+from moeflow.train.param_groups import set_learning_rate  # noqa: E402
 from moeflow.train.settings import LoraSettings, TrainSettings  # noqa: E402
 from moeflow.train.trainer import Trainer  # noqa: E402
 from moeflow.workflow.checks import optimizer_problems  # noqa: E402
@@ -97,8 +98,7 @@ def test_two_steps_equal_torch_muon_per_matrix_and_adamw_on_the_rest():
     for _ in range(2):
         for name, p in model.named_parameters():
             p.grad = grads[name].clone()
-        for group in optimizer.param_groups:  # as the Trainer sets it
-            group["lr"] = s.lr * group["lr_multiplier"]
+        set_learning_rate(optimizer, s.lr)  # as the Trainer sets it
         optimizer.step()
     want = _reference(start, grads, s, steps=2)
     got = {n: p.detach() for n, p in model.named_parameters()}
@@ -248,8 +248,7 @@ def _muon_steps(model: torch.nn.Module, steps: int, fresh=None, folder: Path | N
             model, optimizer = fresh, build_optimizer(fresh, s)
             load_checkpoint(folder, model, optimizer)
         _set_gradients(model)
-        for group in optimizer.param_groups:
-            group["lr"] = s.lr * group["lr_multiplier"]
+        set_learning_rate(optimizer, s.lr)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return model, optimizer

@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_models import FAMILIES, TRANSFORMERS_5_ONLY, build_family
 
+from moeflow.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model import parameters as P
-from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.routing import adapter_for
 from moeflow.runtime import compat
 from moeflow.train.param_groups import param_groups

@@ -8,14 +8,14 @@ import pytest
 from conftest import active_stack
 from tiny_models import TRANSFORMERS_5_ONLY
 
+from moeflow.families.registry import experts_fused
 from moeflow.loading.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.plan.counts import count_parameters, formula_count, lora_count
-from moeflow.plan.fit import min_devices, plan, verdict
+from moeflow.plan.fit import min_devices, verdict
 from moeflow.plan.memory import (
     CPU_RANK_RUNTIME_BYTES,
     GIB,
-    MASKS_BUILT_BY_MOEFLOW_V5,
     PHASES,
     Job,
     attention_mask_bytes,
@@ -26,8 +26,8 @@ from moeflow.plan.memory import (
 )
 from moeflow.plan.report import enforce, render_markdown, summary
 from moeflow.plan.shapes import PlanError, model_shape, resolve_vocab_size
+from moeflow.plan.training_plan import plan
 from moeflow.runtime import compat, env
-from moeflow.runtime.compat import experts_fused
 from moeflow.runtime.files import dumps_json
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.train.settings import LoraSettings
@@ -189,7 +189,7 @@ def test_tied_embeddings_are_counted_once():
 def test_step3p5_flash_counts_the_published_shape():
     """196.96B parameters in the model with 96 query heads on its 33 sliding-window layers (195.84B if they had
     the full layers' 64), plus 2.43B in its 3 MTP layers; on transformers 5 counted on the meta device
-    (moeflow.model.families.step3p5), the closed form agreeing on both stacks."""
+    (moeflow.families.step3p5), the closed form agreeing on both stacks."""
     settings = settings_of(STEP3P5)
     shape, counted, formula = count_parameters(settings["model"], settings["vocab_size"])
     assert counted.method == ("meta" if compat.is_transformers_v5() else "formula")
@@ -305,13 +305,16 @@ def test_full_fine_tune_of_step3p5_flash_on_one_24gb_card_is_refused_with_the_nu
     assert "1 x cuda of 23.7 GiB" in message and "does not fit" in message
     assert f"per device {gib['total']:.2f} GiB" in message and f"AdamW states {gib['optimizer']:.2f} GiB" in message
     assert "weights, gradients and AdamW states alone" in message
-    ep = next(o for o in result["suggestions"] if o["change"].startswith("FSDP with expert parallelism"))
-    assert ep["min_devices"] > 100 and f"at least {ep['min_devices']} devices" in message
+    # the proposals: sharded over many cards (expert parallelism on transformers 5 only), each in the message
+    sharded = [o for o in result["suggestions"] if o["strategy"] in ("fsdp", "ep")]
+    assert sharded == result["suggestions"] and all(o["num_devices"] > 100 for o in sharded)
+    assert "ep" in {o["strategy"] for o in sharded} or not compat.is_transformers_v5()  # none fits without it
+    assert all(f"{o['change']}: {o['num_devices']} device(s)" in message for o in sharded)
 
 
 def test_the_embedded_default_fits_on_this_machine(env_report):
     result = plan(settings_of(), env_report)
-    assert result["verdict"] == "fits" and result["suggestions"] == []
+    assert result["verdict"] == "fits"
     enforce(result)
     assert result["device_memory_bytes"] == env_report["system"]["ram_usable_bytes"]  # hardware.device: cpu
     assert result["parameters"]["method"] == "meta" and result["parameters"]["formula_matches"]
@@ -341,9 +344,18 @@ def test_a_tight_job_warns_and_goes_on(env_report, caplog):
 
 
 def parallel_settings(parallel: dict, hardware: dict | None = None, **overrides) -> dict:
+    """The embedded default in the layout ``parallel``, whose config check then refuses its LoRA run (LoRA runs on
+    whole models only: dropped here) and, under expert parallelism, its tied embeddings (untied here)."""
     devices = parallel["nproc_per_node"] * parallel.get("nnodes", 1)
+    untied = {"model": {"config": {"tie_word_embeddings": False}}} if parallel.get("strategy") == "ep" else {}
     return settings_of(
-        overrides={"parallel": parallel, "hardware": {"num_devices": devices, **(hardware or {})}, **overrides}
+        overrides={
+            "runs": {"lora": None},
+            **untied,
+            "parallel": parallel,
+            "hardware": {"num_devices": devices, **(hardware or {})},
+            **overrides,
+        }
     )
 
 
@@ -483,42 +495,24 @@ def test_lora_counts_each_expert_and_only_the_chosen_targets():
     assert experts.router_weights == 0 and experts.trainable == experts.added
 
 
-def test_lora_makes_a_refused_step3p5_flash_fine_tune_fit_on_enough_cards(env_report):
-    """Full fine-tuning on 80 GiB cards needs FSDP over many cards; LoRA (frozen bf16 weights) needs far
-    fewer, and the planner says how many, both as its own plan and as a suggestion for the full one."""
-    full = plan(settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}}), env_report)
+def test_lora_of_step3p5_flash_holds_the_whole_bf16_base_on_each_card(env_report):
+    """LoRA's adapters are not sharded (moeflow.parallel.settings.training_layout_problems), so LoRA of
+    Step-3.5-Flash holds its whole frozen base, in bf16, on each card: refused on 80 GiB cards however many, and no
+    sharded LoRA is proposed (it was, #38); the full fine-tune is offered sharded full fine-tunes."""
+    cards = {"hardware": {"memory_gib_per_device": 80, "num_devices": 8}}
+    full = plan(settings_of(STEP3P5, overrides=cards), env_report)
     assert full["verdict"] == "does_not_fit" and full["min_devices"] > 40
-    lora = plan(
-        settings_of(STEP3P5, overrides={"hardware": {"memory_gib_per_device": 80}, "train": {"method": "lora"}}),
-        env_report,
-    )
+    assert full["suggestions"] and all(o["strategy"] != "none" for o in full["suggestions"])
+    assert not any(o["overlay"].get("train", {}).get("method") == "lora" for o in full["suggestions"])
+    lora = plan(settings_of(STEP3P5, overrides={**cards, "train": {"method": "lora"}}), env_report)
     assert lora["verdict"] == "does_not_fit" and lora["lora"]["trainable"] > 1e9  # every one of the 288 x 42 experts
-    n = lora["min_devices"]
-    assert 5 <= n < full["min_devices"] / 4
-    at_n = plan(
-        settings_of(
-            STEP3P5,
-            overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n}, "train": {"method": "lora"}},
-        ),
-        env_report,
-    )
-    fewer = plan(
-        settings_of(
-            STEP3P5,
-            overrides={"hardware": {"memory_gib_per_device": 80, "num_devices": n - 1}, "train": {"method": "lora"}},
-        ),
-        env_report,
-    )
-    assert at_n["verdict"] == "fits" and fewer["verdict"] != "fits"
-    per_device = at_n["per_device_bytes"]
-    # bf16: frozen weights 2 bytes each; trainable ones also a 2-byte gradient and 12 bytes of AdamW state
-    assert per_device["optimizer"] == pytest.approx(6 * per_device["gradients"], abs=6)
-    assert per_device["gradients"] == pytest.approx(2 * lora["lora"]["trainable"] / n, abs=1)
-    suggestion = next(
-        o for o in full["suggestions"] if o["change"].startswith("train.method: lora (rank 16 on all, router frozen)")
-    )
-    assert suggestion["min_devices"] == n
-    assert f"train.method: lora (rank 16 on all, router frozen): at least {n} devices" in summary(full)
+    assert lora["job"]["strategy"] == "none" and lora["min_devices"] is None and lora["suggestions"] == []
+    per_device, trainable = lora["per_device_bytes"], lora["lora"]["trainable"]
+    # the frozen base in bf16; the adapters in fp32 with fp32 gradients and AdamW's two fp32 moments, no master copy
+    assert per_device["weights"] == lora["parameters"]["total"] * 2 + trainable * 4
+    assert per_device["gradients"] == trainable * 4 and per_device["optimizer"] == trainable * 8
+    assert lora["phases"]["load"]["device_bytes"]["weights"] == per_device["weights"]  # no fp32 copy in any phase
+    assert "no configuration the planner searched" in summary(lora)
     assert "LoRA rank 16 on all, router frozen" in summary(lora) and "## LoRA adapters" in render_markdown(lora)
 
 
@@ -542,9 +536,8 @@ def test_the_planner_counts_the_attention_masks_a_packed_forward_builds(family, 
     import torch
     from tiny_models import model_config
 
-    from moeflow.data.collate import POSITIONS_NOT_IN_MASKS_V5, model_inputs
+    from moeflow.data.collate import model_inputs
 
-    assert MASKS_BUILT_BY_MOEFLOW_V5 == POSITIONS_NOT_IN_MASKS_V5
     cfg = model_config(family, attention)
     model = make_model(typed(ModelSettings, cfg), vocab_size=96, seed=0)
     masks = {}
@@ -576,7 +569,9 @@ def test_the_planner_counts_the_attention_masks_a_packed_forward_builds(family, 
 
 def test_the_planner_never_suggests_a_setting_the_job_already_has(env_report):
     """Qwen3-30B-A3B with LoRA on one 24 GiB card, with gradient checkpointing, micro-batch 1 and sdpa already
-    set: refused, and none of those three is among its suggestions (they were, #38)."""
+    set: refused, and nothing is proposed: not those three settings (they were, #38), nor FSDP over more cards,
+    which LoRA's adapters cannot take (the config check refuses it). tests/unit/test_proposals.py checks every
+    proposal over a grid of models and hardware."""
     settings = settings_of(
         QWEN3_30B,
         overrides={
@@ -588,13 +583,8 @@ def test_the_planner_never_suggests_a_setting_the_job_already_has(env_report):
         },
     )
     result = plan(settings, env_report)
-    changes = [o["change"] for o in result["suggestions"]]
-    assert result["verdict"] == "does_not_fit" and changes
-    assert changes[0].startswith("shard over more devices")
-    for already in (
-        "train.gradient_checkpointing: true",
-        "train.micro_batch_size: 1",
-        "model.attn_implementation: sdpa",
-    ):
-        assert already not in changes, changes
-    assert "gradient checkpointing and micro-batch 1" not in changes
+    assert result["verdict"] == "does_not_fit" and result["suggestions"] == [] and result["min_devices"] is None
+    # the frozen base in bf16 in every phase (it was counted in fp32 outside the step, #38): 30.5B x 2 bytes
+    weights = {phase: p["device_bytes"]["weights"] for phase, p in result["phases"].items()}
+    assert len(set(weights.values())) == 1 and 59 * GIB < weights["load"] < 61 * GIB, weights
+    assert "no configuration the planner searched" in summary(result)

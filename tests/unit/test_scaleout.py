@@ -178,6 +178,11 @@ def test_two_cpu_ranks_layout_is_valid():
 # --------------------------------------------------------------------------- the copied recipe's flags
 
 
+# Expert parallelism trains the embedded default with untied embeddings (the config check refuses tied ones under ep:
+# transformers 5's expert-parallel sharding unties them).
+UNTIED = {"config": {"tie_word_embeddings": False}}
+
+
 def test_recipe_launch_flags_map_to_the_parallel_section_or_are_refused():
     # torchrun --nproc_per_node 4 train.py --moe_expert_parallel_degree 2 --moe_token_dispatcher_type balance
     #   --moe_eval_capacity_factor 1.2, and group_experts_by: device
@@ -194,7 +199,8 @@ def test_recipe_launch_flags_map_to_the_parallel_section_or_are_refused():
     assert any("moe_token_dispatcher_type" in r and "train.balance" in r for r in refused)
     assert any("moe_eval_capacity_factor" in r and "dropless" in r for r in refused)
     # the mapped settings make a valid config on 4 ranks (the recipe's --nproc_per_node 4)
-    cfg = load(overrides=deep_merge(overrides, {"parallel": {"nproc_per_node": 4}, "hardware": {"num_devices": 4}}))
+    four = {"parallel": {"nproc_per_node": 4}, "hardware": {"num_devices": 4}, "model": UNTIED}
+    cfg = load(overrides=deep_merge(overrides, four))
     assert layout(run_config(cfg, "moe"))["ep_size"] == 2
 
 
@@ -299,9 +305,10 @@ def test_phase_table_rows_use_each_models_layout(monkeypatch):
         by[("Step-3.5-Flash", "full", 8)]["verdict"] == "fits"
         and by[("Step-3.5-Flash", "full", 1)]["verdict"] == "does_not_fit"
     )
-    # strategy none: every GPU holds the whole model, on one node or eight
+    # strategy none: every GPU holds the whole model, on one node or eight; its frozen base in bf16 (61 GB) fits a GPU
     lora_one, lora_eight = by[("Qwen3-30B-A3B", "lora", 1)], by[("Qwen3-30B-A3B", "lora", 8)]
-    assert lora_one["device_gib"] == lora_eight["device_gib"] and lora_one["device_gib"]["load"] > 80
+    assert lora_one["device_gib"] == lora_eight["device_gib"] and 56 < lora_one["device_gib"]["load"] < 64
+    assert lora_one["verdict"] != "does_not_fit"  # tight on transformers 4.57 (an adapter per expert projection)
 
 
 # --------------------------------------------------------------------------- the profiles' rules
@@ -446,6 +453,8 @@ def test_every_accepted_forward_stage_layout_tiles_its_ranks(parallel):
                 "hardware": {"num_devices": parallel["nproc_per_node"]},
                 "coverage": forward,
                 "evaluate": forward,
+                **({"model": UNTIED} if parallel["strategy"] == "ep" else {}),
+                "runs": {"lora": None},  # whole models only: with fsdp_size set, its strategy none is refused
             }
             try:
                 cfg = run_config(load(overrides=overrides), "moe")

@@ -1,4 +1,4 @@
-"""Step-3.5-Flash on transformers 5 without remote code (moeflow.model.families.step3p5): a folder in the
+"""Step-3.5-Flash on transformers 5 without remote code (moeflow.families.step3p5): a folder in the
 published layout (tests/step3p5_folder.py, written by hand) loads with no missing or unexpected keys, through
 from_pretrained and moeflow's sharded loader alike; save_pretrained and the export write the published names;
 the router computes in fp32 under bf16 autocast and under FSDP mixed precision (two gloo ranks); loss-free
@@ -20,9 +20,9 @@ from step3p5_folder import LAYERS, MOE_LAYERS, MTP, file_tensors, write_publishe
 from moeflow.checkpoint import export
 from moeflow.data.collate import collate
 from moeflow.data.tokenizer import train_tokenizer
+from moeflow.families import registry
+from moeflow.families.mtp import mtp_prefixes
 from moeflow.loading.factory import Layout, make_model
-from moeflow.model.families import registry
-from moeflow.model.families.mtp import mtp_prefixes
 from moeflow.model.routing import capture
 from moeflow.model.safetensors_files import weight_files
 from moeflow.model.settings import ModelSettings

@@ -6,7 +6,7 @@ rule train_tokenizer:
     input:
         lib=code("train_tokenizer"),
     output:
-        directory(f"{RESULTS}/tokenizer/{{tokkey}}"),
+        tokenizer=directory(f"{RESULTS}/tokenizer/{{tokkey}}"),
     params:
         settings=tokenizer_settings,
         runtime=runtime(torch=False),
@@ -27,7 +27,7 @@ rule tokenize:
         sources=corpus_files,
         lib=code("tokenize"),
     output:
-        directory(f"{RESULTS}/data/{{datakey}}/{{corpus}}"),
+        shards=directory(f"{RESULTS}/data/{{datakey}}/{{corpus}}"),
     params:
         settings=data_settings,
         corpus="{corpus}",

@@ -3,11 +3,13 @@ per MoE layer, the smallest set of experts whose relevance (train.esft.score) re
 selection with every score (the training stages' input) and its figure."""
 
 from moeflow.runtime.files import read_json, write_json
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
-from moeflow.train.esft import select_experts, selection_figure, totals_from_json
+from moeflow.train.esft import EsftSelectStage, select_experts, selection_figure, totals_from_json
 
-stage = Stage.start(snakemake)
-settings = snakemake.params.settings  # moeflow.workflow.keys.esft_selection_settings
-selection = select_experts(totals_from_json(read_json(snakemake.input.totals)), settings["score"], settings["top_p"])
-write_json(snakemake.output.selection, {**selection, "routing": settings["routing"]})
-selection_figure(selection, snakemake.output.figure)
+job = Job.from_snakemake(snakemake, EsftSelectStage)
+stage = Stage.start(job)
+settings = job.settings
+selection = select_experts(totals_from_json(read_json(job.input.totals)), settings.score, settings.top_p)
+write_json(job.output.selection, {**selection, "routing": settings.routing})
+selection_figure(selection, job.output.figure)

@@ -6,10 +6,13 @@ from moeflow.paper.build import write_paper
 from moeflow.paper.eval_results import read_run_results, stage_documents
 from moeflow.paper.inputs import RunRecord, read_benchmark, read_train_log
 from moeflow.runtime.files import read_json
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 
-Stage.start(snakemake)
-inp, params = snakemake.input, snakemake.params
+# The paper settings go to the library whole; its provenance records them with the config.
+job = Job.from_snakemake(snakemake)
+Stage.start(job)
+inp, params = job.input, job.params
 
 records = {
     run: RunRecord(

@@ -13,8 +13,8 @@ from pathlib import Path
 from moeflow.checkpoint.export import ExportSettings, export_dtype, save_final_model
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
+from moeflow.families.mtp import mtp_report
 from moeflow.loading.factory import Layout, make_model
-from moeflow.model.families.mtp import mtp_report
 from moeflow.model.lora import save_adapter_output
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.process_group import teardown

@@ -5,12 +5,15 @@ trained on, provenance).
 """
 
 from moeflow.data.tokenizer import train_tokenizer_stage
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 
-stage = Stage.start(snakemake)
+# The settings go to the library whole: moeflow_tokenizer.json records them (keys.tokenizer_settings).
+job = Job.from_snakemake(snakemake)
+stage = Stage.start(job)
 train_tokenizer_stage(
-    snakemake.params.settings,
-    snakemake.output[0],
+    job.params.settings,
+    job.output.tokenizer,
     threads=stage.threads,
     provenance=stage.provenance(),
 )

@@ -2,16 +2,14 @@
 
 from moeflow.runtime import env, gpu_node
 from moeflow.runtime.files import write_json, write_text
+from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
 
-stage = Stage.start(snakemake)  # noqa: F821 (injected by Snakemake)
-params = snakemake.params  # noqa: F821
+job = Job.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
+stage = Stage.start(job)
+params = job.params
 
-report = env.collect(
-    stack=stage.stack,
-    env_file=snakemake.input.env_file,  # noqa: F821
-    trust_remote_code=params.trust_remote_code,
-)
+report = env.collect(stack=stage.stack, env_file=job.input.env_file, trust_remote_code=params.trust_remote_code)
 report["gpu_node"] = gpu_node.check(params.layout)  # driver, GPU count vs layout, NCCL all-reduce
 env.enforce(report, strict=params.env["strict"])  # strict: fails listing every difference; else warns
 gpu_node.enforce(report["gpu_node"], strict=params.env["strict"])
@@ -21,5 +19,5 @@ gpu_node.enforce(report["gpu_node"], strict=params.env["strict"])
 provenance = stage.provenance()
 report["provenance"] = {k: provenance[k] for k in ("stage", "stack", "python", "torch", "transformers", "threads")}
 kill_point("verify_env.write")
-write_json(snakemake.output.json, report)  # noqa: F821
-write_text(snakemake.output.md, env.render_markdown(report) + "\n" + gpu_node.render_markdown(report["gpu_node"]))  # noqa: F821
+write_json(job.output.json, report)
+write_text(job.output.md, env.render_markdown(report) + "\n" + gpu_node.render_markdown(report["gpu_node"]))

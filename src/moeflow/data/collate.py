@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moeflow.data.shards import IGNORE_INDEX
+from moeflow.families import registry
 from moeflow.runtime import compat
 
 if TYPE_CHECKING:
@@ -41,16 +42,8 @@ if TYPE_CHECKING:
 SLIDING = "sliding_attention"  # transformers' layer type of a sliding-window attention layer
 
 
-# Families whose decoder stack takes a dict {layer type: mask} (the others take one mask for every layer).
-MASK_PER_LAYER_TYPE = ("gpt_oss", "step3p5")
-
-
 # The attention implementations that get a micro-batch as one packed row (``flattens_rows``).
 FLASH_ATTENTION = ("flash_attention_2",)
-
-
-# Families whose transformers 5 mask builders are not given position_ids, so they cannot see documents.
-POSITIONS_NOT_IN_MASKS_V5 = ("gpt_oss",)
 
 
 class PackingUnsupported(compat.UnsupportedOnStack):
@@ -166,7 +159,8 @@ def model_masks_documents(config: Any) -> bool:
     """Whether the model keeps packed documents apart from restarting position_ids alone (no mask given)."""
     if flattens_rows(config):
         return True
-    return compat.is_transformers_v5() and config.model_type not in POSITIONS_NOT_IN_MASKS_V5
+    family = registry.family(config.model_type)  # transformers 5's mask builders see documents if given positions
+    return compat.is_transformers_v5() and not (family is not None and family.masks_without_positions_v5)
 
 
 def packed_attention_mask(config: Any, position_ids: Any, dtype: Any):
@@ -176,7 +170,8 @@ def packed_attention_mask(config: Any, position_ids: Any, dtype: Any):
     windows = layer_windows(config)
     if len(set(windows)) == 1:
         return block_causal_mask(position_ids, dtype, windows[0])
-    if config.model_type not in MASK_PER_LAYER_TYPE:
+    family = registry.family(config.model_type)
+    if family is None or not family.mask_per_layer_type:
         raise PackingUnsupported(
             f"packed sequences with {config.model_type!r} on transformers {compat.version_of('transformers')} and "
             f"{config._attn_implementation} attention: its layers mix sliding-window and full attention, and its "

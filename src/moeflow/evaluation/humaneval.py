@@ -191,3 +191,11 @@ class HumanEvalExecution:
     k: tuple[int, ...]
     timeout_s: float
     memory_mb: int
+
+
+@dataclass(frozen=True)
+class HumanEvalExecuteStage:
+    """Rule humaneval_execute: how the samples run, and the generation that made them (its problem count)."""
+
+    execution: HumanEvalExecution
+    generation: HumanEvalGeneration

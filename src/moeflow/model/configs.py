@@ -11,14 +11,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from moeflow.model.families import registry
+from moeflow.families import registry
 from moeflow.model.folder import ModelError, check_model_folder
 from moeflow.model.settings import ModelSettings
 
 
 def causal_lm_class():
     """The transformers class every model is built and loaded with (``AutoModelForCausalLM``): the one place
-    where the families it does not know are registered (moeflow.model.families)."""
+    where the families it does not know are registered (moeflow.families)."""
     from transformers import AutoModelForCausalLM
 
     registry.register()

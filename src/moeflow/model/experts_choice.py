@@ -47,9 +47,10 @@ from typing import Any
 
 import torch
 
+from moeflow.families.family import EXPERT_COUNT_KEYS
 from moeflow.model.configs import causal_lm_class, transformers_config
 from moeflow.model.folder import ModelError
-from moeflow.model.routing import EXPERT_COUNT_KEYS, adapter_or_none
+from moeflow.model.routing import adapter_or_none
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.runtime import compat
 from moeflow.runtime.env import experts_implementations, torch_facts

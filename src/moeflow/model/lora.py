@@ -55,10 +55,10 @@ from typing import Any
 
 import torch
 
+from moeflow.families.mtp import is_mtp_name, mtp_prefixes
+from moeflow.families.registry import FAMILIES
 from moeflow.model import parameters as P
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
-from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
-from moeflow.model.routing import FAMILIES
 from moeflow.model.settings import LORA_ALL, LoraSettings
 from moeflow.model.wrappers import unwrap
 from moeflow.runtime import compat
@@ -269,6 +269,7 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
         )
     if settings.router == "trainable":
         for router in router_modules(peft_model).values():
+            router.float()  # a frozen base held in bf16: the router trains in fp32, as the adapters do
             for param in router.parameters():
                 param.requires_grad_(True)
     if gradient_checkpointing:

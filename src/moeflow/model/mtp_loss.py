@@ -1,7 +1,7 @@
 """The multi-token-prediction loss of DeepSeek-V3 (arXiv 2412.19437 section 2.2) over packed rows, by chunks.
 
 Depth ``d`` (1..D) joins ``hnorm(h^{d-1}_i)`` and ``enorm(Emb(t_{i+d}))`` through ``eh_proj``, runs its MTP
-layer (moeflow.model.families.mtp) with the row's positions and per-document mask, and predicts
+layer (moeflow.families.mtp) with the row's positions and per-document mask, and predicts
 ``t_{i+d+1}`` through its shared head, with moeflow.model.chunked_loss (the full logits are never built).
 ``h^0`` is the main decoder's last hidden state. A target whose token lies in another packed document than
 position ``i`` counts nothing; such positions are a document's last ``d + 1``, and no later position of the
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from moeflow.data.collate import SLIDING, block_causal_mask, document_ids, flattens_rows
 from moeflow.data.shards import IGNORE_INDEX
+from moeflow.families.mtp import mtp_units
 from moeflow.model.chunked_loss import linear_cross_entropy, logit_scale
-from moeflow.model.families.mtp import mtp_units
 from moeflow.model.wrappers import unwrap
 from moeflow.runtime.host_copies import to_device
 

@@ -49,7 +49,7 @@ EMBEDDING = "embedding"
 LM_HEAD = "lm_head"
 
 
-# The modules only an MTP layer has (moeflow.model.families.mtp); the rest of an MTP layer is named as a decoder
+# The modules only an MTP layer has (moeflow.families.mtp); the rest of an MTP layer is named as a decoder
 # layer's, and only the model knows it is one (the planner counts those by layer index).
 MTP = "mtp"
 

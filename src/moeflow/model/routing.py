@@ -8,8 +8,8 @@ evaluation), filled by forward hooks on the router modules of a supported HF MoE
     for layer in routing.layers:          # one per MoE layer (dense layers have no entry)
         layer.topk_index                  # (tokens, k) experts actually chosen; tokens = batch*seq
 
-Each family needs one adapter entry (``FAMILIES``): the class of its MoE block, the attribute that
-holds the router, and how to read (logits, chosen experts, gate weights) from the router's forward.
+Each family's record (moeflow.families) names the class of its MoE block, the attribute that holds the
+router, and how to read (logits, chosen experts, gate weights) from the router's forward.
 The chosen experts are taken from what the model computed, never re-derived as a top-k of the logits,
 because DeepSeek-V3/Step routers choose with a sigmoid score plus a correction bias, group-limited.
 
@@ -28,27 +28,18 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
+from moeflow.families.family import EXPERT_COUNT_KEYS, SIGMOID, SOFTMAX, Family, Reader
+from moeflow.families.mtp import is_mtp_name, mtp_prefixes
+from moeflow.families.registry import FAMILIES
 from moeflow.runtime import compat
 
-SOFTMAX = "softmax"
-
-
-SIGMOID = "sigmoid"
-
-
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-# Config attributes that name an expert count: a model that has one but no adapter is an MoE we cannot read.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 class UnsupportedModel(ValueError):
@@ -86,96 +77,10 @@ class LayerRouting:
         return torch.softmax(logits, dim=-1)
 
 
-Reader = Callable[[torch.nn.Module, torch.nn.Module, tuple, Any], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
-
-
-def _read_v5_router(block, router, args, output):
-    """transformers 5: every router returns (logits, top-k weights, top-k index)."""
-    logits, weights, index = output
-    return logits, index, weights
-
-
-def _read_v5_scaled_after(block, router, args, output):
-    """transformers 5 Step-3.5 (step3p7's block): the router returns the chosen experts' weights and the block
-    multiplies the experts' sum by ``routed_scaling_factor``: the weights the experts really get are their product."""
-    logits, weights, index = output
-    return logits, index, weights * block.routed_scaling_factor
-
-
-def _read_linear_gate(block, router, args, output):
-    """transformers 4.57 qwen2_moe/qwen3_moe/mixtral/olmoe: the gate is an nn.Linear returning logits and
-    the block takes softmax, top-k and (optionally) renormalises. Repeats the block's operations exactly."""
-    logits = output
-    hidden = args[0]
-    weights = F.softmax(logits, dim=1, dtype=torch.float)
-    weights, index = torch.topk(weights, block.top_k, dim=-1)
-    if getattr(block, "norm_topk_prob", True):  # mixtral's block always renormalises and has no flag
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return logits, index, weights.to(hidden.dtype)
-
-
-def _read_v4_deepseek(block, router, args, output):
-    """transformers 4.57 DeepSeek-V3: the router returns (index, weights) only; the logits are its
-    linear map of the same input, recomputed as the router computes it (float32, autocast off: the hook runs
-    outside the router's own autocast-off block, moeflow.model.families.deepseek_v3.DeepseekV3Router)."""
-    index, weights = output
-    hidden = args[0].reshape(-1, router.weight.shape[1])
-    with torch.autocast(hidden.device.type, enabled=False):
-        logits = F.linear(hidden.float(), router.weight.float())
-    return logits, index, weights
-
-
-def _read_v4_gpt_oss(block, router, args, output):
-    """transformers 4.57 GPT-OSS: the router returns dense (T, E) scores (softmax over the chosen
-    logits, zero elsewhere) and the index."""
-    scores, index = output
-    hidden = args[0].reshape(-1, router.weight.shape[1])
-    logits = F.linear(hidden, router.weight, router.bias)
-    return logits, index, scores.gather(1, index)
-
-
-def _read_v4_granite(block, router, args, output):
-    """transformers 4.57 GraniteMoE: the router returns its gates sorted by expert; undo the sort."""
-    sorted_positions, _, sorted_gates, expert_size, logits = output
-    num_tokens, top_k = logits.shape[0], router.top_k
-    counts = torch.as_tensor(expert_size, device=logits.device)
-    sorted_experts = torch.repeat_interleave(torch.arange(len(expert_size), device=logits.device), counts)
-    index = torch.empty(num_tokens * top_k, dtype=torch.long, device=logits.device)
-    index[sorted_positions] = sorted_experts
-    weights = torch.empty(num_tokens * top_k, dtype=sorted_gates.dtype, device=logits.device)
-    weights[sorted_positions] = sorted_gates
-    return logits, index.view(num_tokens, top_k), weights.view(num_tokens, top_k)
-
-
-@dataclass(frozen=True)
-class Family:
-    """What an adapter needs for one model family."""
-
-    block_class: str  # class name of the MoE block (one per MoE decoder layer)
-    router_attr: str  # attribute of the block holding the router module to hook
-    scoring: str  # softmax | sigmoid
-    read_v4: Reader | None  # reader on transformers 4.x (None: the family is not in 4.x)
-    read_v5: Reader = _read_v5_router
-
-
-FAMILIES: dict[str, Family] = {
-    "qwen2_moe": Family("Qwen2MoeSparseMoeBlock", "gate", SOFTMAX, _read_linear_gate),
-    "qwen3_moe": Family("Qwen3MoeSparseMoeBlock", "gate", SOFTMAX, _read_linear_gate),
-    "mixtral": Family("MixtralSparseMoeBlock", "gate", SOFTMAX, _read_linear_gate),
-    "olmoe": Family("OlmoeSparseMoeBlock", "gate", SOFTMAX, _read_linear_gate),
-    "deepseek_v3": Family("DeepseekV3MoE", "gate", SIGMOID, _read_v4_deepseek),
-    "gpt_oss": Family("GptOssMLP", "router", SOFTMAX, _read_v4_gpt_oss),
-    "granitemoe": Family("GraniteMoeMoE", "router", SOFTMAX, _read_v4_granite),
-    # Step-3.5-Flash (model_type step3p5): transformers 5's step3p7 decoder (moeflow.model.families.step3p5).
-    "step3p5": Family("Step3p7SparseMoeBlock", "gate", SIGMOID, None, _read_v5_scaled_after),
-    "step3p7": Family("Step3p7SparseMoeBlock", "gate", SIGMOID, None, _read_v5_scaled_after),
-}
-
-
 ADAPTER_NEEDS = (
-    "an adapter (moeflow.model.routing.FAMILIES) needs the class name of the family's MoE block, the block "
-    "attribute holding its router module, whether the router scores with softmax or sigmoid, and a reader "
-    "that returns (logits, chosen expert index, gate weights) from the router's forward inputs and output"
+    "an adapter (its family's record, moeflow.families.registry.FAMILIES) needs the class name of the family's "
+    "MoE block, the block attribute holding its router module, whether the router scores with softmax or sigmoid, "
+    "and a reader that returns (logits, chosen expert index, gate weights) from the router's forward inputs and output"
 )
 
 

@@ -53,3 +53,25 @@ class LoraSettings:
 
     def as_dict(self) -> dict[str, Any]:
         return plain(self)
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How training holds the experts while rule choose_experts times them: ``strategy`` (FSDP's bf16 weights)
+    and ``ep_size`` (one rank's experts under ep)."""
+
+    strategy: str
+    ep_size: int
+
+
+@dataclass(frozen=True)
+class ExpertsChoiceStage:
+    """Rule choose_experts (moeflow.workflow.keys.experts_settings; moeflow.model.experts_choice times one MoE block
+    of this shape). Here, not beside the timing code: the stage claims its GPU before anything imports torch."""
+
+    model: ModelSettings
+    micro_batch_size: int
+    seq_len: int
+    device: str
+    precision: str
+    parallel: ExpertsLayout

@@ -22,3 +22,27 @@ class ParallelSettings:
     def world_size(self) -> int:
         """The ranks the config asks for: ``nproc_per_node x nnodes``."""
         return self.nproc_per_node * self.nnodes
+
+
+def training_layout_problems(method: str, strategy: str, world: int, tied_embeddings: bool = False) -> list[str]:
+    """What a training layout cannot run, each naming the keys and what to do; standard library only, so that the
+    config check, the loader (moeflow.loading.factory) and the planner's proposals (moeflow.plan.proposals) refuse
+    the same layouts: expert parallelism with tied embeddings (transformers 5's expert-parallel sharding unties
+    them), and LoRA adapters over sharded ranks (peft over FSDP or expert parallelism is not built). Expert
+    parallelism on transformers 4.57 is refused where the model is loaded (moeflow.parallel.layouts), not here: a
+    plan on the pinned stack may be for a cluster that runs the current one."""
+    problems = []
+    if strategy == "ep" and tied_embeddings:
+        problems.append(
+            "config key 'parallel.strategy': ep with a model whose embedding and output layer are tied "
+            "(tie_word_embeddings): transformers 5's expert-parallel sharding unties them during training. Use "
+            "parallel.strategy: fsdp for this model, or a model with tie_word_embeddings: false"
+        )
+    if method == "lora" and strategy != "none" and world > 1:
+        problems.append(
+            f"config keys 'train.method': lora and 'parallel.strategy': {strategy} do not combine: LoRA adapters are "
+            "not sharded here (peft over FSDP or expert parallelism is not built). Use parallel.strategy: none "
+            "(every rank holds the frozen base model and the adapters; the adapters' gradients are summed over "
+            "ranks), or train.method: full"
+        )
+    return problems

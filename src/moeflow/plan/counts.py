@@ -1,7 +1,7 @@
 """Parameter counts from a model's shape: by category, active per token, LoRA's adapters.
 
-The counts are exact on PyTorch's meta device where transformers (or moeflow.model.families) knows the family,
-and in closed form otherwise. MTP layers (moeflow.model.families.mtp) are their own category: held in memory,
+The counts are exact on PyTorch's meta device where transformers (or moeflow.families) knows the family,
+and in closed form otherwise. MTP layers (moeflow.families.mtp) are their own category: held in memory,
 never run in the model's forward and never trained (so not active, and not in a full fine-tune's trained
 parameters).
 """
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from moeflow.families import registry
 from moeflow.model.parameters import counted_category, is_hidden_matrix, layer_index
 from moeflow.model.settings import LoraSettings
 from moeflow.plan.shapes import (
@@ -22,7 +23,6 @@ from moeflow.plan.shapes import (
     model_shape,
     resolve_vocab_size,
 )
-from moeflow.runtime import compat
 from moeflow.train.settings import EsftSettings
 
 CATEGORIES = (
@@ -205,7 +205,7 @@ def largest_tensor(s: Shape) -> int:
     if s.mtp_layers:
         candidates.append(2 * h * h)  # eh_proj
     if s.moe_layers:
-        fused = compat.experts_fused(s.model_type) or s.model_type == "granitemoe"  # granitemoe fuses on both stacks
+        fused = registry.experts_in_one_tensor(s.model_type)
         candidates += [h * s.shared_ffn, h * s.num_experts]
         candidates.append(s.num_experts * 2 * s.expert_ffn * h if fused else h * s.expert_ffn)
     return max(candidates)
@@ -322,7 +322,7 @@ def lora_matrices(
     if moe:
         if "routed_experts" in categories:
             f = s.expert_ffn
-            pairs = [(h, 2 * f), (f, h)] if compat.experts_fused(s.model_type) else [(h, f), (h, f), (f, h)]
+            pairs = [(h, 2 * f), (f, h)] if registry.experts_fused(s.model_type) else [(h, f), (h, f), (f, h)]
             out["routed_experts"] = [(i, o, s.num_experts) for i, o in pairs]
         if "shared_experts" in categories and s.shared_ffn:
             out["shared_experts"] = swiglu(s.shared_ffn)
@@ -388,7 +388,7 @@ def lora_count(s: Shape, lora: LoraSettings) -> LoraCount:
         else:
             dense_layer = max(dense_layer, sum(added.values()))
     return LoraCount(
-        by_category, router * len(s.moe_layers), moe_layer, dense_layer, compat.experts_fused(s.model_type)
+        by_category, router * len(s.moe_layers), moe_layer, dense_layer, registry.experts_fused(s.model_type)
     )
 
 
@@ -410,7 +410,7 @@ def esft_trainable(s: Shape, params: ParamCount, esft: EsftSettings, selected_ex
     its unselected rows masked); plus the shared experts and the non-expert parameters where configured.
     ``selected_experts`` None (no selection yet): every expert, the upper bound."""
     routed = params.by_category["routed_experts"]
-    fused = compat.experts_fused(s.model_type) or s.model_type == "granitemoe"
+    fused = registry.experts_in_one_tensor(s.model_type)
     if not fused and selected_experts is not None:
         routed = routed * selected_experts // (s.num_experts * len(s.moe_layers))
     shared = params.by_category["shared_experts"]

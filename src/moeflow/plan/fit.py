@@ -1,8 +1,6 @@
-"""Whether a job's phases fit, the plan of a run, and what would make a job fit.
+"""Whether a job's phases fit, and the smallest device count at which every phase does.
 
-Each phase of moeflow.plan.memory's per-rank memory is set against one device's memory and a node's host memory;
-the plan has the smallest device count at which every phase fits, the longest sequence that does, and what
-changes would make a job that does not fit fit.
+Each phase of moeflow.plan.memory's per-rank memory is set against one device's memory and a node's host memory.
 
 The device's memory is ``hardware.memory_gib_per_device``, on CUDA as torch sees a card of that nominal
 size (``VISIBLE_GIB``: 79.11 GiB of an 80 GB H100), or what verify_env measured (torch's total).
@@ -14,8 +12,8 @@ knows it, else this machine's RAM (binding only when the ranks run here, on CPU)
 A phase *fits* when its device total is at most ``1 - HEADROOM`` of the device memory, is *tight* up to
 the full memory (a warning), and *does not fit* above it. ``plan()["phases"]`` has every phase, the
 verdict is the worst phase's (``plan()["worst_phase"]``, the largest device total): moeflow.plan.report.enforce raises
-naming the phases that do not fit with their terms, and what would make the job fit (the smallest device
-count at which every phase fits, checkpointing, shorter sequences, micro-batch 1).
+naming the phases that do not fit with their terms, and the configurations that would (moeflow.plan.proposals).
+``plan()`` is moeflow.plan.training_plan's.
 """
 
 from __future__ import annotations
@@ -25,14 +23,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from moeflow.plan.counts import ParamCount, count_parameters, lora_count
+from moeflow.plan.counts import ParamCount
 from moeflow.plan.memory import (
     GIB,
     Job,
     host_per_node_bytes,
     memory_per_device,
     muon_gathered_bytes,
-    phase_memory,
     rank_bytes,
     worst_device_total,
 )
@@ -104,86 +101,8 @@ def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int 
     return None
 
 
-def max_seq_len(s: Shape, params: ParamCount, job: Job, memory: int) -> int | None:
-    """The longest sequence (at most the job's) that fits on the job's devices, or None."""
-    lo, hi = 0, job.seq_len
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(s, params, dataclasses.replace(job, seq_len=mid), memory):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo or None
-
-
 def gib(n: float) -> float:
     return round(n / GIB, 2)
-
-
-def suggestions(s: Shape, params: ParamCount, job: Job, memory: int) -> list[dict[str, Any]]:
-    """What would make the job fit: each change with the devices it needs and the per-device total there."""
-    lean = {"gradient_checkpointing": True, "micro_batch_size": 1}
-    candidates = [("shard over more devices (FSDP, one layer gathered at a time)", job)]
-    if job.replicated:
-        candidates.append(("parallel.strategy: fsdp", dataclasses.replace(job, replicated=False)))
-    if s.moe_layers and not job.expert_parallel:
-        ep = dataclasses.replace(job, expert_parallel=True)
-        candidates += [
-            ("FSDP with expert parallelism (transformers 5 only)", ep),
-            ("expert parallelism, gradient checkpointing and micro-batch 1", dataclasses.replace(ep, **lean)),
-        ]
-    if job.method == "full":
-        lora = dataclasses.replace(job, method="lora")
-        what = f"rank {job.lora.rank} on {', '.join(job.lora.targets)}, router {job.lora.router}"
-        candidates += [
-            (f"train.method: lora ({what})", lora),
-            (
-                f"train.method: lora ({what}), gradient checkpointing and micro-batch 1",
-                dataclasses.replace(lora, **lean),
-            ),
-        ]
-        if s.moe_layers and not job.expert_parallel:
-            candidates.append(
-                (
-                    f"train.method: lora ({what}) with expert parallelism, gradient checkpointing and micro-batch 1",
-                    dataclasses.replace(lora, expert_parallel=True, **lean),
-                )
-            )
-    candidates += [
-        ("train.gradient_checkpointing: true", dataclasses.replace(job, gradient_checkpointing=True)),
-        ("train.micro_batch_size: 1", dataclasses.replace(job, micro_batch_size=1)),
-        ("gradient checkpointing and micro-batch 1", dataclasses.replace(job, **lean)),
-        ("model.attn_implementation: sdpa", dataclasses.replace(job, attn_implementation="sdpa")),
-    ]
-    for base, label in (
-        (job, ""),
-        (dataclasses.replace(job, **lean), " with gradient checkpointing and micro-batch 1"),
-    ):
-        longest = max_seq_len(s, params, base, memory)
-        if longest and longest < job.seq_len:
-            candidates.append((f"data.seq_len: {longest}{label}", dataclasses.replace(base, seq_len=longest)))
-    options, seen = [], set()
-    for change, variant in candidates:
-        # a change that changes nothing (a setting the job has already) or repeats another is no suggestion; the
-        # first, the job as it is on more devices, always is
-        if variant in seen or (variant == job and change != candidates[0][0]):
-            continue
-        seen.add(variant)
-        devices = min_devices(s, params, variant, memory)
-        at = dataclasses.replace(variant, num_devices=devices or variant.num_devices, replicated=False)
-        spread = dataclasses.replace(variant, num_devices=max(2, variant.num_devices), replicated=False)
-        sharded = memory_per_device(s, params, spread)
-        states = sharded["weights"] + sharded["gradients"] + sharded["optimizer"] - muon_gathered_bytes(params, spread)
-        options.append(
-            {
-                "change": change,
-                "unshardable_gib": gib(sharded["total"] - states),
-                "fits_as_is": fits(s, params, variant, memory),
-                "min_devices": devices,
-                "per_device_gib_at_min_devices": gib(worst_device_total(s, params, at)) if devices else None,
-            }
-        )
-    return [o for o in options if o["fits_as_is"] or o["min_devices"] or o["change"] == candidates[0][0]]
 
 
 MEM_MB_SOURCE = "the training job's mem_mb"
@@ -236,39 +155,3 @@ def host_plan(phases: Mapping[str, Mapping[str, Any]], job: Job, limit: int, sou
         "limit_source": source,
         "verdict": phases[worst]["host_verdict"],
     }
-
-
-def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any], mem_mb: int | None = None) -> dict[str, Any]:
-    """The full plan for one run: parameters, memory per rank in every phase, the worst phase and its
-    verdict, what would make it fit, and a node's host memory (against ``mem_mb``, the training job's,
-    when given). ``per_device_bytes`` is the step's."""
-    shape, params, formula = count_parameters(settings["model"], settings["vocab_size"])
-    job = Job.from_settings(settings)
-    memory, source = device_memory(settings, env_report)
-    limit, limit_source = host_limit(env_report, mem_mb)
-    phases = phase_plans(phase_memory(shape, params, job), job, memory, limit)
-    worst = worst_phase(phases, "device_bytes")
-    result = phases[worst]["verdict"]
-    per_device = phases["step"]["device_bytes"]
-    out = {
-        "model_type": shape.model_type,
-        "shape": dataclasses.asdict(shape)
-        | {"moe_layers": list(shape.moe_layers), "dense_layers": list(shape.dense_layers)},
-        "parameters": params.as_dict()
-        | {"formula_total": formula.total, "formula_matches": formula.total == params.total},
-        "job": job.as_dict(),
-        "device_memory_bytes": memory,
-        "device_memory_source": source,
-        "per_device_bytes": per_device,
-        "per_device_gib": {k: gib(v) for k, v in per_device.items()},
-        "phases": phases,
-        "worst_phase": worst,
-        "usable_fraction": 1 - HEADROOM,
-        "verdict": result,
-        "min_devices": min_devices(shape, params, job, memory),
-        "suggestions": suggestions(shape, params, job, memory) if result != "fits" else [],
-        "host": host_plan(phases, job, limit, limit_source),
-    }
-    if job.method == "lora":
-        out["lora"] = {**job.lora.as_dict(), **lora_count(shape, job.lora).as_dict()}
-    return out

@@ -7,7 +7,7 @@ Parameters
     :func:`model_shape` reads a ``model.config`` mapping (``model_type`` plus the family's keys) into a
     :class:`Shape` for the families in ``FAMILIES``. :func:`count_parameters` counts exactly by building
     the model on PyTorch's meta device (no memory, no weights) wherever the installed transformers (with
-    moeflow.model.families) knows the family, and falls back to the closed-form :func:`formula_count` where it
+    moeflow.families) knows the family, and falls back to the closed-form :func:`formula_count` where it
     does not (step3p5 on transformers 4.57). Both report the same categories, per-layer head counts and MTP
     layers included; the tests check the formula against the meta count. *Active* parameters per token are
     everything except the routed experts and the MTP layers, plus ``top_k / num_experts`` of the routed
@@ -92,8 +92,10 @@ frozen ones included, and AdamW's two fp32 moments of the trained ones, both ove
 Whether the phases fit, on which devices, and what would make them fit: moeflow.plan.fit.
 
 ``train.method: lora`` (settings ``train.lora``, see moeflow.model.lora): the base weights are frozen (weights
-only, no gradients or optimizer states); the adapters get all three (16 bytes per parameter, as above),
-and so do the routers' weights with ``router: trainable``. Adapter parameters are counted from the config:
+only, no gradients or optimizer states), held in bf16 with ``precision: bf16`` in every phase (no fp32 copy;
+moeflow.loading.factory.Layout.weights_dtype); the adapters are held in fp32 with fp32 gradients and AdamW's two
+moments (16 bytes per parameter, no master copy), and so are the routers' weights with ``router: trainable``.
+Adapter parameters are counted from the config:
 ``rank x (in + out)`` for every adapted matrix (:func:`lora_matrices`), i.e. per layer q/k/v/o (plus
 step3p5's head gate; MLA: its down/up projections), the dense or shared SwiGLU's gate/up/down, a router
 adapter ``rank x (hidden + experts)``, and per routed expert gate/up/down on transformers 4.57 (separate
@@ -118,7 +120,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from moeflow.families import registry
 from moeflow.model.settings import LoraSettings
+from moeflow.parallel.settings import training_layout_problems
 from moeflow.plan.counts import ParamCount, esft_trainable, lora_activation_elements, lora_count
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.runtime import compat
@@ -160,6 +164,7 @@ LOSS_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, which become their gradient i
 
 # The parameters moeflow holds are fp32 in every layout (loaded in fp32; bf16 is autocast on one device and
 # FSDP mixed precision's gathers): the width of the resident state in the load, checkpoint, resume and export phases.
+# LoRA under bf16 is the exception: its frozen base is held in bf16 (:func:`held_weight_bytes`).
 PARAM_BYTES = 4
 
 
@@ -219,6 +224,8 @@ class Job:
                 f"config key 'train.optimizer': the planner knows adamw and muon, got {train['optimizer']!r}"
             )
         on_paper = parallel["nproc_per_node"] * parallel["nnodes"] == 1
+        # on paper a job is sharded over its devices, but for a method that runs on whole models only (LoRA)
+        whole = bool(training_layout_problems(train["method"], "fsdp", 2))
         return cls(
             precision=settings["precision"],
             method=train["method"],
@@ -233,7 +240,7 @@ class Job:
             lora=typed(LoraSettings, train["lora"] or {}),
             loss_chunk_tokens=int(settings["model"]["loss_chunk_tokens"]),
             ranks_per_node=int(hardware["num_devices"] if on_paper else parallel["nproc_per_node"]),
-            replicated=parallel["strategy"] == "none" and not on_paper,
+            replicated=whole or (parallel["strategy"] == "none" and not on_paper),
             fsdp_size=parallel["fsdp_size"],
             ep_size=int(parallel["ep_size"]),
             optimizer=train["optimizer"],
@@ -331,23 +338,19 @@ def activation_bytes(s: Shape, job: Job) -> int:
     return tokens * per_token * width
 
 
-# The families whose transformers 5 mask builders are not given the packed rows' positions, so that
-# moeflow.data.collate builds their masks itself (its POSITIONS_NOT_IN_MASKS_V5; a test checks they agree).
-MASKS_BUILT_BY_MOEFLOW_V5 = ("gpt_oss",)
-
-
 def attention_mask_bytes(s: Shape, job: Job) -> int:
     """The attention masks of a forward with sdpa or eager attention, held for the whole step (every checkpointed
     layer takes them as an input): one ``[micro-batch, 1, L, L]`` mask per attention type (full, sliding window),
     booleans where transformers 5 builds them for sdpa from the packed rows' positions, additive float masks
     (counted at float32) where it builds them for eager attention and where moeflow.data.collate builds them
-    (transformers 4.57, and the families above). flash-attn builds none."""
+    (transformers 4.57, and the families whose record says ``masks_without_positions_v5``). flash-attn builds
+    none."""
     if job.attn_implementation == "flash_attention_2":
         return 0
     boolean = (
         job.attn_implementation == "sdpa"
         and compat.is_transformers_v5()
-        and s.model_type not in MASKS_BUILT_BY_MOEFLOW_V5
+        and not registry.FAMILIES[s.model_type].masks_without_positions_v5
     )
     return job.micro_batch_size * job.seq_len**2 * s.attention_masks * (1 if boolean else FP32_BYTES)
 
@@ -388,19 +391,20 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
     root = root_unit_parameters(s, params)
     if job.method == "lora":  # frozen base: weights only; adapters (and a trainable router) get everything
         adapters = lora_count(s, job.lora)
-        added, trainable = adapters.added, adapters.trainable
+        trainable = adapters.trainable
         unit_added, unit_trainable = adapters.largest_layer(job.expert_parallel)
         root_trainable = 0  # no adapters on the embedding or the LM head
+        # held as trained: the adapters (and a trainable router) in fp32, with fp32 gradients and no master copy
+        weights, gradient_width, master = held_weight_bytes(s, params, job), FP32_BYTES, 0
     else:
-        added, unit_added, unit_trainable, root_trainable = 0, 0, unit, root
+        unit_added, unit_trainable, root_trainable = 0, unit, root
         trainable = trained_parameters(s, params, job)[1]
+        weights, gradient_width, master = params.total * width, width, MASTER_WEIGHT_BYTES[job.precision]
     gathered = unit + unit_added
     out = {
-        "weights": math.ceil((params.total + added) * width / shards),
-        "gradients": math.ceil(gradient_parameters(s, params, job, trainable) * width / shards),
-        "optimizer": math.ceil(
-            (optimizer_state_bytes(params, trainable, job) + trainable * MASTER_WEIGHT_BYTES[job.precision]) / shards
-        )
+        "weights": math.ceil(weights / shards),
+        "gradients": math.ceil(gradient_parameters(s, params, job, trainable) * gradient_width / shards),
+        "optimizer": math.ceil((optimizer_state_bytes(params, trainable, job) + trainable * master) / shards)
         + muon_gathered_bytes(params, job),
         "unsharded_layer": (gathered * width + unit_trainable * width) if job.sharded else 0,
         "prefetched_layer": gathered * width if job.sharded else 0,
@@ -464,13 +468,31 @@ def muon_gathered_bytes(params: ParamCount, job: Job) -> int:
     return 3 * params.largest_tensor * FP32_BYTES
 
 
+def held_weight_bytes(s: Shape, params: ParamCount, job: Job) -> int:
+    """The weights the ranks hold together, as they are held (moeflow.loading.factory.Layout.weights_dtype): every
+    parameter in fp32, except LoRA under bf16, whose frozen base is held in bf16 while the adapters and a trainable
+    router stay fp32."""
+    if job.method == "lora" and job.precision == "bf16":
+        adapters = lora_count(s, job.lora)
+        frozen = params.total - adapters.router_weights
+        return frozen * WEIGHT_BYTES["bf16"] + adapters.trainable * PARAM_BYTES
+    added, _ = trained_parameters(s, params, job)
+    return (params.total + added) * PARAM_BYTES
+
+
+def largest_held_tensor_bytes(params: ParamCount, job: Job) -> int:
+    """The largest tensor as it is held (a frozen one in bf16 under LoRA with bf16)."""
+    width = WEIGHT_BYTES["bf16"] if job.method == "lora" and job.precision == "bf16" else PARAM_BYTES
+    return params.largest_tensor * width
+
+
 def resident_state(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
-    """What a rank keeps between steps: its share of the parameters (fp32, frozen ones included) and of
-    the optimizer's state of the trained ones (:func:`optimizer_state_bytes`). The gradients are freed after
-    each step."""
-    added, trained = trained_parameters(s, params, job)
+    """What a rank keeps between steps: its share of the parameters (:func:`held_weight_bytes`, frozen ones
+    included) and of the optimizer's state of the trained ones (:func:`optimizer_state_bytes`). The gradients are
+    freed after each step."""
+    _, trained = trained_parameters(s, params, job)
     return {
-        "weights": math.ceil((params.total + added) * PARAM_BYTES / job.shard_ranks),
+        "weights": math.ceil(held_weight_bytes(s, params, job) / job.shard_ranks),
         "optimizer": math.ceil(optimizer_state_bytes(params, trained, job) / job.shard_ranks),
     }
 
@@ -508,7 +530,7 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     # private step, moeflow.checkpoint.pieces.init_optimizer_state) before the checkpoint's moments are read into it
     _, trained = trained_parameters(s, params, job)
     zero_gradients = math.ceil(trained * PARAM_BYTES / job.shard_ranks)
-    whole = params.largest_tensor * PARAM_BYTES
+    whole = largest_held_tensor_bytes(params, job)
     owned = math.ceil(whole / job.shard_ranks)
     runtime = {"runtime": runtime_bytes(job.device)}
     step = {k: v for k, v in memory_per_device(s, params, job).items() if k != "total"}

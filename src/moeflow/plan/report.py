@@ -9,6 +9,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import yaml
+
 from moeflow.plan.fit import HEADROOM, MEM_MB_SOURCE
 from moeflow.plan.memory import GIB
 from moeflow.plan.shapes import PlanError
@@ -66,29 +68,47 @@ def summary(p: Mapping[str, Any]) -> str:
         f"{memory:.1f} GiB, {round(100 * (1 - p['usable_fraction']))}% headroom)",
         host_summary(p["host"], p["phases"]),
     ]
+    states = gib["weights"] + gib["gradients"] + gib["optimizer"]
+    if p["verdict"] != "fits" and states > usable:
+        lines.append(
+            f"  weights, gradients and AdamW states alone take {states:.2f} GiB per device: only more devices "
+            f"(or frozen weights) help; shorter sequences or checkpointing cannot"
+        )
     if p["suggestions"]:
-        states = gib["weights"] + gib["gradients"] + gib["optimizer"]
-        if states > usable:
-            lines.append(
-                f"  weights, gradients and AdamW states alone take {states:.2f} GiB per device: only more devices "
-                f"(or frozen weights) help; shorter sequences or checkpointing cannot"
-            )
-        lines.append(f"  what would make it fit (devices of {memory:.1f} GiB):")
+        lines.append(
+            f"  configurations that fit, cheapest first (devices of {memory:.1f} GiB; each as YAML in plan.md, to pass "
+            "with --configfile after the run's config):"
+        )
         for option in p["suggestions"]:
-            if option["fits_as_is"]:
-                where = f"fits on {job['num_devices']} device(s)"
-            elif option["min_devices"]:
-                where = (
-                    f"at least {option['min_devices']} devices "
-                    f"({option['per_device_gib_at_min_devices']:.2f} GiB per device there)"
-                )
-            else:
-                where = (
-                    f"no number of these devices: the gathered units, activations, loss and runtime alone take "
-                    f"{option['unshardable_gib']:.2f} GiB per device"
-                )
-            lines.append(f"    - {option['change']}: {where}")
+            lines.append(
+                f"    - {option['change']}: {option['num_devices']} device(s), {option['per_device_gib']:.2f} GiB "
+                "per device in its worst phase"
+            )
+    elif p["verdict"] != "fits":
+        lines.append(
+            f"  no configuration the planner searched (method, layout, checkpointing, micro-batch, devices) fits on "
+            f"devices of {memory:.1f} GiB"
+        )
     return "\n".join(lines)
+
+
+def proposals_markdown(options: list[Mapping[str, Any]]) -> list[str]:
+    """The proposals (moeflow.plan.proposals), each as the YAML overlay a user passes with ``--configfile``."""
+    if not options:
+        return []
+    lines = ["", "## Configurations that fit, cheapest first", ""]
+    for option in options:
+        lines += [
+            f"{option['num_devices']} device(s), {option['per_device_gib']:.2f} GiB per device in the worst phase, "
+            f"{option['step_flops_per_token'] / 1e9:.1f} GFLOP per token, "
+            f"{_size(option['bytes_moved_per_micro_batch'])} moved per micro-batch and device:",
+            "",
+            "```yaml",
+            yaml.safe_dump(option["overlay"], sort_keys=False).rstrip(),
+            "```",
+            "",
+        ]
+    return lines
 
 
 def _terms(terms: Mapping[str, int]) -> str:
@@ -217,6 +237,7 @@ def render_markdown(p: Mapping[str, Any]) -> str:
                 *host_rows,
                 "",
                 "The formulas are in the docstring of `moeflow.plan`.",
+                *proposals_markdown(p["suggestions"]),
                 *(
                     [
                         "",

@@ -41,12 +41,6 @@ def is_transformers_v5() -> bool:
     return transformers_major() >= 5
 
 
-def experts_fused(model_type: str) -> bool:
-    """Whether the installed transformers keeps a layer's routed experts as fused 3D parameters (gate and
-    up projections in one ``gate_up_proj``): every family on transformers 5, GPT-OSS on both stacks."""
-    return model_type == "gpt_oss" or is_transformers_v5()
-
-
 def require_transformers_v5(feature: str) -> None:
     """Raise a clear error where a feature exists on the current stack (transformers 5) only."""
     if not is_transformers_v5():

@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moeflow.settings import typed
@@ -29,7 +29,9 @@ class Named(dict):
 @dataclass(frozen=True)
 class Job:
     """One job of a rule. ``settings``: ``params.settings`` as the stage's typed settings class (None when
-    the script reads its params itself). ``log_file``: where this process logs (None: stderr only)."""
+    the script reads its params itself). ``log_file``: where this process logs (None: stderr only). ``gpus``:
+    the GPUs the stage claims when it starts (a ``script:`` rule's ``resources.gpu``; a torchrun script's
+    launcher claimed them before it started)."""
 
     rule: str
     input: Named
@@ -38,6 +40,8 @@ class Job:
     threads: int
     log_file: str | None
     settings: Any = None
+    gpus: int = 0
+    wildcards: Named = field(default_factory=Named)
 
     @classmethod
     def from_argv(cls, settings: type | None = None, argv: Sequence[str] | None = None) -> Job:
@@ -78,6 +82,8 @@ class Job:
             threads=int(smk.threads),
             log_file=smk.log[0] if len(smk.log) else None,
             settings=_typed_settings(settings, params),
+            gpus=int(getattr(getattr(smk, "resources", None), "gpu", 0) or 0),
+            wildcards=Named(smk.wildcards.items()) if hasattr(smk, "wildcards") else Named(),
         )
 
 

@@ -1,11 +1,11 @@
 """What every stage script shares: threads, seeds, offline mode, logging, provenance, progress.
 
-A stage script reads top to bottom::
+Every stage script opens the same way, then reads top to bottom::
 
-    from moeflow.runtime.stage import Stage
-    stage = Stage.start(snakemake)               # sets threads, seeds, HF offline mode, logging
-    ...                                          # call the library
-    write_json(out, {..., "provenance": stage.provenance()})
+    job = Job.from_snakemake(snakemake, XStage)  # a script: rule's job, params.settings typed (torchrun: from_argv)
+    stage = Stage.start(job)                     # claims its GPUs; sets threads, seeds, HF offline mode, logging
+    ...                                          # call the library with job.settings
+    write_json(job.output.json, {..., "provenance": stage.provenance()})
 """
 
 from __future__ import annotations
@@ -150,16 +150,14 @@ class Stage:
 
     @classmethod
     def start(cls, job: Job | Any) -> Stage:
-        """The stage of a job (a ``script:`` rule's ``snakemake`` object, or a torchrun script's
-        moeflow.runtime.job.Job): logging to its log file, threads from the rule's ``threads:``, stack,
-        precision and seed from ``params.runtime`` (every rule passes it: common.smk's runtime()). A ``script:``
-        rule's job claims its ``resources.gpu`` GPUs here, before anything touches CUDA (moeflow.runtime.devices;
-        a torchrun script's launcher claimed them before it started)."""
-        gpus = 0 if isinstance(job, Job) else int(getattr(getattr(job, "resources", None), "gpu", 0) or 0)
+        """The stage of a job (moeflow.runtime.job.Job, or a ``script:`` rule's ``snakemake`` object): logging to
+        its log file, threads from the rule's ``threads:``, stack, precision and seed from ``params.runtime``
+        (every rule passes it: common.smk's runtime()). The job's GPUs are claimed here, before anything touches
+        CUDA (moeflow.runtime.devices)."""
         job = job if isinstance(job, Job) else Job.from_snakemake(job)
         runtime = job.params.runtime
         setup_logging(job.log_file)
-        claim_gpus(gpus, what=f"rule {job.rule}")
+        claim_gpus(job.gpus, what=f"rule {job.rule}")
         stage = cls(
             name=job.rule,
             threads=job.threads,

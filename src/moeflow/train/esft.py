@@ -31,6 +31,16 @@ import torch
 SCORES = ("token", "gate")
 
 
+@dataclass(frozen=True)
+class EsftSelectStage:
+    """Rule esft_select (moeflow.workflow.keys.esft_selection_settings): the routing totals' key, the relevance
+    score and the share of it the selection reaches."""
+
+    routing: str
+    score: str
+    top_p: float
+
+
 @dataclass
 class RoutingTotals:
     """Per (MoE layer, expert) sums over a task's tokens: top-k selections and normalised gate weights."""

@@ -15,8 +15,8 @@ from typing import Any
 import psutil
 import torch
 
+from moeflow.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model import parameters as P
-from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.layouts import original_shape
 

@@ -32,15 +32,15 @@ def build_optimizer(
     model: torch.nn.Module, settings: Any, groups: list[dict[str, Any]] | None = None
 ) -> torch.optim.Optimizer:
     """The optimizer ``settings`` (a ``moeflow.train.settings.TrainSettings``) name, over ``groups`` (default
-    ``param_groups``; ESFT's masked groups from the Trainer), each group's ``lr_multiplier`` kept: the Trainer
-    sets every group's learning rate before each step."""
+    ``param_groups``; ESFT's masked groups from the Trainer), each group's ``lr_multiplier`` kept. No learning
+    rate here: moeflow.train.param_groups.set_learning_rate writes it, before every step."""
     groups = param_groups(model, settings) if groups is None else groups
     if settings.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+        return torch.optim.AdamW(groups, betas=settings.betas, eps=settings.eps)
     if settings.optimizer != "muon":
         raise OptimizerConfigError(f"config key 'train.optimizer': {settings.optimizer!r}; use adamw or muon")
     muon = settings.muon or typed(MuonSettings, {})
-    return MuonWithAdamW(muon_split(model, groups), lr=settings.lr, betas=settings.betas, eps=settings.eps, muon=muon)
+    return MuonWithAdamW(muon_split(model, groups), betas=settings.betas, eps=settings.eps, muon=muon)
 
 
 def muon_split(model: torch.nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -70,11 +70,11 @@ class SlicedMuon(torch.optim.Optimizer):
     ranks hold whole experts is updated where it lies (:func:`holds_whole_matrices`); any other sharded
     parameter (a 2-D matrix split by rows) is gathered whole for its update (:func:`gathered_step`)."""
 
-    def __init__(self, params, *, lr: float, weight_decay: float, settings: MuonSettings):
+    def __init__(self, params, *, weight_decay: float, settings: MuonSettings):
         from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS
 
         defaults = {
-            "lr": lr,
+            "lr": 0.0,  # set before every step (moeflow.train.param_groups.set_learning_rate)
             "weight_decay": weight_decay,
             "momentum": settings.momentum,
             "nesterov": settings.nesterov,
@@ -146,9 +146,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     those marked ``muon: True``. Both share this optimizer's group dicts (a learning rate set here reaches them)
     and its ``state`` (their parameters are disjoint), so checkpoints and the Trainer see one optimizer."""
 
-    def __init__(
-        self, groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], eps: float, muon: MuonSettings
-    ):
+    def __init__(self, groups: list[dict[str, Any]], *, betas: tuple[float, float], eps: float, muon: MuonSettings):
         if not hasattr(torch.optim, "Muon"):
             raise OptimizerConfigError(
                 f"config key 'train.optimizer': muon needs torch.optim.Muon (torch 2.9+, the current stack); this "
@@ -156,8 +154,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
         adamw = [g for g in groups if not g["muon"]]
         matrices_ = [g for g in groups if g["muon"]]
-        self.adamw = torch.optim.AdamW(adamw, lr=lr, betas=betas, eps=eps) if adamw else None
-        self.muon = SlicedMuon(matrices_, lr=lr, weight_decay=0.0, settings=muon) if matrices_ else None
+        self.adamw = torch.optim.AdamW(adamw, betas=betas, eps=eps) if adamw else None
+        self.muon = SlicedMuon(matrices_, weight_decay=0.0, settings=muon) if matrices_ else None
         parts = [o for o in (self.adamw, self.muon) if o is not None]
         super().__init__([g for o in parts for g in o.param_groups], {})
         for part in parts:

@@ -10,9 +10,16 @@ from typing import Any
 
 import torch
 
+from moeflow.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model import parameters as P
-from moeflow.model.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.parallel.layouts import original_shape
+
+
+def set_learning_rate(optimizer: Any, lr: float, factor: float = 1.0) -> None:
+    """The one place a learning rate is written: every group's is ``lr`` (train.lr) x its ``lr_multiplier`` x
+    ``factor`` (the schedule's, :func:`lr_factor`). The Trainer calls it before every step."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group["lr_multiplier"] * factor
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -58,7 +65,7 @@ def param_groups(model: torch.nn.Module, settings: Any) -> list[dict[str, Any]]:
 
 def correction_biases(model: torch.nn.Module) -> list[torch.Tensor]:
     """DeepSeek-V3-style expert correction biases (``e_score_correction_bias``), in layer order; not those of
-    MTP layers (moeflow.model.families.mtp), which route no token in the model's forward."""
+    MTP layers (moeflow.families.mtp), which route no token in the model's forward."""
     mtp = mtp_prefixes(model)
     found = [
         (name, t)

@@ -37,9 +37,9 @@ from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.order import DataOrder
 from moeflow.evaluation.loop import SetStats, batches, evaluate_batches, sum_stats
 from moeflow.evaluation.routing_stats import layer_health
+from moeflow.families.mtp import unfreeze_mtp_layers
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
-from moeflow.model.families.mtp import unfreeze_mtp_layers
 from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.wrappers import unwrap
@@ -61,7 +61,7 @@ from moeflow.train.losses import (
 )
 from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
 from moeflow.train.optimizers import build_optimizer
-from moeflow.train.param_groups import correction_biases, lr_factor, param_groups
+from moeflow.train.param_groups import correction_biases, lr_factor, param_groups, set_learning_rate
 from moeflow.train.settings import BalanceSettings, MtpSettings, TrainSettings
 
 log = logging.getLogger("moeflow.train.trainer")
@@ -114,7 +114,7 @@ def routed_forward(
 
 
 def train_mtp_layers(model: torch.nn.Module) -> None:
-    """``train.mtp.mode: train``: the MTP layers train (moeflow.model.families.mtp.unfreeze_mtp_layers; the factory
+    """``train.mtp.mode: train``: the MTP layers train (moeflow.families.mtp.unfreeze_mtp_layers; the factory
     did it already for a model built for training), so that param_groups puts them in the optimizer's groups,
     with weight decay as the main layers' alike; a model without MTP layers is refused."""
     if not unfreeze_mtp_layers(model):
@@ -210,7 +210,7 @@ class Trainer:
         groups = param_groups(model, settings)
         if self.expert_mask is not None:
             groups = self.expert_mask.param_groups(groups)
-        # train_step sets each group's learning rate (train.lr x its multiplier x the schedule) before its update
+        # no learning rate yet: train_step sets each group's (param_groups.set_learning_rate) before its update
         self.optimizer = build_optimizer(model, settings, groups)
         self.biases = correction_biases(model)
         self.order = DataOrder(len(rows), seed, settings.order)
@@ -329,8 +329,7 @@ class Trainer:
         started = time.perf_counter()
         start_step_memory(self.device)
         factor = lr_factor(self.step, s.warmup_steps, s.steps, s.min_lr / s.lr if s.lr else 0.0)
-        for group in self.optimizer.param_groups:
-            group["lr"] = s.lr * group["lr_multiplier"] * factor
+        set_learning_rate(self.optimizer, s.lr, factor)
         summary = self.step_gradients()
         if self.expert_mask is not None:  # before clipping: the unselected rows' gradients count in no norm
             self.expert_mask.before_step(self.optimizer)

@@ -15,8 +15,9 @@ from typing import Any
 import jsonschema
 
 from moeflow.evaluation.lm_eval_tasks import task_problems
-from moeflow.model.families import registry
-from moeflow.model.families.step3p5_keys import routing_key_problems
+from moeflow.families import registry
+from moeflow.families.family import EXPERT_COUNT_KEYS
+from moeflow.parallel.settings import training_layout_problems as layout_problems
 from moeflow.runtime import compat
 from moeflow.settings import (
     REPO_ROOT,
@@ -172,33 +173,28 @@ def humaneval_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 
 def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """``train.method: esft`` needs an MoE model whose experts moeflow can address (a routing adapter's family,
-    moeflow.model.routing.FAMILIES), rows it can mask (a fused expert tensor under FSDP1 splits elements, not
-    experts), and routing left alone (the routers are frozen, so no loss-free bias update)."""
+    """``train.method: esft`` needs an MoE model whose experts moeflow can address (a family moeflow reads the
+    routing of, moeflow.families.registry.FAMILIES), rows it can mask (a fused expert tensor under FSDP1
+    splits elements, not experts), and routing left alone (the routers are frozen, so no loss-free bias update)."""
     train = cfg["train"]
     if train["method"] != "esft":
         return []
     problems = []
     model_type, experts = _model_type_and_experts(cfg["model"])
-    from moeflow.model.routing import EXPERT_COUNT_KEYS, FAMILIES  # imports torch: only for an ESFT config
-
     dense = [f"{k}={experts[k]}" for k in EXPERT_COUNT_KEYS if k in experts and int(experts[k] or 0) <= 1]
     if dense:
         problems.append(
             f"config key 'train.method': esft trains a task's routed experts, but the model is dense ({dense[0]}): "
             "use train.method: full or lora"
         )
-    elif model_type is not None and model_type not in FAMILIES:
+    elif model_type is not None and model_type not in registry.FAMILIES:
         problems.append(
             f"config key 'train.method': esft scores and masks experts through a routing adapter, and model_type "
-            f"{model_type!r} has none (moeflow.model.routing.FAMILIES: {', '.join(FAMILIES)}): use train.method: "
+            f"{model_type!r} has none (moeflow.families.registry.FAMILIES: {', '.join(registry.FAMILIES)}): "
+            "use train.method: "
             "full or lora"
         )
-    if (
-        cfg["parallel"]["strategy"] == "fsdp"
-        and not compat.fsdp2_available()
-        and compat.experts_fused(model_type or "")
-    ):
+    if cfg["parallel"]["strategy"] == "fsdp" and not compat.fsdp2_available() and registry.experts_fused(model_type):
         problems.append(
             f"config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine for {model_type}'s fused "
             f"expert tensors on torch {compat.version_of('torch')}: FSDP1's flat shards split elements, not experts, "
@@ -212,14 +208,13 @@ def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-MTP_FAMILIES = ("deepseek_v3", "step3p5")  # the families moeflow builds MTP layers for (moeflow.model.families)
 MTP_ATTENTION = ("eager", "sdpa")  # moeflow.model.mtp_loss builds each MTP layer's per-document mask itself
 
 
 def mtp_problems(cfg: Mapping[str, Any]) -> list[str]:
     """``mtp.mode: train`` needs MTP layers (a family moeflow builds them for, num_nextn_predict_layers > 0), a
     full fine-tune (LoRA and ESFT leave them out), and eager or sdpa attention (moeflow.model.mtp_loss). Every
-    layout: each MTP depth runs in one call of its layer, which FSDP gathers (moeflow.model.families.mtp.MTPLayer)."""
+    layout: each MTP depth runs in one call of its layer, which FSDP gathers (moeflow.families.mtp.MTPLayer)."""
     problems = []
     for section in ("train", "pretrain"):
         train = cfg[section]
@@ -228,10 +223,11 @@ def mtp_problems(cfg: Mapping[str, Any]) -> list[str]:
         key = f"config key '{section}.mtp.mode': train"
         model_type, config = _model_type_and_experts(cfg["model"])
         depth = int(config.get("num_nextn_predict_layers") or 0)
-        if model_type is not None and (model_type not in MTP_FAMILIES or depth < 1):
+        families = registry.MTP_FAMILIES
+        if model_type is not None and (model_type not in families or depth < 1):
             problems.append(
-                f"{key} needs a model with MTP layers ({', '.join(MTP_FAMILIES)} with num_nextn_predict_layers > 0); "
-                f"model_type {model_type!r} has {depth if model_type in MTP_FAMILIES else 'none'}. "
+                f"{key} needs a model with MTP layers ({', '.join(families)} with num_nextn_predict_layers > 0); "
+                f"model_type {model_type!r} has {depth if model_type in families else 'none'}. "
                 f"Set {section}.mtp.mode: frozen"
             )
         if train["method"] != "full":
@@ -331,8 +327,9 @@ def model_type_problems(folder: Path) -> list[str]:
             f"{where}: transformers {transformers.__version__} has its config but no causal-LM class for it "
             "(AutoModelForCausalLM cannot load it), and moeflow fine-tunes causal language models only"
         ]
-    if model_type == "step3p5":
-        return routing_key_problems(config, f"config key 'model.pretrained': {config_file}")
+    family = registry.FAMILIES.get(model_type)
+    if family is not None and family.config_problems is not None:
+        return family.config_problems(config, f"config key 'model.pretrained': {config_file}")
     return []
 
 
@@ -395,8 +392,22 @@ def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:
             "parallel size, and moeflow runs no tensor parallelism (tp_size 1): use all_to_all, or auto (all_to_all "
             "in training)"
         )
+    problems += training_layout_problems(cfg)
     problems += forward_layout_problems(cfg)
     return problems
+
+
+def training_layout_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """What the training layout cannot run (moeflow.parallel.settings.training_layout_problems), known here rather
+    than at load."""
+    par = cfg["parallel"]
+    _, config = _model_type_and_experts(cfg["model"])
+    return layout_problems(
+        cfg["train"]["method"],
+        par["strategy"],
+        par["nproc_per_node"] * par["nnodes"],
+        tied_embeddings=bool(config.get("tie_word_embeddings")),
+    )
 
 
 def forward_layout_problems(cfg: Mapping[str, Any]) -> list[str]:

@@ -41,7 +41,6 @@ PLUMBING: dict[str, tuple[str, ...]] = {
         "runtime.compat.require_transformers_v5",
         "runtime.compat.fsdp2_available",
         "runtime.compat.UnsupportedOnStack",
-        "runtime.compat.experts_fused",
     ),
     "the job's plumbing: its params, typed (Snakemake compares the params), torch's threads set to the job's, "
     "logging, progress lines, the kill points of the fault tests": (
@@ -94,13 +93,13 @@ PLUMBING: dict[str, tuple[str, ...]] = {
 # --- concerns, each the code that does one thing for the rules that list it
 
 # Packed rows as stages read them: the Arrow shards, and rows to model inputs.
-ROWS = ("data.shards", "data.collate")
+ROWS = ("data.shards", "data.collate", "families")  # a family's masks (moeflow.families.family.Family)
 
 # The coverage validation set's format (it packs the documents it picked).
 VALSET = ("data.valset", "data.packing")
 
 # A model's transformers config and class, its typed settings, the folder checks: what reading a shape needs.
-MODEL_CONFIG = ("model.configs", "model.families", "model.settings", "model.folder")
+MODEL_CONFIG = ("model.configs", "families", "model.settings", "model.folder")
 # Building or loading a model in every layout (the whole model, each rank's rows on meta, FSDP, expert
 # parallelism, LoRA adapters), with the chunked loss it computes (which skips the rows' IGNORE_INDEX labels).
 MODEL = (
@@ -125,14 +124,25 @@ FORWARD_PLAN = ("plan.forward", "plan.counts", "plan.fit", "plan.memory", "plan.
 FORWARD_OPENING = ("stages.forward", *FORWARD_PLAN)
 
 # Reading the routers per family, and routing statistics over a set of rows (expert load, layer health).
-ROUTING = ("model.routing", "evaluation.routing_stats")
+ROUTING = ("model.routing", "families", "evaluation.routing_stats")
 
 # The tokenizer and the sources it reads.
 TOKENIZER = ("data.tokenizer", "data.corpus", "data.shards")
 
 # The training loop and what it runs: the model in every layout (LoRA included), sharding and gradient
 # reduction, checkpoints and the export, the rows in their order, and the evaluation loop of its evals.
-TRAINING = ("train", "model", "loading", "parallel", "checkpoint", *ROUTING, *ROWS, "data.order", "evaluation.loop")
+TRAINING = (
+    "train",
+    "model",
+    "families",
+    "loading",
+    "parallel",
+    "checkpoint",
+    *ROUTING,
+    *ROWS,
+    "data.order",
+    "evaluation.loop",
+)
 
 # Loss, perplexity and per-expert tables of a model on sets of rows, with the batch loop behind them.
 SET_EVALUATION = ("evaluation.run_metrics", "evaluation.loop")

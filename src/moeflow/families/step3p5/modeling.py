@@ -12,17 +12,17 @@ what the published model does or what moeflow needs:
 * the router is :class:`Step3p5Router`, computed in float32 at least with autocast off, as the published
   code's ``need_fp32_gate`` does (the shipped router's ``F.linear`` runs in bf16 under autocast), and honouring
   the published ``norm_expert_weight`` (the other published routing keys are refused unless they hold the values
-  moeflow computes: moeflow.model.families.step3p5_keys); FSDP mixed precision keeps its weight fp32 too
+  moeflow computes: moeflow.families.step3p5); FSDP mixed precision keeps its weight fp32 too
   (``_keep_in_fp32_modules_strict``, moeflow.parallel.layouts). The
   expert-choice bias ``e_score_correction_bias`` stays a float32 buffer (the published ``router_bias``);
 * the published checkpoint's MTP layers (``model.layers.45-47``) are built and loaded with the model
-  (:class:`Step3p5MTPLayer`, moeflow.model.families.mtp) instead of dropped.
+  (:class:`Step3p5MTPLayer`, moeflow.families.mtp) instead of dropped.
 
 The published weight names differ from the modules' (``moe.*`` stacked experts, ``moe.router_bias``,
 ``share_expert.*``): :data:`KEY_MAPPING` is registered with transformers' checkpoint-conversion mapping for
 this class, so ``from_pretrained`` of a folder in the published layout has no missing or unexpected keys
 and ``save_pretrained`` (and moeflow's sharded loader and export, which use the same conversion) writes the
-published names back. Imported on transformers 5 only (moeflow.model.families.registry).
+published names back. Imported on transformers 5 only (moeflow.families.registry).
 """
 
 from __future__ import annotations
@@ -48,11 +48,8 @@ from transformers.models.step3p7.modeling_step3p7 import (
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from moeflow.model.families.mtp import MTPLayer, add_mtp_modules
-from moeflow.model.families.step3p5_keys import routing_key_problems
-
-MODEL_TYPE = "step3p5"
-
+from moeflow.families.mtp import MTPLayer, add_mtp_modules
+from moeflow.families.step3p5 import routing_key_problems
 
 ARCHITECTURE = "Step3p5ForCausalLM"  # the published config's architectures, which vLLM and SGLang select by
 
@@ -104,7 +101,7 @@ class Step3p5Router(Step3p7TopKRouter):
 
 class Step3p5MTPLayer(MTPLayer, Step3p7DecoderLayer):
     """One of the published MTP layers: a decoder layer of its own type (``mtp_layer_types``, with the head
-    count of that type) and MLP (``mtp_mlp_layer_types``) plus the MTP modules (moeflow.model.families.mtp)."""
+    count of that type) and MLP (``mtp_mlp_layer_types``) plus the MTP modules (moeflow.families.mtp)."""
 
     def __init__(self, config: Step3p7TextConfig, mtp_config: Step3p7TextConfig, depth: int):
         super().__init__(mtp_config, depth)
@@ -116,7 +113,7 @@ class Step3p5MTPLayer(MTPLayer, Step3p7DecoderLayer):
             lambda: Step3p7RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
             head_name="output",
         )
-        self.requires_grad_(False)  # carried, not trained (moeflow.model.families.mtp)
+        self.requires_grad_(False)  # carried, not trained (moeflow.families.mtp)
 
 
 def mtp_config(config: Step3p7TextConfig) -> Step3p7TextConfig:

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 with its published MTP layers carried (moeflow.model.families.mtp), on both stacks.
+"""DeepSeek-V3 with its published MTP layers carried (moeflow.families.mtp), on both stacks.
 
 The published checkpoint holds ``num_nextn_predict_layers`` (1) MTP layers as ``model.layers.61.*``:
 a MoE decoder layer with ``enorm``, ``hnorm``, ``eh_proj``, its own ``embed_tokens`` and a ``shared_head``
@@ -14,10 +14,7 @@ import torch
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as shipped
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
-from moeflow.model.families.mtp import MTPLayer, add_mtp_modules
-
-MODEL_TYPE = "deepseek_v3"
-
+from moeflow.families.mtp import MTPLayer, add_mtp_modules
 
 config_class = DeepseekV3Config
 
@@ -53,7 +50,7 @@ class DeepseekV3MTPLayer(MTPLayer, shipped.DeepseekV3DecoderLayer):
             head_name="head",
             own_embedding=True,
         )
-        self.requires_grad_(False)  # carried, not trained (moeflow.model.families.mtp)
+        self.requires_grad_(False)  # carried, not trained (moeflow.families.mtp)
 
 
 class DeepseekV3ForCausalLM(shipped.DeepseekV3ForCausalLM):

@@ -1,0 +1,122 @@
+"""The planner's proposals (moeflow.plan.proposals, #38): over a grid of models in their published shapes and of
+hardware, every configuration it proposes passes the config check when its overlay is applied, plans to fit there,
+and changes only settings the run does not already have."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from moeflow.plan.counts import count_parameters
+from moeflow.plan.fit import device_memory, fits
+from moeflow.plan.memory import Job
+from moeflow.plan.proposals import proposals
+from moeflow.runtime import compat
+from moeflow.settings import REPO_ROOT
+from moeflow.workflow.keys import plan_settings
+from moeflow.workflow.load import load, run_config
+from moeflow.workflow.merge import deep_merge
+from moeflow.workflow.method_table import HARDWARE  # the grid of docs/training.md's table
+
+MODELS = {
+    "embedded default": (),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b",),
+    "gpt-oss-20b": ("gpt-oss-20b",),
+    "mixtral-8x7b": ("mixtral-8x7b",),
+    "deepseek-v3": ("deepseek-v3",),
+    "step3p5-flash": ("step3p5-flash",),
+}
+ENV = {"devices": [], "system": {"ram_usable_bytes": 2048 * 2**30}}  # host memory is not what these plans test
+
+
+def files(model: str) -> list:
+    return [REPO_ROOT / "config" / "models" / f"{name}.yaml" for name in MODELS[model]]
+
+
+def hardware(devices: int, gib: int) -> dict:
+    """The grid's hardware; a LoRA run (the method of GPT-OSS's file) on whole models, the rest sharded. The
+    comparison runs are dropped: each plans the ``moe`` run only."""
+    return {
+        "hardware": {"device": "cuda", "num_devices": devices, "memory_gib_per_device": gib},
+        "parallel": {"nproc_per_node": devices, "nnodes": 1, "strategy": "none", "ep_size": 1, "fsdp_size": None},
+        "runs": {"lora": None, "esft": None, "dense": None},
+        "paper": {"dense_runs": []},
+    }
+
+
+def settings(model: str, overrides: dict) -> dict:
+    """The moe run's planner settings of the model's config with ``overrides``: load() runs the config check."""
+    return plan_settings(run_config(load(*files(model), overrides=overrides), "moe"))
+
+
+@functools.cache
+def counted(model: str):
+    planned = settings(model, hardware(1, 80))
+    shape, params, _ = count_parameters(planned["model"], planned["vocab_size"])
+    return shape, params
+
+
+def leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= leaves(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def lookup(cfg: dict, dotted: str):
+    for key in dotted.split("."):
+        cfg = (cfg or {}).get(key)
+    return cfg
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_proposal_passes_the_config_check_and_fits(model):
+    shape, params = counted(model)
+    fitting = 0  # the runs that fit as they are, and the proposals
+    for name, (devices, gib) in HARDWARE.items():
+        base = hardware(devices, gib)
+        planned = settings(model, base)
+        memory, _ = device_memory(planned, ENV)
+        job = Job.from_settings(planned)
+        fitting += fits(shape, params, job, memory)
+        cfg = run_config(load(*files(model), overrides=base), "moe")
+        for option in proposals(shape, params, job, memory, planned):
+            where = f"{model} on {name}: {option['change']}"
+            changed = leaves(option["overlay"])
+            assert changed, where
+            assert all(lookup(cfg, key) != value for key, value in changed.items()), where  # nothing already set
+            applied = settings(model, deep_merge(base, option["overlay"]))  # the config check accepts it
+            variant = Job.from_settings(applied)
+            assert fits(shape, params, variant, memory), where
+            assert variant.num_devices == option["num_devices"] and variant.strategy == option["strategy"], where
+            fitting += 1
+    assert fitting, f"{model}: nothing fits anywhere on the grid"
+
+
+def test_proposals_are_the_cheapest_first_and_a_fitting_run_gets_them_too():
+    shape, params = counted("embedded default")
+    planned = settings("embedded default", hardware(8, 24))
+    memory, _ = device_memory(planned, ENV)
+    job = Job.from_settings(planned)
+    assert fits(shape, params, job, memory)
+    options = proposals(shape, params, job, memory, planned)
+    assert options, "a run that fits is offered the cheaper configurations too"
+    costs = [(o["num_devices"], o["step_flops_per_token"], o["bytes_moved_per_micro_batch"]) for o in options]
+    assert costs == sorted(costs)
+    lora = next(o for o in options if o["overlay"].get("train", {}).get("method") == "lora")
+    assert lora["strategy"] == "none" and lora["step_flops_per_token"] < 6 * params.active
+
+
+@pytest.mark.skipif(not compat.is_transformers_v5(), reason="docs/training.md's table is the current stack's")
+def test_training_docs_method_table_is_the_planners_output(monkeypatch):
+    from moeflow.plan import counts
+    from moeflow.workflow.method_table import method_table
+
+    monkeypatch.setattr(counts, "meta_count", lambda config, shape: None)  # the closed form, as the doc says
+    doc = (REPO_ROOT / "docs" / "training.md").read_text(encoding="utf-8")
+    table = doc.split("<!-- method-table:start -->\n")[1].split("<!-- method-table:end -->")[0]
+    assert table == method_table()
