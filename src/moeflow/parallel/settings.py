@@ -24,13 +24,19 @@ class ParallelSettings:
         return self.nproc_per_node * self.nnodes
 
 
-def training_layout_problems(method: str, strategy: str, world: int, tied_embeddings: bool = False) -> list[str]:
-    """What a training layout cannot run, each naming the keys and what to do; standard library only, so that the
-    config check, the loader (moeflow.loading.factory) and the planner's proposals (moeflow.plan.proposals) refuse
-    the same layouts: expert parallelism with tied embeddings (transformers 5's expert-parallel sharding unties
-    them), and LoRA adapters over sharded ranks (peft over FSDP or expert parallelism is not built). Expert
-    parallelism on transformers 4.57 is refused where the model is loaded (moeflow.parallel.layouts), not here: a
-    plan on the pinned stack may be for a cluster that runs the current one."""
+def training_layout_problems(
+    method: str, strategy: str, world: int, tied_embeddings: bool = False, model_type: str | None = None
+) -> list[str]:
+    """What a training layout cannot run, each naming the keys and what to do. The config check, the loader
+    (moeflow.loading.factory) and the planner's proposals (moeflow.plan.proposals) refuse the same layouts:
+    expert parallelism with tied embeddings (transformers 5's expert-parallel sharding unties them), LoRA adapters
+    over sharded ranks (peft over FSDP or expert parallelism is not built), and ESFT under FSDP1 on fused expert
+    tensors (``model_type``'s: its flat shards split elements, not experts). Expert parallelism on transformers
+    4.57 is refused where the model is loaded (moeflow.parallel.layouts), not here: a plan on the pinned stack may
+    be for a cluster that runs the current one. Imports nothing heavy: the config check runs at DAG build."""
+    from moeflow.families import registry
+    from moeflow.runtime import compat
+
     problems = []
     if strategy == "ep" and tied_embeddings:
         problems.append(
@@ -44,5 +50,11 @@ def training_layout_problems(method: str, strategy: str, world: int, tied_embedd
             "not sharded here (peft over FSDP or expert parallelism is not built). Use parallel.strategy: none "
             "(every rank holds the frozen base model and the adapters; the adapters' gradients are summed over "
             "ranks), or train.method: full"
+        )
+    if method == "esft" and strategy == "fsdp" and not compat.fsdp2_available() and registry.experts_fused(model_type):
+        problems.append(
+            f"config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine for {model_type}'s fused "
+            f"expert tensors on torch {compat.version_of('torch')}: FSDP1's flat shards split elements, not experts, "
+            "so the unselected experts' rows cannot be masked. Use parallel.strategy: none, or STACK=current (FSDP2)"
         )
     return problems

@@ -5,7 +5,7 @@ every phase of a training job (load, step, checkpoint, resume, export).
 
 Parameters
     :func:`model_shape` reads a ``model.config`` mapping (``model_type`` plus the family's keys) into a
-    :class:`Shape` for the families in ``FAMILIES``. :func:`count_parameters` counts exactly by building
+    :class:`Shape` for the families moeflow.families plans. :func:`count_parameters` counts exactly by building
     the model on PyTorch's meta device (no memory, no weights) wherever the installed transformers (with
     moeflow.families) knows the family, and falls back to the closed-form :func:`formula_count` where it
     does not (step3p5 on transformers 4.57). Both report the same categories, per-layer head counts and MTP
@@ -102,8 +102,8 @@ adapter ``rank x (hidden + experts)``, and per routed expert gate/up/down on tra
 linear layers) or its fused gate_up ``rank x (hidden + 2 I_e)`` and down projection on transformers 5
 (``target_parameters``; GPT-OSS fuses on both), so the same config plans slightly differently per stack.
 Activations add, per adapted matrix a token passes through (k of the routed experts), the rank-r
-intermediate and, with dropout, a copy of the matrix's input. A full fine-tune that does not fit is
-offered LoRA (the ``train.lora`` settings) among moeflow.plan.fit's suggestions, with the devices it needs.
+intermediate and, with dropout, a copy of the matrix's input. A full fine-tune is offered LoRA (the
+``train.lora`` settings) among moeflow.plan.proposals' configurations where it fits.
 
 ``train.method: esft`` (moeflow.train.expert_mask): gradients and AdamW's state for the selected experts only where each
 expert is its own module (transformers 4.57; ``Job.esft_selected`` pairs, all of them while no selection is
@@ -314,8 +314,10 @@ def kept_layer_inputs(s: Shape, job: Job) -> int:
 
 def residual_stream_bytes(s: Shape, job: Job) -> int:
     """The kept residual stream, in fp32 where the weights are fp32 (fp32, or bf16 autocast on one device:
-    the embedding's output and the residual additions stay fp32), in bf16 under FSDP mixed precision."""
-    width = WEIGHT_BYTES[job.precision] if job.mixed_precision else FP32_BYTES
+    the embedding's output and the residual additions stay fp32), in bf16 under FSDP mixed precision and where
+    the weights are held in bf16 (LoRA's frozen base: the embedding's output is bf16)."""
+    bf16_weights = job.mixed_precision or (job.method == "lora" and job.precision == "bf16")
+    width = WEIGHT_BYTES[job.precision] if bf16_weights else FP32_BYTES
     return job.micro_batch_size * job.seq_len * kept_layer_inputs(s, job) * width
 
 

@@ -117,7 +117,9 @@ def _ep_size(devices: int, experts: int) -> int:
 
 
 def _refused(s: Shape, job: Job) -> bool:
-    return bool(training_layout_problems(job.method, job.strategy, job.num_devices, s.tie_word_embeddings))
+    return bool(
+        training_layout_problems(job.method, job.strategy, job.num_devices, s.tie_word_embeddings, s.model_type)
+    )
 
 
 def overlay(job: Job, variant: Job, settings: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -198,8 +200,11 @@ def bytes_moved_per_micro_batch(s: Shape, params: ParamCount, job: Job) -> int:
     width = WEIGHT_BYTES[job.precision]
     moved = 2 * share * params.total * width + share * trained * FP32_BYTES
     if job.strategy == "ep":
+        # a rank's experts are gathered over the ranks that hold the same ones (n / ep_size), not over all n
         experts = params.by_category.get("routed_experts", 0)
-        moved -= 2 * share * experts * width
+        ep = job.expert_ranks
+        holders = max(1, n // ep)
+        moved += 2 * (experts / ep) * width * (holders - 1) / holders - 2 * share * experts * width
         tokens = job.micro_batch_size * job.seq_len
-        moved += 4 * share * tokens * s.top_k * s.hidden_size * width * len(s.moe_layers)
+        moved += 4 * (ep - 1) / ep * tokens * s.top_k * s.hidden_size * width * len(s.moe_layers)
     return round(max(moved, 0))

@@ -191,14 +191,7 @@ def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
         problems.append(
             f"config key 'train.method': esft scores and masks experts through a routing adapter, and model_type "
             f"{model_type!r} has none (moeflow.families.registry.FAMILIES: {', '.join(registry.FAMILIES)}): "
-            "use train.method: "
-            "full or lora"
-        )
-    if cfg["parallel"]["strategy"] == "fsdp" and not compat.fsdp2_available() and registry.experts_fused(model_type):
-        problems.append(
-            f"config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine for {model_type}'s fused "
-            f"expert tensors on torch {compat.version_of('torch')}: FSDP1's flat shards split elements, not experts, "
-            "so the unselected experts' rows cannot be masked. Use parallel.strategy: none, or STACK=current (FSDP2)"
+            "use train.method: full or lora"
         )
     if train["balance"]["bias_update_rate"] > 0:
         problems.append(
@@ -401,12 +394,13 @@ def training_layout_problems(cfg: Mapping[str, Any]) -> list[str]:
     """What the training layout cannot run (moeflow.parallel.settings.training_layout_problems), known here rather
     than at load."""
     par = cfg["parallel"]
-    _, config = _model_type_and_experts(cfg["model"])
+    model_type, config = _model_type_and_experts(cfg["model"])
     return layout_problems(
         cfg["train"]["method"],
         par["strategy"],
         par["nproc_per_node"] * par["nnodes"],
         tied_embeddings=bool(config.get("tie_word_embeddings")),
+        model_type=model_type,
     )
 
 

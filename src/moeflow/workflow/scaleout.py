@@ -29,8 +29,9 @@ from typing import Any
 import yaml
 
 from moeflow.plan.counts import count_parameters
-from moeflow.plan.fit import HEADROOM, gib, min_devices, phase_plans, verdict, worst_phase
+from moeflow.plan.fit import HEADROOM, gib, phase_plans, verdict, worst_phase
 from moeflow.plan.memory import GIB, PHASES, Job, memory_per_device, phase_memory, worst_device_total
+from moeflow.plan.proposals import fewest_devices
 from moeflow.settings import REPO_ROOT
 from moeflow.workflow.keys import plan_settings
 from moeflow.workflow.load import load, run_config
@@ -263,7 +264,7 @@ def scaleout_plan(
         "job": job.as_dict() | {"num_devices": request.gpus},
         "on_request": at(request.gpus),
         "on_fewer": at(max(1, fewer_gpus)),
-        "min_gpus": min_devices(shape, params, job, memory),
+        "min_gpus": fewest_devices(shape, params, job, memory),  # LoRA: 1 or none (its adapters are not sharded)
         "usable_fraction": 1 - HEADROOM,
         "cost": cost(params.flop_bearing, tokens, request.gpus, request.gpu_peak_flops, mfu),
     }

@@ -145,4 +145,5 @@ STEP3P7 = dataclasses.replace(
     flash_attention=True,
     mtp=False,
     config_problems=None,
+    mask_per_layer_type=False,
 )
