@@ -167,8 +167,9 @@ ROWS = (
         frozenset({"coverage_valset", *AFTER_FINE_TUNING}),
     ),
     Row(
-        "the memory planner (training's plan; each forward-only stage checks its own plan before it loads its model)",
-        ("src/moeflow/plan/report.py",),
+        "the training plan, the configurations it proposes and its report (rule plan_memory; the forward-only "
+        "stages' plans use none of them)",
+        ("src/moeflow/plan/report.py", "src/moeflow/plan/proposals.py", "src/moeflow/plan/training_plan.py"),
         frozenset({"plan_memory", *AFTER_FINE_TUNING}),
     ),
     Row(

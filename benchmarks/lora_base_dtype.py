@@ -1,0 +1,162 @@
+"""Benchmark: LoRA's frozen base held in bf16 (``precision: bf16``) against the same run in fp32, on one process.
+
+    python benchmarks/lora_base_dtype.py              # a ~277M-parameter qwen3_moe, LoRA rank 16 on every target
+    python benchmarks/lora_base_dtype.py --steps 4    # more steps
+
+A qwen3_moe model is built from its config and saved once, in bf16 as published models are; each precision runs in
+a fresh process through moeflow's own path (moeflow.loading.factory.make_model with a LoRA layout, then the
+Trainer): its resident set before the load (imports done), its high-water mark after the load and after the steps
+(``VmHWM``), the bytes of its parameters, the planner's figure for them (moeflow.plan.memory.held_weight_bytes),
+tokens per second over the steps after the first, and the last step's loss. Writes
+results/bench/lora_base_dtype.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+VOCAB = 32000
+SEQ_LEN = 256
+LORA = {"rank": 16, "alpha": 32, "dropout": 0.0, "targets": ["all"], "router": "frozen"}
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _config(experts: int) -> dict:
+    return {
+        "model_type": "qwen3_moe",
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "num_experts": experts,
+        "num_experts_per_tok": 4,
+        "tie_word_embeddings": False,
+    }
+
+
+def _model_section(experts: int) -> dict:
+    return {"config": _config(experts), "experts_implementation": None, "attn_implementation": "sdpa"}
+
+
+def save(folder: Path, experts: int) -> None:
+    import torch
+
+    from moeflow.loading.factory import make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
+
+    model = make_model(typed(ModelSettings, _model_section(experts)), vocab_size=VOCAB, seed=0)
+    model.to(torch.bfloat16).save_pretrained(folder)  # in bf16, as published models are
+
+
+def run(folder: str, precision: str, experts: int, steps: int, threads: int) -> None:
+    """One precision in this process; prints its figures as JSON."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from synthetic_rows import two_document_rows
+
+    from moeflow.data.collate import collate
+    from moeflow.loading.factory import Layout, make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.plan.counts import count_parameters
+    from moeflow.plan.memory import Job, held_weight_bytes
+    from moeflow.settings import typed
+    from moeflow.train.settings import TrainSettings
+    from moeflow.train.trainer import Trainer
+    from moeflow.workflow.keys import plan_settings, training
+    from moeflow.workflow.load import load
+
+    section = {"method": "lora", "lora": LORA, "steps": steps, "warmup_steps": 1, "micro_batch_size": 1}
+    section |= {"grad_accum_steps": 1, "lr": 1e-3, "min_lr": 1e-4, "gradient_checkpointing": True}
+    train = typed(TrainSettings, training(section))
+    single = Layout.single("cpu", train)
+    layout = Layout(single.ranks, single.parallel, train, precision)
+    base = _status_mib("VmRSS")
+    model = make_model(
+        typed(ModelSettings, {"config": {}, "experts_implementation": None}), folder=folder, layout=layout
+    )
+    loaded = _status_mib("VmHWM")
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = two_document_rows(steps, SEQ_LEN, VOCAB)
+    started = None
+
+    def clock(step: int, _model) -> None:
+        nonlocal started
+        if step == 1:  # after the first step: its allocations and lazy set-up are not the steady rate
+            started = time.perf_counter()
+
+    trainer = Trainer(model, train, rows, collate_fn=collate, seed=0, precision=precision, step_hook=clock)
+    trainer.run()
+    seconds = time.perf_counter() - started
+    peak = _status_mib("VmHWM")
+    planned = plan_settings(load(overrides={"train": section, "precision": precision}))
+    planned["model"] = planned["model"] | _model_section(experts)
+    shape, params, _ = count_parameters(planned["model"], VOCAB)
+    record = {
+        "precision": precision,
+        "base_mib": round(base, 1),
+        "after_load_mib": round(loaded, 1),
+        "peak_mib": round(peak, 1),
+        "parameters_mib": round(held / 2**20, 1),
+        "planned_parameters_mib": round(held_weight_bytes(shape, params, Job.from_settings(planned)) / 2**20, 1),
+        "tokens_per_s": round((steps - 1) * SEQ_LEN / seconds, 1),
+        "last_loss": round(trainer.train_records()[-1]["loss"], 4),
+    }
+    print(json.dumps(record))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(REPO / "results" / "bench" / "lora_base_dtype.json"))
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "base"
+        save(folder, args.experts)
+        for precision in ("fp32", "bf16"):
+            cmd = [sys.executable, __file__, "--run", str(folder), precision, str(args.experts), str(args.steps)]
+            env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": str(args.threads)}
+            stdout = subprocess.run(cmd + [str(args.threads)], check=True, capture_output=True, text=True, env=env)
+            rows += [json.loads(line) for line in stdout.stdout.splitlines() if line.startswith("{")]
+    fp32, bf16 = rows
+    ratios = {
+        "parameters": round(bf16["parameters_mib"] / fp32["parameters_mib"], 3),
+        "peak_above_base": round((bf16["peak_mib"] - bf16["base_mib"]) / (fp32["peak_mib"] - fp32["base_mib"]), 3),
+        "tokens_per_s": round(bf16["tokens_per_s"] / fp32["tokens_per_s"], 3),
+    }
+    for row in rows:
+        print(json.dumps(row))
+    print(json.dumps({"bf16_over_fp32": ratios}))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "bf16_over_fp32": ratios}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--run":
+        folder, precision, experts, steps, threads = sys.argv[2:7]
+        run(folder, precision, int(experts), int(steps), int(threads))
+    else:
+        main()
