@@ -28,14 +28,14 @@ sys.path.insert(0, str(REPO / "src"))
 DTYPES = ("float32", "bfloat16")
 
 
-def _status_mib(field: str) -> float:
+def status_mib(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _config(experts: int) -> dict:
+def qwen3_moe_config(experts: int) -> dict:
     return {
         "model_type": "qwen3_moe",
         "hidden_size": 1024,
@@ -55,7 +55,7 @@ def _settings(experts: int):
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
 
-    return typed(ModelSettings, {"config": _config(experts), "experts_implementation": "eager"})
+    return typed(ModelSettings, {"config": qwen3_moe_config(experts), "experts_implementation": "eager"})
 
 
 def save(folder: Path, experts: int, dtype: str) -> int:
@@ -76,19 +76,20 @@ def load(folder: str, how: str, dtype: str, experts: int) -> None:
     from moeflow.model.configs import build_config
 
     # the model classes' lazy imports before the baseline, not counted as the load's
-    importlib.import_module(type(build_config(_config(experts), 32000)).__module__.replace("configuration", "modeling"))
+    config_module = type(build_config(qwen3_moe_config(experts), 32000)).__module__
+    importlib.import_module(config_module.replace("configuration", "modeling"))
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        base = _status_mib("VmRSS")
+        base = status_mib("VmRSS")
         model = _load(folder, how, dtype, experts, None)
-        peak = _status_mib("VmHWM")
+        peak = status_mib("VmHWM")
         print(json.dumps({"base_mib": round(base, 1), "peak_mib": round(peak, 1)}))
         return
     from moeflow.parallel.process_group import process_group
 
     with process_group("cpu") as ranks:
-        base = _status_mib("VmRSS")
+        base = status_mib("VmRSS")
         model = _load(folder, how, dtype, experts, ranks)
-        peak = _status_mib("VmHWM")
+        peak = status_mib("VmHWM")
         print(json.dumps({"rank": ranks.rank, "base_mib": round(base, 1), "peak_mib": round(peak, 1)}), flush=True)
     del model
 

@@ -27,34 +27,14 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 VOCAB = 32000
 SEQ_LEN = 256
+# the ~277M-parameter qwen3_moe of the load benchmark, and its reading of /proc/self/status
+from load_memory import qwen3_moe_config, status_mib  # noqa: E402
+
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.0, "targets": ["all"], "router": "frozen"}
 
 
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _config(experts: int) -> dict:
-    return {
-        "model_type": "qwen3_moe",
-        "hidden_size": 1024,
-        "intermediate_size": 2048,
-        "moe_intermediate_size": 512,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 128,
-        "num_experts": experts,
-        "num_experts_per_tok": 4,
-        "tie_word_embeddings": False,
-    }
-
-
 def _model_section(experts: int) -> dict:
-    return {"config": _config(experts), "experts_implementation": None, "attn_implementation": "sdpa"}
+    return {"config": qwen3_moe_config(experts), "experts_implementation": None, "attn_implementation": "sdpa"}
 
 
 def save(folder: Path, experts: int) -> None:
@@ -91,11 +71,11 @@ def run(folder: str, precision: str, experts: int, steps: int, threads: int) -> 
     train = typed(TrainSettings, training(section))
     single = Layout.single("cpu", train)
     layout = Layout(single.ranks, single.parallel, train, precision)
-    base = _status_mib("VmRSS")
+    base = status_mib("VmRSS")
     model = make_model(
         typed(ModelSettings, {"config": {}, "experts_implementation": None}), folder=folder, layout=layout
     )
-    loaded = _status_mib("VmHWM")
+    loaded = status_mib("VmHWM")
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = two_document_rows(steps, SEQ_LEN, VOCAB)
     started = None
@@ -108,7 +88,7 @@ def run(folder: str, precision: str, experts: int, steps: int, threads: int) -> 
     trainer = Trainer(model, train, rows, collate_fn=collate, seed=0, precision=precision, step_hook=clock)
     trainer.run()
     seconds = time.perf_counter() - started
-    peak = _status_mib("VmHWM")
+    peak = status_mib("VmHWM")
     planned = plan_settings(load(overrides={"train": section, "precision": precision}))
     planned["model"] = planned["model"] | _model_section(experts)
     shape, params, _ = count_parameters(planned["model"], VOCAB)
