@@ -1,14 +1,15 @@
-"""Benchmark: LoRA's frozen base held in bf16 (``precision: bf16``) against the same run in fp32, on one process.
+"""Benchmark: LoRA's frozen base held in fp32, in bf16 (``precision: bf16``) and in NF4 (QLoRA), on one process.
 
     python benchmarks/lora_base_dtype.py              # a ~277M-parameter qwen3_moe, LoRA rank 16 on every target
     python benchmarks/lora_base_dtype.py --steps 4    # more steps
 
-A qwen3_moe model is built from its config and saved once, in bf16 as published models are; each precision runs in
-a fresh process through moeflow's own path (moeflow.loading.factory.make_model with a LoRA layout, then the
-Trainer): its resident set before the load (imports done), its high-water mark after the load and after the steps
-(``VmHWM``), the bytes of its parameters, the planner's figure for them (moeflow.plan.memory.held_weight_bytes),
-tokens per second over the steps after the first, and the last step's loss. Writes
-results/bench/lora_base_dtype.json.
+A qwen3_moe model is built from its config and saved once, in bf16 as published models are; each base (fp32; bf16;
+NF4 with bf16 compute, ``model.quantization: nf4``: bitsandbytes, the current stack) runs in a fresh process
+through moeflow's own path (moeflow.loading.factory.make_model with a LoRA layout, then the Trainer): its resident
+set before the load (imports done), its high-water mark after the load and after the steps (``VmHWM``), the bytes of
+its parameters, the planner's figure for them (moeflow.plan.memory.held_weight_bytes),
+tokens per second over the steps after the first, and the last step's loss (the same rows and adapters' start in
+every run). Writes results/bench/lora_base_dtype.json with the ratios bf16 / fp32 and NF4 / bf16.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ def save(folder: Path, experts: int) -> None:
     model.to(torch.bfloat16).save_pretrained(folder)  # in bf16, as published models are
 
 
-def run(folder: str, precision: str, experts: int, steps: int, threads: int) -> None:
-    """One precision in this process; prints its figures as JSON."""
+# base: (precision, model.quantization)
+BASES = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "nf4": ("bf16", "nf4")}
+
+
+def run(folder: str, base_name: str, experts: int, steps: int, threads: int) -> None:
+    """One base in this process; prints its figures as JSON."""
     import torch
 
     torch.set_num_threads(threads)
@@ -59,22 +64,22 @@ def run(folder: str, precision: str, experts: int, steps: int, threads: int) -> 
     from moeflow.loading.factory import Layout, make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.plan.counts import count_parameters
-    from moeflow.plan.memory import Job, held_weight_bytes
+    from moeflow.plan.memory import Job, PlanMemoryStage, held_weight_bytes
     from moeflow.settings import typed
     from moeflow.train.settings import TrainSettings
     from moeflow.train.trainer import Trainer
     from moeflow.workflow.keys import plan_settings, training
     from moeflow.workflow.load import load
 
+    precision, quantization = BASES[base_name]
     section = {"method": "lora", "lora": LORA, "steps": steps, "warmup_steps": 1, "micro_batch_size": 1}
     section |= {"grad_accum_steps": 1, "lr": 1e-3, "min_lr": 1e-4, "gradient_checkpointing": True}
     train = typed(TrainSettings, training(section))
     single = Layout.single("cpu", train)
     layout = Layout(single.ranks, single.parallel, train, precision)
     base = status_mib("VmRSS")
-    model = make_model(
-        typed(ModelSettings, {"config": {}, "experts_implementation": None}), folder=folder, layout=layout
-    )
+    settings = {"config": {}, "experts_implementation": None, "quantization": quantization}
+    model = make_model(typed(ModelSettings, settings), folder=folder, layout=layout)
     loaded = status_mib("VmHWM")
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = two_document_rows(steps, SEQ_LEN, VOCAB)
@@ -90,9 +95,11 @@ def run(folder: str, precision: str, experts: int, steps: int, threads: int) -> 
     seconds = time.perf_counter() - started
     peak = status_mib("VmHWM")
     planned = plan_settings(load(overrides={"train": section, "precision": precision}))
-    planned["model"] = planned["model"] | _model_section(experts)
-    shape, params, _ = count_parameters(planned["model"], VOCAB)
+    planned["model"] = planned["model"] | _model_section(experts) | {"quantization": quantization}
+    planned = typed(PlanMemoryStage, planned)
+    shape, params, _ = count_parameters(planned.model, VOCAB)
     record = {
+        "base": base_name,
         "precision": precision,
         "base_mib": round(base, 1),
         "after_load_mib": round(loaded, 1),
@@ -116,27 +123,35 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "base"
         save(folder, args.experts)
-        for precision in ("fp32", "bf16"):
-            cmd = [sys.executable, __file__, "--run", str(folder), precision, str(args.experts), str(args.steps)]
+        for base_name in BASES:
+            cmd = [sys.executable, __file__, "--run", str(folder), base_name, str(args.experts), str(args.steps)]
             env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": str(args.threads)}
             stdout = subprocess.run(cmd + [str(args.threads)], check=True, capture_output=True, text=True, env=env)
             rows += [json.loads(line) for line in stdout.stdout.splitlines() if line.startswith("{")]
-    fp32, bf16 = rows
+    by_base = {row["base"]: row for row in rows}
     ratios = {
-        "parameters": round(bf16["parameters_mib"] / fp32["parameters_mib"], 3),
-        "peak_above_base": round((bf16["peak_mib"] - bf16["base_mib"]) / (fp32["peak_mib"] - fp32["base_mib"]), 3),
-        "tokens_per_s": round(bf16["tokens_per_s"] / fp32["tokens_per_s"], 3),
+        "bf16_over_fp32": ratio(by_base["bf16"], by_base["fp32"]),
+        "nf4_over_bf16": ratio(by_base["nf4"], by_base["bf16"]),
     }
     for row in rows:
         print(json.dumps(row))
-    print(json.dumps({"bf16_over_fp32": ratios}))
+    print(json.dumps(ratios))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "bf16_over_fp32": ratios}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"rows": rows, **ratios}, indent=2) + "\n")
+
+
+def ratio(new: dict, old: dict) -> dict:
+    return {
+        "parameters": round(new["parameters_mib"] / old["parameters_mib"], 3),
+        "peak_above_base": round((new["peak_mib"] - new["base_mib"]) / (old["peak_mib"] - old["base_mib"]), 3),
+        "tokens_per_s": round(new["tokens_per_s"] / old["tokens_per_s"], 3),
+        "last_loss": round(new["last_loss"] - old["last_loss"], 4),
+    }
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--run":
-        folder, precision, experts, steps, threads = sys.argv[2:7]
-        run(folder, precision, int(experts), int(steps), int(threads))
+        folder, base_name, experts, steps, threads = sys.argv[2:7]
+        run(folder, base_name, int(experts), int(steps), int(threads))
     else:
         main()

@@ -25,11 +25,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from moeflow.data.corpus import SourceReader, split_documents  # noqa: E402
-from moeflow.data.sharding import tokenize_corpus  # noqa: E402
+from moeflow.data.sharding import TokenizeStage, tokenize_corpus  # noqa: E402
 from moeflow.data.tokenizer import load_fast_tokenizer, set_tokenizer_threads, train_tokenizer_stage  # noqa: E402
 from moeflow.runtime import compat  # noqa: E402
 from moeflow.runtime.files import write_json  # noqa: E402
 from moeflow.runtime.stage import set_offline  # noqa: E402
+from moeflow.settings import typed  # noqa: E402
 from moeflow.workflow.keys import data_settings  # noqa: E402
 from moeflow.workflow.load import load, run_config  # noqa: E402
 from moeflow.workflow.merge import run_names  # noqa: E402
@@ -47,7 +48,7 @@ def best_of(repeats, fn):
 
 def corpus_texts(settings, corpora):
     """The documents the stage tokenizes (same filtering, deduplication), as plain strings."""
-    data = settings["data"]
+    data = settings.data
     texts = []
     for name in corpora:
         reader = SourceReader(name, data["sources"][name], data["on_bad_record"])
@@ -109,9 +110,9 @@ def main() -> None:
     datasets.disable_progress_bars()
     cfg = load(*args.config)
     run_cfg = run_config(cfg, run_names(cfg)[0])
-    settings = data_settings(run_cfg)
-    corpora = sorted(settings["data"]["sources"])
-    seq_len = settings["data"]["seq_len"]
+    settings = typed(TokenizeStage, data_settings(run_cfg))
+    corpora = sorted(settings.data["sources"])
+    seq_len = settings.data["seq_len"]
 
     with tempfile.TemporaryDirectory(prefix="moeflow-bench-") as workdir:
         tokenizer_dir = args.tokenizer
@@ -119,7 +120,7 @@ def main() -> None:
         if not tokenizer_dir:
             tokenizer_dir = str(Path(workdir) / "tokenizer")
             start = time.perf_counter()
-            train_tokenizer_stage(settings["tokenizer"], tokenizer_dir, threads=args.threads)
+            train_tokenizer_stage(settings.tokenizer, tokenizer_dir, threads=args.threads)
             trained = time.perf_counter() - start
         tokenizer = load_fast_tokenizer(tokenizer_dir)
         texts = corpus_texts(settings, corpora)

@@ -185,8 +185,8 @@ def coverage_inputs(tmp_path_factory):
     """A tokenized corpus (train/heldout/test) and a tiny qwen3_moe saved with its tokenizer."""
     from tiny_models import tiny_model_cfg
 
-    from moeflow.data.sharding import tokenize_corpus
-    from moeflow.data.tokenizer import load_fast_tokenizer, train_tokenizer_stage
+    from moeflow.data.sharding import TokenizeStage, tokenize_corpus
+    from moeflow.data.tokenizer import TrainTokenizerStage, load_fast_tokenizer, train_tokenizer_stage
     from moeflow.loading.factory import make_model
     from moeflow.model.settings import ModelSettings
     from moeflow.settings import typed
@@ -211,8 +211,8 @@ def coverage_inputs(tmp_path_factory):
         "shard_max_bytes": 1 << 20,
         "sources": sources,
     }
-    train_tokenizer_stage(tok, root / "tokenizer")
-    tokenize_corpus("code", {"tokenizer": tok, "data": data}, root / "tokenizer", root / "code")
+    train_tokenizer_stage(typed(TrainTokenizerStage, tok), root / "tokenizer")
+    tokenize_corpus("code", typed(TokenizeStage, {"tokenizer": tok, "data": data}), root / "tokenizer", root / "code")
     tokenizer = load_fast_tokenizer(root / "tokenizer")
     model_cfg = tiny_model_cfg(tie_word_embeddings=False)
     model = make_model(typed(ModelSettings, model_cfg), vocab_size=len(tokenizer), seed=0)

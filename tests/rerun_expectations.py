@@ -213,7 +213,7 @@ ROWS = (
     ),
     Row(
         "building and loading a model in every layout (whole, each rank's rows, FSDP, expert parallelism, "
-        "LoRA), its chunked loss; sharding, gradients, ranks",
+        "LoRA, a quantized base), its chunked loss; sharding, gradients, ranks",
         (
             "src/moeflow/loading/*",
             "src/moeflow/model/activation_checkpointing.py",
@@ -221,6 +221,7 @@ ROWS = (
             "src/moeflow/model/mtp_loss.py",
             "src/moeflow/model/wrappers.py",
             "src/moeflow/model/lora.py",
+            "src/moeflow/model/quantization.py",
             "src/moeflow/model/saved_names.py",
             "src/moeflow/parallel/*",
             "src/moeflow/model/safetensors_files.py",

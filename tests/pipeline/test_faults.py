@@ -27,7 +27,7 @@ from conftest import NOT_REPRODUCED, active_stack, only_on, snakemake, workflow_
 
 from moeflow.runtime.files import DiskFull  # noqa: E402
 from moeflow.runtime.stage import KILL_ENV, KILL_SCOPE_ENV  # noqa: E402
-from moeflow.settings import REPO_ROOT
+from moeflow.settings import REPO_ROOT, typed
 from moeflow.workflow.keys import warmup_key
 from moeflow.workflow.load import load, run_config
 
@@ -159,14 +159,14 @@ def test_warmup_killed_after_a_checkpoint_resumes_to_the_same_weights_and_losses
 def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_run(coverage_inputs, tmp_path):  # noqa: F811
     """Killed before its rename, a stage leaves only a hidden temporary (never the output's name); the
     rerun removes it, so a crash does not leave gigabytes behind."""
-    from moeflow.data.sharding import tokenize_corpus
+    from moeflow.data.sharding import TokenizeStage, tokenize_corpus
 
     root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     out = tmp_path / "data" / "code"
     code = (
-        "from moeflow.data.sharding import tokenize_corpus; "
-        f"tokenize_corpus('code', {settings!r}, {str(root / 'tokenizer')!r}, {str(out)!r})"
+        "from moeflow.data.sharding import TokenizeStage, tokenize_corpus; from moeflow.settings import typed; "
+        f"tokenize_corpus('code', typed(TokenizeStage, {settings!r}), {str(root / 'tokenizer')!r}, {str(out)!r})"
     )
     env = {
         **os.environ,
@@ -177,7 +177,7 @@ def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_run(coverage
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     left = [p.name for p in out.parent.iterdir()]
     assert len(left) == 1 and left[0].startswith(".code.") and left[0].endswith(".tmp") and not out.exists()
-    tokenize_corpus("code", settings, root / "tokenizer", out)
+    tokenize_corpus("code", typed(TokenizeStage, settings), root / "tokenizer", out)
     assert [p.name for p in out.parent.iterdir()] == ["code"]
     assert files_of(out)["manifest.json"] == (root / "code" / "manifest.json").read_bytes()
 
@@ -190,12 +190,13 @@ def _no_space(path) -> OSError:
 
 
 def test_disk_full_while_writing_a_shard_keeps_the_previous_output(coverage_inputs, tmp_path, monkeypatch):  # noqa: F811
-    from moeflow.data.sharding import tokenize_corpus
+    from moeflow.data.sharding import TokenizeStage, tokenize_corpus
     from moeflow.data.shards import SHARD_PATTERN, ShardWriter
 
     root, _ = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
     settings["data"]["shard_max_bytes"] = 1024  # several shards per split: the disk fills up midway
+    settings = typed(TokenizeStage, settings)
     out = tmp_path / "data" / "code"
     tokenize_corpus("code", settings, root / "tokenizer", out)
     before = files_of(out)

@@ -16,6 +16,10 @@
   backward before the Trainer is built) on FSDP and, on the current stack, expert parallelism: the optimizer
   holds the shards, every parameter trains (embedding, final norm and head included), the losses are those of
   the same layout without the reference forward, and the checkpoint saves.
+* LoRA under FSDP2 (current stack), fp32 and bf16, on a tiny qwen3_moe folder with fused experts, adapters on every
+  target and the router: 2 ranks' losses equal one process's on the same global batch, a resumed run continues
+  bit for bit, the frozen base stays bit-identical (bf16 shards, fp32 adapters), the adapter saved from the 2 ranks
+  equals one process's expert by expert, and the merged export equals one process's and gives the trained logits.
 * The cases of a layout share one torchrun launch (each launch starts 2 interpreters that import torch).
 * Through the Snakefile: warmup and train_model of the smoke pipeline on 2 ranks complete, and a
   train_model killed with SIGKILL resumes from its checkpoint with the losses of the uninterrupted run.
@@ -39,9 +43,13 @@ from conftest import only_on  # noqa: E402
 from tiny_models import tiny_model_cfg  # noqa: E402
 from tiny_training import VOCAB, packed_rows  # noqa: E402
 
+from moeflow.checkpoint.export import save_final_model
 from moeflow.data.collate import collate
 from moeflow.loading.factory import Layout, make_model
+from moeflow.model.lora import save_adapter_output
 from moeflow.model.settings import ModelSettings
+from moeflow.model.wrappers import unwrap
+from moeflow.parallel.dtensors import is_dtensor
 from moeflow.parallel.gradients import full_gradients
 from moeflow.parallel.launch import torchrun_command
 from moeflow.parallel.layouts import full_state_dict, is_sharded
@@ -121,9 +129,9 @@ def make_trainer(model_dir, layout: ParallelSettings, ranks: Ranks, train_settin
 def saved_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train-dist")
     folders = {}
-    for kind in ("tied", "untied"):
-        cfg = tiny_model_cfg()
-        cfg["config"]["tie_word_embeddings"] = kind == "tied"
+    for kind in ("tied", "untied", "wide"):
+        cfg = tiny_model_cfg(**(WIDE if kind == "wide" else {}))
+        cfg["config"]["tie_word_embeddings"] = kind != "untied"
         folders[kind] = root / kind
         make_model(typed(ModelSettings, cfg), vocab_size=VOCAB, seed=5).save_pretrained(folders[kind])
     return folders
@@ -188,6 +196,7 @@ def run_ranks(saved_model: Path, out: Path, layout: str, parts: tuple[str, ...])
 
 
 SHARDED_LAYOUTS = ["fsdp"] + (["ep"] if compat.is_transformers_v5() else [])
+LORA_ON_FSDP = compat.fsdp2_available()  # FSDP1 refuses LoRA (one dtype per unit), tested below
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +209,7 @@ def launched(saved_models, tmp_path_factory):
         if layout not in folders:
             out = tmp_path_factory.mktemp(f"ranks-{layout}")
             parts = ("steps", "base-reference") if layout in SHARDED_LAYOUTS else ("steps",)
+            parts += ("lora",) if layout == "fsdp" and LORA_ON_FSDP else ()
             run_ranks(saved_models[MODEL_OF_LAYOUT[layout]], out, layout, parts)
             folders[layout] = out
         return folders[layout]
@@ -264,6 +274,100 @@ def test_warmup_from_a_folder_with_the_base_reference_trains_the_shards(launched
     assert report["saved"]
 
 
+# Adapters on every target, the router's included (a target_parameters adapter on transformers 5's router).
+LORA = {"method": "lora", "gradient_checkpointing": True, "lora": {"rank": 4, "targets": ["all"], "router": "adapter"}}
+# case: (precision, model.quantization); a quantized base on the wide model (4-bit blocks of 32 need its widths)
+LORA_CASES = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "nf4-bf16": ("bf16", "nf4")}
+WIDE = {"hidden_size": 64, "moe_intermediate_size": 32, "head_dim": 16, "num_attention_heads": 4}
+
+
+def lora_folder(folders: Path, case: str) -> Path:
+    """The saved model a case trains: ``folders`` holds them all (the ``saved_models`` fixture's)."""
+    return folders / ("wide" if LORA_CASES[case][1] != "none" else "tied")
+
+
+def lora_trainer(
+    model_dir, layout: ParallelSettings, ranks: Ranks, case: str, checkpoint_dir: Path | None = None
+) -> Trainer:
+    """A LoRA run of MICRO_BATCH rows per micro-batch and RANKS of them per step over the ranks (``exact``
+    balancing: the step's counts, whatever rank a row is on), the cross-entropy in the same chunks everywhere;
+    with a checkpoint after every step into ``checkpoint_dir``."""
+    precision, quantization = LORA_CASES[case]
+    train = settings("exact", RANKS // ranks.world_size, **LORA, checkpoint_every=1 if checkpoint_dir else 0)
+    cfg = tiny_model_cfg(**(WIDE if quantization != "none" else {}))
+    model_settings = typed(ModelSettings, {**cfg, "loss_chunk_tokens": RANK_CHUNK_TOKENS, "quantization": quantization})
+    model = make_model(model_settings, folder=model_dir, layout=Layout(ranks, layout, train, precision))
+    return Trainer(
+        model, train, packed_rows(), collate_fn=collate, seed=0, precision=precision, checkpoint_dir=checkpoint_dir
+    )
+
+
+def lora_outputs(trainer: Trainer, out: Path, model_dir) -> None:
+    """What train_model writes of a LoRA run (every rank calls both): the adapter, then the merged model."""
+    save_adapter_output(unwrap(trainer.model), out / "adapter")
+    save_final_model(trainer.model, None, out / "merged", "5GB", source=model_dir)
+
+
+def expert_pieces(name: str, tensor: torch.Tensor, experts: int) -> dict[str, torch.Tensor]:
+    """An adapter tensor by expert where it adapts fused experts (peft's layout: ``lora_A`` rows expert-major,
+    ``lora_B`` columns rank-major), else whole."""
+    if ".mlp.experts." not in name:
+        return {name: tensor}
+    if ".lora_A." in name:
+        return {f"{name}[expert {e}]": rows for e, rows in enumerate(tensor.reshape(experts, -1, tensor.shape[-1]))}
+    columns = tensor.reshape(tensor.shape[0], -1, experts)
+    return {f"{name}[expert {e}]": columns[:, :, e] for e in range(experts)}
+
+
+@pytest.mark.skipif(not LORA_ON_FSDP, reason="LoRA under FSDP needs FSDP2 (the current stack); FSDP1 refuses it")
+@pytest.mark.parametrize("case", LORA_CASES)
+def test_lora_on_two_fsdp_ranks_gives_one_process_adapters_and_merged_model(saved_models, launched, tmp_path, case):
+    """LoRA and QLoRA (an NF4 base) under FSDP2 against one process: the losses, the resume, the frozen base (held in
+    bf16, or as 4-bit codes), the adapter file expert by expert, and the merged model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    precision, quantization = LORA_CASES[case]
+    report = json.loads((launched("fsdp") / "lora" / "report.json").read_text())[case]
+    ranks_out = launched("fsdp") / "lora" / case
+    folder = lora_folder(saved_models["tied"].parent, case)
+    one = lora_trainer(folder, parallel(), init("cpu"), case)
+    one.run()
+    lora_outputs(one, tmp_path, folder)
+    want = [r["loss"] for r in one.train_records()]
+    assert [loss for _, loss, _ in report["straight"]] == pytest.approx(want, rel=1e-6)
+    assert report["continued_from"] == 2 and report["resumed"] == report["straight"]
+    assert report["frozen_unchanged"] and report["trained"] == report["adapters"] != []
+    held = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[precision]
+    assert report["dtypes"] == {
+        "frozen": sorted({held} | ({"torch.uint8"} if quantization != "none" else set())),
+        "adapters": ["torch.float32"],
+    }
+    assert report["sharded"]
+
+    experts = tiny_model_cfg()["config"]["num_experts"]
+    got = load_file(str(ranks_out / "adapter" / "adapter_model.safetensors"))
+    reference = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(reference) and any(".mlp.experts." in k for k in got)
+    for name in reference:
+        pieces, want_pieces = expert_pieces(name, got[name], experts), expert_pieces(name, reference[name], experts)
+        for piece, tensor in want_pieces.items():
+            torch.testing.assert_close(pieces[piece], tensor, rtol=1e-5, atol=1e-7, msg=lambda m, p=piece: f"{p}: {m}")
+
+    merged = AutoModelForCausalLM.from_pretrained(ranks_out / "merged", local_files_only=True)
+    alone = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    ulp = 2**-7 if precision == "bf16" else 1e-5  # a bf16 weight whose sum with its update rounds the other way
+    for name, tensor in alone.state_dict().items():
+        torch.testing.assert_close(
+            merged.state_dict()[name], tensor, rtol=ulp, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    if precision == "fp32":  # the merged folder computes what the trained adapters do
+        x = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            trained = one.model(input_ids=x).logits
+            torch.testing.assert_close(merged(input_ids=x).logits, trained, rtol=0, atol=1e-5)
+
+
 def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
     ranks = init("cpu")
     unknown = make_trainer(saved_models["tied"], parallel(), ranks, settings("running", 1, steps=1))
@@ -277,14 +381,18 @@ def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
     assert record["mfu"] == pytest.approx(record["flops_per_s"] / 2.0e12) and 0 < record["mfu"] < 1
 
 
-def test_lora_on_sharded_ranks_is_refused_naming_the_settings(saved_models):
+def test_lora_where_it_cannot_run_is_refused_naming_the_settings(saved_models):
+    """Under expert parallelism (peft cannot adapt transformers' expert DTensors) and under FSDP1 (pinned stack)."""
     two = Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
-    with pytest.raises(DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp"):
-        make_model(
-            typed(ModelSettings, tiny_model_cfg()),
-            folder=saved_models["tied"],
-            layout=Layout(two, parallel(strategy="fsdp", nproc_per_node=2), settings("running", 1, method="lora")),
-        )
+    refused = {"ep": ("untied", {"ep_size": 2})} | ({} if compat.fsdp2_available() else {"fsdp": ("tied", {})})
+    for strategy, (model, extra) in refused.items():
+        layout = parallel(strategy=strategy, nproc_per_node=2, **extra)
+        with pytest.raises(DistributedError, match=f"'train.method': lora and 'parallel.strategy': {strategy}"):
+            make_model(
+                typed(ModelSettings, tiny_model_cfg()),
+                folder=saved_models[model],
+                layout=Layout(two, layout, settings("running", 1, method="lora")),
+            )
 
 
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="expert parallelism is transformers 5 only")
@@ -322,8 +430,9 @@ def test_ranks_share_the_rules_threads_and_only_rank_0_writes_the_log(monkeypatc
 
 @pytest.mark.pipeline
 @only_on(
-    "current",
-    "the rule's wiring is the same on both; the exact two-rank resume: the tests above",
+    "pinned",
+    "the rule's wiring is the same on both; the exact two-rank resume: the tests above (current runs the two-rank "
+    "QLoRA pipeline, tests/pipeline/test_lora_pipeline.py)",
 )
 def test_two_rank_training_stages_through_the_snakefile_complete_and_resume_after_a_kill(pipeline_copy):
     from conftest import active_stack, executed_rules, snakemake
@@ -450,7 +559,45 @@ def _base_reference(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSet
         (out / "report.json").write_text(json.dumps(report))
 
 
-PARTS = {"steps": _steps, "base-reference": _base_reference}
+def _lora(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> None:
+    """Per case of LORA_CASES: LoRA straight through with a checkpoint per step, then resumed from it; the adapter and
+    the merged model of the straight run under ``out/<case>``."""
+    from moeflow.model.parameters import is_adapter
+
+    report = {}
+    for case in LORA_CASES:
+        folder, model_dir = out / case, lora_folder(Path(model_dir).parent, case)
+        straight = lora_trainer(model_dir, layout, ranks, case, folder / "ck")
+        frozen = {n for n, p in straight.model.named_parameters() if not p.requires_grad}
+        before = {n: t for n, t in full_state_dict(straight.model)[0].items() if n in frozen}
+        straight.run()
+        after = full_state_dict(straight.model)[0]
+        resumed = lora_trainer(model_dir, layout, ranks, case, folder / "ck")
+        assert resumed.resume()
+        continued_from = resumed.step
+        resumed.run()
+        params = dict(straight.model.named_parameters())
+        last = lambda t: [(r["step"], r["loss"], r["grad_norm"]) for r in t.train_records()]  # noqa: E731
+        report[case] = {
+            "straight": last(straight),
+            "resumed": last(resumed),
+            "continued_from": continued_from,
+            "frozen_unchanged": sorted(before) == sorted(frozen)
+            and all(torch.equal(before[n], after[n]) for n in frozen),
+            "trained": sorted(n for n, p in params.items() if p.requires_grad),
+            "adapters": sorted(n for n in params if is_adapter(n)),
+            "dtypes": {
+                "frozen": sorted({str(p.dtype) for n, p in params.items() if n in frozen and p.dim() > 1}),
+                "adapters": sorted({str(p.dtype) for n, p in params.items() if is_adapter(n)}),
+            },
+            "sharded": all(is_dtensor(p) for p in params.values()),
+        }
+        lora_outputs(straight, folder, model_dir)
+    if ranks.is_main:
+        (out / "report.json").write_text(json.dumps(report))
+
+
+PARTS = {"steps": _steps, "base-reference": _base_reference, "lora": _lora}
 
 
 def _main(model_dir: str, out: str, parallel_json: str, parts: str) -> None:

@@ -90,6 +90,29 @@ def test_the_factory_is_the_one_place_models_are_built_and_loaded():
         assert all("causal_lm_class().from_config" in line for line in model_constructions(path)), path
 
 
+def opening(path: Path) -> list[str]:
+    """A stage script's first two statements after its imports, as source."""
+    docstring = ast.Expr(ast.Constant(ast.get_docstring(tree(path), clean=False)))
+    skipped = {ast.dump(docstring)}
+    body = [
+        n for n in tree(path).body if not isinstance(n, (ast.Import, ast.ImportFrom)) and ast.dump(n) not in skipped
+    ]
+    return [ast.unparse(node) for node in body[:2]]
+
+
+def test_every_stage_script_opens_with_its_typed_settings_and_the_shared_start():
+    """``job = Job.from_snakemake(snakemake, XStage)`` (a ``script:`` rule) or ``Job.from_argv(XStage)`` (torchrun),
+    then ``Stage.start(job)``: every stage's settings are a typed class, built in one place."""
+    scripts = sorted((REPO_ROOT / "workflow" / "scripts").glob("*.py"))
+    bad = []
+    for path in scripts:
+        first, second = opening(path)
+        typed_job = first.startswith("job = Job.from_snakemake(snakemake, ") or first.startswith("job = Job.from_argv(")
+        if not (typed_job and first.endswith(")") and first.count(",") <= 1 and "Stage.start(job)" in second):
+            bad.append(f"{relative(path)}: {first} / {second}")
+    assert len(scripts) == 17 and bad == []
+
+
 def test_schema_defaults_are_filled_only_where_the_config_is_loaded():
     """``with_defaults`` belongs to moeflow.settings (``typed`` fills the keys a test leaves out) and
     moeflow.workflow (the merged config); the library reads typed settings or whole sections."""

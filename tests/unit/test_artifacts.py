@@ -13,6 +13,7 @@ import pytest
 from moeflow.evaluation.loop import SetStats
 from moeflow.evaluation.run_metrics import EvalSet, run_metrics
 from moeflow.paper.build import (
+    PaperStage,
     balance_table,
     comparison_table,
     drift_table,
@@ -355,7 +356,7 @@ def write_paper_inputs(tmp_path: Path):
     )
     return dict(
         config=config,
-        settings={"moe_run": "moe", "dense_runs": ["dense"], "set": "valset", "dpi": 80},
+        settings=PaperStage(moe_run="moe", dense_runs=("dense",), set="valset", dpi=80),
         records=records,
         coverage=coverage_json(),
         env_report_path=env,

@@ -197,7 +197,7 @@ def test_a_tokenizer_larger_than_the_model_vocabulary(coverage_inputs):  # noqa:
 
 
 def test_an_empty_held_out_pool(coverage_inputs, tmp_path):  # noqa: F811
-    from moeflow.data.sharding import tokenize_corpus
+    from moeflow.data.sharding import TokenizeStage, tokenize_corpus
 
     root, model_cfg = coverage_inputs
     settings = json.loads((root / "code" / "manifest.json").read_text())["settings"]
@@ -206,7 +206,7 @@ def test_an_empty_held_out_pool(coverage_inputs, tmp_path):  # noqa: F811
         "tokenizer": {**settings["tokenizer"], "split": no_heldout},
         "data": {**settings["data"], "split": no_heldout},
     }
-    tokenize_corpus("code", settings, root / "tokenizer", tmp_path / "code")
+    tokenize_corpus("code", typed(TokenizeStage, settings), root / "tokenizer", tmp_path / "code")
     outputs = StageOutputs(tmp_path / "valset", tmp_path / "coverage.json", tmp_path / "heatmap.png")
     with pytest.raises(CoverageInfeasible) as err:
         build_valset(

@@ -32,7 +32,10 @@ def test_the_stacks_pin_what_the_issues_require():
     assert pinned["datasets"].startswith("4.") and pinned["tokenizers"].startswith("0.22")
     assert int(current["transformers"].split(".")[0]) == 5 and current["datasets"].startswith("5.")
     assert tuple(map(int, current["torch"].split(".")[:2])) >= (2, 13)
-    assert set(pinned) - {"nvidia-cuda-runtime-cu12", "nvidia-cudnn-cu12", "nvidia-nccl-cu12"} == set(current)
+    # bitsandbytes (model.quantization) needs torch 2.4: the pinned stack refuses a quantized base at config check
+    assert set(pinned) - {"nvidia-cuda-runtime-cu12", "nvidia-cudnn-cu12", "nvidia-nccl-cu12"} == set(current) - {
+        "bitsandbytes"
+    }
 
 
 def test_what_ci_installed_is_exactly_the_active_stacks_pins():

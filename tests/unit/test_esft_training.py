@@ -175,7 +175,7 @@ def test_optimizer_state_and_the_planners_term_are_the_trainable_parameter_count
 
     cfg = tiny_model_cfg()
     shape, params, _ = count_parameters(cfg, VOCAB)
-    job = plan.Job.from_settings(plan_job_settings(cfg))
+    job = plan.Job.from_settings(typed(plan.PlanMemoryStage, plan_job_settings(cfg)))
     job = dataclasses.replace(job, esft_selected=selected)
     assert esft_trainable(shape, params, job.esft, selected) == held
     assert plan.resident_state(shape, params, job)["optimizer"] == held * plan.ADAM_MOMENT_BYTES
@@ -203,7 +203,8 @@ def plan_job_settings(model_cfg: dict) -> dict:
     return {
         "precision": "fp32",
         "seq_len": 32,
-        "model": {**model_cfg, "loss_chunk_tokens": 1024},
+        "vocab_size": VOCAB,
+        "model": {**model_cfg, "loss_chunk_tokens": 1024, "quantization": "none"},
         "train": training({"steps": 2, "lr": 1e-3, "method": "esft"}),
         "hardware": {"device": "cpu", "num_devices": 1},
         "parallel": {"strategy": "none", "nproc_per_node": 1, "nnodes": 1, "fsdp_size": None, "ep_size": 1},
@@ -337,7 +338,9 @@ def test_two_sharded_ranks_train_the_selected_experts_as_one_process_and_resume_
     cfg = tiny_model_cfg(tie_word_embeddings=False)
     job = plan_job_settings(cfg) | {"hardware": {"device": "cpu", "num_devices": 2}}
     job["parallel"] = {**job["parallel"], "nproc_per_node": 2, "ep_size": 1, **parallel}
-    job = dataclasses.replace(plan.Job.from_settings(job), esft_selected=sum(map(len, SELECTED.values())))
+    job = dataclasses.replace(
+        plan.Job.from_settings(typed(plan.PlanMemoryStage, job)), esft_selected=sum(map(len, SELECTED.values()))
+    )
     shape, params, _ = count_parameters(cfg, VOCAB)
     planned = plan.memory_per_device(shape, params, job)["gradients"] / 4
     assert abs(results["gradient_elements"] - planned) <= 8, (results["gradient_elements"], planned)  # padding

@@ -247,14 +247,18 @@ def test_the_planner_counts_the_optimizer_state_of_trained_mtp_layers():
         trainer.run()
         held = sum(p.numel() for p in trainer.optimizer.state)
         job = plan.Job.from_settings(
-            {
-                "precision": "fp32",
-                "seq_len": 24,
-                "model": {**cfg, "loss_chunk_tokens": 1024},
-                "train": training({"steps": 1, "lr": 1e-3, "mtp": {"mode": mode}}),
-                "hardware": {"device": "cpu", "num_devices": 1},
-                "parallel": {"strategy": "none", "nproc_per_node": 1, "nnodes": 1, "fsdp_size": None, "ep_size": 1},
-            }
+            typed(
+                plan.PlanMemoryStage,
+                {
+                    "precision": "fp32",
+                    "seq_len": 24,
+                    "vocab_size": 0,  # not read: the job's memory settings only
+                    "model": {**cfg, "loss_chunk_tokens": 1024, "quantization": "none"},
+                    "train": training({"steps": 1, "lr": 1e-3, "mtp": {"mode": mode}}),
+                    "hardware": {"device": "cpu", "num_devices": 1},
+                    "parallel": {"strategy": "none", "nproc_per_node": 1, "nnodes": 1, "fsdp_size": None, "ep_size": 1},
+                },
+            )
         )
         assert job.mtp_trained == (mode == "train")
         assert plan.resident_state(shape, params, job)["optimizer"] == held * plan.ADAM_MOMENT_BYTES, mode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from conftest import active_stack
@@ -18,6 +19,7 @@ from moeflow.plan.memory import (
     GIB,
     PHASES,
     Job,
+    PlanMemoryStage,
     attention_mask_bytes,
     host_per_node_bytes,
     memory_per_device,
@@ -128,7 +130,7 @@ def model_section(name: str) -> dict:
 
 
 def settings_of(*overlays, overrides=None) -> dict:
-    return plan_settings(run_config(load(*overlays, overrides=overrides), "moe"))
+    return typed(PlanMemoryStage, plan_settings(run_config(load(*overlays, overrides=overrides), "moe")))
 
 
 # --------------------------------------------------------------------------- parameter counts
@@ -191,7 +193,7 @@ def test_step3p5_flash_counts_the_published_shape():
     the full layers' 64), plus 2.43B in its 3 MTP layers; on transformers 5 counted on the meta device
     (moeflow.families.step3p5), the closed form agreeing on both stacks."""
     settings = settings_of(STEP3P5)
-    shape, counted, formula = count_parameters(settings["model"], settings["vocab_size"])
+    shape, counted, formula = count_parameters(settings.model, settings.vocab_size)
     assert counted.method == ("meta" if compat.is_transformers_v5() else "formula")
     assert shape.vocab_size == 128_896 and len(shape.moe_layers) == 42 and shape.dense_layers == (0, 1, 2)
     assert (shape.num_experts, shape.top_k, shape.expert_ffn, shape.shared_ffn) == (288, 8, 1280, 1280)
@@ -201,13 +203,13 @@ def test_step3p5_flash_counts_the_published_shape():
     assert formula.by_category == counted.by_category
     # StepFun's "11B active" is without the embedding and the LM head (10.93B; 11.99B with them)
     assert counted.active - counted.embeddings == pytest.approx(11e9, rel=0.01)
-    sixty_four = {**settings["model"], "config": {**settings["model"]["config"], "num_sliding_attention_heads": 64}}
+    sixty_four = {**settings.model, "config": {**settings.model["config"], "num_sliding_attention_heads": 64}}
     assert count_parameters(sixty_four)[1].without_mtp == 195_844_496_640
 
 
 def test_qwen3_30b_a3b_counts_like_the_published_model():
     settings = settings_of(QWEN3_30B)
-    shape = model_shape(dict(settings["model"]["config"]), 151_936)
+    shape = model_shape(dict(settings.model["config"]), 151_936)
     count = formula_count(shape)
     assert count.total == pytest.approx(30.5e9, rel=0.01) and count.active == pytest.approx(3.3e9, rel=0.03)
     job = Job.from_settings(settings)
@@ -280,7 +282,7 @@ def test_sharding_checkpointing_and_lora_lower_what_they_should():
 
 def test_min_devices_is_the_smallest_count_that_fits():
     settings = settings_of(STEP3P5)
-    shape, count, _ = count_parameters(settings["model"], settings["vocab_size"])
+    shape, count, _ = count_parameters(settings.model, settings.vocab_size)
     job = dataclasses.replace(Job.from_settings(settings), expert_parallel=True)
     memory = 24 * GIB
     n = min_devices(shape, count, job, memory)
@@ -495,24 +497,31 @@ def test_lora_counts_each_expert_and_only_the_chosen_targets():
     assert experts.router_weights == 0 and experts.trainable == experts.added
 
 
-def test_lora_of_step3p5_flash_holds_the_whole_bf16_base_on_each_card(env_report):
-    """LoRA's adapters are not sharded (moeflow.parallel.settings.training_layout_problems), so LoRA of
-    Step-3.5-Flash holds its whole frozen base, in bf16, on each card: refused on 80 GiB cards however many, and no
-    sharded LoRA is proposed (it was, #38); the full fine-tune is offered sharded full fine-tunes."""
+def test_lora_of_step3p5_flash_is_sharded_with_its_bf16_base(env_report):
+    """LoRA shards under FSDP2 (#38): LoRA of Step-3.5-Flash on 8 x 80 GiB splits its frozen base (bf16) and its
+    adapters (fp32, with fp32 gradients and AdamW's two moments, no master copy) over the 8 cards. It is tight there:
+    each MoE layer's 288 experts are gathered whole in bf16 (8.9 GiB) and the next layer's prefetched. The full
+    fine-tune, refused there, is offered QLoRA (an NF4 base) on 4 cards and LoRA on 16 where the stack can shard them
+    (FSDP2) and bitsandbytes runs (torch 2.4)."""
     cards = {"hardware": {"memory_gib_per_device": 80, "num_devices": 8}}
     full = plan(settings_of(STEP3P5, overrides=cards), env_report)
     assert full["verdict"] == "does_not_fit" and full["min_devices"] > 40
     assert full["suggestions"] and all(o["strategy"] != "none" for o in full["suggestions"])
-    assert not any(o["overlay"].get("train", {}).get("method") == "lora" for o in full["suggestions"])
+    lora_proposals = [o for o in full["suggestions"] if o["overlay"].get("train", {}).get("method") == "lora"]
+    quantized = [o["overlay"].get("model", {}).get("quantization") for o in lora_proposals]
+    assert [(o["strategy"], o["num_devices"]) for o in lora_proposals] == (
+        [("fsdp", 4)] * 2 + [("fsdp", 16)] * 2 if compat.fsdp2_available() else []
+    )
+    assert quantized == (["nf4"] * 2 + [None] * 2 if compat.fsdp2_available() else [])
     lora = plan(settings_of(STEP3P5, overrides={**cards, "train": {"method": "lora"}}), env_report)
-    assert lora["verdict"] == "does_not_fit" and lora["lora"]["trainable"] > 1e9  # every one of the 288 x 42 experts
-    assert lora["job"]["strategy"] == "none" and lora["min_devices"] is None and lora["suggestions"] == []
+    assert lora["verdict"] == "tight" and lora["lora"]["trainable"] > 1e9  # every one of the 288 x 42 experts
+    # on paper LoRA shards (a plan for the current stack's FSDP2); FSDP1 cannot, so no count fits it there
+    assert lora["job"]["strategy"] == "fsdp" and lora["min_devices"] == (9 if compat.fsdp2_available() else None)
     per_device, trainable = lora["per_device_bytes"], lora["lora"]["trainable"]
-    # the frozen base in bf16; the adapters in fp32 with fp32 gradients and AdamW's two fp32 moments, no master copy
-    assert per_device["weights"] == lora["parameters"]["total"] * 2 + trainable * 4
-    assert per_device["gradients"] == trainable * 4 and per_device["optimizer"] == trainable * 8
+    assert per_device["weights"] == math.ceil((lora["parameters"]["total"] * 2 + trainable * 4) / 8)
+    assert per_device["gradients"] == trainable * 4 / 8 and per_device["optimizer"] == trainable * 8 / 8
+    assert 8.8 < lora["per_device_gib"]["unsharded_layer"] < 9
     assert lora["phases"]["load"]["device_bytes"]["weights"] == per_device["weights"]  # no fp32 copy in any phase
-    assert "no configuration the planner searched" in summary(lora)
     assert "LoRA rank 16 on all, router frozen" in summary(lora) and "## LoRA adapters" in render_markdown(lora)
 
 
@@ -569,9 +578,10 @@ def test_the_planner_counts_the_attention_masks_a_packed_forward_builds(family, 
 
 def test_the_planner_never_suggests_a_setting_the_job_already_has(env_report):
     """Qwen3-30B-A3B with LoRA on one 24 GiB card, with gradient checkpointing, micro-batch 1 and sdpa already
-    set: refused, and nothing is proposed: not those three settings (they were, #38), nor FSDP over more cards,
-    which LoRA's adapters cannot take (the config check refuses it). tests/unit/test_proposals.py checks every
-    proposal over a grid of models and hardware."""
+    set: refused, and none of those three settings is proposed (they were, #38); what is proposed is QLoRA (an NF4
+    base) on 2 cards and LoRA on 5, sharded where the stack shards them (FSDP2), nothing on FSDP1 and torch 2.3, which
+    the config check refuses.
+    tests/unit/test_proposals.py checks every proposal over a grid of models and hardware."""
     settings = settings_of(
         QWEN3_30B,
         overrides={
@@ -583,8 +593,18 @@ def test_the_planner_never_suggests_a_setting_the_job_already_has(env_report):
         },
     )
     result = plan(settings, env_report)
-    assert result["verdict"] == "does_not_fit" and result["suggestions"] == [] and result["min_devices"] is None
+    assert result["verdict"] == "does_not_fit"
+    if compat.fsdp2_available():
+        assert [(o["change"], o["num_devices"]) for o in result["suggestions"]] == [
+            (
+                "model.quantization: nf4, parallel.strategy: fsdp, parallel.nproc_per_node: 2, hardware.num_devices: 2",
+                2,
+            ),
+            ("parallel.strategy: fsdp, parallel.nproc_per_node: 5, hardware.num_devices: 5", 5),
+        ]
+    else:
+        assert result["suggestions"] == [] and result["min_devices"] is None
+        assert "no configuration the planner searched" in summary(result)
     # the frozen base in bf16 in every phase (it was counted in fp32 outside the step, #38): 30.5B x 2 bytes
     weights = {phase: p["device_bytes"]["weights"] for phase, p in result["phases"].items()}
     assert len(set(weights.values())) == 1 and 59 * GIB < weights["load"] < 61 * GIB, weights
-    assert "no configuration the planner searched" in summary(result)

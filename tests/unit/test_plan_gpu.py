@@ -21,6 +21,7 @@ from moeflow.plan.memory import (
     CPU_RANK_RUNTIME_BYTES,
     PHASES,
     Job,
+    PlanMemoryStage,
     host_per_node_bytes,
     memory_per_device,
     phase_memory,
@@ -30,7 +31,7 @@ from moeflow.plan.report import enforce, render_markdown, summary
 from moeflow.plan.shapes import PlanError
 from moeflow.plan.training_plan import plan
 from moeflow.runtime import compat, env
-from moeflow.settings import REPO_ROOT
+from moeflow.settings import REPO_ROOT, typed
 from moeflow.workflow.keys import plan_settings
 from moeflow.workflow.load import load, run_config
 from moeflow.workflow.scaleout import profile_request
@@ -57,7 +58,7 @@ QWEN_LARGEST = max(151_936 * 2048, 128 * 2 * 768 * 2048 if registry.experts_fuse
 
 
 def settings_of(*overlays, overrides=None) -> dict:
-    return plan_settings(run_config(load(*overlays, overrides=overrides), "moe"))
+    return typed(PlanMemoryStage, plan_settings(run_config(load(*overlays, overrides=overrides), "moe")))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -77,7 +78,7 @@ def env_report():
 @pytest.fixture(scope="module")
 def qwen():
     settings = settings_of(QWEN3_30B)
-    shape, count, _ = count_parameters(settings["model"], settings["vocab_size"])
+    shape, count, _ = count_parameters(settings.model, settings.vocab_size)
     return shape, count, Job.from_settings(settings)
 
 
@@ -162,7 +163,7 @@ def test_an_80gb_card_is_planned_with_what_torch_sees_of_it(env_report):
     other = plan(settings_of(QWEN3_30B, overrides={"hardware": {"memory_gib_per_device": 96}}), env_report)
     assert other["device_memory_bytes"] == 96 * GIB  # not a size the table knows: taken as torch's total
     cpu = settings_of(QWEN3_30B, overrides={"hardware": {"device": "cpu", "memory_gib_per_device": 80}})
-    assert device_memory(cpu, env_report)[0] == 80 * GIB
+    assert device_memory(cpu.hardware, env_report)[0] == 80 * GIB
 
 
 def test_new_terms_are_in_the_plan_files(env_report):
@@ -283,7 +284,7 @@ def step_activation_bytes(tokens: int) -> int:
 @pytest.fixture(scope="module")
 def step():
     settings = settings_of(STEP3P5)
-    shape, count, _ = count_parameters(settings["model"], settings["vocab_size"])
+    shape, count, _ = count_parameters(settings.model, settings.vocab_size)
     return shape, count, Job.from_settings(settings)
 
 
@@ -310,7 +311,7 @@ def test_step3p5_flash_on_the_multinode_profile_by_hand(step, env_report):
     assert count.largest_layer_without_routed == max(STEP_DENSE_LAYER, STEP_MOE_LAYER_WITHOUT_ROUTED)
     assert count.largest_layer_without_routed == STEP_DENSE_LAYER
     assert (count.moe_layer_without_routed, count.largest_layer_routed) == (STEP_MOE_LAYER_WITHOUT_ROUTED, STEP_ROUTED)
-    cluster = plan_settings(run_config(load(STEP3P5, MULTINODE), "moe"))
+    cluster = typed(PlanMemoryStage, plan_settings(run_config(load(STEP3P5, MULTINODE), "moe")))
     ep = Job.from_settings(cluster)
     assert (ep.num_devices, ep.ep_size, ep.shard_ranks, ep.ranks_per_node, ep.expert_parallel) == (48, 8, 48, 8, True)
     mem = memory_per_device(shape, count, ep)

@@ -12,6 +12,7 @@ import torch
 from gloo_ranks import run_ranks
 from tiny_models import tiny_model_cfg
 
+import moeflow.loading.factory
 from moeflow.loading.factory import Layout, make_model
 from moeflow.model.configs import causal_lm_class
 from moeflow.model.folder import check_model_folder
@@ -160,16 +161,28 @@ def _train(method: str) -> TrainSettings:
     return typed(TrainSettings, training(section))
 
 
-def test_without_weights_a_full_model_reads_none_and_lora_loads_the_base(tmp_path, monkeypatch):
+def test_without_weights_no_model_reads_any_and_lora_gets_its_seeded_start(tmp_path, monkeypatch):
+    from moeflow.model.lora import initial_adapters
+    from moeflow.model.parameters import clean_name, is_adapter
+
     folder = saved(tmp_path)
     loaded = whole(folder)
+    fill = moeflow.loading.factory.fill_from_folder
     monkeypatch.setattr("moeflow.loading.factory.fill_from_folder", lambda *a: pytest.fail("read the weights"))
     model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("full")), weights=False)
     assert not any(p.is_meta for p in model.parameters())
     assert sorted(model.state_dict()) == sorted(loaded.state_dict())
     assert torch.equal(model.model.rotary_emb.inv_freq, loaded.model.rotary_emb.inv_freq)
     lora_model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("lora")), weights=False)
-    merged = lora_model.merge_and_unload().state_dict()  # fresh adapters (B = 0) merge to the base weights
+    assert not any(p.is_meta for p in lora_model.parameters())
+    start = initial_adapters(lora_model, seed=0)
+    adapters = {clean_name(n): p for n, p in lora_model.named_parameters() if is_adapter(n)}
+    assert sorted(adapters) == sorted(start) and all(torch.equal(adapters[n], start[n]) for n in start)
+    assert any(t.abs().sum() > 0 for n, t in start.items() if ".lora_A." in n)
+    assert all(t.abs().sum() == 0 for n, t in start.items() if ".lora_B." in n)  # the adapted model is the base
+    monkeypatch.setattr("moeflow.loading.factory.fill_from_folder", fill)
+    lora_model = make_model(settings(), folder=folder, layout=Layout.single("cpu", _train("lora")))
+    merged = lora_model.merge_and_unload().state_dict()  # the base read from the folder under the adapters
     assert sorted(merged) == sorted(loaded.state_dict())
     assert all(torch.equal(merged[k], v) for k, v in loaded.state_dict().items())
 

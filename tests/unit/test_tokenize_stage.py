@@ -14,9 +14,10 @@ import pytest
 
 from moeflow.data.corpus import CorpusError, SourceReader, split_documents
 from moeflow.data.packing import Packer, pack_documents
-from moeflow.data.sharding import tokenize_corpus
+from moeflow.data.sharding import TokenizeStage, tokenize_corpus
 from moeflow.data.shards import COLUMNS, iter_rows, open_split, read_documents, row_schema, write_split
 from moeflow.data.tokenizer import BOS, EOS, PAD, DocumentEncoder, folder_hash, train_tokenizer_stage
+from moeflow.settings import plain, typed
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 SPLIT = {"heldout": 0.1, "test": 0.05}
@@ -39,13 +40,13 @@ def settings(sources, seq_len=64, on_bad_record="fail", pad_to_multiple_of=8, sh
         "shard_max_bytes": shard_max_bytes,
         "sources": sources,
     }
-    return {"tokenizer": tok, "data": data}
+    return typed(TokenizeStage, {"tokenizer": tok, "data": data})
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
-    train_tokenizer_stage(settings({"small": SMALL_STDLIB})["tokenizer"], out)
+    train_tokenizer_stage(settings({"small": SMALL_STDLIB}).tokenizer, out)
     return out
 
 
@@ -70,7 +71,7 @@ def test_trained_tokenizer_loads_with_autotokenizer(tokenizer_dir):
 
 
 def test_tokenizer_training_is_deterministic_and_uses_the_train_split(tokenizer_dir, tmp_path):
-    cfg = settings({"small": SMALL_STDLIB})["tokenizer"]
+    cfg = settings({"small": SMALL_STDLIB}).tokenizer
     info = train_tokenizer_stage(cfg, tmp_path / "again")
     assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
     reader = SourceReader("small", SMALL_STDLIB)
@@ -227,8 +228,9 @@ def test_skipped_records_are_counted_in_the_manifest(tokenizer_dir, tmp_path):
 def test_a_killed_run_leaves_no_output(tokenizer_dir, tmp_path):
     out = tmp_path / "out"
     code = (
-        "import sys; from moeflow.data.sharding import tokenize_corpus; "
-        f"tokenize_corpus('small', {settings({'small': SMALL_STDLIB})!r}, {str(tokenizer_dir)!r}, {str(out)!r})"
+        "from moeflow.data.sharding import TokenizeStage, tokenize_corpus; from moeflow.settings import typed; "
+        f"tokenize_corpus('small', typed(TokenizeStage, {plain(settings({'small': SMALL_STDLIB}))!r}), "
+        f"{str(tokenizer_dir)!r}, {str(out)!r})"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC), "MOEFLOW_KILL_AT": "tokenize.before_rename"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

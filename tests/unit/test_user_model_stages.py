@@ -24,12 +24,12 @@ import pytest
 from conftest import active_stack
 from user_models import TRAINED, check_final_model, check_warmup_report, overlay, save_family_folder, write_corpus
 
-from moeflow.data.sharding import tokenize_corpus
+from moeflow.data.sharding import TokenizeStage, tokenize_corpus
 from moeflow.data.tokenizer import train_tokenizer
 from moeflow.runtime import env
 from moeflow.runtime.files import read_json, write_json
 from moeflow.runtime.job import Named
-from moeflow.settings import REPO_ROOT
+from moeflow.settings import REPO_ROOT, typed
 from moeflow.workflow import keys
 from moeflow.workflow.load import load, run_config
 from moeflow.workflow.rule_settings import rule_settings
@@ -117,7 +117,7 @@ class UserRuns:
         cfg = self.runs[family]
         out = f"data/{keys.data_key(cfg)}/{cfg['data']['finetune_corpus']}"
         if not Path(out).exists():
-            settings = keys.data_settings(cfg)
+            settings = typed(TokenizeStage, keys.data_settings(cfg))
             tokenize_corpus(cfg["data"]["finetune_corpus"], settings, cfg["model"]["pretrained"], out, threads=1)
         return out
 

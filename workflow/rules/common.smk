@@ -30,7 +30,6 @@ from moeflow.plan.shapes import PlanError, model_config_fields, model_shape
 from moeflow.runtime.devices import claim_command
 from moeflow.runtime.env import fingerprint as environment_fingerprint
 from moeflow.runtime.files import stable_hash
-from moeflow.runtime.gpu_node import layout as gpu_layout
 from moeflow.settings import REPO_ROOT, ConfigError
 from moeflow.workflow import keys as stage_keys
 from moeflow.workflow.load import load as load_config, resolve_stack, run_config

@@ -9,11 +9,8 @@ rule verify_env:
         json=f"{RESULTS}/env/report.json",
         md=report(f"{RESULTS}/env/report.md", caption="../report/verify_env.rst", category="Environment"),
     params:
-        env=config["env"],
-        # Only the runs that turn it on: adding or removing an ordinary run must not rerun every stage.
-        trust_remote_code={run: True for run, cfg in RUNS.items() if cfg["model"]["trust_remote_code"]},
+        settings=stage_keys.verify_env_settings(config, RUNS),
         fingerprint=environment_fingerprint(),
-        layout=gpu_layout(config),  # the GPU count is checked against parallel.nproc_per_node on CUDA
         runtime=runtime(torch=False),
     threads: 1
     log:

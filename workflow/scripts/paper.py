@@ -2,15 +2,14 @@
 every run (training logs, evaluation metrics, lm-eval tasks, HumanEval, routing drift, coverage,
 environment), each carrying its provenance."""
 
-from moeflow.paper.build import write_paper
+from moeflow.paper.build import PaperStage, write_paper
 from moeflow.paper.eval_results import read_run_results, stage_documents
 from moeflow.paper.inputs import RunRecord, read_benchmark, read_train_log
 from moeflow.runtime.files import read_json
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 
-# The paper settings go to the library whole; its provenance records them with the config.
-job = Job.from_snakemake(snakemake)
+job = Job.from_snakemake(snakemake, PaperStage)
 Stage.start(job)
 inp, params = job.input, job.params
 
@@ -43,7 +42,7 @@ stage_docs["verify_env"] = read_json(inp.env)
 write_paper(
     params.outdir,
     config=params.config,
-    settings=params.settings,
+    settings=job.settings,
     records=records,
     coverage=coverage,
     env_report_path=inp.env,

@@ -74,8 +74,7 @@ if trainer.rank == 0:
             "provenance": stage.provenance(),
         },
     )
-    # before the merge, which consumes LoRA's wrapper
-    save_adapter_output(unwrap(trainer.model), job.output.adapter, trainer.expert_mask)
+save_adapter_output(unwrap(trainer.model), job.output.adapter, trainer.expert_mask)  # every rank: it gathers
 # every rank; the base folder's config, tokenizer and other files go with the weights (a drop-in for it)
 trainer.free_optimizer()  # the export gathers weights where AdamW's states were
 save_final_model(

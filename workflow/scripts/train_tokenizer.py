@@ -4,15 +4,14 @@ Saved as a folder that AutoTokenizer.from_pretrained loads, plus moeflow_tokeniz
 trained on, provenance).
 """
 
-from moeflow.data.tokenizer import train_tokenizer_stage
+from moeflow.data.tokenizer import TrainTokenizerStage, train_tokenizer_stage
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage
 
-# The settings go to the library whole: moeflow_tokenizer.json records them (keys.tokenizer_settings).
-job = Job.from_snakemake(snakemake)
+job = Job.from_snakemake(snakemake, TrainTokenizerStage)
 stage = Stage.start(job)
 train_tokenizer_stage(
-    job.params.settings,
+    job.settings,
     job.output.tokenizer,
     threads=stage.threads,
     provenance=stage.provenance(),

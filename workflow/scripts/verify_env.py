@@ -5,14 +5,14 @@ from moeflow.runtime.files import write_json, write_text
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import Stage, kill_point
 
-job = Job.from_snakemake(snakemake)  # noqa: F821 (injected by Snakemake)
+job = Job.from_snakemake(snakemake, env.VerifyEnvStage)  # noqa: F821 (injected by Snakemake)
 stage = Stage.start(job)
-params = job.params
+settings = job.settings
 
-report = env.collect(stack=stage.stack, env_file=job.input.env_file, trust_remote_code=params.trust_remote_code)
-report["gpu_node"] = gpu_node.check(params.layout)  # driver, GPU count vs layout, NCCL all-reduce
-env.enforce(report, strict=params.env["strict"])  # strict: fails listing every difference; else warns
-gpu_node.enforce(report["gpu_node"], strict=params.env["strict"])
+report = env.collect(stack=stage.stack, env_file=job.input.env_file, trust_remote_code=settings.trust_remote_code)
+report["gpu_node"] = gpu_node.check(settings.layout)  # driver, GPU count vs layout, NCCL all-reduce
+env.enforce(report, strict=settings.strict)  # strict: fails listing every difference; else warns
+gpu_node.enforce(report["gpu_node"], strict=settings.strict)
 
 # No code hash or seed in the report: editing moeflow must not change its bytes, or everything
 # downstream of the environment would rerun.

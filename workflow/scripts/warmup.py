@@ -21,8 +21,13 @@ job = Job.from_argv(WarmupStage)
 stage = Stage.start(job)
 settings = job.settings  # train: the warmup part's (train.warmup_steps steps)
 layout = Layout.join(settings.parallel, settings.hardware_device, settings.train, stage.precision)
-model = make_model(
-    settings.model, experts=job.input.experts, folder=job.input.model, layout=layout, data=[job.input.data]
+model = make_model(  # seed: LoRA's adapters start from it
+    settings.model,
+    experts=job.input.experts,
+    folder=job.input.model,
+    layout=layout,
+    seed=stage.seed,
+    data=[job.input.data],
 )
 rows = open_split(job.input.data, "train")
 # train.method esft: rule esft_select's experts (the only ones that train); its file keys the checkpoints too

@@ -1,7 +1,7 @@
 """The final model folder, HF-sharded safetensors written one whole tensor at a time by every rank.
 
-The final model folder (HF-sharded safetensors, config, tokenizer), written by every rank together one
-whole tensor at a time, so that no process ever holds the whole model.
+The folder (safetensors, config, tokenizer) is written by every rank together, so that no process ever holds the
+whole model.
 
 :func:`save_final_model` is a collective for a sharded model (every rank calls it): each tensor is made
 whole in turn on rank 0 alone (DTensors split along dim 0 only, FSDP2's shards and transformers'
@@ -21,7 +21,9 @@ written; the tokenizer with its chat template, the generation config and whateve
 besides weights), so the folder drops in for the one it came from; without a source, ``config.json`` and
 ``generation_config.json`` from the model (a cache for generation; the run's ``distributed_config``
 dropped) and the tokenizer. An unsharded model (every rank holds it whole) is written by rank 0 alone, no
-collective; a LoRA model is merged first (on every rank: LoRA runs unsharded).
+collective. A LoRA model is written merged, one weight at a time as the rest: an adapted weight made whole, its
+adapter's factors gathered, their update (``moeflow.model.lora.MergeTarget``) added in fp32 (a fused expert tensor
+one expert at a time) and the sum rounded once to the dtype written; the model keeps its adapters.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ import torch
 from moeflow.checkpoint.pieces import state_pieces
 from moeflow.checkpoint.storage import Piece
 from moeflow.model.folder import PICKLE_WEIGHTS
-from moeflow.model.lora import is_lora_model, merge_adapters
-from moeflow.model.parameters import clean_name
+from moeflow.model.lora import MergeTarget, is_lora_model, merge_targets
+from moeflow.model.parameters import base_name, clean_name, is_adapter
+from moeflow.model.quantization import quantized_weights, unpack
 from moeflow.model.safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsWriter, tensor_nbytes
 from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1, unwrap
@@ -85,9 +88,21 @@ class ModelTensor:
 
 def model_tensors(model: torch.nn.Module) -> list[ModelTensor]:
     """Every parameter (tied ones once, under the first name, as save_pretrained keeps them) and persistent
-    buffer of the model, in module order."""
-    out = [ModelTensor(clean_name(name), p.dtype, original_shape(p)) for name, p in model.named_parameters()]
-    return out + [ModelTensor(name, b.dtype, tuple(b.shape)) for name, b in persistent_buffers(model)]
+    buffer of the model, in module order; a LoRA model's base weights under the base model's names, without
+    the adapters; a quantized weight in its compute dtype and shape (moeflow.model.quantization)."""
+    quantized = quantized_weights(model)
+    out = []
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            continue
+        name = base_name(clean_name(name))
+        dense = quantized[name].dequantize if name in quantized else None
+        out.append(
+            ModelTensor(name, dense.dtype, dense.packing.shape)
+            if dense
+            else ModelTensor(name, p.dtype, original_shape(p))
+        )
+    return out + [ModelTensor(base_name(name), b.dtype, tuple(b.shape)) for name, b in persistent_buffers(model)]
 
 
 def whole_tensors(model: torch.nn.Module, tensors: Sequence[ModelTensor]) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -103,11 +118,16 @@ def whole_tensors(model: torch.nn.Module, tensors: Sequence[ModelTensor]) -> Ite
             piece = pieces[t.name]
             yield t.name, (_whole_on_rank0(piece, t) if t.name in params else piece.local.view(t.shape))
         return
-    lookup = {clean_name(n): t for n, t in model.named_parameters()}
-    lookup |= {clean_name(n): b for n, b in model.named_buffers()}
+    lookup = {base_name(clean_name(n)): t for n, t in model.named_parameters() if not is_adapter(n)}
+    lookup |= {base_name(clean_name(n)): b for n, b in model.named_buffers()}
+    quantized = quantized_weights(model)
     for t in tensors:
         tensor = lookup[t.name]
-        yield t.name, (_rows_on_rank0(tensor) if _rows_over_all_ranks(tensor) else _whole(tensor))
+        whole = _rows_on_rank0(tensor) if _rows_over_all_ranks(tensor) else _whole(tensor)
+        if t.name in quantized and whole is not None:  # its stored bytes, dequantized
+            dense = quantized[t.name].dequantize
+            whole = unpack(dense.packing, whole, dense.dtype)
+        yield t.name, whole
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,9 +297,11 @@ def write_weights(
     model: torch.nn.Module, folder: Path | None, max_shard_size: int | str, dtype: torch.dtype | None = None
 ) -> None:
     """The model's weights as save_pretrained writes them, streamed into ``folder`` by rank 0 (the other
-    ranks pass None), floating-point ones in ``dtype`` (None: their own). A collective for a sharded model."""
-    inner = unwrap(model)
+    ranks pass None), floating-point ones in ``dtype`` (None: their own); a LoRA model's merged. A collective for
+    a sharded model."""
+    inner = unwrap(model, peft=True)
     tensors = model_tensors(model)
+    adapted = {target.name: target for target in merge_targets(model)} if is_lora_model(model) else {}
     saved = []
     for t in tensors:
         for name, meta in saved_format(inner, {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta")}).items():
@@ -287,6 +309,8 @@ def write_weights(
     writer = ShardedWriter(folder, shard_layouts(saved, size_in_bytes(max_shard_size))) if folder else None
     try:
         for name, whole in whole_tensors(model, tensors):
+            if name in adapted:
+                whole = merged(adapted[name], whole, dtype)
             if writer is not None:
                 for saved_name, piece in saved_format(inner, {name: whole}).items():
                     writer.write(saved_name, piece.to(_cast(piece.dtype, dtype)))
@@ -299,10 +323,26 @@ def write_weights(
         writer.finish()
 
 
+def merged(target: MergeTarget, whole: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The base weight ``whole`` (None off rank 0 for a sharded model) plus its adapter's update, in ``dtype`` (None:
+    the weight's own). The factors are gathered on every rank (a collective for a sharded model); the sum is
+    made in fp32 and a fused expert tensor one expert at a time, beside the weight rather than in it (an
+    unsharded model's ``whole`` is its own parameter)."""
+    a, b = _whole(target.lora_a), _whole(target.lora_b)
+    if whole is None:
+        return None
+    out = torch.empty(whole.shape, dtype=_cast(whole.dtype, dtype))
+    if target.experts == 1:
+        return out.copy_(whole.float() + target.delta(a, b).to(whole.device))
+    for expert in range(target.experts):
+        out[expert] = whole[expert].float() + target.delta(a, b, expert).to(whole.device)
+    return out
+
+
 def _saved_config(model: torch.nn.Module, dtype: torch.dtype | None = None):
     """The model's config as the folder holds it: generation with a cache (training turned it off), and
     no DistributedConfig (the folder loads whole; the layout is the run's, not the model's)."""
-    inner = unwrap(model)
+    inner = unwrap(model, peft=True)
     config = copy.deepcopy(inner.config)
     config.use_cache = True
     config.architectures = [type(inner).__name__.removeprefix("FSDP")]  # as save_pretrained records them
@@ -343,7 +383,7 @@ def write_model_folder(
         if dtype is not None and (folder / "config.json").is_file():
             _name_dtype(folder / "config.json", dtype)
         return
-    inner = unwrap(model)
+    inner = unwrap(model, peft=True)
     _saved_config(model, dtype).save_pretrained(folder)
     generation = getattr(inner, "generation_config", None)
     if generation is not None and inner.can_generate():
@@ -371,19 +411,15 @@ def save_final_model(
     max_shard_size: int | str,
     source: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
-) -> Any:
+) -> None:
     """A folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load, written atomically by rank 0
-    (LoRA adapters merged in, on every rank), with the ``source`` folder's own files where given (the base
-    model a fine-tune started from: :func:`write_model_folder`), its floating-point weights in ``dtype``
-    (:func:`export_dtype`; None: their own). A collective: every rank calls it. Returns the model written (a
-    LoRA model's merged base model: merging consumes the peft wrapper)."""
-    if is_lora_model(model):
-        model = merge_adapters(model)
+    (a LoRA model's adapters merged into the weights written), with the ``source`` folder's own files where given
+    (the base model a fine-tune started from: :func:`write_model_folder`), its floating-point weights in ``dtype``
+    (:func:`export_dtype`; None: their own). A collective: every rank calls it."""
     reshard(model)  # the parameters as their shards, also after a last evaluation's forward
     with atomic_dir(folder) if rank() == 0 else contextlib.nullcontext() as out:
         write_model_folder(model, tokenizer, out, max_shard_size, source, dtype)
     barrier()  # the folder is in place before any rank goes on
-    return model
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,33 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from moeflow.data.corpus import SPLITS, CorpusError, Document, SourceReader, split_documents
 from moeflow.data.packing import Packer, PackStats
 from moeflow.data.shards import FORMAT_VERSION, MANIFEST, ShardWriter
-from moeflow.data.tokenizer import DocumentEncoder, folder_hash, load_fast_tokenizer, set_tokenizer_threads
+from moeflow.data.tokenizer import (
+    DocumentEncoder,
+    TrainTokenizerStage,
+    folder_hash,
+    load_fast_tokenizer,
+    set_tokenizer_threads,
+)
 from moeflow.runtime.files import atomic_dir, write_json
 from moeflow.runtime.stage import kill_point, progress
+from moeflow.settings import plain
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizeStage:
+    """Rule tokenize (moeflow.workflow.keys.data_settings): the tokenizer's settings, which the shards depend on
+    through its vocabulary, and the config's ``data`` section (sources, split, seq_len, padding, shard size)."""
+
+    tokenizer: TrainTokenizerStage
+    data: Mapping[str, Any]
 
 
 CHUNK_CHARS = 1 << 20  # text per tokenizer batch: bounds memory, and is plenty for Rust's parallelism
@@ -41,17 +58,14 @@ def _chunks(docs: Iterable[tuple[str, int, Document]]) -> Iterator[list[tuple[st
 
 def tokenize_corpus(
     corpus: str,
-    settings: Mapping[str, Any],
+    settings: TokenizeStage,
     tokenizer_path: str | os.PathLike,
     out_dir: str | os.PathLike,
     threads: int = 1,
     provenance: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Read, split, tokenize and pack one corpus into ``out_dir`` (written atomically); return the manifest.
-
-    ``settings`` is ``moeflow.workflow.keys.data_settings(cfg)``: ``{"tokenizer": ..., "data": ...}``.
-    """
-    data = settings["data"]
+    """Read, split, tokenize and pack one corpus into ``out_dir`` (written atomically); return the manifest."""
+    data = settings.data
     if corpus not in data["sources"]:
         raise CorpusError(f"corpus {corpus!r} is not among 'data.sources' ({', '.join(sorted(data['sources']))})")
     source_cfg = data["sources"][corpus]
@@ -104,7 +118,7 @@ def tokenize_corpus(
 def _manifest(
     corpus, settings, tokenizer, tokenizer_path, reader, splits, totals, pad_id, provenance
 ) -> dict[str, Any]:
-    seq_len = settings["data"]["seq_len"]
+    seq_len = settings.data["seq_len"]
     return {
         "corpus": corpus,
         "format": {
@@ -118,7 +132,7 @@ def _manifest(
             },
         },
         "seq_len": seq_len,
-        "pad_to_multiple_of": settings["data"]["pad_to_multiple_of"],
+        "pad_to_multiple_of": settings.data["pad_to_multiple_of"],
         "pad_id": pad_id,
         "eos_id": tokenizer.eos_token_id,
         "splits": splits,
@@ -135,6 +149,6 @@ def _manifest(
             "vocab_size": len(tokenizer),
             "class": type(tokenizer).__name__,
         },
-        "settings": settings,
+        "settings": plain(settings),
         "provenance": dict(provenance or {}),
     }

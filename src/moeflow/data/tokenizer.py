@@ -1,13 +1,13 @@
 """The tokenizer: train a byte-level BPE (or load a model's) and encode text and chat documents.
 
-The tokenizer: training a byte-level BPE one (or loading a pretrained model's), and encoding
-documents with it: text with EOS, chat rendered with its template and labelled on assistant turns."""
+Text is encoded with EOS; chat is rendered with its template and labelled on the assistant turns."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from moeflow.data.corpus import CorpusError, Document, FileSource, SourceReader,
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.runtime.files import atomic_dir, write_json
 from moeflow.runtime.stage import kill_point, progress
+from moeflow.settings import plain
 
 # Special tokens of a tokenizer trained here; ChatML turn markers so chat data has a template.
 BOS, EOS, PAD = "<|startoftext|>", "<|endoftext|>", "<|pad|>"
@@ -33,21 +34,40 @@ CHATML_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class TokenizerSettings:
+    """The config's ``tokenizer`` section: the size of the BPE vocabulary and how often a pair must occur to merge."""
+
+    vocab_size: int
+    min_frequency: int
+
+
+@dataclass(frozen=True)
+class TrainTokenizerStage:
+    """Rule train_tokenizer (moeflow.workflow.keys.tokenizer_settings): the tokenizer's settings and the sources,
+    split and bad-record rule of the text it is trained on. The data stage's shards depend on all of it too."""
+
+    tokenizer: TokenizerSettings
+    pretrained_model: str | None
+    sources: Mapping[str, Any]
+    split: Mapping[str, Any]
+    on_bad_record: str
+
+
 def set_tokenizer_threads(threads: int) -> None:
     """Let the Rust tokenizer use ``threads`` cores (read once, before its first parallel batch)."""
     os.environ["RAYON_NUM_THREADS"] = str(max(1, int(threads)))
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
 
 
-def training_texts(settings: Mapping[str, Any]) -> Iterator[str]:
+def training_texts(settings: TrainTokenizerStage) -> Iterator[str]:
     """The texts a tokenizer is trained on: the TRAIN split of every source (sorted by name).
 
     Chat documents contribute each message's content (the template's markers are special tokens).
     """
-    fractions = settings["split"]
-    for name in sorted(settings["sources"]):
-        reader = SourceReader(name, settings["sources"][name], settings["on_bad_record"])
-        for split, _, doc in split_documents(reader, fractions):
+    for name in sorted(settings.sources):
+        reader = SourceReader(name, settings.sources[name], settings.on_bad_record)
+        for split, _, doc in split_documents(reader, settings.split):
             if split != "train":
                 continue
             if doc.messages is not None:
@@ -185,7 +205,7 @@ class DocumentEncoder:
 
 
 def train_tokenizer_stage(
-    settings: Mapping[str, Any],
+    settings: TrainTokenizerStage,
     out_dir: str | os.PathLike,
     threads: int = 1,
     provenance: Mapping[str, Any] | None = None,
@@ -193,7 +213,6 @@ def train_tokenizer_stage(
     """Train the tokenizer of a model built from config and save it (atomically) as a tokenizer folder,
     with ``moeflow_tokenizer.json`` saying what it was trained on."""
     set_tokenizer_threads(threads)
-    tok_cfg = settings["tokenizer"]
     counter = {"texts": 0, "chars": 0}
 
     def counted(texts: Iterable[str]) -> Iterator[str]:
@@ -203,14 +222,14 @@ def train_tokenizer_stage(
             yield text
 
     tokenizer = train_tokenizer(
-        counted(training_texts(settings)), int(tok_cfg["vocab_size"]), int(tok_cfg["min_frequency"])
+        counted(training_texts(settings)), settings.tokenizer.vocab_size, settings.tokenizer.min_frequency
     )
     with atomic_dir(out_dir) as tmp:
         tokenizer.save_pretrained(str(tmp))
         info = {
             "trained_on": counter,
             "vocab_size": len(tokenizer),
-            "settings": settings,
+            "settings": plain(settings),
             "provenance": dict(provenance or {}),
         }
         write_json(tmp / "moeflow_tokenizer.json", info)

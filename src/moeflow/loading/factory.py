@@ -9,7 +9,7 @@ Every model moeflow trains or evaluates comes from here: :func:`make_model` buil
 
 How a folder is loaded, by layout (:class:`Layout`):
 
-* Every full model (``none``, ``fsdp`` and ``ep``, any number of ranks): the folder's model class built with
+* Every model (``none``, ``fsdp`` and ``ep``, any number of ranks): the folder's model class built with
   its parameters on the meta device in the target dtype (what ``from_pretrained`` keeps in float32 kept so:
   :func:`keep_in_fp32`), sharded, then each rank's rows read from the folder's safetensors files
   (moeflow.parallel.rank_load): no rank holds what it does not own, and one rank holds the weights once
@@ -19,8 +19,12 @@ How a folder is loaded, by layout (:class:`Layout`):
   ``ep_size`` ranks, the rest FSDP2-sharded), so each rank reads its experts only; it needs a folder and
   refuses tied embeddings. ``weights=False``: the caller loads a checkpoint that replaces every parameter and
   persistent buffer, so no weight is read.
-* LoRA: ``from_pretrained`` of the whole model, then its adapters, moved to the device. LoRA runs on several
-  ranks with ``parallel.strategy: none`` only.
+* LoRA: the adapters are put on the meta model before it is sharded (peft's ``get_peft_model``; a LoRA unit holds
+  its frozen base and its adapters), the base weights read as above, and the adapters given their seeded start
+  (moeflow.model.lora.initial_adapters): the same on every rank and in every layout. LoRA runs under ``none``
+  and ``fsdp`` (FSDP2), not under ``ep`` (moeflow.parallel.settings.training_layout_problems). With
+  ``model.quantization`` the base's weight matrices are quantized first (moeflow.model.quantization), on the meta
+  device, and each rank quantizes the rows it reads.
 
 Every model class and config comes from ``moeflow.model.configs`` (``causal_lm_class``: the one place where a
 family transformers does not register for ``AutoModelForCausalLM`` is registered).
@@ -41,12 +45,13 @@ import torch
 from moeflow.families.mtp import unfreeze_mtp_layers
 from moeflow.model.chunked_loss import install as install_chunked_loss
 from moeflow.model.configs import build_config, causal_lm_class, transformers_config
-from moeflow.model.folder import ModelError, check_model_folder, check_vocabulary, refusing_remote_code
-from moeflow.model.lora import apply_lora
+from moeflow.model.folder import ModelError, check_vocabulary, refusing_remote_code
+from moeflow.model.lora import apply_lora, initial_adapters, router_modules
+from moeflow.model.quantization import quantize_base
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
 from moeflow.parallel.layouts import distributed_config, fp32_units_for_expert_parallel, shard_model
 from moeflow.parallel.process_group import DistributedError, Ranks, check_ranks, init
-from moeflow.parallel.rank_load import fill_from_folder, parameters_on_meta, tied_names
+from moeflow.parallel.rank_load import fill_from_folder, parameters_on_meta, place_whole, tied_names
 from moeflow.parallel.settings import ParallelSettings, training_layout_problems
 from moeflow.runtime import compat
 from moeflow.runtime.files import read_json
@@ -107,34 +112,36 @@ def make_model(
     data: Sequence[str | os.PathLike] = (),
 ) -> torch.nn.Module:
     """The model, ready to use: loaded from ``folder``, or built from ``settings.config`` with ``vocab_size``
-    token rows (deterministic for ``seed``); in ``dtype``; for ``layout`` (default: one process on ``device``,
-    the CPU if not given). ``experts``: the rule's experts choice file (rule choose_experts), which
-    ``model.experts_implementation: auto`` needs and any other value must be the one chosen for. ``data``:
-    tokenized folders whose tokenizer the model's vocabulary must cover (moeflow.model.folder.check_vocabulary).
-    ``weights=False``: no weight is read where the layout allows it (module docstring)."""
+    token rows (deterministic for ``seed``, as LoRA's adapters' start is); in ``dtype``; for ``layout``
+    (default: one process on ``device``, the CPU if not given). ``experts``: the rule's experts choice file (rule
+    choose_experts), which ``model.experts_implementation: auto`` needs and any other value must be the one
+    chosen for. ``data``: tokenized folders whose tokenizer the model's vocabulary must cover
+    (moeflow.model.folder.check_vocabulary). ``weights=False``: no weight is read where the layout allows it
+    (module docstring)."""
     layout = _placement(layout, device)
     dtype = layout.weights_dtype(dtype)
     settings = resolve_experts(settings, experts)
     _check_combination(layout, folder)
-    on_meta = folder is not None and not layout.adapters  # LoRA: from_pretrained, then the adapters
     if folder is None:
         model = _built(settings, vocab_size, seed, dtype)
-    elif on_meta:
+    else:
         model = _built_on_meta(settings, Path(folder), dtype)
         if layout.parallel.strategy == "ep":
             model = _expert_parallel(model, settings, Path(folder), layout)
-    else:
-        model = _loaded(settings, Path(folder), dtype)
     model = install_chunked_loss(model, settings.loss_chunk_tokens)
     if layout.train is not None and layout.train.trained_mtp is not None:
         unfreeze_mtp_layers(model)  # before any forward: FSDP2 fixes its gradient dtypes at the first one
     check_vocabulary(model, list(data), folder or "the model")
     names_of = tied_names(model)
     if layout.adapters:
+        if settings.quantization != "none":  # before the adapters, which read the dequantized weights
+            quantize_base(model, settings.quantization, set(router_modules(model)))
         model = apply_lora(model, layout.train.lora, layout.train.gradient_checkpointing)
-    model = shard_model(model, layout.parallel, layout.ranks, layout.precision)
-    if on_meta and weights:
+    model = shard_model(model, layout.parallel, layout.ranks, layout.precision, layout.adapters)
+    if folder is not None and weights:
         fill_from_folder(model, folder, names_of)
+    if layout.adapters:  # whole and seeded: the same start on every rank, in every layout
+        place_whole(model, initial_adapters(model, seed))
     return model
 
 
@@ -268,21 +275,6 @@ def keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
                     tensors[leaf] = new
                 else:
                     tensors[leaf] = tensor.to(torch.float32)
-
-
-def _loaded(settings: ModelSettings, folder: Path, dtype: torch.dtype) -> torch.nn.Module:
-    """``from_pretrained`` of a local folder (never the hub: stages run offline), from safetensors only (the
-    base model LoRA adapters are added to)."""
-    folder = check_model_folder(folder)
-    with refusing_remote_code(folder):
-        return causal_lm_class().from_pretrained(
-            folder,
-            torch_dtype=dtype,
-            trust_remote_code=settings.trust_remote_code,
-            local_files_only=True,
-            use_safetensors=True,
-            **_implementations(settings),
-        )
 
 
 def _refuse_tied_embeddings_for_ep(settings: ModelSettings, folder: Path) -> None:

@@ -30,13 +30,14 @@ gradient reaches the adapters of the checkpointed layers (tests/test_lora.py sho
 checkpointing does not have that problem, but :func:`apply_lora` calls ``enable_input_require_grads``
 whenever checkpointing is on, so either variant trains the adapters.
 
-Checkpoints hold only what training changes: ``save_pretrained`` of the peft model (adapter_config.json,
-adapter_model.safetensors), the router's weights when it is trainable (router.safetensors) and the
-LoRA settings (moeflow_lora.json). :func:`merge_adapters` folds the adapters into the base weights, for
-``moeflow.checkpoint.export`` to write a folder that ``AutoModelForCausalLM.from_pretrained`` loads. train_model also
-declares the adapter as an output (``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which
-``PeftModel.from_pretrained`` loads on the base model, plus the trainable-parameter report; a full run
-writes only the report (``method: full``).
+The adapter folder holds only what training changes: ``save_pretrained`` of the peft model
+(adapter_config.json, adapter_model.safetensors), the router's weights when it is trainable (router.safetensors) and
+the LoRA settings (moeflow_lora.json). It is written whole from every layout: under FSDP every rank holds a share of
+each adapter's rows, and :func:`adapter_state` gathers them first. train_model declares it as an output
+(``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which ``PeftModel.from_pretrained`` loads on the
+base model, plus the trainable-parameter report; a full run writes only the report (``method: full``). The merged
+model is ``moeflow.checkpoint.export``'s: each adapted weight made whole in turn, its update (:class:`MergeTarget`)
+added in fp32 and the sum rounded once to the dtype written.
 
 Which category a weight belongs to is ``moeflow.model.parameters``' answer. This module imports peft lazily:
 moeflow.plan (imported at DAG-build time) uses it.
@@ -45,6 +46,7 @@ moeflow.plan (imported at DAG-build time) uses it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -59,6 +61,7 @@ from moeflow.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.families.registry import FAMILIES
 from moeflow.model import parameters as P
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
+from moeflow.model.quantization import quantized_weights
 from moeflow.model.settings import LORA_ALL, LoraSettings
 from moeflow.model.wrappers import unwrap
 from moeflow.runtime import compat
@@ -158,7 +161,7 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
                     )
                 parameters[f"{name}.weight"] = "router"
             continue
-        for param_name, param in module.named_parameters(recurse=False):
+        for param_name, param in _own_weights(module):
             # an ``experts`` module's 3D parameters; 4.57's GraniteMoE experts (input_linear/output_linear) are
             # not a layout peft's target_parameters reads, and get no adapters
             if param.ndim == 3 and name.endswith("experts") and P.category(f"{name}.{param_name}") == P.ROUTED_EXPERTS:
@@ -194,6 +197,13 @@ def find_targets(model: Any, settings: LoraSettings) -> Targets:
             f"it has {', '.join(sorted(found | ({'router'} if routers else set()))) or 'none of them'}"
         )
     return Targets(modules=modules, parameters=parameters)
+
+
+def _own_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's own parameters by the names it reads them by, a quantized one's (a parametrization: its codes,
+    which keep the weight's number of dimensions) included."""
+    chains = getattr(module, "parametrizations", {})
+    return [*module.named_parameters(recurse=False), *((name, chain.original) for name, chain in chains.items())]
 
 
 def module_pattern(names: list[str], exclude: tuple[str, ...] = ()) -> str:
@@ -247,8 +257,10 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
         raise LoraConfigError("the model already has LoRA adapters: apply_lora takes the base model")
     targets = find_targets(model, settings)
     mtp = mtp_prefixes(unwrap(model, peft=True))
-    # peft matches target_parameters as suffixes, which the MTP layers' parameters share: name each in full then
-    parameters = sorted(targets.parameters) if mtp else parameter_suffixes(sorted(targets.parameters))
+    # peft matches target_parameters as suffixes, which the MTP layers' parameters share, and a quantized weight
+    # (a parametrization) only by its full name: name each in full then
+    full = mtp or any(hasattr(m, "parametrizations") for m in unwrap(model, peft=True).modules())
+    parameters = sorted(targets.parameters) if full else parameter_suffixes(sorted(targets.parameters))
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
@@ -267,6 +279,7 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
             f"/ {sorted(got_params ^ set(targets.parameters))[:5]} "
             "differently from moeflow.model.lora.find_targets"
         )
+    _remove_only_lora_proxies(peft_model)
     if settings.router == "trainable":
         for router in router_modules(peft_model).values():
             router.float()  # a frozen base held in bf16: the router trains in fp32, as the adapters do
@@ -277,6 +290,54 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
         peft_model.get_base_model().enable_input_require_grads()
     peft_model._moeflow_lora = settings
     return peft_model
+
+
+def _remove_only_lora_proxies(model: Any) -> None:
+    """peft 0.21.2's ``ParamWrapper`` adds its adapter to a parameter as a parametrization for each forward and then
+    removes it; from a parameter that has another parametrization (a quantized base's) it removes only a
+    ``_LoraParameterProxy``, not the ``_LoraFactorsProxy`` it uses for one adapter on fused experts, which would then
+    stay and apply again at every forward. Each such wrapper removes either."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for layer in model.modules():
+        if isinstance(layer, ParamWrapper):
+            layer._remove_parametrizations = functools.partial(_remove_lora_proxy, layer)
+
+
+def _remove_lora_proxy(layer: Any) -> None:
+    """The adapter's parametrization of ``layer``'s parameter removed, the others kept (the whole chain when it is
+    the only one, as peft does)."""
+    from peft.tuners.lora.layer import _LoraFactorsProxy, _LoraParameterProxy
+    from torch.nn.utils import parametrize
+
+    chain = layer.get_base_layer().parametrizations[layer.parameter_name]
+    if len(chain) == 1:
+        parametrize.remove_parametrizations(layer.get_base_layer(), layer.parameter_name, leave_parametrized=False)
+        return
+    for index in reversed(range(len(chain))):
+        if isinstance(chain[index], (_LoraParameterProxy, _LoraFactorsProxy)):
+            del chain[index]
+            return
+
+
+def initial_adapters(model: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Every adapter's starting value, whole, by clean name: ``lora_A`` as peft draws it (Kaiming-uniform,
+    ``a=sqrt(5)``) from a generator seeded with ``seed`` and taken in module order, ``lora_B`` zero (the adapted
+    model starts as the base). The same on every rank and in every layout, whatever the global RNG has done;
+    moeflow.loading.factory places them (a model loaded on the meta device has no values to start from)."""
+    from peft.tuners.lora import LoraLayer
+
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for path, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer) or ADAPTER_NAME not in layer.lora_A:
+            continue
+        a, b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
+        start = torch.empty(tuple(a.shape), dtype=torch.float32)
+        torch.nn.init.kaiming_uniform_(start, a=math.sqrt(5), generator=generator)
+        out[P.clean_name(f"{path}.lora_A.{ADAPTER_NAME}.weight")] = start.to(a.dtype)
+        out[P.clean_name(f"{path}.lora_B.{ADAPTER_NAME}.weight")] = torch.zeros(tuple(b.shape), dtype=b.dtype)
+    return out
 
 
 def lora_settings(model: Any) -> LoraSettings:
@@ -296,17 +357,35 @@ def _router_state(model: Any) -> dict[str, Any]:
     }
 
 
-def save_adapter(model: Any, folder: str | os.PathLike) -> None:
+def adapter_state(model: Any) -> dict[str, torch.Tensor] | None:
+    """What training changes (the adapters, a trainable router), whole: None for a model every rank holds whole (peft
+    reads it); for a sharded one (FSDP2's DTensors) every rank's rows gathered into rank 0's host memory (the
+    other ranks get an empty dict). A collective for a sharded model: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not any(type(p).__name__ == "DTensor" for p in model.parameters()):  # FSDP2's (torch 2.3 has none)
+        return None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return {P.clean_name(k): v for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def save_adapter(model: Any, folder: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> None:
     """Write the adapters (peft ``save_pretrained``: adapter_config.json + adapter_model.safetensors),
-    the router's weights when it is trainable, and the LoRA settings into ``folder``. Call it inside
+    the router's weights when it is trainable, and the LoRA settings into ``folder``; ``state``: a sharded
+    model's :func:`adapter_state` (None: the model's own tensors). Call it inside
     ``moeflow.runtime.files.atomic_dir`` (or a checkpoint folder that is renamed into place)."""
     from safetensors.torch import save_file
 
     settings = lora_settings(model)
     folder = Path(folder)
-    model.save_pretrained(str(folder), safe_serialization=True)
+    if state is None:
+        model.save_pretrained(str(folder), safe_serialization=True)
+        router = _router_state(model)
+    else:
+        model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
+        router = {P.base_name(k): v.contiguous() for k, v in state.items() if not P.is_adapter(k)}
     if settings.router == "trainable":
-        save_file(_router_state(model), str(folder / ROUTER_FILE))
+        save_file(router, str(folder / ROUTER_FILE))
     write_json(folder / SETTINGS_FILE, settings.as_dict())
 
 
@@ -349,23 +428,76 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
 
 
 def save_adapter_output(model: Any, folder: str | os.PathLike, expert_mask: Any = None) -> dict[str, Any]:
-    """train_model's ``adapter`` output, written atomically: for a LoRA model the adapter (:func:`save_adapter`:
-    loadable with ``PeftModel.from_pretrained`` on the base model), for every model
+    """train_model's ``adapter`` output, written atomically by rank 0: for a LoRA model the adapter
+    (:func:`save_adapter`: loadable with ``PeftModel.from_pretrained`` on the base model), for every model
     ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full``, ``lora`` or
-    ``esft``), so the output exists for a full run too. Call it before :func:`merge_adapters`, which consumes the
-    peft wrapper. Returns the report."""
+    ``esft``), so the output exists for a full run too. A collective for a sharded LoRA model: every rank calls it.
+    Returns the report."""
+    import torch.distributed as dist
+
     report = trainable_parameter_report(model, expert_mask)
+    state = adapter_state(model) if is_lora_model(model) else None
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return report
     with atomic_dir(folder) as tmp:
         if is_lora_model(model):
-            save_adapter(model, tmp)
+            save_adapter(model, tmp, state)
         write_json(Path(tmp) / REPORT_FILE, report)
     return report
 
 
-def merge_adapters(model: Any) -> Any:
-    """Fold the adapters into the base weights: the merged transformers model (``moeflow.checkpoint.export`` writes
-    it as a folder that ``AutoModelForCausalLM.from_pretrained`` loads). This consumes the peft wrapper."""
-    return model.merge_and_unload(safe_merge=True)
+@dataclass(frozen=True)
+class MergeTarget:
+    """A base weight with an adapter: its name in the base model (``moeflow.model.parameters.base_name``), the
+    adapter's factors as peft holds them (sharded under FSDP) and how peft combines them (its layer's
+    ``get_delta_weight``): ``experts`` is a fused expert tensor's expert count (peft's ``ParamWrapper``; 1 for a
+    ``Linear`` and a 2-D parameter), ``swapped`` its (experts, out, in) layout."""
+
+    name: str
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+    experts: int = 1
+    swapped: bool = False
+    fan_in_fan_out: bool = False
+
+    def delta(self, a: torch.Tensor, b: torch.Tensor, expert: int | None = None) -> torch.Tensor:
+        """The update of the base weight in fp32, from the whole factors ``a`` and ``b``; of one expert's slice of
+        a fused tensor with ``expert``. peft's ``get_delta_weight`` casts it to the base's dtype before the sum,
+        which rounds a small update away in a bf16 base."""
+        a, b = a.float(), b.float()
+        if self.experts == 1:
+            update = b @ a
+            return (update.T if self.fan_in_fan_out else update) * self.scaling
+        a = a.reshape(self.experts, -1, a.shape[-1])  # experts x rank x in
+        b = b.reshape(b.shape[0], -1, self.experts)  # out x rank x experts
+        if expert is None:
+            return torch.einsum("ore,eri->eoi" if self.swapped else "ore,eri->eio", b, a) * self.scaling
+        update = b[:, :, expert] @ a[expert]  # out x in
+        return (update if self.swapped else update.T) * self.scaling
+
+
+def merge_targets(model: Any) -> list[MergeTarget]:
+    """Every adapted weight of a LoRA model, in module order."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    targets = []
+    for path, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer) or ADAPTER_NAME not in layer.lora_A:
+            continue
+        wrapper = isinstance(layer, ParamWrapper)
+        targets.append(
+            MergeTarget(
+                name=P.base_name(P.clean_name(f"{path}.{layer.parameter_name if wrapper else 'weight'}")),
+                lora_a=layer.lora_A[ADAPTER_NAME].weight,
+                lora_b=layer.lora_B[ADAPTER_NAME].weight,
+                scaling=float(layer.scaling[ADAPTER_NAME]),
+                experts=layer.num_experts if wrapper else 1,
+                swapped=bool(getattr(layer, "_did_swap_in_out_features", False)),
+                fan_in_fan_out=bool(getattr(layer, "fan_in_fan_out", False)),
+            )
+        )
+    return targets
 
 
 def trainable_parameter_report(model: Any, expert_mask: Any = None) -> dict[str, Any]:
@@ -379,9 +511,14 @@ def trainable_parameter_report(model: Any, expert_mask: Any = None) -> dict[str,
         frozen_rows = {id(f.param): 1 - len(f.selected) / f.param.shape[0] for f in expert_mask.fused}  # whole tensors
     by_category: dict[str, dict[str, int]] = {}
     trainable = total = adapter = 0
+    quantized = quantized_weights(model)
     for name, param in model.named_parameters():
-        # the whole parameter's size also for an FSDP1 flat shard (moeflow.parallel.layouts.original_shape)
-        n = math.prod(getattr(param, "_moeflow_shape", None) or param.shape)
+        # the whole parameter's size also for an FSDP1 flat shard (moeflow.parallel.layouts.original_shape), and a
+        # quantized weight's, not its stored bytes'
+        dense = quantized.get(P.base_name(P.clean_name(name)))
+        n = math.prod(
+            dense.dequantize.packing.shape if dense else getattr(param, "_moeflow_shape", None) or param.shape
+        )
         entry = by_category.setdefault(P.counted_category(name) or "other", {"trainable": 0, "total": 0})
         entry["total"] += n
         total += n
@@ -402,6 +539,7 @@ def trainable_parameter_report(model: Any, expert_mask: Any = None) -> dict[str,
     }
     if is_lora_model(model):
         report["lora"] = lora_settings(model).as_dict()
+        report["quantization"] = next((w.dequantize.packing.kind for w in quantized.values()), "none")
     return report
 
 
@@ -430,7 +568,9 @@ __all__ = [
     "save_adapter",
     "load_adapter",
     "save_adapter_output",
-    "merge_adapters",
+    "adapter_state",
+    "merge_targets",
+    "initial_adapters",
     "trainable_parameter_report",
     "router_is_trainable",
     "is_lora_model",

@@ -64,6 +64,10 @@ PEFT_PREFIX = "base_model.model."
 _LORA_PARAM = re.compile(r"\.lora_(A|B)\.[^.]+\.(weight|bias)$")
 
 
+# A weight held as a parametrization (moeflow.model.quantization: its stored bytes are ``original``).
+_PARAMETRIZED = re.compile(r"\.parametrizations\.([^.]+)\.original$")
+
+
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -88,9 +92,10 @@ _RULES = (
 
 
 def base_name(name: str) -> str:
-    """The name in the plain model of the weight a (possibly peft-wrapped) parameter is or adapts."""
+    """The name in the plain model of the weight a (possibly peft-wrapped, possibly quantized) parameter is or
+    adapts."""
     name = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
-    return _LORA_PARAM.sub(".weight", name.replace(".base_layer", ""))
+    return _PARAMETRIZED.sub(r".\1", _LORA_PARAM.sub(".weight", name.replace(".base_layer", "")))
 
 
 def is_adapter(name: str) -> bool:

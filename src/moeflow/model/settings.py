@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from packaging.version import Version
+
+from moeflow.runtime import compat
 from moeflow.settings import MODEL_SCHEMA, enum, plain
 
 # ``model.experts_implementation`` that rule choose_experts resolves by measurement; the factory applies the
@@ -28,7 +31,52 @@ class ModelSettings:
     attn_implementation: str
     experts_implementation: str | None
     loss_chunk_tokens: int
+    quantization: str  # none | nf4 | fp4 | int8: a LoRA run's frozen base (moeflow.model.quantization)
     config: dict[str, Any]
+
+
+# model.quantization's formats (moeflow.model.quantization): bits per element, and elements per fp32 scale (a 4-bit
+# block; int8 scales each row). Here, torch-free: the planner counts them at DAG build.
+QUANTIZED_BITS = {"nf4": 4, "fp4": 4, "int8": 8}
+
+
+QUANTIZATION_BLOCK = 64
+
+
+def quantized_bytes_per_element(kind: str, width: int = 0) -> float:
+    """Bytes a weight element takes in ``kind`` with its share of the scales (``width``: the row's, for int8's one
+    scale per row; 0: scales not counted)."""
+    per_scale = width if kind == "int8" else QUANTIZATION_BLOCK
+    return QUANTIZED_BITS[kind] / 8 + (4 / per_scale if per_scale else 0)
+
+
+BITSANDBYTES_TORCH = "2.4"  # bitsandbytes 0.50's oldest torch
+
+
+def quantization_problems(kind: str, method: str, gradient_checkpointing: bool) -> list[str]:
+    """What ``model.quantization`` cannot run with, each naming the keys and what to do: a quantized base is frozen,
+    so a LoRA run's; with activation checkpointing (else autograd keeps every layer's dequantized weight); on a
+    torch bitsandbytes runs on. The config check and the planner's proposals refuse the same."""
+    if kind == "none":
+        return []
+    problems = []
+    if method != "lora":
+        problems.append(
+            f"config keys 'model.quantization': {kind} and 'train.method': {method} do not combine: a quantized base "
+            "is frozen, and only LoRA's adapters train over it. Use train.method: lora, or model.quantization: none"
+        )
+    elif not gradient_checkpointing:
+        problems.append(
+            f"config key 'model.quantization': {kind} needs train.gradient_checkpointing: true: without it autograd "
+            "keeps every layer's dequantized weight for the backward pass, a dense copy of the base"
+        )
+    torch_version = compat.version_of("torch")
+    if torch_version is not None and torch_version.release < Version(BITSANDBYTES_TORCH).release:
+        problems.append(
+            f"config key 'model.quantization': {kind} runs on bitsandbytes, which needs torch {BITSANDBYTES_TORCH} "
+            f"or newer, and this stack has torch {torch_version}: use STACK=current, or model.quantization: none"
+        )
+    return problems
 
 
 LORA_ALL = "all"

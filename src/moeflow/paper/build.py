@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -476,11 +477,22 @@ def paper_outputs(outdir: str) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class PaperStage:
+    """Rule paper: the config's ``paper`` section (the MoE run reported, the dense runs it is compared with, the
+    evaluation set of the per-expert and balance tables, the PNGs' resolution)."""
+
+    moe_run: str
+    dense_runs: tuple[str, ...]
+    set: str
+    dpi: int
+
+
 def write_paper(
     outdir: str | Path,
     *,
     config: Mapping[str, Any],
-    settings: Mapping[str, Any],
+    settings: PaperStage,
     records: Mapping[str, RunRecord],
     coverage: Mapping[str, Any],
     env_report_path: str | Path,
@@ -490,7 +502,6 @@ def write_paper(
 ) -> list[Path]:
     """Write every figure and table of ``paper_outputs`` plus ``provenance.json``; return the artifacts.
 
-    ``settings``: the config's ``paper`` section (``moe_run``, ``dense_runs``, ``set``, ``dpi``);
     ``records``: each run's comparison inputs; ``coverage``: the MoE run's ``coverage.json``;
     ``stage_docs``: upstream JSON outputs (their ``provenance`` records are collected); ``experts``: each run's
     experts timings (rule choose_experts), for the environment table.
@@ -500,16 +511,16 @@ def write_paper(
     line = provenance_line(record)
     env_report = json.loads(Path(env_report_path).read_text(encoding="utf-8"))
     evals = {run: r.metrics for run, r in records.items()}
-    moe, dense = settings["moe_run"], list(settings["dense_runs"])
+    moe, dense = settings.moe_run, list(settings.dense_runs)
     compared = [records[moe]] + [records[d] for d in dense]
     runs = list(records.values())
-    dpi = int(settings["dpi"])
+    dpi = settings.dpi
 
     artifacts: list[Path] = []
     for table in (
         final_metrics_table(evals),
-        expert_table(evals, settings["set"]),
-        balance_table(evals, settings["set"]),
+        expert_table(evals, settings.set),
+        balance_table(evals, settings.set),
         environment_table(env_report, config, record, experts),
         comparison_table(compared, moe),
         method_table(runs, moe),

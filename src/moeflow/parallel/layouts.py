@@ -91,13 +91,17 @@ def _layer_classes(model: torch.nn.Module) -> tuple[type, ...]:
     return tuple(sorted(classes, key=lambda c: c.__name__))
 
 
-def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks, precision: str) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks, precision: str, adapters: bool = False
+) -> torch.nn.Module:
     """The model for this layout: unsharded for ``none``, as transformers sharded it for ``ep``, FSDP-wrapped
     for ``fsdp`` (FSDP2 on the current stack, FSDP1 on the pinned one). Call before the optimizer is built.
 
     With ``precision: bf16``, FSDP's mixed precision: the shards (AdamW's master weights) stay fp32, each
     unit is all-gathered in bf16 and computes in bf16, gradients are reduce-scattered in fp32 (half the
-    traffic of fp32 gathers; the Trainer's autocast keeps the losses fp32)."""
+    traffic of fp32 gathers; the Trainer's autocast keeps the losses fp32). A LoRA model (``adapters``) holds
+    its frozen base in bf16 already and its adapters in fp32: each is gathered in its own dtype and the
+    Trainer's autocast computes, as in one process (:func:`fsdp2_mixed_precision`)."""
     if parallel.strategy != "fsdp" or ranks.world_size == 1:
         if parallel.strategy == "ep":  # sharded on the meta device by transformers (moeflow.loading.factory)
             return materialize(model, ranks.device) if has_meta_parameters(model) else model
@@ -111,8 +115,8 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
         # each unit's parameters and buffers to the mesh's device as it shards them, and the root unit takes
         # everything outside the layers (embeddings, final norm, output layer, rotary buffers).
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
-        policy = fsdp2_mixed_precision(precision)
-        if policy:  # before their layers: FSDP2 shards a submodule before the module holding it
+        policy = fsdp2_mixed_precision(precision, adapters)
+        if policy and not adapters:  # before their layers: FSDP2 shards a submodule before the module holding it
             for module in fp32_modules(model):
                 fully_shard(module, mesh=mesh, **fsdp2_mixed_precision("fp32"))
         for module in list(model.modules()):
@@ -141,12 +145,17 @@ def shard_model(model: torch.nn.Module, parallel: ParallelSettings, ranks: Ranks
     )
 
 
-def fsdp2_mixed_precision(precision: str) -> dict[str, Any]:
+def fsdp2_mixed_precision(precision: str, adapters: bool = False) -> dict[str, Any]:
     """``fully_shard``'s mixed-precision keyword for ``precision``: bf16 parameters, fp32 reduction (the
     policy transformers' ``DistributedConfig(fsdp_mixed_precision=True)`` uses for ``strategy: ep``); fp32:
-    parameters and reduction in fp32 (the modules :func:`fp32_modules` names, under a bf16 model)."""
+    parameters and reduction in fp32 (the modules :func:`fp32_modules` names, under a bf16 model). A LoRA
+    model's (``adapters``) under bf16: no cast, fp32 reduction of the adapters' gradients. Casting its fp32
+    adapters to bf16 for the gather would round them where one process's autocast rounds only the matmul's
+    inputs, and its routers stay in the dtype the model class keeps them in."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    if precision == "bf16" and adapters:
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)}
     if precision == "fp32":
         return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
     if precision != "bf16":

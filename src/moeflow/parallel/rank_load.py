@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
-from moeflow.model.parameters import clean_name
+from moeflow.model.parameters import base_name, clean_name, is_adapter
+from moeflow.model.quantization import pack, quantized_weights
 from moeflow.model.safetensors_files import SafetensorsError, read_elements, read_header, read_tensor, weight_files
 from moeflow.model.saved_names import saved_format
-from moeflow.model.wrappers import is_fsdp1
+from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel import dtensors, process_group
 
 META = torch.device("meta")
@@ -266,9 +267,11 @@ def file_sources(
 
 def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: Mapping[str, list[str]]) -> None:
     """Fill the model's (local shards of its) parameters and persistent buffers from the folder's files,
-    each rank reading only the rows it owns. ``names_of``: every name of a tied tensor (the files hold one
-    of them). A missing tensor, a shape that differs or an index naming a missing file: a SafetensorsError
-    naming the file and the tensor."""
+    each rank reading only the rows it owns; a LoRA model's base weights (its adapters are not in the folder:
+    :func:`place_whole`), a quantized weight's rows read dense and quantized where they land
+    (moeflow.model.quantization). ``names_of``: every name of a tied tensor (the files hold one of them). A missing
+    tensor, a shape that differs or an index naming a missing file: a SafetensorsError naming the file and the
+    tensor."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     folder = Path(path)
@@ -280,21 +283,56 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
     sharded = any(dtensors.is_dtensor(p) for p in model.parameters())
     # an unsharded model's own state dict shares its storage (torch 2.3's get_model_state_dict wants a process group)
     state = get_model_state_dict(model) if sharded else model.state_dict()
+    base = unwrap(model, peft=True)
+    quantized = quantized_weights(model)
     with torch.no_grad():
-        for name, value in state.items():
-            shape = tuple(value.shape)
+        for key, value in state.items():
+            if is_adapter(key):
+                continue  # the adapters start from their seeded draw (place_whole)
+            name = base_name(key)
+            weight = quantized.get(name)
+            shape = weight.dequantize.packing.shape if weight else tuple(value.shape)
             stored = next((n for n in names_of.get(name, [name]) if n in files), None)
-            pieces = [(local, offset[0] if offset else 0) for local, offset in local_pieces(value) if local.numel()]
+            pieces = _pieces(value)
             if stored is not None:
                 sources = {stored: None}
             else:  # only this rank's rows' file tensors are placed element by element
                 starts = [first for _, first in pieces]
                 stops = [first + (local.shape[0] if local.dim() else 1) for local, first in pieces]
-                sources = file_sources(model, name, shape, range(min(starts, default=0), max(stops, default=0)))
+                sources = file_sources(base, name, shape, range(min(starts, default=0), max(stops, default=0)))
                 if set(sources) == {name}:
                     raise SafetensorsError(f"{folder}: the model's tensor {name!r} is in none of its weight files")
-            for local, first in pieces:
-                _fill_piece(folder, files, headers, name, shape, sources, local, first)
+            if weight is None:
+                for local, first in pieces:
+                    _fill_piece(folder, files, headers, name, shape, sources, local, first)
+                continue
+            packing = weight.dequantize.packing
+            for stored, first in pieces:  # this rank's rows read dense, then quantized
+                dense = torch.empty((stored.shape[0], *shape[1:]), dtype=weight.dequantize.dtype, device=stored.device)
+                _fill_piece(folder, files, headers, name, shape, sources, dense, first)
+                stored.copy_(pack(packing.kind, dense, packing.block))
+    if sharded:
+        set_model_state_dict(model, state)
+
+
+def _pieces(value: Any) -> list[tuple[torch.Tensor, int]]:
+    """:func:`local_pieces` of a state-dict entry that has elements here, with the row each starts at."""
+    return [(local, offset[0] if offset else 0) for local, offset in local_pieces(value) if local.numel()]
+
+
+def place_whole(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Set the model's tensors named in ``tensors`` (by clean name, given whole: LoRA's initial adapters) in
+    every layout but FSDP1: each rank copies the rows it holds."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    sharded = any(dtensors.is_dtensor(p) for p in model.parameters())
+    state = get_model_state_dict(model) if sharded else model.state_dict()
+    entries = {clean_name(k): v for k, v in state.items()}
+    with torch.no_grad():
+        for name, whole in tensors.items():
+            for local, offset in local_pieces(entries[name]):
+                first = offset[0] if offset else 0
+                local.copy_(whole[first : first + local.shape[0]] if local.dim() else whole)
     if sharded:
         set_model_state_dict(model, state)
 

@@ -25,18 +25,25 @@ class ParallelSettings:
 
 
 def training_layout_problems(
-    method: str, strategy: str, world: int, tied_embeddings: bool = False, model_type: str | None = None
+    method: str,
+    strategy: str,
+    world: int,
+    tied_embeddings: bool = False,
+    model_type: str | None = None,
+    fsdp2: bool | None = None,
 ) -> list[str]:
     """What a training layout cannot run, each naming the keys and what to do. The config check, the loader
     (moeflow.loading.factory) and the planner's proposals (moeflow.plan.proposals) refuse the same layouts:
     expert parallelism with tied embeddings (transformers 5's expert-parallel sharding unties them), LoRA adapters
-    over sharded ranks (peft over FSDP or expert parallelism is not built), and ESFT under FSDP1 on fused expert
+    under expert parallelism or FSDP1, and ESFT under FSDP1 on fused expert
     tensors (``model_type``'s: its flat shards split elements, not experts). Expert parallelism on transformers
     4.57 is refused where the model is loaded (moeflow.parallel.layouts), not here: a plan on the pinned stack may
-    be for a cluster that runs the current one. Imports nothing heavy: the config check runs at DAG build."""
+    be for a cluster that runs the current one. ``fsdp2``: whether FSDP is FSDP2 (None: this stack's torch says;
+    docs/training.md's table is for the current stack). Imports nothing heavy: the config check runs at DAG build."""
     from moeflow.families import registry
     from moeflow.runtime import compat
 
+    fsdp2 = compat.fsdp2_available() if fsdp2 is None else fsdp2
     problems = []
     if strategy == "ep" and tied_embeddings:
         problems.append(
@@ -44,14 +51,20 @@ def training_layout_problems(
             "(tie_word_embeddings): transformers 5's expert-parallel sharding unties them during training. Use "
             "parallel.strategy: fsdp for this model, or a model with tie_word_embeddings: false"
         )
-    if method == "lora" and strategy != "none" and world > 1:
+    if method == "lora" and strategy == "ep" and world > 1:
         problems.append(
-            f"config keys 'train.method': lora and 'parallel.strategy': {strategy} do not combine: LoRA adapters are "
-            "not sharded here (peft over FSDP or expert parallelism is not built). Use parallel.strategy: none "
-            "(every rank holds the frozen base model and the adapters; the adapters' gradients are summed over "
-            "ranks), or train.method: full"
+            "config keys 'train.method': lora and 'parallel.strategy': ep do not combine: transformers 5 splits the "
+            "fused expert tensors over the ranks as DTensors, which peft cannot put adapters on. Use "
+            "parallel.strategy: fsdp (the base and the adapters sharded over every rank) or none"
         )
-    if method == "esft" and strategy == "fsdp" and not compat.fsdp2_available() and registry.experts_fused(model_type):
+    if method == "lora" and strategy == "fsdp" and world > 1 and not fsdp2:
+        problems.append(
+            "config keys 'train.method': lora and 'parallel.strategy': fsdp do not combine on torch "
+            f"{compat.version_of('torch')}: FSDP1 flattens a unit's parameters into one tensor of one dtype, and "
+            "a LoRA unit holds a frozen base and fp32 adapters. Use STACK=current (FSDP2 shards each parameter), "
+            "or parallel.strategy: none (every rank holds the frozen base and the adapters)"
+        )
+    if method == "esft" and strategy == "fsdp" and not fsdp2 and registry.experts_fused(model_type):
         problems.append(
             f"config keys 'train.method': esft and 'parallel.strategy': fsdp do not combine for {model_type}'s fused "
             f"expert tensors on torch {compat.version_of('torch')}: FSDP1's flat shards split elements, not experts, "

@@ -416,3 +416,13 @@ def esft_trainable(s: Shape, params: ParamCount, esft: EsftSettings, selected_ex
     shared = params.by_category["shared_experts"]
     others = params.without_mtp - params.by_category["routed_experts"] - shared - params.by_category["router"]
     return routed + (shared if esft.train_shared_experts else 0) + (others if esft.train_non_expert else 0)
+
+
+# The categories whose weight matrices a quantized base holds in 4 or 8 bits (moeflow.model.quantization): the
+# decoder layers' projections; not the embedding, norms, routers, output layer or MTP layers.
+QUANTIZED_CATEGORIES = ("attention", "dense_ffn", "shared_experts", "routed_experts")
+
+
+def quantized_parameters(params: ParamCount, quantization: str) -> int:
+    """The parameters a base quantized in ``quantization`` (``model.quantization``, a LoRA run's) stores quantized."""
+    return 0 if quantization == "none" else sum(params.by_category.get(c, 0) for c in QUANTIZED_CATEGORIES)

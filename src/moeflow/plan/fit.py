@@ -50,10 +50,9 @@ def verdict(total: int, memory: int) -> str:
     return "tight" if total <= memory else "does_not_fit"
 
 
-def device_memory(settings: Mapping[str, Any], env_report: Mapping[str, Any]) -> tuple[int, str]:
-    """One device's memory: ``hardware.memory_gib_per_device`` (on CUDA what torch sees of a card of that
-    nominal size, ``VISIBLE_GIB``), else measured by verify_env (torch's total)."""
-    hardware = settings["hardware"]
+def device_memory(hardware: Mapping[str, Any], env_report: Mapping[str, Any]) -> tuple[int, str]:
+    """One device's memory: the config's ``hardware.memory_gib_per_device`` (on CUDA what torch sees of a card of
+    that nominal size, ``VISIBLE_GIB``), else measured by verify_env (torch's total)."""
     nominal = hardware["memory_gib_per_device"]
     if nominal and hardware["device"] == "cuda" and nominal in VISIBLE_GIB:
         return (

@@ -1,18 +1,7 @@
 """The memory planner's per-rank memory in every phase of a training job.
 
-The memory planner: count parameters from a model config (no weights) and estimate memory per rank in
-every phase of a training job (load, step, checkpoint, resume, export).
-
-Parameters
-    :func:`model_shape` reads a ``model.config`` mapping (``model_type`` plus the family's keys) into a
-    :class:`Shape` for the families moeflow.families plans. :func:`count_parameters` counts exactly by building
-    the model on PyTorch's meta device (no memory, no weights) wherever the installed transformers (with
-    moeflow.families) knows the family, and falls back to the closed-form :func:`formula_count` where it
-    does not (step3p5 on transformers 4.57). Both report the same categories, per-layer head counts and MTP
-    layers included; the tests check the formula against the meta count. *Active* parameters per token are
-    everything except the routed experts and the MTP layers, plus ``top_k / num_experts`` of the routed
-    experts; embeddings and the LM head count as active (Qwen's convention: "3.3B active"; StepFun's "11B
-    active" leaves them out, ``active_per_token_without_embeddings``).
+The parameters it counts are moeflow.plan.counts' (from a model config, no weights: the meta device or the closed
+form), in moeflow.plan.shapes' shape of the model.
 
 Memory per device in a training step (bytes, :func:`memory_per_device`, the ``step`` phase), for a job of
 ``micro_batch_size`` sequences of ``seq_len`` tokens; the terms are summed, a conservative peak (the loss's
@@ -102,8 +91,9 @@ adapter ``rank x (hidden + experts)``, and per routed expert gate/up/down on tra
 linear layers) or its fused gate_up ``rank x (hidden + 2 I_e)`` and down projection on transformers 5
 (``target_parameters``; GPT-OSS fuses on both), so the same config plans slightly differently per stack.
 Activations add, per adapted matrix a token passes through (k of the routed experts), the rank-r
-intermediate and, with dropout, a copy of the matrix's input. A full fine-tune is offered LoRA (the
-``train.lora`` settings) among moeflow.plan.proposals' configurations where it fits.
+intermediate and, with dropout, a copy of the matrix's input. With ``model.quantization`` the decoder matrices are
+held in 4 or 8 bits with their scales (gathered so under FSDP), and a layer's are dense while it runs
+(``dequantized_layer``). A full fine-tune is offered LoRA and QLoRA among moeflow.plan.proposals' configurations.
 
 ``train.method: esft`` (moeflow.train.expert_mask): gradients and AdamW's state for the selected experts only where each
 expert is its own module (transformers 4.57; ``Job.esft_selected`` pairs, all of them while no selection is
@@ -121,9 +111,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeflow.families import registry
-from moeflow.model.settings import LoraSettings
-from moeflow.parallel.settings import training_layout_problems
-from moeflow.plan.counts import ParamCount, esft_trainable, lora_activation_elements, lora_count
+from moeflow.model.settings import LoraSettings, quantized_bytes_per_element
+from moeflow.plan.counts import ParamCount, esft_trainable, lora_activation_elements, lora_count, quantized_parameters
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.runtime import compat
 from moeflow.settings import typed
@@ -175,10 +164,24 @@ PHASES = ("load", "step", "checkpoint", "resume", "export")
 
 
 @dataclass(frozen=True)
+class PlanMemoryStage:
+    """Rule plan_memory (moeflow.workflow.keys.plan_settings): the run's config sections the plan depends on, the
+    model's and the tokenizer's vocabulary."""
+
+    model: Mapping[str, Any]
+    vocab_size: int
+    hardware: Mapping[str, Any]
+    parallel: Mapping[str, Any]
+    train: Mapping[str, Any]
+    seq_len: int
+    precision: str
+
+
+@dataclass(frozen=True)
 class Job:
     """The training settings memory depends on, per rank.
 
-    :meth:`from_settings` reads them from ``moeflow.workflow.keys.plan_settings``. A job outside a config (a
+    :meth:`from_settings` reads them from a :class:`PlanMemoryStage`. A job outside a config (a
     benchmark's worker) is constructed with every field, e.g. ``fsdp`` over 2 gloo ranks of one node in fp32::
 
         shape, params, _ = plan.count_parameters(model_cfg, vocab_size)  # model_cfg: the run's model section
@@ -212,40 +215,40 @@ class Job:
     esft: EsftSettings | None = None  # train.esft: used when method is esft
     esft_selected: int | None = None  # (layer, expert) pairs ESFT selected; None: not yet known, plan for all
     mtp_trained: bool = False  # train.mtp.mode: train (a full fine-tune): the MTP layers train too
+    quantization: str = "none"  # model.quantization: a LoRA run's frozen decoder matrices in 4 or 8 bits
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> Job:
-        """The job of ``moeflow.workflow.keys.plan_settings``: its ``parallel`` section's layout. A config that names
-        no ranks (``parallel`` of one process) but several ``hardware.num_devices`` is a plan on paper: FSDP
-        over that many devices of one node."""
-        train, hardware, parallel = settings["train"], settings["hardware"], settings["parallel"]
+    def from_settings(cls, settings: PlanMemoryStage) -> Job:
+        """The job of the plan's settings in its ``parallel`` section's layout. A config that names no ranks
+        (``parallel`` of one process) but several ``hardware.num_devices`` is a plan on paper: FSDP over that many
+        devices of one node."""
+        train, hardware, parallel = settings.train, settings.hardware, settings.parallel
         if train["optimizer"] not in ("adamw", "muon"):
             raise PlanError(
                 f"config key 'train.optimizer': the planner knows adamw and muon, got {train['optimizer']!r}"
             )
         on_paper = parallel["nproc_per_node"] * parallel["nnodes"] == 1
-        # on paper a job is sharded over its devices, but for a method that runs on whole models only (LoRA)
-        whole = bool(training_layout_problems(train["method"], "fsdp", 2))
         return cls(
-            precision=settings["precision"],
+            precision=settings.precision,
             method=train["method"],
             micro_batch_size=int(train["micro_batch_size"]),
-            seq_len=int(settings["seq_len"]),
+            seq_len=settings.seq_len,
             gradient_checkpointing=bool(train["gradient_checkpointing"]),
-            attn_implementation=settings["model"]["attn_implementation"],
+            attn_implementation=settings.model["attn_implementation"],
             device=hardware["device"],
             num_devices=int(hardware["num_devices"]),
             expert_parallel=parallel["strategy"] == "ep",
             # a full run's settings carry no train.lora: the LoRA suggestion uses the defaults
             lora=typed(LoraSettings, train["lora"] or {}),
-            loss_chunk_tokens=int(settings["model"]["loss_chunk_tokens"]),
+            loss_chunk_tokens=int(settings.model["loss_chunk_tokens"]),
             ranks_per_node=int(hardware["num_devices"] if on_paper else parallel["nproc_per_node"]),
-            replicated=whole or (parallel["strategy"] == "none" and not on_paper),
+            replicated=parallel["strategy"] == "none" and not on_paper,
             fsdp_size=parallel["fsdp_size"],
             ep_size=int(parallel["ep_size"]),
             optimizer=train["optimizer"],
             esft=typed(EsftSettings, train["esft"]) if train.get("esft") else None,
             mtp_trained=(train.get("mtp") or {}).get("mode") == "train",
+            quantization=settings.model["quantization"],
         )
 
     @property
@@ -403,13 +406,19 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         trainable = trained_parameters(s, params, job)[1]
         weights, gradient_width, master = params.total * width, width, MASTER_WEIGHT_BYTES[job.precision]
     gathered = unit + unit_added
+    # a quantized base's unit is gathered as stored: its decoder matrices (most of a layer) in 4 or 8 bits
+    stored = (
+        quantized_bytes_per_element(job.quantization, s.hidden_size)
+        if quantized_parameters(params, job.quantization)
+        else width
+    )
     out = {
         "weights": math.ceil(weights / shards),
         "gradients": math.ceil(gradient_parameters(s, params, job, trainable) * gradient_width / shards),
         "optimizer": math.ceil((optimizer_state_bytes(params, trainable, job) + trainable * master) / shards)
         + muon_gathered_bytes(params, job),
-        "unsharded_layer": (gathered * width + unit_trainable * width) if job.sharded else 0,
-        "prefetched_layer": gathered * width if job.sharded else 0,
+        "unsharded_layer": math.ceil(gathered * stored + unit_trainable * width) if job.sharded else 0,
+        "prefetched_layer": math.ceil(gathered * stored) if job.sharded else 0,
         "layer_gradient_reduce": unit_trainable * FP32_BYTES if job.sharded else 0,
         "root_unit": (root + root_trainable) * width if job.sharded else 0,
         "residual_stream": residual_stream_bytes(s, job),
@@ -418,6 +427,10 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         "loss": loss_bytes(s, job),
         "runtime": runtime_bytes(job.device),
     }
+    if quantized_parameters(params, job.quantization):
+        # a quantized base's weights read dense while a layer runs (moeflow.model.quantization): the largest layer's,
+        # which its backward keeps, and beside its largest tensor the copy with the adapter's update folded in
+        out["dequantized_layer"] = (params.largest_layer + params.largest_tensor) * width
     out["total"] = sum(out.values())
     return out
 
@@ -474,10 +487,14 @@ def held_weight_bytes(s: Shape, params: ParamCount, job: Job) -> int:
     """The weights the ranks hold together, as they are held (moeflow.loading.factory.Layout.weights_dtype): every
     parameter in fp32, except LoRA under bf16, whose frozen base is held in bf16 while the adapters and a trainable
     router stay fp32."""
-    if job.method == "lora" and job.precision == "bf16":
+    if job.method == "lora":
         adapters = lora_count(s, job.lora)
-        frozen = params.total - adapters.router_weights
-        return frozen * WEIGHT_BYTES["bf16"] + adapters.trainable * PARAM_BYTES
+        quantized = quantized_parameters(params, job.quantization)
+        frozen = params.total - adapters.router_weights - quantized
+        base = frozen * WEIGHT_BYTES[job.precision]
+        if quantized:
+            base += math.ceil(quantized * quantized_bytes_per_element(job.quantization, s.hidden_size))
+        return base + adapters.trainable * PARAM_BYTES
     added, _ = trained_parameters(s, params, job)
     return (params.total + added) * PARAM_BYTES
 
@@ -521,7 +538,8 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
       the step that initialises a fresh optimizer's state (``moeflow.checkpoint.pieces.state_pieces``), one
       tensor's read buffer;
     * export: the resident state and one whole parameter gathered (all ranks take part), staged on the host on CUDA;
-      rank 0 streams each tensor to its shard file (no buffer of ``export.max_shard_size``).
+      rank 0 streams each tensor to its shard file (no buffer of ``export.max_shard_size``); LoRA's merged weight
+      is a second such tensor (moeflow.checkpoint.export.merged).
 
     On CUDA the host side holds the staging buffers and the host runtime (``CUDA_HOST_RUNTIME_BYTES``).
     With ``hardware.device: cpu`` there is one memory: everything is on the device side (the runtime once,
@@ -535,6 +553,9 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     whole = largest_held_tensor_bytes(params, job)
     owned = math.ceil(whole / job.shard_ranks)
     runtime = {"runtime": runtime_bytes(job.device)}
+    on_cuda = job.device == "cuda"
+    # LoRA's export writes each adapted weight merged, into a tensor of its own beside the gathered one
+    merged = {"merged_copy": whole} if job.method == "lora" else {}
     step = {k: v for k, v in memory_per_device(s, params, job).items() if k != "total"}
     # phase: (device terms, host copies of device memory: only on CUDA)
     terms = {
@@ -545,9 +566,8 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
         "step": (step, {}),
         "checkpoint": (state, {"staging_copy": owned}),
         "resume": (state | {"initial_gradients": zero_gradients}, {"read_buffer": owned}),
-        "export": (state | {"gathered_tensor": whole}, {"staging_copy": whole}),
+        "export": (state | {"gathered_tensor": whole} | ({} if on_cuda else merged), {"staging_copy": whole} | merged),
     }
-    on_cuda = job.device == "cuda"
     out = {}
     for phase, (device, copies) in terms.items():
         device = device if phase == "step" else device | runtime

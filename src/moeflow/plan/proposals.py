@@ -24,10 +24,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from moeflow.model.settings import quantization_problems
 from moeflow.parallel.settings import training_layout_problems
 from moeflow.plan.counts import ParamCount
 from moeflow.plan.fit import fits, gib, min_devices
-from moeflow.plan.memory import FP32_BYTES, WEIGHT_BYTES, Job, trained_parameters, worst_device_total
+from moeflow.plan.memory import FP32_BYTES, WEIGHT_BYTES, Job, PlanMemoryStage, trained_parameters, worst_device_total
 from moeflow.plan.shapes import Shape
 from moeflow.runtime import compat
 
@@ -41,18 +42,22 @@ KEPT = 6
 
 
 def proposals(
-    s: Shape, params: ParamCount, job: Job, memory: int, settings: Mapping[str, Any], kept: int = KEPT
+    s: Shape, params: ParamCount, job: Job, memory: int, settings: PlanMemoryStage, kept: int = KEPT
 ) -> list[dict[str, Any]]:
     """The cheapest configurations that fit (module docstring), each ``{"change", "overlay", "num_devices",
     "per_device_gib", "worst_phase_gib", "step_flops_per_token", "bytes_moved_per_micro_batch"}``; ``settings``
-    are moeflow.workflow.keys.plan_settings's, against which an overlay names only what changes."""
+    are the plan's, against which an overlay names only what changes."""
     found: dict[str, dict[str, Any]] = {}
     methods = [job.method] + (["lora"] if job.method == "full" else [])
-    for method in methods:
+    for method, quantization in [(m, q) for m in methods for q in _quantizations(job, m)]:
         for checkpointing in sorted({job.gradient_checkpointing, True}):
             for micro_batch in sorted({job.micro_batch_size, 1}):
                 base = dataclasses.replace(
-                    job, method=method, gradient_checkpointing=checkpointing, micro_batch_size=micro_batch
+                    job,
+                    method=method,
+                    quantization=quantization,
+                    gradient_checkpointing=checkpointing,
+                    micro_batch_size=micro_batch,
                 )
                 for strategy in ("none", "fsdp", "ep"):
                     variant = _smallest_layout(s, params, base, memory, strategy)
@@ -116,15 +121,21 @@ def _ep_size(devices: int, experts: int) -> int:
     return math.gcd(devices, experts)
 
 
+def _quantizations(job: Job, method: str) -> list[str]:
+    """The run's quantization, and for LoRA a 4-bit base (QLoRA) too."""
+    return sorted({job.quantization if method == job.method else "none", *(["nf4"] if method == "lora" else [])})
+
+
 def _refused(s: Shape, job: Job) -> bool:
     return bool(
         training_layout_problems(job.method, job.strategy, job.num_devices, s.tie_word_embeddings, s.model_type)
+        or quantization_problems(job.quantization, job.method, job.gradient_checkpointing)
     )
 
 
-def overlay(job: Job, variant: Job, settings: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def overlay(job: Job, variant: Job, settings: PlanMemoryStage) -> dict[str, dict[str, Any]]:
     """The config keys that turn the run of ``settings`` (whose job is ``job``) into ``variant``, and no other."""
-    train, parallel, hardware = settings["train"], settings["parallel"], settings["hardware"]
+    train, parallel, hardware = settings.train, settings.parallel, settings.hardware
     wanted: dict[str, dict[str, Any]] = {
         "train": {
             "method": variant.method,
@@ -132,6 +143,8 @@ def overlay(job: Job, variant: Job, settings: Mapping[str, Any]) -> dict[str, di
             "micro_batch_size": variant.micro_batch_size,
         }
     }
+    if variant.quantization != job.quantization:
+        wanted["model"] = {"quantization": variant.quantization}
     if variant.method == "lora":  # what the config check asks of a LoRA run: AdamW, MTP layers frozen
         wanted["train"]["optimizer"] = "adamw"
         if job.mtp_trained:
@@ -146,7 +159,7 @@ def overlay(job: Job, variant: Job, settings: Mapping[str, Any]) -> dict[str, di
             "fsdp_size": None,
         }
         wanted["hardware"] = {"num_devices": variant.num_devices}
-    current = {"train": train, "parallel": parallel, "hardware": hardware}
+    current = {"train": train, "parallel": parallel, "hardware": hardware, "model": settings.model}
     out: dict[str, dict[str, Any]] = {}
     for section, keys in wanted.items():
         for key, value in keys.items():

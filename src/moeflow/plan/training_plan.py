@@ -12,17 +12,17 @@ from typing import Any
 
 from moeflow.plan.counts import count_parameters, lora_count
 from moeflow.plan.fit import HEADROOM, device_memory, gib, host_limit, host_plan, phase_plans, worst_phase
-from moeflow.plan.memory import Job, phase_memory
+from moeflow.plan.memory import Job, PlanMemoryStage, phase_memory
 from moeflow.plan.proposals import fewest_devices, proposals
 
 
-def plan(settings: Mapping[str, Any], env_report: Mapping[str, Any], mem_mb: int | None = None) -> dict[str, Any]:
+def plan(settings: PlanMemoryStage, env_report: Mapping[str, Any], mem_mb: int | None = None) -> dict[str, Any]:
     """The full plan for one run: parameters, memory per rank in every phase, the worst phase and its verdict, the
     cheapest configurations that fit (moeflow.plan.proposals), and a node's host memory (against ``mem_mb``, the
     training job's, when given). ``per_device_bytes`` is the step's."""
-    shape, params, formula = count_parameters(settings["model"], settings["vocab_size"])
+    shape, params, formula = count_parameters(settings.model, settings.vocab_size)
     job = Job.from_settings(settings)
-    memory, source = device_memory(settings, env_report)
+    memory, source = device_memory(settings.hardware, env_report)
     limit, limit_source = host_limit(env_report, mem_mb)
     phases = phase_plans(phase_memory(shape, params, job), job, memory, limit)
     worst = worst_phase(phases, "device_bytes")

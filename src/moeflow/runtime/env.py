@@ -15,11 +15,24 @@ import logging
 import os
 import platform
 from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from moeflow.runtime.pins import cuda_pinned_versions, pinned_versions
+
+
+@dataclass(frozen=True)
+class VerifyEnvStage:
+    """Rule verify_env (moeflow.workflow.keys.verify_env_settings): whether a difference from the pins fails
+    (``env.strict``), the runs whose model trusts remote code, and the GPU layout the node is checked against
+    (moeflow.runtime.gpu_node.layout)."""
+
+    strict: bool
+    trust_remote_code: Mapping[str, bool]
+    layout: Mapping[str, Any]
+
 
 log = logging.getLogger("moeflow.runtime.env")
 

@@ -17,6 +17,7 @@ import jsonschema
 from moeflow.evaluation.lm_eval_tasks import task_problems
 from moeflow.families import registry
 from moeflow.families.family import EXPERT_COUNT_KEYS
+from moeflow.model.settings import quantization_problems as model_quantization_problems
 from moeflow.parallel.settings import training_layout_problems as layout_problems
 from moeflow.runtime import compat
 from moeflow.settings import (
@@ -139,6 +140,7 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
     problems += parallel_problems(cfg)
     problems += optimizer_problems(cfg)
     problems += esft_problems(cfg)
+    problems += quantization_problems(cfg)
     problems += mtp_problems(cfg)
     problems += attention_problems(cfg)
     problems += humaneval_problems(cfg)
@@ -199,6 +201,12 @@ def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
             "routing frozen, and the loss-free bias update moves it. Set train.balance.bias_update_rate: 0"
         )
     return problems
+
+
+def quantization_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """``model.quantization`` (moeflow.model.settings.quantization_problems)."""
+    train = cfg["train"]
+    return model_quantization_problems(cfg["model"]["quantization"], train["method"], train["gradient_checkpointing"])
 
 
 MTP_ATTENTION = ("eager", "sdpa")  # moeflow.model.mtp_loss builds each MTP layer's per-document mask itself

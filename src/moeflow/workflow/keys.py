@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from moeflow.runtime import gpu_node
 from moeflow.runtime.files import stable_hash
 from moeflow.settings import schema_node, with_defaults
 
@@ -23,6 +24,23 @@ def settings_key(
         return f"{prefix}-{stable_hash(settings(cfg))}"
 
     return key
+
+
+def untrained_model(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The model section as the stages that train nothing read it: ``model.quantization`` is how a LoRA run's
+    training holds its frozen base (its warmup, training and memory plan read it), so it keys neither the base
+    model, nor the coverage set, nor a forward-only stage: they load the model in its compute dtype."""
+    return {**cfg["model"], "quantization": "none"}
+
+
+def verify_env_settings(cfg: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Rule verify_env (moeflow.runtime.env.VerifyEnvStage) of the whole config and its ``runs``' configs. Only the
+    runs that trust remote code are named: adding or removing an ordinary run must not rerun every stage."""
+    return {
+        "strict": cfg["env"]["strict"],
+        "trust_remote_code": {run: True for run, run_cfg in runs.items() if run_cfg["model"]["trust_remote_code"]},
+        "layout": gpu_node.layout(cfg),
+    }
 
 
 def tokenizer_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,7 +69,7 @@ data_key = settings_key("d", data_settings)
 def base_model_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What the base model depends on: a user's pretrained folder, or the embedded default's pretraining
     (then also rule pretrain_base's settings, :class:`PretrainStage`)."""
-    model = cfg["model"]
+    model = untrained_model(cfg)
     if model["pretrained"]:
         return {"pretrained": model["pretrained"]}
     return {
@@ -77,7 +95,7 @@ def coverage_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "data": data_key(cfg),
         "coverage": {k: v for k, v in cfg["coverage"].items() if k not in COVERAGE_LAYOUT_KEYS},
         "seed": cfg["seed"],
-        "model": cfg["model"],
+        "model": untrained_model(cfg),
     }
 
 
@@ -222,7 +240,7 @@ def forward_plan_settings(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
     (:func:`forward_batch`), the model, the hardware, its layout (:func:`forward_parallel` of its section) and the
     precision."""
     return forward_batch(cfg, stage) | {
-        "model": cfg["model"],
+        "model": untrained_model(cfg),
         "vocab_size": cfg["tokenizer"]["vocab_size"],
         "hardware": cfg["hardware"],
         "parallel": forward_parallel(cfg, FORWARD_STAGE_SECTIONS[stage]),
@@ -235,7 +253,7 @@ def forward_settings(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
     device, the layout of its section (:func:`forward_parallel`) and the batch its memory plan counts
     (:func:`forward_batch`). The layout changes no number, but starts the stage anew."""
     return {
-        "model": cfg["model"],
+        "model": untrained_model(cfg),
         "device": cfg["hardware"]["device"],
         "parallel": forward_parallel(cfg, FORWARD_STAGE_SECTIONS[stage]),
         "batch": forward_batch(cfg, stage),
@@ -339,7 +357,7 @@ def esft_routing_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "base": base_key(cfg),
         "data": data_key(cfg),
         "finetune_corpus": cfg["data"]["finetune_corpus"],
-        "model": cfg["model"],
+        "model": untrained_model(cfg),
         "token_budget": cfg["train"]["esft"]["token_budget"],
         "batch_tokens": cfg["coverage"]["batch_tokens"],
         "precision": cfg["precision"],

@@ -2,9 +2,10 @@
 
 For each model of ``config/models`` (and the embedded default) and each hardware of :data:`HARDWARE`, the methods
 whose every phase fits (moeflow.plan.fit.fits) on exactly those devices, each with the cheapest layout that the
-config check accepts (moeflow.parallel.settings.training_layout_problems): ``none`` (the whole model on each
-device), ``fsdp`` or ``ep`` (transformers 5 only). Every job is bf16 with activation checkpointing, micro-batch 1 and
-2,048 tokens per sequence; LoRA is rank 16 on every target with the router frozen (``train.lora``'s defaults).
+config check accepts on the current stack (moeflow.parallel.settings.training_layout_problems): ``none`` (the whole
+model on each device), ``fsdp`` (FSDP2) or ``ep`` (transformers 5). Every job is bf16 with activation
+checkpointing, micro-batch 1 and 2,048 tokens per sequence; LoRA is rank 16 on every target with the router frozen
+(``train.lora``'s defaults), QLoRA the same over an NF4 base (``model.quantization: nf4``).
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from moeflow.parallel.settings import training_layout_problems
 from moeflow.plan.counts import ParamCount, count_parameters
-from moeflow.plan.fit import device_memory, fits
-from moeflow.plan.memory import Job
+from moeflow.plan.fit import device_memory, fits, verdict
+from moeflow.plan.fit import gib as to_gib
+from moeflow.plan.memory import Job, PlanMemoryStage, phase_memory
 from moeflow.plan.shapes import Shape
-from moeflow.settings import REPO_ROOT
+from moeflow.settings import REPO_ROOT, typed
 from moeflow.workflow.keys import plan_settings
 from moeflow.workflow.load import load, run_config
+from moeflow.workflow.merge import deep_merge
 
 MODELS = {
     "embedded default": None,
@@ -42,31 +46,39 @@ HARDWARE = {
 }
 
 
-METHODS = {"full": "full", "lora": "LoRA"}
+METHODS = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}  # QLoRA: LoRA over an NF4 base (model.quantization)
 
 
 def job_overrides(devices: int, gib: int, method: str) -> dict[str, Any]:
     """The table's job on ``devices`` cards of ``gib``: the ``moe`` run only (the comparison runs dropped)."""
+    quantization = "nf4" if method == "qlora" else "none"
     return {
+        "model": {"quantization": quantization},
         "hardware": {"device": "cuda", "num_devices": devices, "memory_gib_per_device": gib},
         "parallel": {"nproc_per_node": devices, "nnodes": 1, "strategy": "none", "ep_size": 1, "fsdp_size": None},
         "precision": "bf16",
         "data": {"seq_len": 2048},
-        "train": {"method": method, "optimizer": "adamw", "micro_batch_size": 1, "gradient_checkpointing": True},
+        "train": {
+            "method": "lora" if method == "qlora" else method,
+            "optimizer": "adamw",
+            "micro_batch_size": 1,
+            "gradient_checkpointing": True,
+        },
         "runs": {"lora": None, "esft": None, "dense": None},
         "paper": {"dense_runs": []},
     }
 
 
-def _settings(model: str | None, devices: int, gib: int, method: str) -> dict[str, Any]:
+def _settings(model: str | None, devices: int, gib: int, method: str) -> PlanMemoryStage:
     files = [REPO_ROOT / "config" / "models" / f"{model}.yaml"] if model else []
-    return plan_settings(run_config(load(*files, overrides=job_overrides(devices, gib, method)), "moe"))
+    cfg = run_config(load(*files, overrides=job_overrides(devices, gib, method)), "moe")
+    return typed(PlanMemoryStage, plan_settings(cfg))
 
 
 @functools.cache
 def _counted(model: str | None) -> tuple[Shape, ParamCount]:
     settings = _settings(model, 1, 80, "full")
-    shape, params, _ = count_parameters(settings["model"], settings["vocab_size"])
+    shape, params, _ = count_parameters(settings.model, settings.vocab_size)
     return shape, params
 
 
@@ -74,14 +86,14 @@ def fitting_layouts(model: str | None, devices: int, gib: int, method: str) -> l
     """The layouts in which ``method`` fits on the hardware, cheapest (fewest bytes moved) first."""
     shape, params = _counted(model)
     settings = _settings(model, devices, gib, method)
-    memory, _ = device_memory(settings, {})
+    memory, _ = device_memory(settings.hardware, {})
     job = Job.from_settings(settings)
     out = []
     for strategy in ("none", "fsdp", "ep") if devices > 1 else ("none",):
         ep_size = math.gcd(devices, shape.num_experts) if strategy == "ep" else 1
         if strategy == "ep" and (ep_size < 2 or not shape.moe_layers):
             continue
-        if training_layout_problems(method, strategy, devices, shape.tie_word_embeddings):
+        if training_layout_problems(job.method, strategy, devices, shape.tie_word_embeddings, fsdp2=True):
             continue
         variant = dataclasses.replace(
             job, replicated=strategy == "none", expert_parallel=strategy == "ep", ep_size=ep_size, fsdp_size=None
@@ -104,4 +116,70 @@ def method_table() -> str:
             ]
             cells.append("; ".join(fitting) or "no")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A row of #38's target table: a model's fine-tune on some hardware, and the per-device plan it must reach."""
+
+    model: str  # a config/models name
+    method: str  # lora | qlora
+    devices: int
+    gib: int
+    seq_len: int
+    strategy: str
+    goal_gib: float | None  # None: it must fit
+
+
+TARGETS = (
+    Target("qwen3-30b-a3b", "qlora", 1, 24, 2048, "none", 20),
+    Target("gpt-oss-20b", "qlora", 1, 24, 2048, "none", 16),
+    Target("qwen3-30b-a3b", "lora", 2, 80, 4096, "fsdp", None),
+    Target("step3p5-flash", "lora", 8, 80, 4096, "fsdp", None),  # asked under ep, which LoRA does not run in
+    Target("step3p5-flash", "qlora", 1, 141, 4096, "none", None),
+    Target("step3p5-flash", "qlora", 8, 24, 2048, "fsdp", None),
+)
+
+
+def target_plan(target: Target, targets: tuple[str, ...] = ("all",)) -> dict[str, Any]:
+    """The plan of a target row with LoRA on ``targets`` (rank 16, router frozen): its worst phase's GiB per device
+    and the verdict."""
+    overrides = deep_merge(
+        job_overrides(target.devices, target.gib, target.method),
+        {
+            "data": {"seq_len": target.seq_len},
+            "parallel": {"strategy": target.strategy},
+            "train": {"lora": {"targets": list(targets)}, "mtp": {"mode": "frozen"}},
+        },
+    )
+    cfg = run_config(load(REPO_ROOT / "config" / "models" / f"{target.model}.yaml", overrides=overrides), "moe")
+    settings = typed(PlanMemoryStage, plan_settings(cfg))
+    shape, params = _counted(target.model)
+    job = Job.from_settings(settings)
+    phases = phase_memory(shape, params, job)
+    worst = max(phases, key=lambda phase: phases[phase]["device"]["total"])
+    total = phases[worst]["device"]["total"]
+    return {"gib": to_gib(total), "phase": worst, "verdict": verdict(total, device_memory(settings.hardware, {})[0])}
+
+
+def target_table() -> str:
+    """docs/training.md's target rows: each row's plan per device with LoRA on every target, and without adapters on
+    the routed experts (attention, dense and shared MLPs), against its goal."""
+    lines = [
+        "| model | method | hardware | seq | layout | goal | all targets | without routed experts |",
+        "|---|---|---|---:|---|---|---|---|",
+    ]
+    for t in TARGETS:
+        cells = []
+        for targets in (("all",), ("attention", "dense_ffn", "shared_experts")):
+            p = target_plan(t, targets)
+            cells.append(f"{p['gib']:.1f} GiB ({p['phase']}): {p['verdict'].replace('_', ' ')}")
+        goal = f"<= {t.goal_gib:g} GiB" if t.goal_gib else "fits"
+        method = {"lora": "LoRA bf16", "qlora": "QLoRA nf4"}[t.method]
+        lines.append(
+            f"| {t.model} | {method} | {t.devices} x {t.gib} GiB | {t.seq_len} | {t.strategy} | {goal} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines) + "\n"

@@ -77,6 +77,7 @@ PLUMBING: dict[str, tuple[str, ...]] = {
     ),
     "the environment report and the facts of this machine (device memory for the plan's verdict, the experts "
     "implementations torch offers), which verify_env's fingerprint and the GPU checks cover": (
+        "runtime.env.VerifyEnvStage",
         "runtime.env.collect",
         "runtime.env.enforce",
         "runtime.env.render_markdown",
@@ -101,7 +102,8 @@ VALSET = ("data.valset", "data.packing")
 # A model's transformers config and class, its typed settings, the folder checks: what reading a shape needs.
 MODEL_CONFIG = ("model.configs", "families", "model.settings", "model.folder")
 # Building or loading a model in every layout (the whole model, each rank's rows on meta, FSDP, expert
-# parallelism, LoRA adapters), with the chunked loss it computes (which skips the rows' IGNORE_INDEX labels).
+# parallelism, LoRA adapters over a quantized base), with the chunked loss it computes (which skips the rows'
+# IGNORE_INDEX labels).
 MODEL = (
     *MODEL_CONFIG,
     "loading.factory",
@@ -110,6 +112,7 @@ MODEL = (
     "model.chunked_loss",
     "model.wrappers",
     "model.lora",
+    "model.quantization",
     "model.routing",  # LoRA finds the routers as the routing adapters do
     "model.parameters",
     "model.saved_names",

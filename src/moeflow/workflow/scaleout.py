@@ -30,9 +30,10 @@ import yaml
 
 from moeflow.plan.counts import count_parameters
 from moeflow.plan.fit import HEADROOM, gib, phase_plans, verdict, worst_phase
-from moeflow.plan.memory import GIB, PHASES, Job, memory_per_device, phase_memory, worst_device_total
+from moeflow.plan.memory import GIB, PHASES, Job, PlanMemoryStage, memory_per_device, phase_memory, worst_device_total
 from moeflow.plan.proposals import fewest_devices
-from moeflow.settings import REPO_ROOT
+from moeflow.runtime import compat
+from moeflow.settings import REPO_ROOT, typed
 from moeflow.workflow.keys import plan_settings
 from moeflow.workflow.load import load, run_config
 from moeflow.workflow.merge import deep_merge
@@ -202,10 +203,10 @@ def placement(request: Request) -> dict[str, Any]:
     }
 
 
-def phases_on(settings: Mapping[str, Any], request: Request) -> dict[str, Any]:
+def phases_on(settings: PlanMemoryStage, request: Request) -> dict[str, Any]:
     """Every phase per GPU (GiB) and per node's host (GiB, against the request's ``mem_mb``) of the
     planner's ``settings``, with the worst phase and the verdict (the worst of the device and the host)."""
-    shape, params, _ = count_parameters(settings["model"], settings["vocab_size"])
+    shape, params, _ = count_parameters(settings.model, settings.vocab_size)
     job = Job.from_settings(settings)
     memory = int(request.gpu_memory_gib * GIB)
     phases = phase_plans(phase_memory(shape, params, job), job, memory, request.mem_mb * 2**20)
@@ -234,8 +235,8 @@ def scaleout_plan(
     checked against any profile); ``fewer`` is the same plan one node (or, on one node, half the GPUs)
     smaller, for the refusal. ``per_gpu_gib`` are the step's terms; the verdict is the worst phase's."""
     placed = deep_merge(cfg, placement(request))
-    settings = plan_settings(placed)
-    shape, params, _ = count_parameters(settings["model"], settings["vocab_size"])
+    settings = typed(PlanMemoryStage, plan_settings(placed))
+    shape, params, _ = count_parameters(settings.model, settings.vocab_size)
     lay = layout(placed)
     job = Job.from_settings(settings)
     memory = int(request.gpu_memory_gib * GIB)
@@ -308,7 +309,8 @@ PHASE_TABLE_MODELS = {
 LAYOUT_KEYS = ("strategy", "ep_size", "fsdp_size")  # what a run's layout is, whatever ranks it is placed on
 
 
-LORA_LAYOUT = {"strategy": "none", "ep_size": 1, "fsdp_size": None}
+# LoRA's layout in the phase table: sharded where the stack shards its adapters (FSDP2), else whole on every GPU.
+LORA_LAYOUT = {"strategy": "fsdp" if compat.fsdp2_available() else "none", "ep_size": 1, "fsdp_size": None}
 
 
 VERDICT_WORDS = {"fits": "fits", "tight": "tight", "does_not_fit": "**no**"}
@@ -327,7 +329,7 @@ def phase_rows(profile: str = PHASE_TABLE_PROFILE, nodes: tuple[int, ...] = PHAS
                 layout = {"train": {"method": method}, "parallel": parallel if method == "full" else LORA_LAYOUT}
                 overrides = deep_merge(placement(request), layout)
                 cfg = run_config(load(MODELS / f"{model}.yaml", overrides=overrides), "moe")
-                planned = phases_on(plan_settings(cfg), request)
+                planned = phases_on(typed(PlanMemoryStage, plan_settings(cfg)), request)
                 rows.append({"model": name, "method": method, "request": request, **planned})
     return rows
 
