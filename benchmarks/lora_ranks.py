@@ -95,7 +95,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "base"
         save(folder, args.experts)
-        worker = [__file__, "--run", str(folder), args.quantization, str(args.steps)]
+        worker = [__file__, "--worker", str(folder), args.quantization, str(args.steps)]
         for launcher in (
             [sys.executable],
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
@@ -122,7 +122,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--run":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         folder, quantization, steps = sys.argv[2:5]
         run(folder, quantization, int(steps))
     else:
