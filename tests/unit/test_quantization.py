@@ -96,6 +96,27 @@ def test_every_decoder_matrix_is_quantized_the_experts_too_and_nothing_else(fold
 
 
 @needs_bitsandbytes
+def test_the_mtp_layers_are_carried_unquantized():
+    """DeepSeek-V3's MTP layer sits in ``model.layers`` beside the decoder layers; it is carried frozen into the
+    export as it is, so none of its weights is quantized (they were, unnoticed, until a review)."""
+    from tiny_models import model_config
+
+    from moeflow.families.mtp import is_mtp_name, mtp_prefixes
+
+    section = model_config("deepseek_v3")
+    widths = {"hidden_size": 64, "moe_intermediate_size": 32, "q_lora_rank": 32, "kv_lora_rank": 32}
+    section["config"] |= widths | {"qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32}
+    train = settings(**{**QLORA, "lora": {"rank": 4, "targets": ["all"], "router": "frozen"}})
+    model = make_model(
+        typed(ModelSettings, {**section, "quantization": "nf4"}), vocab_size=VOCAB, layout=Layout.single("cpu", train)
+    )
+    quantized, mtp = quantized_weights(model), mtp_prefixes(model.get_base_model())
+    assert mtp and not [n for n in quantized if is_mtp_name(n, mtp)]
+    assert {"model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"} <= set(quantized)
+    assert any(is_mtp_name(n, mtp) and p.dtype == torch.float32 and p.dim() == 2 for n, p in model.named_parameters())
+
+
+@needs_bitsandbytes
 def test_a_quantized_base_computes_what_its_rounded_weights_do(folder):
     """Its logits are those of the bf16 model with every quantized weight rounded through NF4 (exactly the same
     arithmetic), and within NF4's error of the bf16 model's."""

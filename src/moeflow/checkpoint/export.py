@@ -51,7 +51,7 @@ from moeflow.model.safetensors_files import INDEX_FILE, SINGLE_FILE, Safetensors
 from moeflow.model.saved_names import saved_format
 from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel import dtensors
-from moeflow.parallel.layouts import original_shape, reshard
+from moeflow.parallel.layouts import is_sharded, original_shape, reshard
 from moeflow.parallel.process_group import barrier, exact_sum_view, rank
 from moeflow.parallel.rank_load import global_rows, persistent_buffers
 from moeflow.runtime.files import atomic_dir
@@ -299,6 +299,8 @@ def write_weights(
     """The model's weights as save_pretrained writes them, streamed into ``folder`` by rank 0 (the other
     ranks pass None), floating-point ones in ``dtype`` (None: their own); a LoRA model's merged. A collective for
     a sharded model."""
+    if folder is None and not is_sharded(model):  # every rank holds it whole: rank 0 writes it alone
+        return
     inner = unwrap(model, peft=True)
     tensors = model_tensors(model)
     adapted = {target.name: target for target in merge_targets(model)} if is_lora_model(model) else {}

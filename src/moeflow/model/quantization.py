@@ -73,12 +73,16 @@ class Packing:
 
 
 def pack(kind: str, dense: torch.Tensor, block: int) -> torch.Tensor:
-    """``dense`` (any leading dimensions; its rows quantized block by block) as :class:`Packing` stores it."""
+    """``dense`` (any leading dimensions; its rows quantized block by block) as :class:`Packing` stores it. int8 is
+    bitsandbytes' vector-wise rounding (each row to 127 steps of its largest magnitude) in plain torch: its CUDA
+    kernel takes float16 only, which overflows a bf16 weight above 65,504."""
     import bitsandbytes.functional as F
 
     rows = (*dense.shape[:-1], -1)
     if kind == "int8":
-        codes, scales, _ = F.int8_vectorwise_quant(dense.reshape(-1, dense.shape[-1]).float())
+        flat = dense.reshape(-1, dense.shape[-1]).float()
+        scales = flat.abs().amax(dim=1)
+        codes = torch.round(flat * (127 / scales.clamp_min(torch.finfo(torch.float32).tiny))[:, None]).to(torch.int8)
     else:
         codes, state = F.quantize_4bit(dense.contiguous(), blocksize=block, quant_type=kind, compress_statistics=False)
         scales = state.absmax
@@ -94,7 +98,7 @@ def unpack(packing: Packing, stored: torch.Tensor, dtype: torch.dtype) -> torch.
     codes = stored[..., : packing.code_bytes].contiguous()
     scales = stored[..., packing.code_bytes :].contiguous().view(torch.float32).reshape(-1)
     if packing.kind == "int8":
-        rows = F.int8_vectorwise_dequant(codes.view(torch.int8).reshape(-1, shape[-1]), scales)
+        rows = codes.view(torch.int8).reshape(-1, shape[-1]).float() * (scales / 127)[:, None]
         return rows.view(shape).to(dtype)
     state = F.QuantState(
         absmax=scales,
@@ -151,7 +155,7 @@ def quantize_base(model: Any, kind: str, routers: set[str]) -> list[QuantizedWei
     prefix = next(name for name, module in base.named_modules() if module is layers)
     weights = []
     for index, layer in enumerate(layers):
-        if is_mtp_name(f"{prefix}.{index}", mtp):
+        if is_mtp_name(f"{prefix}.{index}.", mtp):  # carried frozen into the export as they are
             continue
         for path, module in layer.named_modules():
             qualified = f"{prefix}.{index}.{path}" if path else f"{prefix}.{index}"

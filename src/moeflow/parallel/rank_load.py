@@ -45,6 +45,10 @@ from moeflow.parallel import dtensors, process_group
 META = torch.device("meta")
 
 
+# The dense rows of a quantized weight read at a time before they are packed (at least one row).
+QUANTIZED_READ_BYTES = 64 * 2**20
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside register their parameters on the meta device; buffers stay real."""
@@ -306,11 +310,14 @@ def fill_from_folder(model: torch.nn.Module, path: str | os.PathLike, names_of: 
                 for local, first in pieces:
                     _fill_piece(folder, files, headers, name, shape, sources, local, first)
                 continue
-            packing = weight.dequantize.packing
-            for stored, first in pieces:  # this rank's rows read dense, then quantized
-                dense = torch.empty((stored.shape[0], *shape[1:]), dtype=weight.dequantize.dtype, device=stored.device)
-                _fill_piece(folder, files, headers, name, shape, sources, dense, first)
-                stored.copy_(pack(packing.kind, dense, packing.block))
+            packing, dtype = weight.dequantize.packing, weight.dequantize.dtype
+            step = max(1, QUANTIZED_READ_BYTES // (math.prod(shape[1:]) * dtype.itemsize))
+            for stored, first in pieces:  # this rank's rows read dense a few at a time, each run quantized alone
+                for start in range(0, stored.shape[0], step):
+                    rows = stored[start : start + step]
+                    dense = torch.empty((rows.shape[0], *shape[1:]), dtype=dtype, device=stored.device)
+                    _fill_piece(folder, files, headers, name, shape, sources, dense, first + start)
+                    rows.copy_(pack(packing.kind, dense, packing.block))
     if sharded:
         set_model_state_dict(model, state)
 
