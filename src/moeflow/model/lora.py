@@ -259,7 +259,7 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
     mtp = mtp_prefixes(unwrap(model, peft=True))
     # peft matches target_parameters as suffixes, which the MTP layers' parameters share, and a quantized weight
     # (a parametrization) only by its full name: name each in full then
-    full = mtp or any(hasattr(m, "parametrizations") for m in unwrap(model, peft=True).modules())
+    full = mtp or bool(quantized_weights(model))
     parameters = sorted(targets.parameters) if full else parameter_suffixes(sorted(targets.parameters))
     config = LoraConfig(
         r=settings.rank,
