@@ -20,6 +20,8 @@
   target and the router: 2 ranks' losses equal one process's on the same global batch, a resumed run continues
   bit for bit, the frozen base stays bit-identical (bf16 shards, fp32 adapters), the adapter saved from the 2 ranks
   equals one process's expert by expert, and the merged export equals one process's and gives the trained logits.
+* ``parallel.cpu_offload`` (FSDP2's offload policy, current stack): the shards on the host, the FSDP run's losses and
+  weights exactly, a bit-for-bit resume, and the bf16 LoRA and QLoRA runs' losses; on one rank, a group of one.
 * The cases of a layout share one torchrun launch (each launch starts 2 interpreters that import torch).
 * Through the Snakefile: warmup and train_model of the smoke pipeline on 2 ranks complete, and a
   train_model killed with SIGKILL resumes from its checkpoint with the losses of the uninterrupted run.
@@ -27,6 +29,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -46,6 +49,7 @@ from tiny_training import VOCAB, packed_rows  # noqa: E402
 from moeflow.checkpoint.export import save_final_model
 from moeflow.data.collate import collate
 from moeflow.loading.factory import Layout, make_model
+from moeflow.model.device import model_device
 from moeflow.model.lora import save_adapter_output
 from moeflow.model.settings import ModelSettings
 from moeflow.model.wrappers import unwrap
@@ -209,7 +213,7 @@ def launched(saved_models, tmp_path_factory):
         if layout not in folders:
             out = tmp_path_factory.mktemp(f"ranks-{layout}")
             parts = ("steps", "base-reference") if layout in SHARDED_LAYOUTS else ("steps",)
-            parts += ("lora",) if layout == "fsdp" and LORA_ON_FSDP else ()
+            parts += ("lora", "offload") if layout == "fsdp" and LORA_ON_FSDP else ()
             run_ranks(saved_models[MODEL_OF_LAYOUT[layout]], out, layout, parts)
             folders[layout] = out
         return folders[layout]
@@ -366,6 +370,42 @@ def test_lora_on_two_fsdp_ranks_gives_one_process_adapters_and_merged_model(save
         with torch.no_grad():
             trained = one.model(input_ids=x).logits
             torch.testing.assert_close(merged(input_ids=x).logits, trained, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not LORA_ON_FSDP, reason="parallel.cpu_offload needs FSDP2 (the current stack); refused on FSDP1")
+def test_cpu_offload_on_two_fsdp_ranks_trains_and_resumes_as_fsdp_does(launched):
+    """``parallel.cpu_offload`` (FSDP2's offload policy) on 2 ranks: every shard a DTensor on the host, the model's
+    compute device recorded; a full fine-tune gives the FSDP run's losses, gradient norms and weights exactly and
+    resumes bit for bit, and bf16 LoRA and QLoRA (NF4) runs give those runs' losses."""
+    out = launched("fsdp")
+    report = json.loads((out / "offload" / "report.json").read_text())
+    steps = json.loads((out / "steps" / "report.json").read_text())
+    lora = json.loads((out / "lora" / "report.json").read_text())
+    assert report["parameters"] == {"devices": ["cpu"], "dtensors": True, "offloaded": True, "compute": "cpu"}
+    assert report["straight"] == steps["resume"]["straight"]
+    assert report["continued_from"] == 2 and report["resumed"] == report["straight"]
+    assert report["same_weights"]
+    assert report["lora"] == {case: lora[case]["straight"] for case in ("bf16", "nf4-bf16")}
+
+
+@pytest.mark.skipif(not LORA_ON_FSDP, reason="parallel.cpu_offload needs FSDP2 (the current stack); refused on FSDP1")
+def test_cpu_offload_on_one_rank_shards_over_a_group_of_one_and_gives_one_process_steps(saved_models, tmp_path):
+    """One process started without torchrun (as the training rule starts one rank) with ``cpu_offload`` joins a group
+    of its own, offloads every unit and gives the unsharded run's losses."""
+    section = {"strategy": "fsdp", "nproc_per_node": 1, "cpu_offload": True}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", KILL_ENV):
+        env.pop(key, None)
+    cmd = [sys.executable, __file__, str(saved_models["tied"]), str(tmp_path), json.dumps(section), "offload-alone"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "offload-alone" / "report.json").read_text())
+    alone = make_trainer(
+        saved_models["tied"], parallel(), init("cpu"), settings("running", 1, micro_batch_size=MICRO_BATCH * RANKS)
+    )
+    alone.run()
+    assert report["losses"] == pytest.approx([r["loss"] for r in alone.train_records()], rel=1e-6)
+    assert report["parameters"] == {"devices": ["cpu"], "dtensors": True, "offloaded": True, "compute": "cpu"}
 
 
 def test_mfu_is_logged_against_a_known_peak_and_null_without(saved_models):
@@ -597,14 +637,72 @@ def _lora(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> 
         (out / "report.json").write_text(json.dumps(report))
 
 
-PARTS = {"steps": _steps, "base-reference": _base_reference, "lora": _lora}
+def _offload(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> None:
+    """The steps part's straight and resumed run, and the bf16 LoRA and QLoRA cases' straight runs, with
+    ``cpu_offload``."""
+    offloaded = dataclasses.replace(layout, cpu_offload=True)
+    with_peak = settings("running", 1, checkpoint_every=1, peak_flops_per_s=1e12)
+    straight = make_trainer(model_dir, offloaded, ranks, with_peak, checkpoint_dir=out / "checkpoints")
+    straight.run()
+    resumed = make_trainer(model_dir, offloaded, ranks, with_peak, checkpoint_dir=out / "checkpoints")
+    assert resumed.resume()
+    continued_from = resumed.step
+    resumed.run()
+    weights = [full_state_dict(t.model)[0] for t in (straight, resumed)]
+    lora = {}
+    for case in ("bf16", "nf4-bf16"):
+        lora[case] = lora_trainer(lora_folder(Path(model_dir).parent, case), offloaded, ranks, case)
+        lora[case].run()
+    last = lambda t: [(r["step"], r["loss"], r["grad_norm"]) for r in t.train_records()]  # noqa: E731
+    report = {
+        "parameters": offloaded_parameters(straight.model),
+        "straight": last(straight),
+        "resumed": last(resumed),
+        "continued_from": continued_from,
+        "same_weights": all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
+        "lora": {case: last(trainer) for case, trainer in lora.items()},
+    }
+    if ranks.is_main:
+        (out / "report.json").write_text(json.dumps(report))
+
+
+def offloaded_parameters(model: torch.nn.Module) -> dict:
+    """Where the model's parameters are, whether every FSDP2 unit offloads them, and where it computes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    params = list(model.parameters())
+    return {
+        "devices": sorted({str(p.device) for p in params}),
+        "dtensors": all(is_dtensor(p) for p in params),
+        "offloaded": bool(groups) and all(p.offload_to_cpu for g in groups if g for p in g.fsdp_params),
+        "compute": str(model_device(model)),
+    }
+
+
+def _offload_alone(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> None:
+    """One process (a group of one) with ``cpu_offload``: the one-process run's steps."""
+    trainer = make_trainer(model_dir, layout, ranks, settings("running", 1, micro_batch_size=MICRO_BATCH * RANKS))
+    trainer.run()
+    report = {"losses": [r["loss"] for r in trainer.train_records()], "parameters": offloaded_parameters(trainer.model)}
+    (out / "report.json").write_text(json.dumps(report))
+
+
+PARTS = {
+    "steps": _steps,
+    "base-reference": _base_reference,
+    "lora": _lora,
+    "offload": _offload,
+    "offload-alone": _offload_alone,
+}
 
 
 def _main(model_dir: str, out: str, parallel_json: str, parts: str) -> None:
     """The parts named in ``parts`` (comma-separated), in one process group, each in its own folder under ``out``."""
     torch.set_num_threads(1)
-    ranks = init("cpu")
-    layout = check_ranks(parallel(**json.loads(parallel_json)), ranks)
+    layout = parallel(**json.loads(parallel_json))
+    ranks = init("cpu", group_of_one=layout.cpu_offload)
+    check_ranks(layout, ranks)
     for part in parts.split(","):
         folder = Path(out) / part
         folder.mkdir(parents=True, exist_ok=True)

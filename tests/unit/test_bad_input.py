@@ -291,6 +291,31 @@ def test_esft_on_a_dense_model_an_unknown_family_or_fused_experts_under_fsdp1_is
     )
 
 
+def test_cpu_offload_outside_fsdp2_is_refused_naming_the_keys():
+    one_rank_fsdp = {"parallel": {"strategy": "fsdp", "cpu_offload": True}}
+    if compat.fsdp2_available():
+        load(SMOKE, overrides=one_rank_fsdp)  # a group of one
+        load(SMOKE, overrides={"train": {"method": "lora", "gradient_checkpointing": True}, **one_rank_fsdp})
+    else:
+        assert config_error(**one_rank_fsdp) == (
+            "invalid configuration: config key 'parallel.cpu_offload': true needs FSDP2's offload policy, and torch "
+            f"{compat.version_of('torch')} runs FSDP1 here. Use STACK=current, or cpu_offload: false"
+        )
+    assert config_error(parallel={"cpu_offload": True}) == (
+        "invalid configuration: config key 'parallel.cpu_offload': true needs parallel.strategy: fsdp (FSDP2's "
+        "offload policy holds the sharded parameters, gradients and optimizer state on the host and streams each "
+        "layer in); with one rank, fsdp shards over a group of one. Set parallel.strategy: fsdp, or cpu_offload: false"
+    )
+    ep = {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2, "cpu_offload": True}
+    untied = {"config": {"tie_word_embeddings": False}}
+    refusal = config_error(parallel=ep, hardware={"num_devices": 2}, model=untied)
+    assert (
+        "config keys 'parallel.cpu_offload': true and 'parallel.strategy': ep do not combine: transformers' "
+        "expert-parallel experts (most of the weights) are not FSDP units, so they would stay on the device. "
+        "Use parallel.strategy: fsdp"
+    ) in refusal
+
+
 def test_mtp_training_is_refused_without_mtp_layers_with_lora_esft_or_flash():
     train = {"mtp": {"mode": "train"}}
     assert config_error(train=train) == (

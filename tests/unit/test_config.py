@@ -109,6 +109,7 @@ def test_a_runs_overlay_gets_the_defaults_too():
         "ep_size": 1,
         "fsdp_size": None,
         "ep_implementation": "auto",
+        "cpu_offload": False,
     }
     assert wide["data"]["sources"]["notes"]["assistant_only_labels"] is True
 

@@ -205,3 +205,31 @@ def test_every_host_copy_of_a_training_forward_asks_for_pinned_memory(monkeypatc
     }
     for name, tensor in wanted.items():
         assert any(a.shape == tensor.shape and torch.equal(a, tensor) for a in asked), f"{name}: a pageable copy"
+
+
+def test_a_model_whose_parameters_are_offloaded_computes_on_the_device_it_records():
+    """Under CPU offload (moeflow.parallel.layouts) the parameters stay on the host between layers: the inputs go
+    where the model computes, which it records, for it and for the model it wraps."""
+    from moeflow.model.lora import apply_lora
+    from moeflow.model.settings import LoraSettings
+
+    model = make_model(typed(ModelSettings, model_config("qwen3_moe", "sdpa")), vocab_size=VOCAB, seed=0)
+    assert device.model_device(model) == torch.device("cpu")
+    wrapped = apply_lora(model, typed(LoraSettings, {"targets": ["attention"]}), gradient_checkpointing=False)
+    device.set_compute_device(wrapped, torch.device("cuda", 1))  # a label: no GPU is touched
+    assert device.model_device(wrapped) == device.model_device(model) == torch.device("cuda", 1)
+    assert {p.device.type for p in wrapped.parameters()} == {"cpu"}
+
+
+def test_no_stage_reads_the_compute_device_from_the_parameters():
+    """``next(model.parameters()).device`` is the host under CPU offload: every caller asks model_device."""
+    from moeflow.settings import REPO_ROOT
+
+    readers = [
+        f"{path.relative_to(REPO_ROOT)}:{number}"
+        for folder in ("src", "workflow")
+        for path in sorted((REPO_ROOT / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "parameters()).device" in line and path.name != "device.py"
+    ]
+    assert readers == [], readers

@@ -12,6 +12,7 @@ from tiny_models import TRANSFORMERS_5_ONLY
 from moeflow.families.registry import experts_fused
 from moeflow.loading.factory import make_model
 from moeflow.model.settings import STACK_DEFAULT_EXPERTS, ModelSettings
+from moeflow.plan.activations import attention_mask_bytes
 from moeflow.plan.counts import count_parameters, formula_count, lora_count
 from moeflow.plan.fit import min_devices, verdict
 from moeflow.plan.memory import (
@@ -20,7 +21,6 @@ from moeflow.plan.memory import (
     PHASES,
     Job,
     PlanMemoryStage,
-    attention_mask_bytes,
     host_per_node_bytes,
     memory_per_device,
     phase_memory,
@@ -445,6 +445,42 @@ def test_host_memory_per_node_is_the_ranks_of_a_node_times_a_rank():
     assert phases["step"]["host"] == {"runtime": 3 * GIB, "total": 3 * GIB}
     assert host_per_node_bytes(phases["checkpoint"], cuda) == 2 * phases["checkpoint"]["host"]["total"]
     assert phases["checkpoint"]["device"]["runtime"] == GIB  # the CUDA context
+
+
+def test_cpu_offload_moves_the_sharded_state_to_the_host_and_the_host_limit_binds(env_report):
+    """``parallel.cpu_offload`` on CUDA: the step's weights, gradients and AdamW states per rank are the host's (a
+    unit's shard copied each way is the device's), every other phase holds only the runtime on the device, and a
+    node whose host cannot hold its ranks' states is refused, here where the ranks run."""
+    shape, count = tiny_shape_and_count()
+    on_device = phase_memory(shape, count, dataclasses.replace(cpu_job(2), device="cuda"))
+    job = dataclasses.replace(cpu_job(2), device="cuda", cpu_offload=True)
+    offloaded = phase_memory(shape, count, job)
+    state = {k: on_device["step"]["device"][k] for k in ("weights", "gradients", "optimizer")}
+    assert {k: offloaded["step"]["host"][k] for k in state} == state
+    assert not set(state) & set(offloaded["step"]["device"])
+    moved = sum(state.values()) - offloaded["step"]["device"]["offload_copies"]
+    assert offloaded["step"]["device"]["total"] == on_device["step"]["device"]["total"] - moved
+    for phase in ("load", "checkpoint", "resume", "export"):
+        assert offloaded[phase]["device"] == {"runtime": GIB, "total": GIB}, phase
+        assert (
+            offloaded[phase]["host"]["total"]
+            == on_device[phase]["host"]["total"] + on_device[phase]["device"]["total"] - GIB
+        ), phase
+    one = dataclasses.replace(job, num_devices=1, ranks_per_node=1)
+    assert one.strategy == "fsdp" and one.sharded and one.shard_ranks == 1  # FSDP2 over a group of one
+    cpu = phase_memory(shape, count, dataclasses.replace(job, device="cpu"))
+    assert cpu["step"]["host"] == {"total": 0} and cpu["step"]["device"]["weights"] == state["weights"]
+
+    if not compat.fsdp2_available():
+        return  # the config check refuses cpu_offload on FSDP1 (tests/unit/test_bad_input.py)
+    small_host = {"system": {**env_report["system"], "ram_usable_bytes": 4 * GIB}}
+    offload = {"strategy": "fsdp", "cpu_offload": True, "nproc_per_node": 2}
+    settings = parallel_settings(offload, {"device": "cuda", "memory_gib_per_device": 80})
+    result = plan(settings, env_report | small_host)
+    assert result["host"]["verdict"] == "does_not_fit" and result["job"]["cpu_offload"]
+    with pytest.raises(PlanError, match="do not fit in the host memory"):
+        enforce(result)
+    enforce(plan(parallel_settings({**offload, "cpu_offload": False}, settings.hardware), env_report | small_host))
 
 
 def test_plan_reports_every_phase_and_the_worst(env_report):

@@ -11,7 +11,7 @@ import pytest
 from moeflow.plan.counts import count_parameters
 from moeflow.plan.fit import device_memory, fits
 from moeflow.plan.memory import Job, PlanMemoryStage
-from moeflow.plan.proposals import proposals
+from moeflow.plan.proposals import host_fits, proposals
 from moeflow.runtime import compat
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.workflow.keys import plan_settings
@@ -28,6 +28,7 @@ MODELS = {
     "step3p5-flash": ("step3p5-flash",),
 }
 ENV = {"devices": [], "system": {"ram_usable_bytes": 2048 * 2**30}}  # host memory is not what these plans test
+HOST = 256 * 2**30  # a node's host memory, which a CPU-offload proposal must fit in
 
 
 def files(model: str) -> list:
@@ -75,6 +76,7 @@ def lookup(cfg: dict, dotted: str):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_every_proposal_passes_the_config_check_and_fits(model):
+    """A CPU-offload proposal fits a node's host memory too."""
     shape, params = counted(model)
     fitting = 0  # the runs that fit as they are, and the proposals
     for name, (devices, gib) in HARDWARE.items():
@@ -84,7 +86,7 @@ def test_every_proposal_passes_the_config_check_and_fits(model):
         job = Job.from_settings(planned)
         fitting += fits(shape, params, job, memory)
         cfg = run_config(load(*files(model), overrides=base), "moe")
-        for option in proposals(shape, params, job, memory, planned):
+        for option in proposals(shape, params, job, memory, planned, HOST):
             where = f"{model} on {name}: {option['change']}"
             changed = leaves(option["overlay"])
             assert changed, where
@@ -93,6 +95,7 @@ def test_every_proposal_passes_the_config_check_and_fits(model):
             variant = Job.from_settings(applied)
             assert fits(shape, params, variant, memory), where
             assert variant.num_devices == option["num_devices"] and variant.strategy == option["strategy"], where
+            assert not variant.cpu_offload or host_fits(shape, params, variant, HOST), where
             fitting += 1
     assert fitting, f"{model}: nothing fits anywhere on the grid"
 
@@ -110,6 +113,30 @@ def test_proposals_are_the_cheapest_first_and_a_fitting_run_gets_them_too():
     lora = next(o for o in options if o["overlay"].get("train", {}).get("method") == "lora")
     assert lora["strategy"] == ("fsdp" if compat.fsdp2_available() else "none")
     assert lora["step_flops_per_token"] < 6 * params.active
+
+
+def offloaded_bf16(options: list[dict]) -> list[dict]:
+    """The CPU-offload proposals that keep the base in bf16 (no quantization)."""
+    return [o for o in options if o["overlay"].get("parallel", {}).get("cpu_offload") and "model" not in o["overlay"]]
+
+
+@pytest.mark.skipif(not compat.fsdp2_available(), reason="parallel.cpu_offload is FSDP2's (refused on FSDP1)")
+def test_a_run_too_large_for_its_one_card_is_proposed_cpu_offload_on_it_within_the_hosts_memory():
+    """Qwen3-30B-A3B LoRA in bf16 on one 24 GiB card: its 57 GiB frozen base fits no card, offloaded it fits the
+    card, and a node's host memory bounds the proposal."""
+    shape, params = counted("qwen3-30b-a3b")
+    base = deep_merge(hardware(1, 24), {"train": {"method": "lora", "optimizer": "adamw", "mtp": {"mode": "frozen"}}})
+    base["train"]["gradient_checkpointing"] = True
+    planned = settings("qwen3-30b-a3b", base)
+    memory, _ = device_memory(planned.hardware, ENV)
+    job = Job.from_settings(planned)
+    assert not fits(shape, params, job, memory)
+    offloaded = offloaded_bf16(proposals(shape, params, job, memory, planned, HOST))
+    assert [(o["num_devices"], o["overlay"]["parallel"]) for o in offloaded] == [
+        (1, {"strategy": "fsdp", "cpu_offload": True})
+    ]
+    assert offloaded_bf16(proposals(shape, params, job, memory, planned, 48 * 2**30)) == []  # under the base's size
+    assert offloaded_bf16(proposals(shape, params, job, memory, planned)) == []  # no host memory known
 
 
 @pytest.mark.skipif(not compat.is_transformers_v5(), reason="docs/training.md's table is the current stack's")

@@ -42,6 +42,7 @@ from moeflow.checkpoint.storage import (
     ShardWriter,
     piece_tensors,
 )
+from moeflow.model.device import model_device
 from moeflow.model.parameters import clean_name
 from moeflow.model.safetensors_files import SafetensorsWriter, read_header, read_tensor
 from moeflow.model.wrappers import unwrap
@@ -254,7 +255,7 @@ def save_checkpoint(
     pieces = state_pieces(model, optimizer)
     flat = _dcp_pieces(pieces)
     shapes = _all_shapes(flat)
-    rng = gather_objects(rng_states(next(model.parameters()).device))
+    rng = gather_objects(rng_states(model_device(model)))
     failure = None
     try:
         with _dcp_errors(path):
@@ -379,7 +380,7 @@ def load_checkpoint(
     _set_json_part(path, model, optimizer, state["optimizer"])
     _drop_optimizer_state(model, optimizer, never_stepped)
     rng = _read_tensors(path / RNG_FILE)
-    rank, device = process_group.rank(), next(model.parameters()).device
+    rank, device = process_group.rank(), model_device(model)
     mine = f"rank{rank}" if f"rank{rank}.torch" in rng else "rank0"
     torch.set_rng_state(rng[f"{mine}.torch"])
     if device.type == "cuda" and f"{mine}.cuda" in rng:

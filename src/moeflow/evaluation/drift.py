@@ -31,6 +31,7 @@ import torch
 from moeflow.data.collate import model_inputs, token_mask
 from moeflow.evaluation.loop import FILLER, batches
 from moeflow.model.chunked_loss import decoder_forward
+from moeflow.model.device import model_device
 from moeflow.model.routing import NoMoELayers, RoutingAdapter, adapter_or_none, capture
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.process_group import Ranks, gather_to_main
@@ -76,7 +77,7 @@ def route_batches(
 ) -> list[BatchRouting]:
     """Every MoE layer's chosen experts and routing entropy for each real token, batch by batch, of the batches
     ``collated`` (``moeflow.data.collate.collate`` output; a :data:`FILLER` batch is run, not kept)."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     out: list[BatchRouting] = []
     model.eval()

@@ -23,6 +23,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from moeflow.evaluation.completions import Completion
+from moeflow.model.device import model_device
 from moeflow.parallel.layouts import generation_model
 from moeflow.parallel.lockstep import forwards_in_step
 from moeflow.parallel.process_group import Ranks, gather_objects
@@ -119,7 +120,7 @@ def generate(
     model.eval()
     out: list[list[Completion]] = []
     with generation_model(model) as generator:
-        device = next(generator.parameters()).device
+        device = model_device(generator)
         filler = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
         # several ranks: generate's own step synchronisation (synced_gpus) is off, forwards_in_step pairs them
         in_step = forwards_in_step(generator, filler) if world > 1 else contextlib.nullcontext()

@@ -23,6 +23,7 @@ import torch
 from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import count_label_tokens, next_token_targets, token_losses
+from moeflow.model.device import model_device
 from moeflow.model.routing import capture
 
 FILLER = "filler"  # key of a batch a rank runs only to keep step with the others (see batches): not counted
@@ -109,7 +110,7 @@ def evaluate_batches(
     """
     stats = SetStats(mtp_loss_sum=None if mtp is None else 0.0)
     keep_hidden = mtp is not None
-    device = next(model.parameters()).device
+    device = model_device(model)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     model.eval()
     started = time.perf_counter()

@@ -28,6 +28,7 @@ import torch
 
 from moeflow.data.collate import collate, model_inputs
 from moeflow.model.chunked_loss import decoder_forward
+from moeflow.model.device import model_device
 from moeflow.model.routing import adapter_for, capture
 from moeflow.parallel.process_group import Ranks, gather_to_main
 from moeflow.runtime.stage import kill_point, progress
@@ -268,7 +269,7 @@ def route_pool(
     """
     adapter = adapter or adapter_for(model)
     collector = StatsCollector(adapter.moe_layers, adapter.num_experts, adapter.top_k)
-    device = next(model.parameters()).device
+    device = model_device(model)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     model.eval()

@@ -74,7 +74,7 @@ class Layout:
     def join(cls, parallel: ParallelSettings, hardware_device: str, train: TrainSettings, precision: str) -> Layout:
         """A training stage's layout: join the process group torchrun describes and check its ranks against
         ``parallel`` (moeflow.parallel.process_group)."""
-        ranks = init(hardware_device)
+        ranks = init(hardware_device, group_of_one=parallel.cpu_offload)
         return cls(ranks, check_ranks(parallel, ranks), train, precision)
 
     @classmethod
@@ -153,9 +153,12 @@ def _placement(layout: Layout | None, device: str | torch.device | None) -> Layo
 
 def _check_combination(layout: Layout, folder: str | os.PathLike | None) -> None:
     strategy = layout.parallel.strategy
-    if layout.adapters:  # the config check refuses it too (moeflow.parallel.settings.training_layout_problems)
-        for problem in training_layout_problems("lora", strategy, layout.ranks.world_size):
-            raise DistributedError(problem)
+    # the config check refuses these too (moeflow.parallel.settings.training_layout_problems)
+    method = "lora" if layout.adapters else "full"
+    for problem in training_layout_problems(
+        method, strategy, layout.ranks.world_size, cpu_offload=layout.parallel.cpu_offload
+    ):
+        raise DistributedError(problem)
     if strategy == "ep" and folder is None:
         raise DistributedError(
             "parallel.strategy: ep loads a saved model folder (each rank reads its experts from its files): "

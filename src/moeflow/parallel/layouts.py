@@ -9,7 +9,10 @@ layout answers the same way (reshard, the whole state dict).
   - ``fsdp``: :func:`shard_model` wraps the model, one FSDP unit per decoder layer plus the root:
     FSDP2 ``fully_shard`` on the current stack; FSDP1 ``FullyShardedDataParallel(use_orig_params=True)``
     on the pinned stack, whose torch 2.3.1 ``fully_shard`` fails without CUDA. With ``precision: bf16``,
-    FSDP's mixed precision (bf16 gathers and compute, fp32 shards and gradient reduction).
+    FSDP's mixed precision (bf16 gathers and compute, fp32 shards and gradient reduction). With
+    ``parallel.cpu_offload`` (FSDP2 only) every unit offloads (:func:`cpu_offload_policy`): the shards, their
+    gradients and so AdamW's state stay on the host, one rank shards over a group of one, and the device the model
+    computes on is recorded (moeflow.model.device.model_device), its parameters being on the host.
   - ``ep``: transformers 5 shards the model on the meta device as its ``from_pretrained`` does for
     ``DistributedConfig(ep_size=..., fsdp_size=...)`` (moeflow.loading.factory): experts split over ``ep_size``
     ranks, the rest FSDP2-sharded; each rank then reads its rows (moeflow.parallel.rank_load).
@@ -35,6 +38,7 @@ from typing import Any
 
 import torch
 
+from moeflow.model.device import set_compute_device
 from moeflow.model.parameters import clean_name
 from moeflow.model.wrappers import is_fsdp1
 from moeflow.parallel import dtensors
@@ -102,7 +106,7 @@ def shard_model(
     traffic of fp32 gathers; the Trainer's autocast keeps the losses fp32). A LoRA model (``adapters``) holds
     its frozen base in bf16 already and its adapters in fp32: each is gathered in its own dtype and the
     Trainer's autocast computes, as in one process (:func:`fsdp2_mixed_precision`)."""
-    if parallel.strategy != "fsdp" or ranks.world_size == 1:
+    if parallel.strategy != "fsdp" or (ranks.world_size == 1 and not parallel.cpu_offload):
         if parallel.strategy == "ep":  # sharded on the meta device by transformers (moeflow.loading.factory)
             return materialize(model, ranks.device) if has_meta_parameters(model) else model
         return materialize(model, ranks.device) if has_meta_parameters(model) else model.to(ranks.device)
@@ -115,14 +119,18 @@ def shard_model(
         # each unit's parameters and buffers to the mesh's device as it shards them, and the root unit takes
         # everything outside the layers (embeddings, final norm, output layer, rotary buffers).
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
-        policy = fsdp2_mixed_precision(precision, adapters)
+        offload = cpu_offload_policy(parallel, ranks)
+        policy = fsdp2_mixed_precision(precision, adapters) | offload
         if policy and not adapters:  # before their layers: FSDP2 shards a submodule before the module holding it
             for module in fp32_modules(model):
-                fully_shard(module, mesh=mesh, **fsdp2_mixed_precision("fp32"))
+                fully_shard(module, mesh=mesh, **fsdp2_mixed_precision("fp32"), **offload)
         for module in list(model.modules()):
             if isinstance(module, layers):
                 fully_shard(module, mesh=mesh, **policy)
         fully_shard(model, mesh=mesh, **policy)
+        if offload:  # its parameters stay on the host: where it computes is said, not read from them
+            set_compute_device(model, ranks.device)
+            return materialize(model, torch.device("cpu"), ranks.device) if has_meta_parameters(model) else model
         return materialize(model, ranks.device) if has_meta_parameters(model) else model
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -143,6 +151,17 @@ def shard_model(
         if precision == "bf16"
         else None,
     )
+
+
+def cpu_offload_policy(parallel: ParallelSettings, ranks: Ranks) -> dict[str, Any]:
+    """``fully_shard``'s offload keyword for ``parallel.cpu_offload``: the shards, their gradients and so AdamW's
+    state on the host, each unit copied to the device for its forward and backward (page-locked host memory on
+    CUDA, for copies that overlap the compute)."""
+    if not parallel.cpu_offload:
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=ranks.device.type == "cuda")}
 
 
 def fsdp2_mixed_precision(precision: str, adapters: bool = False) -> dict[str, Any]:
@@ -243,7 +262,7 @@ def full_state_dict(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     # (torch 2.3's FSDP1 crashes offloading a model that is on the CPU already: there every rank gathers)
-    on_cpu = next(model.parameters()).device.type == "cpu"
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     options = _state_dict_options(cpu_offload=rank0_only and is_sharded(model) and not (is_fsdp1(model) and on_cpu))
     with _cpu_safe_fsdp1():
         model_state = get_model_state_dict(model, options=options)

@@ -103,11 +103,14 @@ def _set_gloo_interface() -> None:
         )
 
 
-def init(device_type: str | None = None) -> Ranks:
-    """Join the process group torchrun describes (only with more than one process) and pick the device.
+def init(device_type: str | None = None, group_of_one: bool = False) -> Ranks:
+    """Join the process group torchrun describes (only with more than one process, or ``group_of_one``) and pick
+    the device.
 
     ``device_type``: "cuda" or "cpu"; default: CUDA when available. The backend follows the device:
-    nccl for CUDA tensors (and gloo for CPU ones) on CUDA, gloo on CPU."""
+    nccl for CUDA tensors (and gloo for CPU ones) on CUDA, gloo on CPU. ``group_of_one``: one process joins a group
+    of its own (FSDP2 shards over a device mesh, which needs one: ``parallel.cpu_offload`` on one rank), in memory
+    when no torchrun agent started it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -116,14 +119,18 @@ def init(device_type: str | None = None) -> Ranks:
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    if world > 1:
+    if world > 1 or group_of_one:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             _set_gloo_interface()
             # With CUDA, nccl for the model's tensors and gloo for the CPU tensors the losses all-reduce
             # (token and expert counts, logged loss terms).
-            dist.init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo")
+            backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+            if world == 1 and "MASTER_ADDR" not in os.environ:  # started without torchrun (moeflow.parallel.launch)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                dist.init_process_group(backend)
     return Ranks(rank, world, local_rank, device)
 
 

@@ -89,14 +89,22 @@ def materialize_parameters(device: torch.device):
     return init
 
 
-def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def materialize(
+    model: torch.nn.Module, device: torch.device, buffer_device: torch.device | None = None
+) -> torch.nn.Module:
     """Empty storage on ``device`` for every meta parameter (after ``fully_shard``: their local shards),
-    the buffers kept as they are (``to_empty`` would leave them uninitialised too)."""
+    the buffers kept as they are (``to_empty`` would leave them uninitialised too), on ``buffer_device`` if given
+    (CPU offload: the shards on the host, the buffers where the model computes)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
+    if buffer_device is not None:
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.to(buffer_device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model

@@ -17,6 +17,7 @@ class ParallelSettings:
     ep_size: int
     fsdp_size: int | None
     ep_implementation: str
+    cpu_offload: bool = False
 
     @property
     def world_size(self) -> int:
@@ -31,12 +32,14 @@ def training_layout_problems(
     tied_embeddings: bool = False,
     model_type: str | None = None,
     fsdp2: bool | None = None,
+    cpu_offload: bool = False,
 ) -> list[str]:
     """What a training layout cannot run, each naming the keys and what to do. The config check, the loader
     (moeflow.loading.factory) and the planner's proposals (moeflow.plan.proposals) refuse the same layouts:
     expert parallelism with tied embeddings (transformers 5's expert-parallel sharding unties them), LoRA adapters
-    under expert parallelism or FSDP1, and ESFT under FSDP1 on fused expert
-    tensors (``model_type``'s: its flat shards split elements, not experts). Expert parallelism on transformers
+    under expert parallelism or FSDP1, ESFT under FSDP1 on fused expert
+    tensors (``model_type``'s: its flat shards split elements, not experts), and ``cpu_offload`` (FSDP2's offload
+    policy) anywhere but ``fsdp`` on FSDP2. Expert parallelism on transformers
     4.57 is refused where the model is loaded (moeflow.parallel.layouts), not here: a plan on the pinned stack may
     be for a cluster that runs the current one. ``fsdp2``: whether FSDP is FSDP2 (None: this stack's torch says;
     docs/training.md's table is for the current stack). Imports nothing heavy: the config check runs at DAG build."""
@@ -70,4 +73,29 @@ def training_layout_problems(
             f"expert tensors on torch {compat.version_of('torch')}: FSDP1's flat shards split elements, not experts, "
             "so the unselected experts' rows cannot be masked. Use parallel.strategy: none, or STACK=current (FSDP2)"
         )
+    if cpu_offload:
+        problems += _offload_problems(strategy, fsdp2)
     return problems
+
+
+def _offload_problems(strategy: str, fsdp2: bool) -> list[str]:
+    from moeflow.runtime import compat
+
+    if strategy == "none":
+        return [
+            "config key 'parallel.cpu_offload': true needs parallel.strategy: fsdp (FSDP2's offload policy holds "
+            "the sharded parameters, gradients and optimizer state on the host and streams each layer in); with "
+            "one rank, fsdp shards over a group of one. Set parallel.strategy: fsdp, or cpu_offload: false"
+        ]
+    if strategy == "ep":
+        return [
+            "config keys 'parallel.cpu_offload': true and 'parallel.strategy': ep do not combine: transformers' "
+            "expert-parallel experts (most of the weights) are not FSDP units, so they would stay on the device. "
+            "Use parallel.strategy: fsdp"
+        ]
+    if not fsdp2:
+        return [
+            f"config key 'parallel.cpu_offload': true needs FSDP2's offload policy, and torch "
+            f"{compat.version_of('torch')} runs FSDP1 here. Use STACK=current, or cpu_offload: false"
+        ]
+    return []

@@ -86,12 +86,14 @@ def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int 
     # the step's sharded states give the first count to try (no phase fits before the step does)
     two = dataclasses.replace(job, num_devices=2)
     at_two = memory_per_device(s, params, two)
-    # (the optimizer term holds Muon's whole gathered parameter, which sharding does not shrink)
-    sharded = 2 * (at_two["weights"] + at_two["gradients"] + at_two["optimizer"] - muon_gathered_bytes(params, two))
+    # (the optimizer term holds Muon's whole gathered parameter, which sharding does not shrink; under CPU offload the
+    # states are the host's, and more devices shrink little on each)
+    states = sum(at_two.get(term, 0) for term in ("weights", "gradients", "optimizer"))
+    sharded = 2 * (states - muon_gathered_bytes(params, two)) if states else 0
     replicated = at_two["total"] - sharded / 2
     room = (1 - HEADROOM) * memory - replicated
-    if room <= 0:
-        return None
+    if room <= 0 or not sharded:
+        return 2 if fits(s, params, two, memory) else None
     n = max(2, math.ceil(sharded / room))
     while n <= limit:  # ceil() of the shards (or another phase) can need more: step up until it really fits
         if fits(s, params, dataclasses.replace(job, num_devices=n), memory):

@@ -11,7 +11,7 @@ dtype (bf16 with ``precision: bf16``, moeflow.model.device.compute_dtype) in the
 * forward: those weights; with fsdp or ep the largest decoder layer gathered while it runs, the next one
   prefetched and the root unit (embedding, output layer, final norm); one decoder layer's tensors at a time for
   a forward's tokens (nothing is kept for a backward pass: the largest layer's, and the residual stream's
-  input and sum); the attention masks (moeflow.plan.memory.attention_mask_bytes); what the stage computes at the
+  input and sum); the attention masks (moeflow.plan.activations.attention_mask_bytes); what the stage computes at the
   end of the decoder:
 
   - ``routing`` (every stage but humaneval_generate; lm_eval_task for moeflow_perplexity's cross-check): each MoE
@@ -43,17 +43,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeflow.model.settings import LoraSettings
+from moeflow.plan.activations import (
+    FP32_BYTES,
+    LOSS_BYTES_PER_LOGIT,
+    WEIGHT_BYTES,
+    attention_mask_bytes,
+    layer_activation_elements,
+)
 from moeflow.plan.counts import ParamCount, count_parameters
 from moeflow.plan.fit import gib, verdict
 from moeflow.plan.memory import (
     CUDA_HOST_RUNTIME_BYTES,
-    FP32_BYTES,
-    LOSS_BYTES_PER_LOGIT,
-    WEIGHT_BYTES,
     Job,
-    attention_mask_bytes,
     gathered_unit,
-    layer_activation_elements,
     root_unit_parameters,
     runtime_bytes,
     with_total,

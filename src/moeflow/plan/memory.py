@@ -78,6 +78,12 @@ frozen ones included, and AdamW's two fp32 moments of the trained ones, both ove
     ``hardware.device: cpu`` there is one memory: every term is on the device side, the runtime once,
     nothing is staged, and :func:`rank_bytes` (device + host) is what the rank's peak RSS should be.
 
+``parallel.cpu_offload`` (``Job.cpu_offload``: FSDP2's offload policy, also over one rank): on CUDA the sharded state
+(weights, gradients, optimizer; :func:`step_state`) is on the host side of the step, and the resident state, the
+zero gradients, the gathered and merged tensors of every other phase too, leaving the device its runtime there; the
+step's device keeps the gathered units and, per unit, its shards copied in and its gradient's copied out
+(``offload_copies``). On the CPU the two sides are one memory.
+
 Whether the phases fit, on which devices, and what would make them fit: moeflow.plan.fit.
 
 ``train.method: lora`` (settings ``train.lora``, see moeflow.model.lora): the base weights are frozen (weights
@@ -110,18 +116,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moeflow.families import registry
 from moeflow.model.settings import LoraSettings, quantized_bytes_per_element
-from moeflow.plan.counts import ParamCount, esft_trainable, lora_activation_elements, lora_count, quantized_parameters
+from moeflow.plan.activations import (
+    FP32_BYTES,
+    WEIGHT_BYTES,
+    activation_bytes,
+    attention_mask_bytes,
+    loss_bytes,
+    residual_stream_bytes,
+)
+from moeflow.plan.counts import ParamCount, esft_trainable, lora_count, quantized_parameters
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.runtime import compat
 from moeflow.settings import typed
 from moeflow.train.settings import EsftSettings
 
 GIB = 2**30
-
-
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
 
 
 ADAM_MOMENT_BYTES = 8  # two fp32 moments
@@ -143,12 +153,6 @@ CPU_RANK_RUNTIME_BYTES = {4: 600 * 2**20, 5: 405 * 2**20}
 
 
 CUDA_RUNTIME_BYTES = 1 * GIB
-
-
-FP32_BYTES = 4  # FSDP's gradient reduce-scatter (reduce_dtype fp32), and the residual stream with fp32 weights
-
-
-LOSS_BYTES_PER_LOGIT = 4  # a chunk's fp32 logits, which become their gradient in place (moeflow.model.chunked_loss)
 
 
 # The parameters moeflow holds are fp32 in every layout (loaded in fp32; bf16 is autocast on one device and
@@ -216,6 +220,7 @@ class Job:
     esft_selected: int | None = None  # (layer, expert) pairs ESFT selected; None: not yet known, plan for all
     mtp_trained: bool = False  # train.mtp.mode: train (a full fine-tune): the MTP layers train too
     quantization: str = "none"  # model.quantization: a LoRA run's frozen decoder matrices in 4 or 8 bits
+    cpu_offload: bool = False  # parallel.cpu_offload: FSDP2 with the sharded state on the host
 
     @classmethod
     def from_settings(cls, settings: PlanMemoryStage) -> Job:
@@ -249,6 +254,7 @@ class Job:
             esft=typed(EsftSettings, train["esft"]) if train.get("esft") else None,
             mtp_trained=(train.get("mtp") or {}).get("mode") == "train",
             quantization=settings.model["quantization"],
+            cpu_offload=bool(parallel.get("cpu_offload", False)),
         )
 
     @property
@@ -256,6 +262,8 @@ class Job:
         """The layout as ``parallel.strategy`` names it."""
         if self.expert_parallel:
             return "ep"
+        if self.cpu_offload:
+            return "fsdp"
         return "none" if self.replicated or self.num_devices == 1 else "fsdp"
 
     @property
@@ -271,8 +279,15 @@ class Job:
 
     @property
     def sharded(self) -> bool:
-        """FSDP over the devices: one decoder layer (and the root unit) gathered at a time."""
-        return self.shard_ranks > 1
+        """FSDP over the devices: one decoder layer (and the root unit) gathered at a time; so too under CPU
+        offload on one device (FSDP2 over a group of one)."""
+        return self.shard_ranks > 1 or self.cpu_offload
+
+    @property
+    def offloads_to_host(self) -> bool:
+        """The sharded state held in the host's memory, not the device's (``cpu_offload`` on CUDA; on the CPU the
+        two are one memory)."""
+        return self.cpu_offload and self.device == "cuda"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"strategy": self.strategy, "shard_ranks": self.shard_ranks}
@@ -283,94 +298,6 @@ class Job:
         computed with, fp32 sharded master weights and an fp32 gradient reduce-scatter. On one device bf16
         is autocast over fp32 weights."""
         return self.sharded and self.precision == "bf16"
-
-
-def layer_activation_elements(
-    s: Shape, seq_len: int, eager: bool, moe: bool, lora: LoraSettings | None = None, heads: int | None = None
-) -> int:
-    """Elements kept for the backward pass per token by one decoder layer with ``heads`` query heads (the
-    shape's ``num_heads`` if not given; module docstring)."""
-    h = s.hidden_size
-    heads = s.num_heads if heads is None else heads
-    if s.attention == "mla":
-        qk_head = s.qk_nope_head_dim + s.qk_rope_head_dim
-        qkv = (s.q_lora_rank or 0) + s.kv_lora_rank + s.qk_rope_head_dim
-        qkv += heads * (2 * qk_head + s.qk_nope_head_dim + s.v_head_dim)
-        attn_out = heads * s.v_head_dim
-    else:
-        qkv = (heads + 2 * s.num_kv_heads) * s.head_dim
-        attn_out = heads * s.head_dim
-    attention = 2 * h + qkv + attn_out + heads + s.head_gate * heads + (heads * seq_len if eager else 0)
-    ffn_in = 2 * h  # residual into the second norm, and the norm's output
-    if moe:
-        ffn = 2 * s.num_experts + s.top_k * (2 * h + 3 * s.expert_ffn) + (3 * s.shared_ffn + h if s.shared_ffn else 0)
-    else:
-        ffn = 3 * s.dense_ffn
-    return attention + ffn_in + ffn + (lora_activation_elements(s, lora, moe, heads) if lora else 0)
-
-
-def kept_layer_inputs(s: Shape, job: Job) -> int:
-    """Residual-stream tensors kept per token for the backward pass: each layer's input with gradient
-    checkpointing (what the recomputation starts from), its input and its residual after attention without."""
-    return s.num_layers * s.hidden_size * (1 if job.gradient_checkpointing else 2)
-
-
-def residual_stream_bytes(s: Shape, job: Job) -> int:
-    """The kept residual stream, in fp32 where the weights are fp32 (fp32, or bf16 autocast on one device:
-    the embedding's output and the residual additions stay fp32), in bf16 under FSDP mixed precision and where
-    the weights are held in bf16 (LoRA's frozen base: the embedding's output is bf16)."""
-    bf16_weights = job.mixed_precision or (job.method == "lora" and job.precision == "bf16")
-    width = WEIGHT_BYTES[job.precision] if bf16_weights else FP32_BYTES
-    return job.micro_batch_size * job.seq_len * kept_layer_inputs(s, job) * width
-
-
-def activation_bytes(s: Shape, job: Job) -> int:
-    """The decoder layers' other kept tensors, in the compute width (the residual stream and the loss
-    are their own terms)."""
-    tokens = job.micro_batch_size * job.seq_len
-    width = WEIGHT_BYTES[job.precision]
-    eager = job.attn_implementation == "eager"
-    lora = job.lora if job.method == "lora" else None
-    moe_set = set(s.moe_layers)
-    layers = [
-        layer_activation_elements(s, job.seq_len, eager, i in moe_set, lora, s.heads(i)) for i in range(s.num_layers)
-    ]
-    if job.gradient_checkpointing:  # one layer recomputed at a time, from its kept input
-        per_token = max(layers) - s.hidden_size
-    else:
-        per_token = sum(layers) - kept_layer_inputs(s, job)
-    per_token += 2 * s.hidden_size  # final norm
-    return tokens * per_token * width
-
-
-def attention_mask_bytes(s: Shape, job: Job) -> int:
-    """The attention masks of a forward with sdpa or eager attention, held for the whole step (every checkpointed
-    layer takes them as an input): one ``[micro-batch, 1, L, L]`` mask per attention type (full, sliding window),
-    booleans where transformers 5 builds them for sdpa from the packed rows' positions, additive float masks
-    (counted at float32) where it builds them for eager attention and where moeflow.data.collate builds them
-    (transformers 4.57, and the families whose record says ``masks_without_positions_v5``). flash-attn builds
-    none."""
-    if job.attn_implementation == "flash_attention_2":
-        return 0
-    boolean = (
-        job.attn_implementation == "sdpa"
-        and compat.is_transformers_v5()
-        and not registry.FAMILIES[s.model_type].masks_without_positions_v5
-    )
-    return job.micro_batch_size * job.seq_len**2 * s.attention_masks * (1 if boolean else FP32_BYTES)
-
-
-def loss_bytes(s: Shape, job: Job) -> int:
-    """The chunked cross-entropy (moeflow.model.chunked_loss): one chunk's logits, ``LOSS_BYTES_PER_LOGIT`` per
-    token and vocabulary entry plus, with bf16, the product before its fp32 copy and the gradient's bf16
-    copy; and the fp32 gradients it computes in the forward pass and keeps for the backward pass."""
-    tokens = job.micro_batch_size * job.seq_len
-    chunk = min(job.loss_chunk_tokens, tokens)
-    width = WEIGHT_BYTES[job.precision]
-    per_logit = LOSS_BYTES_PER_LOGIT + (width if width < FP32_BYTES else 0)
-    output_trains = job.method == "full" or (job.method == "esft" and job.esft.train_non_expert)
-    kept = tokens * (s.hidden_size + 1) + (s.vocab_size * s.hidden_size if output_trains else 0)
-    return chunk * s.vocab_size * per_logit + kept * FP32_BYTES
 
 
 def root_unit_parameters(s: Shape, params: ParamCount) -> int:
@@ -389,22 +316,17 @@ def gradient_parameters(s: Shape, params: ParamCount, job: Job, trainable: int) 
 
 
 def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
-    """Bytes per device by component (module docstring); ``total`` is their sum."""
+    """Bytes per device by component (module docstring); ``total`` is their sum. Under CPU offload on CUDA the
+    sharded state (:func:`step_state`) is the host's, not a device term."""
     width = WEIGHT_BYTES[job.precision]
-    shards = job.shard_ranks
     unit = gathered_unit(params, job)
     root = root_unit_parameters(s, params)
     if job.method == "lora":  # frozen base: weights only; adapters (and a trainable router) get everything
-        adapters = lora_count(s, job.lora)
-        trainable = adapters.trainable
-        unit_added, unit_trainable = adapters.largest_layer(job.expert_parallel)
+        unit_added, unit_trainable = lora_count(s, job.lora).largest_layer(job.expert_parallel)
         root_trainable = 0  # no adapters on the embedding or the LM head
-        # held as trained: the adapters (and a trainable router) in fp32, with fp32 gradients and no master copy
-        weights, gradient_width, master = held_weight_bytes(s, params, job), FP32_BYTES, 0
+        gradient_width = FP32_BYTES  # the adapters (and a trainable router) train in fp32
     else:
-        unit_added, unit_trainable, root_trainable = 0, unit, root
-        trainable = trained_parameters(s, params, job)[1]
-        weights, gradient_width, master = params.total * width, width, MASTER_WEIGHT_BYTES[job.precision]
+        unit_added, unit_trainable, root_trainable, gradient_width = 0, unit, root, width
     gathered = unit + unit_added
     # a quantized base's unit is gathered as stored: its decoder matrices (most of a layer) in 4 or 8 bits
     stored = (
@@ -412,11 +334,10 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         if quantized_parameters(params, job.quantization)
         else width
     )
-    out = {
-        "weights": math.ceil(weights / shards),
-        "gradients": math.ceil(gradient_parameters(s, params, job, trainable) * gradient_width / shards),
-        "optimizer": math.ceil((optimizer_state_bytes(params, trainable, job) + trainable * master) / shards)
-        + muon_gathered_bytes(params, job),
+    out = {} if job.offloads_to_host else step_state(s, params, job)
+    if job.cpu_offload:  # FSDP2 copies a unit's shards to the device for its gather, its gradient's back to the host
+        out["offload_copies"] = math.ceil((gathered * stored + unit_trainable * gradient_width) / job.shard_ranks)
+    out |= {
         "unsharded_layer": math.ceil(gathered * stored + unit_trainable * width) if job.sharded else 0,
         "prefetched_layer": math.ceil(gathered * stored) if job.sharded else 0,
         "layer_gradient_reduce": unit_trainable * FP32_BYTES if job.sharded else 0,
@@ -433,6 +354,24 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         out["dequantized_layer"] = (params.largest_layer + params.largest_tensor) * width
     out["total"] = sum(out.values())
     return out
+
+
+def step_state(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
+    """A rank's share of the weights, the gradients and the optimizer's state in a step (module docstring)."""
+    width = WEIGHT_BYTES[job.precision]
+    if job.method == "lora":  # held as trained: the adapters (and a trainable router) in fp32, no master copy
+        trainable = lora_count(s, job.lora).trainable
+        weights, gradient_width, master = held_weight_bytes(s, params, job), FP32_BYTES, 0
+    else:
+        trainable = trained_parameters(s, params, job)[1]
+        weights, gradient_width, master = params.total * width, width, MASTER_WEIGHT_BYTES[job.precision]
+    shards = job.shard_ranks
+    return {
+        "weights": math.ceil(weights / shards),
+        "gradients": math.ceil(gradient_parameters(s, params, job, trainable) * gradient_width / shards),
+        "optimizer": math.ceil((optimizer_state_bytes(params, trainable, job) + trainable * master) / shards)
+        + muon_gathered_bytes(params, job),
+    }
 
 
 def gathered_unit(params: ParamCount, job: Job) -> int:
@@ -568,6 +507,12 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
         "resume": (state | {"initial_gradients": zero_gradients}, {"read_buffer": owned}),
         "export": (state | {"gathered_tensor": whole} | ({} if on_cuda else merged), {"staging_copy": whole} | merged),
     }
+    if job.offloads_to_host:  # the state lives on the host: outside the step only the runtime is on the device
+        terms = {
+            phase: (device, copies) if phase == "step" else ({}, device | copies)
+            for phase, (device, copies) in terms.items()
+        }
+        terms["step"] = (step, step_state(s, params, job))
     out = {}
     for phase, (device, copies) in terms.items():
         device = device if phase == "step" else device | runtime

@@ -1,8 +1,9 @@
 """What the planner proposes: the cheapest configurations of a run that fit, each as a config overlay.
 
 :func:`proposals` searches method (the run's; a full fine-tune is offered LoRA too) x layout (``none`` on the run's
-devices; ``fsdp`` and, on transformers 5, ``ep`` on as few devices as fit) x activation checkpointing x
-micro-batch. It keeps the combinations whose every phase fits (moeflow.plan.fit.fits) and that the config check
+devices; ``fsdp`` and, on transformers 5, ``ep`` on as few devices as fit; ``fsdp`` with ``cpu_offload`` on as few
+as fit where a node's host memory holds the states) x activation checkpointing x micro-batch. It keeps the
+combinations whose every phase fits (moeflow.plan.fit.fits) and that the config check
 accepts: the layouts of moeflow.parallel.settings.training_layout_problems, and with a change of method the keys it
 brings along (LoRA trains with AdamW and leaves the MTP layers frozen). They are ranked by devices, then the step's
 FLOPs per token, then the bytes each device moves per micro-batch. A proposal's ``overlay`` holds the keys it
@@ -14,7 +15,7 @@ forward again). Bytes moved per micro-batch and device: FSDP's all-gather of the
 backward and reduce-scatter of the trained gradients in fp32; expert parallelism gathers the weights but the
 routed experts, whose tokens go to them and back (all-to-all, forward and backward); ``none`` on several ranks
 all-reduces the trained gradients (once per step, counted per micro-batch at the run's micro-batches per step
-of one).
+of one); CPU offload adds each device's share of the weights copied in twice and of the gradients copied out.
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ from typing import Any
 
 from moeflow.model.settings import quantization_problems
 from moeflow.parallel.settings import training_layout_problems
+from moeflow.plan.activations import FP32_BYTES, WEIGHT_BYTES
 from moeflow.plan.counts import ParamCount
-from moeflow.plan.fit import fits, gib, min_devices
-from moeflow.plan.memory import FP32_BYTES, WEIGHT_BYTES, Job, PlanMemoryStage, trained_parameters, worst_device_total
+from moeflow.plan.fit import fits, gib, min_devices, verdict
+from moeflow.plan.memory import (
+    Job,
+    PlanMemoryStage,
+    host_per_node_bytes,
+    phase_memory,
+    trained_parameters,
+    worst_device_total,
+)
 from moeflow.plan.shapes import Shape
 from moeflow.runtime import compat
 
@@ -42,11 +51,18 @@ KEPT = 6
 
 
 def proposals(
-    s: Shape, params: ParamCount, job: Job, memory: int, settings: PlanMemoryStage, kept: int = KEPT
+    s: Shape,
+    params: ParamCount,
+    job: Job,
+    memory: int,
+    settings: PlanMemoryStage,
+    host_limit: int | None = None,
+    kept: int = KEPT,
 ) -> list[dict[str, Any]]:
     """The cheapest configurations that fit (module docstring), each ``{"change", "overlay", "num_devices",
     "per_device_gib", "worst_phase_gib", "step_flops_per_token", "bytes_moved_per_micro_batch"}``; ``settings``
-    are the plan's, against which an overlay names only what changes."""
+    are the plan's, against which an overlay names only what changes. ``host_limit``: a node's host memory, which
+    a CPU-offload proposal must fit in (None: none is proposed)."""
     found: dict[str, dict[str, Any]] = {}
     methods = [job.method] + (["lora"] if job.method == "full" else [])
     for method, quantization in [(m, q) for m in methods for q in _quantizations(job, m)]:
@@ -59,8 +75,8 @@ def proposals(
                     gradient_checkpointing=checkpointing,
                     micro_batch_size=micro_batch,
                 )
-                for strategy in ("none", "fsdp", "ep"):
-                    variant = _smallest_layout(s, params, base, memory, strategy)
+                for strategy in ("none", "fsdp", "ep", "cpu_offload"):
+                    variant = _smallest_layout(s, params, base, memory, strategy, host_limit)
                     if variant is None or _refused(s, variant):
                         continue
                     change = overlay(job, variant, settings)
@@ -81,8 +97,15 @@ def fewest_devices(s: Shape, params: ParamCount, job: Job, memory: int) -> int |
     return min_devices(s, params, job, memory)
 
 
-def _smallest_layout(s: Shape, params: ParamCount, job: Job, memory: int, strategy: str) -> Job | None:
-    """``job`` in ``strategy`` on the fewest devices at which it fits (``none``: on the run's own devices), or None."""
+def _smallest_layout(
+    s: Shape, params: ParamCount, job: Job, memory: int, strategy: str, host_limit: int | None = None
+) -> Job | None:
+    """``job`` in ``strategy`` on the fewest devices at which it fits (``none``: on the run's own devices;
+    ``cpu_offload``: FSDP2 with its state on the host, whose every phase must fit in ``host_limit`` per node), or
+    None."""
+    if strategy == "cpu_offload":
+        return _smallest_offload(s, params, job, memory, host_limit)
+    job = dataclasses.replace(job, cpu_offload=False)
     if strategy == "none":
         variant = dataclasses.replace(
             job, expert_parallel=False, replicated=job.num_devices > 1, fsdp_size=None, ep_size=1
@@ -104,6 +127,26 @@ def _smallest_layout(s: Shape, params: ParamCount, job: Job, memory: int, strate
         if fits(s, params, variant, memory):
             return variant
     return None
+
+
+def _smallest_offload(s: Shape, params: ParamCount, job: Job, memory: int, host_limit: int | None) -> Job | None:
+    if host_limit is None or job.device != "cuda":  # on the CPU, offload to the host moves nothing
+        return None
+    offloaded = dataclasses.replace(
+        job, cpu_offload=True, expert_parallel=False, replicated=False, fsdp_size=None, ep_size=1
+    )
+    for devices in range(1, 2 * NODE_DEVICES + 1):
+        devices = _whole_nodes(devices, job)
+        variant = dataclasses.replace(offloaded, num_devices=devices, ranks_per_node=min(devices, _per_node(job)))
+        if fits(s, params, variant, memory) and host_fits(s, params, variant, host_limit):
+            return variant
+    return None
+
+
+def host_fits(s: Shape, params: ParamCount, job: Job, host_limit: int) -> bool:
+    """Whether a node's ranks fit in ``host_limit`` with headroom in every phase."""
+    per_node = max(host_per_node_bytes(phase, job) for phase in phase_memory(s, params, job).values())
+    return verdict(per_node, host_limit) == "fits"
 
 
 def _per_node(job: Job) -> int:
@@ -128,7 +171,14 @@ def _quantizations(job: Job, method: str) -> list[str]:
 
 def _refused(s: Shape, job: Job) -> bool:
     return bool(
-        training_layout_problems(job.method, job.strategy, job.num_devices, s.tie_word_embeddings, s.model_type)
+        training_layout_problems(
+            job.method,
+            job.strategy,
+            job.num_devices,
+            s.tie_word_embeddings,
+            s.model_type,
+            cpu_offload=job.cpu_offload,
+        )
         or quantization_problems(job.quantization, job.method, job.gradient_checkpointing)
     )
 
@@ -149,7 +199,8 @@ def overlay(job: Job, variant: Job, settings: PlanMemoryStage) -> dict[str, dict
         wanted["train"]["optimizer"] = "adamw"
         if job.mtp_trained:
             wanted["train"]["mtp"] = {"mode": "frozen"}
-    if (variant.strategy, variant.num_devices, variant.ep_size) != (job.strategy, job.num_devices, job.ep_size):
+    layout = lambda j: (j.strategy, j.num_devices, j.ep_size, j.cpu_offload)  # noqa: E731
+    if layout(variant) != layout(job):
         per_node = min(variant.num_devices, _per_node(job))
         wanted["parallel"] = {
             "strategy": variant.strategy,
@@ -157,6 +208,7 @@ def overlay(job: Job, variant: Job, settings: PlanMemoryStage) -> dict[str, dict
             "nnodes": variant.num_devices // per_node,
             "ep_size": variant.ep_size,
             "fsdp_size": None,
+            "cpu_offload": variant.cpu_offload,
         }
         wanted["hardware"] = {"num_devices": variant.num_devices}
     current = {"train": train, "parallel": parallel, "hardware": hardware, "model": settings.model}
@@ -204,13 +256,16 @@ def step_flops_per_token(params: ParamCount, job: Job) -> int:
 def bytes_moved_per_micro_batch(s: Shape, params: ParamCount, job: Job) -> int:
     """What one device sends and receives per micro-batch (module docstring): an estimate that ranks layouts."""
     n = job.num_devices
-    if n == 1:
-        return 0
-    share = (n - 1) / n
     _, trained = trained_parameters(s, params, job)
+    width = WEIGHT_BYTES[job.precision]
+    # CPU offload: each unit's shards go to the device in the forward and again in the backward, the gradients'
+    # to the host (over PCIe)
+    offload = round((2 * params.total * width + trained * FP32_BYTES) / n) if job.cpu_offload else 0
+    if n == 1:
+        return offload
+    share = (n - 1) / n
     if job.strategy == "none":
         return round(2 * share * trained * FP32_BYTES)
-    width = WEIGHT_BYTES[job.precision]
     moved = 2 * share * params.total * width + share * trained * FP32_BYTES
     if job.strategy == "ep":
         # a rank's experts are gathered over the ranks that hold the same ones (n / ep_size), not over all n
@@ -220,4 +275,4 @@ def bytes_moved_per_micro_batch(s: Shape, params: ParamCount, job: Job) -> int:
         moved += 2 * (experts / ep) * width * (holders - 1) / holders - 2 * share * experts * width
         tokens = job.micro_batch_size * job.seq_len
         moved += 4 * (ep - 1) / ep * tokens * s.top_k * s.hidden_size * width * len(s.moe_layers)
-    return round(max(moved, 0))
+    return round(max(moved, 0)) + offload

@@ -56,11 +56,7 @@ def summary(p: Mapping[str, Any]) -> str:
             if "lora" in p
             else []
         ),
-        f"  per device {_size(mem['total'])} = weights {_size(mem['weights'])} + gradients {_size(mem['gradients'])} + "
-        f"AdamW states {_size(mem['optimizer'])} + unsharded layer {_size(mem['unsharded_layer'])} + prefetched "
-        f"layer {_size(mem['prefetched_layer'])} + layer gradient reduce {_size(mem['layer_gradient_reduce'])} + "
-        f"root unit {_size(mem['root_unit'])} + residual stream {_size(mem['residual_stream'])} + activations "
-        f"{_size(mem['activations'])} + loss {_size(mem['loss'])} + runtime {_size(mem['runtime'])}",
+        step_summary(mem, p["phases"]["step"]["host_bytes"]),
         phases_summary(p["phases"]),
         f"  worst phase {worst}: "
         + ("the step's terms above" if worst == "step" else _terms(p["phases"][worst]["device_bytes"])),
@@ -68,7 +64,7 @@ def summary(p: Mapping[str, Any]) -> str:
         f"{memory:.1f} GiB, {round(100 * (1 - p['usable_fraction']))}% headroom)",
         host_summary(p["host"], p["phases"]),
     ]
-    states = gib["weights"] + gib["gradients"] + gib["optimizer"]
+    states = sum(gib.get(term, 0) for term in ("weights", "gradients", "optimizer"))  # none under CPU offload
     if p["verdict"] != "fits" and states > usable:
         lines.append(
             f"  weights, gradients and AdamW states alone take {states:.2f} GiB per device: only more devices "
@@ -90,6 +86,19 @@ def summary(p: Mapping[str, Any]) -> str:
             f"devices of {memory:.1f} GiB"
         )
     return "\n".join(lines)
+
+
+def step_summary(mem: Mapping[str, int], host: Mapping[str, int]) -> str:
+    """The step's terms per device; under CPU offload its sharded state is on the host (``host``)."""
+    if "weights" not in mem:
+        return f"  per device {_terms(mem)}; on the host (parallel.cpu_offload) {_terms(host)}"
+    return (
+        f"  per device {_size(mem['total'])} = weights {_size(mem['weights'])} + gradients {_size(mem['gradients'])} + "
+        f"AdamW states {_size(mem['optimizer'])} + unsharded layer {_size(mem['unsharded_layer'])} + prefetched "
+        f"layer {_size(mem['prefetched_layer'])} + layer gradient reduce {_size(mem['layer_gradient_reduce'])} + "
+        f"root unit {_size(mem['root_unit'])} + residual stream {_size(mem['residual_stream'])} + activations "
+        f"{_size(mem['activations'])} + loss {_size(mem['loss'])} + runtime {_size(mem['runtime'])}"
+    )
 
 
 def proposals_markdown(options: list[Mapping[str, Any]]) -> list[str]:
@@ -138,9 +147,9 @@ def host_summary(host: Mapping[str, Any], phases: Mapping[str, Mapping[str, Any]
 
 def enforce(p: Mapping[str, Any]) -> None:
     """Fail when the job's worst phase does not fit on its devices, or a node's ranks do not fit in its
-    host memory (the training job's ``mem_mb``; this machine's RAM when the ranks run here, on CPU), with
-    the phase, its terms and the options; warn when either is tight (or the host side exceeds this
-    machine's RAM, which is not where GPU ranks run)."""
+    host memory (the training job's ``mem_mb``; this machine's RAM when the ranks run here, on CPU, or hold their
+    state in it, ``parallel.cpu_offload``), with the phase, its terms and the options; warn when either is tight
+    (or the host side exceeds this machine's RAM, which is not where GPU ranks run)."""
     worst = p["worst_phase"]
     if p["verdict"] == "does_not_fit":
         refused = {name: phase for name, phase in p["phases"].items() if phase["verdict"] == "does_not_fit"}
@@ -151,7 +160,7 @@ def enforce(p: Mapping[str, Any]) -> None:
             + summary(p)
         )
     host = p["host"]
-    binding = host["limit_source"] == MEM_MB_SOURCE or p["job"]["device"] == "cpu"
+    binding = host["limit_source"] == MEM_MB_SOURCE or p["job"]["device"] == "cpu" or p["job"].get("cpu_offload", False)
     if host["verdict"] == "does_not_fit" and binding:
         raise PlanError(
             f"the training job's {host['ranks_per_node']} rank(s) per node do not fit in the host memory of "

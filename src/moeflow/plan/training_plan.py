@@ -44,7 +44,7 @@ def plan(settings: PlanMemoryStage, env_report: Mapping[str, Any], mem_mb: int |
         "usable_fraction": 1 - HEADROOM,
         "verdict": result,
         "min_devices": fewest_devices(shape, params, job, memory),
-        "suggestions": proposals(shape, params, job, memory, settings),
+        "suggestions": proposals(shape, params, job, memory, settings, limit),
         "host": host_plan(phases, job, limit, limit_source),
     }
     if job.method == "lora":

@@ -40,6 +40,7 @@ from moeflow.evaluation.routing_stats import layer_health
 from moeflow.families.mtp import unfreeze_mtp_layers
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
+from moeflow.model.device import model_device
 from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.wrappers import unwrap
@@ -89,7 +90,7 @@ def routed_forward(
     forward did. ``loss=False``: the decoder body alone, no output layer and no loss (outputs None), for a
     pass that only counts the routing. ``keep_hidden``: the outputs hold the decoder's last hidden state (for
     the MTP loss)."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     inputs = model_inputs(model, batch)
     # Routing comes from the hooks: output_router_logits=True would make transformers 4.57 compute
     # its own aux loss, which raises on the 4D per-document mask.
@@ -190,7 +191,7 @@ class Trainer:
         self.model, self.settings, self.rows = model, settings, rows
         self.collate_fn, self.seed, self.precision, self.stage = collate_fn, seed, precision, stage
         self.eval_rows, self.step_hook = eval_rows, step_hook
-        self.device = next(model.parameters()).device
+        self.device = model_device(model)
         self.log_dir = Path(log_dir) if log_dir else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.rank, self.world = rank(), world_size()

@@ -409,6 +409,7 @@ def training_layout_problems(cfg: Mapping[str, Any]) -> list[str]:
         par["nproc_per_node"] * par["nnodes"],
         tied_embeddings=bool(config.get("tie_word_embeddings")),
         model_type=model_type,
+        cpu_offload=par["cpu_offload"],
     )
 
 

@@ -141,12 +141,13 @@ def forward_parallel(cfg: Mapping[str, Any], section: str = "evaluate") -> dict[
     evaluate_run; coverage: coverage_valset): its ``strategy`` on its ``ranks`` ranks of one node, the FSDP
     dimension over all of them. A null ``strategy`` is the run's parallel.strategy (the model sharded as training
     shards it), but one rank holds the whole model (none), whatever training's layout: the defaults always tile.
-    moeflow.workflow.checks refuses an expert-parallel layout whose ep_size does not divide the ranks."""
+    moeflow.workflow.checks refuses an expert-parallel layout whose ep_size does not divide the ranks. Training's
+    ``cpu_offload`` is not carried: a forward holds no gradients or optimizer state to offload."""
     ranks = int(cfg[section]["ranks"])
     strategy = cfg[section]["strategy"] or (cfg["parallel"]["strategy"] if ranks > 1 else "none")
     ep_size = cfg["parallel"]["ep_size"] if strategy == "ep" else 1
     return {
-        **cfg["parallel"],
+        **{k: v for k, v in cfg["parallel"].items() if k != "cpu_offload"},
         "strategy": strategy,
         "ep_size": ep_size,
         "fsdp_size": None,

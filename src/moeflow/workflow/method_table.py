@@ -3,9 +3,10 @@
 For each model of ``config/models`` (and the embedded default) and each hardware of :data:`HARDWARE`, the methods
 whose every phase fits (moeflow.plan.fit.fits) on exactly those devices, each with the cheapest layout that the
 config check accepts on the current stack (moeflow.parallel.settings.training_layout_problems): ``none`` (the whole
-model on each device), ``fsdp`` (FSDP2) or ``ep`` (transformers 5). Every job is bf16 with activation
-checkpointing, micro-batch 1 and 2,048 tokens per sequence; LoRA is rank 16 on every target with the router frozen
-(``train.lora``'s defaults), QLoRA the same over an NF4 base (``model.quantization: nf4``).
+model on each device), ``fsdp`` (FSDP2) or ``ep`` (transformers 5), and where none of those fits, ``offload``
+(``parallel.cpu_offload``: FSDP2 with the states in the host memory of :data:`HOST_GIB`). Every job is bf16 with
+activation checkpointing, micro-batch 1 and 2,048 tokens per sequence; LoRA is rank 16 on every target with the
+router frozen (``train.lora``'s defaults), QLoRA the same over an NF4 base (``model.quantization: nf4``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from moeflow.parallel.settings import training_layout_problems
 from moeflow.plan.counts import ParamCount, count_parameters
 from moeflow.plan.fit import device_memory, fits, verdict
 from moeflow.plan.fit import gib as to_gib
-from moeflow.plan.memory import Job, PlanMemoryStage, phase_memory
+from moeflow.plan.memory import GIB, Job, PlanMemoryStage, host_per_node_bytes, phase_memory
+from moeflow.plan.proposals import host_fits
 from moeflow.plan.shapes import Shape
 from moeflow.settings import REPO_ROOT, typed
 from moeflow.workflow.keys import plan_settings
@@ -44,6 +46,10 @@ HARDWARE = {
     "8 x 80 GiB": (8, 80),
     "1 x 141 GiB": (1, 141),
 }
+
+
+# A node's host memory the table assumes for CPU offload: a workstation's beside one card, a server's beside eight.
+HOST_GIB = {"1 x 24 GiB": 128, "1 x 80 GiB": 256, "8 x 24 GiB": 512, "8 x 80 GiB": 1024, "1 x 141 GiB": 256}
 
 
 METHODS = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}  # QLoRA: LoRA over an NF4 base (model.quantization)
@@ -82,8 +88,9 @@ def _counted(model: str | None) -> tuple[Shape, ParamCount]:
     return shape, params
 
 
-def fitting_layouts(model: str | None, devices: int, gib: int, method: str) -> list[str]:
-    """The layouts in which ``method`` fits on the hardware, cheapest (fewest bytes moved) first."""
+def fitting_layouts(model: str | None, devices: int, gib: int, method: str, host_gib: int | None = None) -> list[str]:
+    """The layouts in which ``method`` fits on the hardware, cheapest (fewest bytes moved) first; where none does,
+    ``offload`` if CPU offload fits the devices and ``host_gib`` of host memory (None: not tried)."""
     shape, params = _counted(model)
     settings = _settings(model, devices, gib, method)
     memory, _ = device_memory(settings.hardware, {})
@@ -100,7 +107,14 @@ def fitting_layouts(model: str | None, devices: int, gib: int, method: str) -> l
         )
         if fits(shape, params, variant, memory):
             out.append(strategy)
-    return out
+    if out or host_gib is None or training_layout_problems(job.method, "fsdp", devices, fsdp2=True, cpu_offload=True):
+        return out
+    offloaded = dataclasses.replace(
+        job, replicated=False, expert_parallel=False, ep_size=1, fsdp_size=None, cpu_offload=True
+    )
+    if fits(shape, params, offloaded, memory) and host_fits(shape, params, offloaded, host_gib * GIB):
+        return ["offload"]
+    return []
 
 
 def method_table() -> str:
@@ -108,11 +122,11 @@ def method_table() -> str:
     lines = ["| model | " + " | ".join(HARDWARE) + " |", "|---|" + "---|" * len(HARDWARE)]
     for name, model in MODELS.items():
         cells = []
-        for devices, gib in HARDWARE.values():
+        for hardware, (devices, gib) in HARDWARE.items():
             fitting = [
                 f"{label} ({', '.join(layouts)})"
                 for method, label in METHODS.items()
-                if (layouts := fitting_layouts(model, devices, gib, method))
+                if (layouts := fitting_layouts(model, devices, gib, method, HOST_GIB[hardware]))
             ]
             cells.append("; ".join(fitting) or "no")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -142,14 +156,16 @@ TARGETS = (
 )
 
 
-def target_plan(target: Target, targets: tuple[str, ...] = ("all",)) -> dict[str, Any]:
-    """The plan of a target row with LoRA on ``targets`` (rank 16, router frozen): its worst phase's GiB per device
-    and the verdict."""
+def target_plan(target: Target, targets: tuple[str, ...] = ("all",), cpu_offload: bool = False) -> dict[str, Any]:
+    """The plan of a target row with LoRA on ``targets`` (rank 16, router frozen), in its layout or under CPU
+    offload (FSDP2 over its devices): its worst phase's GiB per device, the verdict, and a node's host memory in
+    its worst phase."""
+    layout = {"strategy": "fsdp", "cpu_offload": True} if cpu_offload else {"strategy": target.strategy}
     overrides = deep_merge(
         job_overrides(target.devices, target.gib, target.method),
         {
             "data": {"seq_len": target.seq_len},
-            "parallel": {"strategy": target.strategy},
+            "parallel": layout,
             "train": {"lora": {"targets": list(targets)}, "mtp": {"mode": "frozen"}},
         },
     )
@@ -160,21 +176,30 @@ def target_plan(target: Target, targets: tuple[str, ...] = ("all",)) -> dict[str
     phases = phase_memory(shape, params, job)
     worst = max(phases, key=lambda phase: phases[phase]["device"]["total"])
     total = phases[worst]["device"]["total"]
-    return {"gib": to_gib(total), "phase": worst, "verdict": verdict(total, device_memory(settings.hardware, {})[0])}
+    host = max(host_per_node_bytes(phase, job) for phase in phases.values())
+    return {
+        "gib": to_gib(total),
+        "phase": worst,
+        "verdict": verdict(total, device_memory(settings.hardware, {})[0]),
+        "host_gib": to_gib(host),
+    }
 
 
 def target_table() -> str:
     """docs/training.md's target rows: each row's plan per device with LoRA on every target, and without adapters on
     the routed experts (attention, dense and shared MLPs), against its goal."""
     lines = [
-        "| model | method | hardware | seq | layout | goal | all targets | without routed experts |",
-        "|---|---|---|---:|---|---|---|---|",
+        "| model | method | hardware | seq | layout | goal | all targets | without routed experts "
+        "| all targets, cpu_offload (host per node) |",
+        "|---|---|---|---:|---|---|---|---|---|",
     ]
     for t in TARGETS:
         cells = []
         for targets in (("all",), ("attention", "dense_ffn", "shared_experts")):
             p = target_plan(t, targets)
             cells.append(f"{p['gib']:.1f} GiB ({p['phase']}): {p['verdict'].replace('_', ' ')}")
+        p = target_plan(t, cpu_offload=True)
+        cells.append(f"{p['gib']:.1f} GiB ({p['phase']}): {p['verdict'].replace('_', ' ')} ({p['host_gib']:.0f} GiB)")
         goal = f"<= {t.goal_gib:g} GiB" if t.goal_gib else "fits"
         method = {"lora": "LoRA bf16", "qlora": "QLoRA nf4"}[t.method]
         lines.append(

@@ -122,7 +122,7 @@ MODEL = (
     "data.shards",
 )
 # A forward-only stage's memory plan, checked before it loads its model (moeflow.plan.forward.refuse_unless_fits).
-FORWARD_PLAN = ("plan.forward", "plan.counts", "plan.fit", "plan.memory", "plan.shapes")
+FORWARD_PLAN = ("plan.forward", "plan.activations", "plan.counts", "plan.fit", "plan.memory", "plan.shapes")
 # A forward-only stage's opening: its typed settings, its layout and memory plan, its model loaded in its dtype.
 FORWARD_OPENING = ("stages.forward", *FORWARD_PLAN)
 

@@ -275,7 +275,7 @@ def markdown_row(name: str, p: Mapping[str, Any]) -> str:
     """One Markdown line of a model's scale-out plan on its profile: per-GPU memory, fewest GPUs, cost."""
     lay, on, c = p["layout"], p["on_request"], p["cost"]
     g = on["per_gpu_gib"]
-    states = g["weights"] + g["gradients"] + g["optimizer"]
+    states = sum(g.get(term, 0) for term in ("weights", "gradients", "optimizer"))  # none under CPU offload
     return (
         f"| {name} | {p['parameters']['total'] / 1e9:.1f}B / {p['parameters']['active_per_token'] / 1e9:.2f}B "
         f"| {p['request']['gpus']} x {p['request']['gpu_model'].upper()} "
