@@ -221,6 +221,8 @@ ROWS = (
             "src/moeflow/model/mtp_loss.py",
             "src/moeflow/model/wrappers.py",
             "src/moeflow/model/lora.py",
+            "src/moeflow/model/expert_lora.py",
+            "src/moeflow/model/lora_merge.py",
             "src/moeflow/model/quantization.py",
             "src/moeflow/model/saved_names.py",
             "src/moeflow/parallel/*",

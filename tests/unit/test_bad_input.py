@@ -291,6 +291,25 @@ def test_esft_on_a_dense_model_an_unknown_family_or_fused_experts_under_fsdp1_is
     )
 
 
+def test_lora_under_expert_parallelism_refuses_a_router_adapter_and_a_quantized_base():
+    ep = {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2}
+    common = {"parallel": ep, "hardware": {"num_devices": 2}, "model": {"config": {"tie_word_embeddings": False}}}
+    lora = {"method": "lora", "gradient_checkpointing": True}
+    router = config_error(train=lora | {"lora": {"router": "adapter"}}, **common)
+    assert (
+        "config keys 'train.lora.router': adapter and 'parallel.strategy': ep do not combine: peft's wrapper would "
+        "move the router out of the names transformers' expert-parallel plan reads. Use train.lora.router: frozen "
+        "or trainable, or parallel.strategy: fsdp"
+    ) in router
+    quantized = config_error(train=lora, **common | {"model": common["model"] | {"quantization": "nf4"}})
+    assert (
+        "config keys 'model.quantization': nf4 and 'parallel.strategy': ep do not combine: a quantized weight is "
+        "held under another name than the one transformers' expert-parallel plan splits. Use parallel.strategy: fsdp"
+    ) in quantized
+    if compat.is_transformers_v5():
+        load(SMOKE, overrides={"train": lora, "runs": {"dense": None}, "paper": {"dense_runs": []}, **common})
+
+
 def test_cpu_offload_outside_fsdp2_is_refused_naming_the_keys():
     one_rank_fsdp = {"parallel": {"strategy": "fsdp", "cpu_offload": True}}
     if compat.fsdp2_available():

@@ -22,7 +22,7 @@ besides weights), so the folder drops in for the one it came from; without a sou
 ``generation_config.json`` from the model (a cache for generation; the run's ``distributed_config``
 dropped) and the tokenizer. An unsharded model (every rank holds it whole) is written by rank 0 alone, no
 collective. A LoRA model is written merged, one weight at a time as the rest: an adapted weight made whole, its
-adapter's factors gathered, their update (``moeflow.model.lora.MergeTarget``) added in fp32 (a fused expert tensor
+adapter's factors gathered, their update (``moeflow.model.lora_merge.MergeTarget``) added in fp32 (a fused expert tensor
 one expert at a time) and the sum rounded once to the dtype written; the model keeps its adapters.
 """
 
@@ -44,7 +44,8 @@ import torch
 from moeflow.checkpoint.pieces import state_pieces
 from moeflow.checkpoint.storage import Piece
 from moeflow.model.folder import PICKLE_WEIGHTS
-from moeflow.model.lora import MergeTarget, is_lora_model, merge_targets
+from moeflow.model.lora import is_lora_model
+from moeflow.model.lora_merge import MergeTarget, merge_targets
 from moeflow.model.parameters import base_name, clean_name, is_adapter
 from moeflow.model.quantization import quantized_weights, unpack
 from moeflow.model.safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsWriter, tensor_nbytes

@@ -21,8 +21,9 @@ How a folder is loaded, by layout (:class:`Layout`):
   persistent buffer, so no weight is read.
 * LoRA: the adapters are put on the meta model before it is sharded (peft's ``get_peft_model``; a LoRA unit holds
   its frozen base and its adapters), the base weights read as above, and the adapters given their seeded start
-  (moeflow.model.lora.initial_adapters): the same on every rank and in every layout. LoRA runs under ``none``
-  and ``fsdp`` (FSDP2), not under ``ep`` (moeflow.parallel.settings.training_layout_problems). With
+  (moeflow.model.lora.initial_adapters): the same on every rank and in every layout. LoRA runs under ``none``,
+  ``fsdp`` (FSDP2) and ``ep``, where the adapters go on before transformers shards the model and the routed
+  experts' are split by experts with them (moeflow.model.expert_lora). With
   ``model.quantization`` the base's weight matrices are quantized first (moeflow.model.quantization), on the meta
   device, and each rank quantizes the rows it reads.
 
@@ -45,10 +46,12 @@ import torch
 from moeflow.families.mtp import unfreeze_mtp_layers
 from moeflow.model.chunked_loss import install as install_chunked_loss
 from moeflow.model.configs import build_config, causal_lm_class, transformers_config
+from moeflow.model.expert_lora import ep_plan
 from moeflow.model.folder import ModelError, check_vocabulary, refusing_remote_code
-from moeflow.model.lora import apply_lora, initial_adapters, router_modules
+from moeflow.model.lora import apply_lora, initial_adapters, is_lora_model, router_modules
 from moeflow.model.quantization import quantize_base
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
+from moeflow.model.wrappers import unwrap
 from moeflow.parallel.layouts import distributed_config, fp32_units_for_expert_parallel, shard_model
 from moeflow.parallel.process_group import DistributedError, Ranks, check_ranks, init
 from moeflow.parallel.rank_load import fill_from_folder, parameters_on_meta, place_whole, tied_names
@@ -127,6 +130,8 @@ def make_model(
     else:
         model = _built_on_meta(settings, Path(folder), dtype)
         if layout.parallel.strategy == "ep":
+            if layout.adapters:  # before transformers shards the experts: their factors are split with them
+                model = apply_lora(model, layout.train.lora, layout.train.gradient_checkpointing, experts_apart=True)
             model = _expert_parallel(model, settings, Path(folder), layout)
     model = install_chunked_loss(model, settings.loss_chunk_tokens)
     if layout.train is not None and layout.train.trained_mtp is not None:
@@ -136,7 +141,8 @@ def make_model(
     if layout.adapters:
         if settings.quantization != "none":  # before the adapters, which read the dequantized weights
             quantize_base(model, settings.quantization, set(router_modules(model)))
-        model = apply_lora(model, layout.train.lora, layout.train.gradient_checkpointing)
+        if not is_lora_model(model):
+            model = apply_lora(model, layout.train.lora, layout.train.gradient_checkpointing)
     model = shard_model(model, layout.parallel, layout.ranks, layout.precision, layout.adapters)
     if folder is not None and weights:
         fill_from_folder(model, folder, names_of)
@@ -155,8 +161,9 @@ def _check_combination(layout: Layout, folder: str | os.PathLike | None) -> None
     strategy = layout.parallel.strategy
     # the config check refuses these too (moeflow.parallel.settings.training_layout_problems)
     method = "lora" if layout.adapters else "full"
+    router = layout.train.lora.router if layout.adapters else "frozen"
     for problem in training_layout_problems(
-        method, strategy, layout.ranks.world_size, cpu_offload=layout.parallel.cpu_offload
+        method, strategy, layout.ranks.world_size, cpu_offload=layout.parallel.cpu_offload, lora_router=router
     ):
         raise DistributedError(problem)
     if strategy == "ep" and folder is None:
@@ -172,10 +179,12 @@ def _expert_parallel(model: torch.nn.Module, settings: ModelSettings, folder: Pa
     ``ep_size`` ranks, the rest FSDP2-sharded (the routers in fp32 units of their own); its parameters still on
     the meta device."""
     _refuse_tied_embeddings_for_ep(settings, folder)
-    config = distributed_config(layout.parallel, layout.precision)
-    config, _, mesh = type(model).prepare_distribute_model(config)
-    fp32_units_for_expert_parallel(model, config, mesh)
-    return type(model).maybe_distribute_model(model, config, mesh)
+    inner = unwrap(model, peft=True)  # a LoRA model's (moeflow.model.expert_lora: its experts' factors in the plan)
+    config = distributed_config(layout.parallel, layout.precision, adapters=layout.adapters, ep_plan=ep_plan(inner))
+    config, _, mesh = type(inner).prepare_distribute_model(config)
+    fp32_units_for_expert_parallel(inner, config, mesh)
+    type(inner).maybe_distribute_model(inner, config, mesh)
+    return model
 
 
 def resolve_experts(settings: ModelSettings, choice_file: str | os.PathLike | None) -> ModelSettings:

@@ -33,7 +33,8 @@ whenever checkpointing is on, so either variant trains the adapters.
 The adapter folder holds only what training changes: ``save_pretrained`` of the peft model
 (adapter_config.json, adapter_model.safetensors), the router's weights when it is trainable (router.safetensors) and
 the LoRA settings (moeflow_lora.json). It is written whole from every layout: under FSDP every rank holds a share of
-each adapter's rows, and :func:`adapter_state` gathers them first. train_model declares it as an output
+each adapter's rows, and :func:`adapter_state` gathers them first; under expert parallelism the routed experts'
+adapters are moeflow.model.expert_lora's, saved in peft's layout and names. train_model declares it as an output
 (``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which ``PeftModel.from_pretrained`` loads on the
 base model, plus the trainable-parameter report; a full run writes only the report (``method: full``). The merged
 model is ``moeflow.checkpoint.export``'s: each adapted weight made whole in turn, its update (:class:`MergeTarget`)
@@ -59,8 +60,10 @@ import torch
 
 from moeflow.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.families.registry import FAMILIES
+from moeflow.model import expert_lora
 from moeflow.model import parameters as P
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
+from moeflow.model.expert_lora import add_expert_adapters
 from moeflow.model.quantization import quantized_weights
 from moeflow.model.settings import LORA_ALL, LoraSettings
 from moeflow.model.wrappers import unwrap
@@ -247,15 +250,24 @@ def _native_layout():
         )
 
 
-def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool) -> Any:
+def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool, experts_apart: bool = False) -> Any:
     """Wrap a transformers causal LM with LoRA adapters (peft) and freeze everything else; return the
     peft model. ``settings``: ``train.lora``. With ``gradient_checkpointing``
-    it turns on non-reentrant checkpointing and makes the embedding output require grad."""
+    it turns on non-reentrant checkpointing and makes the embedding output require grad. ``experts_apart``
+    (expert parallelism): the fused routed-expert tensors get moeflow.model.expert_lora's factors, not peft's
+    wrappers."""
     from peft import LoraConfig, get_peft_model
 
     if is_lora_model(model):
         raise LoraConfigError("the model already has LoRA adapters: apply_lora takes the base model")
     targets = find_targets(model, settings)
+    apart = sorted(n for n, c in targets.parameters.items() if c == "routed_experts") if experts_apart else []
+    targets.parameters = {n: c for n, c in targets.parameters.items() if n not in apart}
+    if apart and not targets.modules:
+        raise LoraConfigError(
+            "config keys 'train.lora.targets' and 'parallel.strategy': ep: under expert parallelism the routed "
+            "experts' adapters go beside peft's, which need a module to adapt too: add attention to the targets"
+        )
     mtp = mtp_prefixes(unwrap(model, peft=True))
     # peft matches target_parameters as suffixes, which the MTP layers' parameters share, and a quantized weight
     # (a parametrization) only by its full name: name each in full then
@@ -280,6 +292,8 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool)
             "differently from moeflow.model.lora.find_targets"
         )
     _remove_only_lora_proxies(peft_model)
+    add_expert_adapters(peft_model.get_base_model(), apart, settings)
+    peft_model._moeflow_expert_targets = sorted(apart) if full else parameter_suffixes(apart)
     if settings.router == "trainable":
         for router in router_modules(peft_model).values():
             router.float()  # a frozen base held in bf16: the router trains in fp32, as the adapters do
@@ -330,6 +344,8 @@ def initial_adapters(model: Any, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for path, layer in model.named_modules():
+        if expert_lora.adapted_tensors(layer):
+            out |= {P.clean_name(k): v for k, v in expert_lora.initial_factors(path, layer, generator).items()}
         if not isinstance(layer, LoraLayer) or ADAPTER_NAME not in layer.lora_A:
             continue
         a, b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
@@ -384,9 +400,30 @@ def save_adapter(model: Any, folder: str | os.PathLike, state: dict[str, torch.T
     else:
         model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
         router = {P.base_name(k): v.contiguous() for k, v in state.items() if not P.is_adapter(k)}
+    if getattr(model, "_moeflow_expert_targets", None):
+        _add_expert_factors(model, folder, state)
     if settings.router == "trainable":
         save_file(router, str(folder / ROUTER_FILE))
     write_json(folder / SETTINGS_FILE, settings.as_dict())
+
+
+def _add_expert_factors(model: Any, folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """moeflow's expert factors (moeflow.model.expert_lora), which peft's save leaves out (it saves its own layers'),
+    added to the folder as one process's peft model saves its fused-expert adapters: their names, layout and
+    ``target_parameters``."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    for path, module in expert_lora.adapted_modules(model):
+        for tensor, wrapper in expert_lora.peft_names(P.clean_name(path), module).items():
+            a, b = (state[P.clean_name(f"{path}.{name}")] for name in expert_lora.factor_names(tensor))
+            weights[f"{wrapper}.lora_A.weight"], weights[f"{wrapper}.lora_B.weight"] = (
+                t.contiguous() for t in expert_lora.peft_factors(a, b)
+            )
+    save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = read_json(folder / "adapter_config.json")
+    config["target_parameters"] = sorted({*(config.get("target_parameters") or []), *model._moeflow_expert_targets})
+    write_json(folder / "adapter_config.json", config)
 
 
 def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: bool = False) -> Any:
@@ -444,60 +481,6 @@ def save_adapter_output(model: Any, folder: str | os.PathLike, expert_mask: Any 
             save_adapter(model, tmp, state)
         write_json(Path(tmp) / REPORT_FILE, report)
     return report
-
-
-@dataclass(frozen=True)
-class MergeTarget:
-    """A base weight with an adapter: its name in the base model (``moeflow.model.parameters.base_name``), the
-    adapter's factors as peft holds them (sharded under FSDP) and how peft combines them (its layer's
-    ``get_delta_weight``): ``experts`` is a fused expert tensor's expert count (peft's ``ParamWrapper``; 1 for a
-    ``Linear`` and a 2-D parameter), ``swapped`` its (experts, out, in) layout."""
-
-    name: str
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
-    scaling: float
-    experts: int = 1
-    swapped: bool = False
-    fan_in_fan_out: bool = False
-
-    def delta(self, a: torch.Tensor, b: torch.Tensor, expert: int | None = None) -> torch.Tensor:
-        """The update of the base weight in fp32, from the whole factors ``a`` and ``b``; of one expert's slice of
-        a fused tensor with ``expert``. peft's ``get_delta_weight`` casts it to the base's dtype before the sum,
-        which rounds a small update away in a bf16 base."""
-        a, b = a.float(), b.float()
-        if self.experts == 1:
-            update = b @ a
-            return (update.T if self.fan_in_fan_out else update) * self.scaling
-        a = a.reshape(self.experts, -1, a.shape[-1])  # experts x rank x in
-        b = b.reshape(b.shape[0], -1, self.experts)  # out x rank x experts
-        if expert is None:
-            return torch.einsum("ore,eri->eoi" if self.swapped else "ore,eri->eio", b, a) * self.scaling
-        update = b[:, :, expert] @ a[expert]  # out x in
-        return (update if self.swapped else update.T) * self.scaling
-
-
-def merge_targets(model: Any) -> list[MergeTarget]:
-    """Every adapted weight of a LoRA model, in module order."""
-    from peft.tuners.lora import LoraLayer, ParamWrapper
-
-    targets = []
-    for path, layer in model.named_modules():
-        if not isinstance(layer, LoraLayer) or ADAPTER_NAME not in layer.lora_A:
-            continue
-        wrapper = isinstance(layer, ParamWrapper)
-        targets.append(
-            MergeTarget(
-                name=P.base_name(P.clean_name(f"{path}.{layer.parameter_name if wrapper else 'weight'}")),
-                lora_a=layer.lora_A[ADAPTER_NAME].weight,
-                lora_b=layer.lora_B[ADAPTER_NAME].weight,
-                scaling=float(layer.scaling[ADAPTER_NAME]),
-                experts=layer.num_experts if wrapper else 1,
-                swapped=bool(getattr(layer, "_did_swap_in_out_features", False)),
-                fan_in_fan_out=bool(getattr(layer, "fan_in_fan_out", False)),
-            )
-        )
-    return targets
 
 
 def trainable_parameter_report(model: Any, expert_mask: Any = None) -> dict[str, Any]:
@@ -569,7 +552,6 @@ __all__ = [
     "load_adapter",
     "save_adapter_output",
     "adapter_state",
-    "merge_targets",
     "initial_adapters",
     "trainable_parameter_report",
     "router_is_trainable",

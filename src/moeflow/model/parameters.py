@@ -64,6 +64,10 @@ PEFT_PREFIX = "base_model.model."
 _LORA_PARAM = re.compile(r"\.lora_(A|B)\.[^.]+\.(weight|bias)$")
 
 
+# A fused expert tensor's factors under expert parallelism (moeflow.model.expert_lora): ``<tensor>_lora_A``/``_B``.
+_EXPERT_LORA_PARAM = re.compile(r"_lora_(A|B)$")
+
+
 # A weight held as a parametrization (moeflow.model.quantization: its stored bytes are ``original``).
 _PARAMETRIZED = re.compile(r"\.parametrizations\.([^.]+)\.original$")
 
@@ -95,12 +99,14 @@ def base_name(name: str) -> str:
     """The name in the plain model of the weight a (possibly peft-wrapped, possibly quantized) parameter is or
     adapts."""
     name = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
-    return _PARAMETRIZED.sub(r".\1", _LORA_PARAM.sub(".weight", name.replace(".base_layer", "")))
+    name = _EXPERT_LORA_PARAM.sub("", _LORA_PARAM.sub(".weight", name.replace(".base_layer", "")))
+    return _PARAMETRIZED.sub(r".\1", name)
 
 
 def is_adapter(name: str) -> bool:
-    """A LoRA adapter's own parameter (lora_A/lora_B)."""
-    return bool(_LORA_PARAM.search(name))
+    """A LoRA adapter's own parameter (peft's lora_A/lora_B, or an expert tensor's factor under expert
+    parallelism)."""
+    return bool(_LORA_PARAM.search(name) or _EXPERT_LORA_PARAM.search(name))
 
 
 def category(name: str) -> str | None:

@@ -53,13 +53,20 @@ def quantized_bytes_per_element(kind: str, width: int = 0) -> float:
 BITSANDBYTES_TORCH = "2.4"  # bitsandbytes 0.50's oldest torch
 
 
-def quantization_problems(kind: str, method: str, gradient_checkpointing: bool) -> list[str]:
+def quantization_problems(kind: str, method: str, gradient_checkpointing: bool, strategy: str = "none") -> list[str]:
     """What ``model.quantization`` cannot run with, each naming the keys and what to do: a quantized base is frozen,
     so a LoRA run's; with activation checkpointing (else autograd keeps every layer's dequantized weight); on a
-    torch bitsandbytes runs on. The config check and the planner's proposals refuse the same."""
+    torch bitsandbytes runs on; not under expert parallelism (``strategy`` ep). The config check and the planner's
+    proposals refuse the same."""
     if kind == "none":
         return []
     problems = []
+    if strategy == "ep":
+        problems.append(
+            f"config keys 'model.quantization': {kind} and 'parallel.strategy': ep do not combine: a quantized weight "
+            "is held under another name than the one transformers' expert-parallel plan splits. Use "
+            "parallel.strategy: fsdp"
+        )
     if method != "lora":
         problems.append(
             f"config keys 'model.quantization': {kind} and 'train.method': {method} do not combine: a quantized base "

@@ -52,10 +52,18 @@ from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
 
 
-def distributed_config(parallel: ParallelSettings, precision: str, world: int | None = None):
+def distributed_config(
+    parallel: ParallelSettings,
+    precision: str,
+    world: int | None = None,
+    adapters: bool = False,
+    ep_plan: dict[str, str] | None = None,
+):
     """transformers 5's ``DistributedConfig`` for ``strategy: ep`` (experts over ``ep_size`` ranks, the rest
     FSDP2-sharded over ``fsdp_size``, default all ranks). With ``precision: bf16``, transformers' FSDP2
-    mixed precision: :func:`fsdp2_mixed_precision`'s policy (bf16 parameters, fp32 reduction)."""
+    mixed precision: :func:`fsdp2_mixed_precision`'s policy (bf16 parameters, fp32 reduction); none for a LoRA
+    model (``adapters``: its frozen base is bf16 already, its fp32 adapters are gathered as they are, as under
+    ``fsdp``). ``ep_plan``: the plan with a LoRA model's expert factors (moeflow.model.expert_lora.ep_plan)."""
     if parallel.strategy != "ep":
         raise DistributedError(
             f"parallel.strategy is {parallel.strategy!r}: transformers' DistributedConfig is for strategy: ep"
@@ -80,7 +88,8 @@ def distributed_config(parallel: ParallelSettings, precision: str, world: int | 
         fsdp_size=fsdp,
         dp_replicate_size=world // fsdp,
         ep_implementation=parallel.ep_implementation,
-        fsdp_mixed_precision=precision == "bf16",
+        fsdp_mixed_precision=precision == "bf16" and not adapters,
+        **({"ep_plan": ep_plan} if ep_plan else {}),
     )
 
 

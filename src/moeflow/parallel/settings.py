@@ -33,11 +33,12 @@ def training_layout_problems(
     model_type: str | None = None,
     fsdp2: bool | None = None,
     cpu_offload: bool = False,
+    lora_router: str = "frozen",
 ) -> list[str]:
     """What a training layout cannot run, each naming the keys and what to do. The config check, the loader
     (moeflow.loading.factory) and the planner's proposals (moeflow.plan.proposals) refuse the same layouts:
     expert parallelism with tied embeddings (transformers 5's expert-parallel sharding unties them), LoRA adapters
-    under expert parallelism or FSDP1, ESFT under FSDP1 on fused expert
+    under FSDP1 and a router adapter (``lora_router``) under expert parallelism, ESFT under FSDP1 on fused expert
     tensors (``model_type``'s: its flat shards split elements, not experts), and ``cpu_offload`` (FSDP2's offload
     policy) anywhere but ``fsdp`` on FSDP2. Expert parallelism on transformers
     4.57 is refused where the model is loaded (moeflow.parallel.layouts), not here: a plan on the pinned stack may
@@ -54,11 +55,11 @@ def training_layout_problems(
             "(tie_word_embeddings): transformers 5's expert-parallel sharding unties them during training. Use "
             "parallel.strategy: fsdp for this model, or a model with tie_word_embeddings: false"
         )
-    if method == "lora" and strategy == "ep" and world > 1:
+    if method == "lora" and strategy == "ep" and lora_router == "adapter":
         problems.append(
-            "config keys 'train.method': lora and 'parallel.strategy': ep do not combine: transformers 5 splits the "
-            "fused expert tensors over the ranks as DTensors, which peft cannot put adapters on. Use "
-            "parallel.strategy: fsdp (the base and the adapters sharded over every rank) or none"
+            "config keys 'train.lora.router': adapter and 'parallel.strategy': ep do not combine: peft's wrapper would "
+            "move the router out of the names transformers' expert-parallel plan reads. Use train.lora.router: "
+            "frozen or trainable, or parallel.strategy: fsdp"
         )
     if method == "lora" and strategy == "fsdp" and world > 1 and not fsdp2:
         problems.append(

@@ -179,7 +179,7 @@ def _refused(s: Shape, job: Job) -> bool:
             s.model_type,
             cpu_offload=job.cpu_offload,
         )
-        or quantization_problems(job.quantization, job.method, job.gradient_checkpointing)
+        or quantization_problems(job.quantization, job.method, job.gradient_checkpointing, job.strategy)
     )
 
 

@@ -206,7 +206,9 @@ def esft_problems(cfg: Mapping[str, Any]) -> list[str]:
 def quantization_problems(cfg: Mapping[str, Any]) -> list[str]:
     """``model.quantization`` (moeflow.model.settings.quantization_problems)."""
     train = cfg["train"]
-    return model_quantization_problems(cfg["model"]["quantization"], train["method"], train["gradient_checkpointing"])
+    return model_quantization_problems(
+        cfg["model"]["quantization"], train["method"], train["gradient_checkpointing"], cfg["parallel"]["strategy"]
+    )
 
 
 MTP_ATTENTION = ("eager", "sdpa")  # moeflow.model.mtp_loss builds each MTP layer's per-document mask itself
@@ -410,6 +412,7 @@ def training_layout_problems(cfg: Mapping[str, Any]) -> list[str]:
         tied_embeddings=bool(config.get("tie_word_embeddings")),
         model_type=model_type,
         cpu_offload=par["cpu_offload"],
+        lora_router=(cfg["train"].get("lora") or {}).get("router", "frozen"),
     )
 
 

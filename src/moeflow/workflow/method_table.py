@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from moeflow.model.settings import quantization_problems
 from moeflow.parallel.settings import training_layout_problems
 from moeflow.plan.counts import ParamCount, count_parameters
 from moeflow.plan.fit import device_memory, fits, verdict
@@ -102,6 +103,8 @@ def fitting_layouts(model: str | None, devices: int, gib: int, method: str, host
             continue
         if training_layout_problems(job.method, strategy, devices, shape.tie_word_embeddings, fsdp2=True):
             continue
+        if quantization_problems(job.quantization, job.method, job.gradient_checkpointing, strategy):
+            continue
         variant = dataclasses.replace(
             job, replicated=strategy == "none", expert_parallel=strategy == "ep", ep_size=ep_size, fsdp_size=None
         )
@@ -150,7 +153,7 @@ TARGETS = (
     Target("qwen3-30b-a3b", "qlora", 1, 24, 2048, "none", 20),
     Target("gpt-oss-20b", "qlora", 1, 24, 2048, "none", 16),
     Target("qwen3-30b-a3b", "lora", 2, 80, 4096, "fsdp", None),
-    Target("step3p5-flash", "lora", 8, 80, 4096, "fsdp", None),  # asked under ep, which LoRA does not run in
+    Target("step3p5-flash", "lora", 8, 80, 4096, "ep", None),
     Target("step3p5-flash", "qlora", 1, 141, 4096, "none", None),
     Target("step3p5-flash", "qlora", 8, 24, 2048, "fsdp", None),
 )
@@ -161,6 +164,8 @@ def target_plan(target: Target, targets: tuple[str, ...] = ("all",), cpu_offload
     offload (FSDP2 over its devices): its worst phase's GiB per device, the verdict, and a node's host memory in
     its worst phase."""
     layout = {"strategy": "fsdp", "cpu_offload": True} if cpu_offload else {"strategy": target.strategy}
+    if layout["strategy"] == "ep":
+        layout["ep_size"] = target.devices
     overrides = deep_merge(
         job_overrides(target.devices, target.gib, target.method),
         {

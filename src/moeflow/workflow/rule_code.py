@@ -112,6 +112,8 @@ MODEL = (
     "model.chunked_loss",
     "model.wrappers",
     "model.lora",
+    "model.expert_lora",
+    "model.lora_merge",
     "model.quantization",
     "model.routing",  # LoRA finds the routers as the routing adapters do
     "model.parameters",
