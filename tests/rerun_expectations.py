@@ -82,7 +82,7 @@ INFRASTRUCTURE = (
     ("src/moeflow/runtime/gpu_node.py", "verify_env's checks of a GPU node (driver, GPU count, NCCL)"),
     (
         "src/moeflow/runtime/host_copies.py",
-        "a batch copied to the device (through pinned memory on CUDA): the same values either way",
+        "a batch copied to the device a model computes on (through pinned memory on CUDA): the same values either way",
     ),
     (
         "src/moeflow/runtime/job.py",

@@ -49,7 +49,6 @@ from tiny_training import VOCAB, packed_rows  # noqa: E402
 from moeflow.checkpoint.export import save_final_model
 from moeflow.data.collate import collate
 from moeflow.loading.factory import Layout, make_model
-from moeflow.model.device import model_device
 from moeflow.model.lora import save_adapter_output
 from moeflow.model.settings import ModelSettings
 from moeflow.model.wrappers import unwrap
@@ -60,6 +59,7 @@ from moeflow.parallel.layouts import full_state_dict, is_sharded
 from moeflow.parallel.process_group import DistributedError, Ranks, check_ranks, gather_objects, init, teardown
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
+from moeflow.runtime.host_copies import model_device
 from moeflow.runtime.job import Job
 from moeflow.runtime.stage import KILL_ENV
 from moeflow.settings import REPO_ROOT, typed

@@ -291,7 +291,7 @@ def test_esft_on_a_dense_model_an_unknown_family_or_fused_experts_under_fsdp1_is
     )
 
 
-def test_lora_under_expert_parallelism_refuses_a_router_adapter_and_a_quantized_base():
+def test_lora_under_expert_parallelism_refuses_a_router_adapter_a_quantized_base_and_experts_alone():
     ep = {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2}
     common = {"parallel": ep, "hardware": {"num_devices": 2}, "model": {"config": {"tie_word_embeddings": False}}}
     lora = {"method": "lora", "gradient_checkpointing": True}
@@ -306,6 +306,12 @@ def test_lora_under_expert_parallelism_refuses_a_router_adapter_and_a_quantized_
         "config keys 'model.quantization': nf4 and 'parallel.strategy': ep do not combine: a quantized weight is "
         "held under another name than the one transformers' expert-parallel plan splits. Use parallel.strategy: fsdp"
     ) in quantized
+    experts_alone = config_error(train=lora | {"lora": {"targets": ["routed_experts"]}}, **common)
+    assert (
+        "config keys 'train.lora.targets': [routed_experts] and 'parallel.strategy': ep do not combine: under expert "
+        "parallelism the experts' adapters go beside peft's, which need a module to adapt too. Add attention to "
+        "train.lora.targets, or use parallel.strategy: fsdp"
+    ) in experts_alone
     if compat.is_transformers_v5():
         load(SMOKE, overrides={"train": lora, "runs": {"dense": None}, "paper": {"dense_runs": []}, **common})
 
@@ -329,9 +335,9 @@ def test_cpu_offload_outside_fsdp2_is_refused_naming_the_keys():
     untied = {"config": {"tie_word_embeddings": False}}
     refusal = config_error(parallel=ep, hardware={"num_devices": 2}, model=untied)
     assert (
-        "config keys 'parallel.cpu_offload': true and 'parallel.strategy': ep do not combine: transformers' "
-        "expert-parallel experts (most of the weights) are not FSDP units, so they would stay on the device. "
-        "Use parallel.strategy: fsdp"
+        "config keys 'parallel.cpu_offload': true and 'parallel.strategy': ep do not combine: under ep "
+        "transformers makes the FSDP units, and moeflow does not turn its offload on (untested). Use "
+        "parallel.strategy: fsdp"
     ) in refusal
 
 

@@ -214,10 +214,10 @@ def test_a_model_whose_parameters_are_offloaded_computes_on_the_device_it_record
     from moeflow.model.settings import LoraSettings
 
     model = make_model(typed(ModelSettings, model_config("qwen3_moe", "sdpa")), vocab_size=VOCAB, seed=0)
-    assert device.model_device(model) == torch.device("cpu")
+    assert host_copies.model_device(model) == torch.device("cpu")
     wrapped = apply_lora(model, typed(LoraSettings, {"targets": ["attention"]}), gradient_checkpointing=False)
-    device.set_compute_device(wrapped, torch.device("cuda", 1))  # a label: no GPU is touched
-    assert device.model_device(wrapped) == device.model_device(model) == torch.device("cuda", 1)
+    host_copies.set_compute_device(wrapped, torch.device("cuda", 1))  # a label: no GPU is touched
+    assert host_copies.model_device(wrapped) == host_copies.model_device(model) == torch.device("cuda", 1)
     assert {p.device.type for p in wrapped.parameters()} == {"cpu"}
 
 
@@ -230,6 +230,6 @@ def test_no_stage_reads_the_compute_device_from_the_parameters():
         for folder in ("src", "workflow")
         for path in sorted((REPO_ROOT / folder).rglob("*.py"))
         for number, line in enumerate(path.read_text().splitlines(), 1)
-        if "parameters()).device" in line and path.name != "device.py"
+        if "parameters()).device" in line and path.name != "host_copies.py"
     ]
     assert readers == [], readers

@@ -42,13 +42,13 @@ from moeflow.checkpoint.storage import (
     ShardWriter,
     piece_tensors,
 )
-from moeflow.model.device import model_device
 from moeflow.model.parameters import clean_name
 from moeflow.model.safetensors_files import SafetensorsWriter, read_header, read_tensor
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel import process_group
 from moeflow.parallel.process_group import barrier, gather_objects
 from moeflow.runtime.files import disk_full_error, read_json, replace_dir, stable_hash, write_json
+from moeflow.runtime.host_copies import model_device
 from moeflow.runtime.stage import code_version, kill_point
 
 CHECKPOINT_DIR = re.compile(r"^step-(\d{8})$")

@@ -104,16 +104,16 @@ def model_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
     ``position_ids`` (1, B * L), row after row, with :func:`varlen_kwargs`. The model's outputs are then per
     token in the same order as the (B, L) batch flattened: the loss and the routing read them by token, and
     the labels stay (B, L), so the next-token shift never crosses from one row into the next."""
-    from moeflow.runtime.host_copies import to_device
+    from moeflow.runtime.host_copies import model_device, to_device
 
-    parameter = next(model.parameters())
+    device, dtype = model_device(model), next(model.parameters()).dtype
     if flattens_rows(model.config):
         flat = {k: batch[k].reshape(1, -1) for k in ("input_ids", "position_ids")}
-        inputs = {k: to_device(v, parameter.device) for k, v in flat.items()}
-        inputs.update(varlen_kwargs(batch["position_ids"], parameter.device))
+        inputs = {k: to_device(v, device) for k, v in flat.items()}
+        inputs.update(varlen_kwargs(batch["position_ids"], device))
         return inputs
-    inputs = {k: to_device(batch[k], parameter.device) for k in ("input_ids", "position_ids")}
-    mask = packed_attention_mask(model.config, inputs["position_ids"], parameter.dtype)
+    inputs = {k: to_device(batch[k], device) for k in ("input_ids", "position_ids")}
+    mask = packed_attention_mask(model.config, inputs["position_ids"], dtype)
     if mask is not None:
         inputs["attention_mask"] = mask
     return inputs

@@ -31,10 +31,10 @@ import torch
 from moeflow.data.collate import model_inputs, token_mask
 from moeflow.evaluation.loop import FILLER, batches
 from moeflow.model.chunked_loss import decoder_forward
-from moeflow.model.device import model_device
 from moeflow.model.routing import NoMoELayers, RoutingAdapter, adapter_or_none, capture
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.process_group import Ranks, gather_to_main
+from moeflow.runtime.host_copies import model_device
 from moeflow.runtime.stage import progress
 
 LOAD_CHANGE = 0.5  # an expert gained or lost load: its share moved by more than half the base's share

@@ -23,10 +23,10 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from moeflow.evaluation.completions import Completion
-from moeflow.model.device import model_device
 from moeflow.parallel.layouts import generation_model
 from moeflow.parallel.lockstep import forwards_in_step
 from moeflow.parallel.process_group import Ranks, gather_objects
+from moeflow.runtime.host_copies import model_device
 from moeflow.runtime.stage import progress
 
 

@@ -23,8 +23,8 @@ import torch
 from moeflow.data.collate import collate, model_inputs, token_mask
 from moeflow.data.shards import IGNORE_INDEX
 from moeflow.model.chunked_loss import count_label_tokens, next_token_targets, token_losses
-from moeflow.model.device import model_device
 from moeflow.model.routing import capture
+from moeflow.runtime.host_copies import model_device
 
 FILLER = "filler"  # key of a batch a rank runs only to keep step with the others (see batches): not counted
 

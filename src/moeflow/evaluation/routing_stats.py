@@ -28,9 +28,9 @@ import torch
 
 from moeflow.data.collate import collate, model_inputs
 from moeflow.model.chunked_loss import decoder_forward
-from moeflow.model.device import model_device
 from moeflow.model.routing import adapter_for, capture
 from moeflow.parallel.process_group import Ranks, gather_to_main
+from moeflow.runtime.host_copies import model_device
 from moeflow.runtime.stage import kill_point, progress
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from moeflow.model.expert_lora import ep_plan
 from moeflow.model.folder import ModelError, check_vocabulary, refusing_remote_code
 from moeflow.model.lora import apply_lora, initial_adapters, is_lora_model, router_modules
 from moeflow.model.quantization import quantize_base
-from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings
+from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings, quantization_problems
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.layouts import distributed_config, fp32_units_for_expert_parallel, shard_model
 from moeflow.parallel.process_group import DistributedError, Ranks, check_ranks, init
@@ -124,7 +124,7 @@ def make_model(
     layout = _placement(layout, device)
     dtype = layout.weights_dtype(dtype)
     settings = resolve_experts(settings, experts)
-    _check_combination(layout, folder)
+    _check_combination(layout, folder, settings.quantization)
     if folder is None:
         model = _built(settings, vocab_size, seed, dtype)
     else:
@@ -157,14 +157,22 @@ def _placement(layout: Layout | None, device: str | torch.device | None) -> Layo
     return layout or Layout.single(device or "cpu")
 
 
-def _check_combination(layout: Layout, folder: str | os.PathLike | None) -> None:
+def _check_combination(layout: Layout, folder: str | os.PathLike | None, quantization: str) -> None:
     strategy = layout.parallel.strategy
     # the config check refuses these too (moeflow.parallel.settings.training_layout_problems)
     method = "lora" if layout.adapters else "full"
-    router = layout.train.lora.router if layout.adapters else "frozen"
-    for problem in training_layout_problems(
-        method, strategy, layout.ranks.world_size, cpu_offload=layout.parallel.cpu_offload, lora_router=router
-    ):
+    lora = layout.train.lora if layout.adapters else None
+    problems = training_layout_problems(
+        method,
+        strategy,
+        layout.ranks.world_size,
+        cpu_offload=layout.parallel.cpu_offload,
+        lora_router=lora.router if lora else "frozen",
+        lora_targets=tuple(lora.targets) if lora else (),
+    )
+    if lora:
+        problems += quantization_problems(quantization, method, layout.train.gradient_checkpointing, strategy)
+    for problem in problems:
         raise DistributedError(problem)
     if strategy == "ep" and folder is None:
         raise DistributedError(

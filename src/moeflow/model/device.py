@@ -39,25 +39,3 @@ def enable_tf32() -> None:
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype the model's weights are loaded in for a forward-only stage with ``precision``."""
     return COMPUTE_DTYPES[precision]
-
-
-_COMPUTE_DEVICE_ATTR = "_moeflow_compute_device"
-
-
-def set_compute_device(model: torch.nn.Module, device: torch.device) -> None:
-    """Record where ``model`` computes when its parameters live elsewhere (moeflow.parallel.layouts' CPU offload:
-    the shards on the host, each layer copied to ``device`` while it runs), on it and on a peft model's base."""
-    for module in {id(m): m for m in (model, _base(model))}.values():
-        setattr(module, _COMPUTE_DEVICE_ATTR, torch.device(device))
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    """The device ``model`` computes on, where its inputs go: the one :func:`set_compute_device` recorded, else its
-    parameters' (under CPU offload those are on the host)."""
-    device = getattr(_base(model), _COMPUTE_DEVICE_ATTR, None)
-    return device if device is not None else next(model.parameters()).device
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    """A peft model's transformers model (what the trainer, the evaluation and the export are given, either)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model

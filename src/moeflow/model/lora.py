@@ -13,9 +13,10 @@ as ``moeflow.model.routing`` finds it), or a dense MLP (``mlp.``/``feed_forward.
 Those go to peft as ``target_modules`` (one regular expression, layer and expert indices generalised).
 Routed experts stored as fused 3D parameters (transformers 5: ``mlp.experts.gate_up_proj`` and
 ``down_proj``, shape (experts, out, in)) go to peft as ``target_parameters``; peft then trains one
-rank-r adapter per expert (``lora_A``: in -> r x experts, ``lora_B``: r x experts -> out). A transformers
-5 router is a module with a ``weight`` parameter, so a router adapter is a ``target_parameters`` entry
-there and a ``target_modules`` entry on 4.57 (an ``nn.Linear``).
+rank-r adapter per expert (``lora_A``: in -> r x experts, ``lora_B``: r x experts -> out). Under expert
+parallelism they get moeflow.model.expert_lora's adapters instead (the same update, split by experts with
+them). A transformers 5 router is a module with a ``weight`` parameter, so a router adapter is a
+``target_parameters`` entry there and a ``target_modules`` entry on 4.57 (an ``nn.Linear``).
 
 Limits (each raises a clear error): peft cannot apply dropout to ``target_parameters`` adapters, so
 ``dropout`` must be 0 when fused experts (or a transformers-5 router) get adapters; transformers 4.57
@@ -401,7 +402,7 @@ def save_adapter(model: Any, folder: str | os.PathLike, state: dict[str, torch.T
         model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
         router = {P.base_name(k): v.contiguous() for k, v in state.items() if not P.is_adapter(k)}
     if getattr(model, "_moeflow_expert_targets", None):
-        _add_expert_factors(model, folder, state)
+        _add_expert_factors(model, folder, state or {P.clean_name(k): v for k, v in model.state_dict().items()})
     if settings.router == "trainable":
         save_file(router, str(folder / ROUTER_FILE))
     write_json(folder / SETTINGS_FILE, settings.as_dict())

@@ -20,7 +20,8 @@ from moeflow.model.lora import ADAPTER_NAME
 @dataclass(frozen=True)
 class MergeTarget:
     """A base weight with an adapter: its name in the base model (``moeflow.model.parameters.base_name``), the
-    adapter's factors as peft holds them (sharded under FSDP) and how peft combines them (its layer's
+    adapter's factors as the model holds them (sharded under FSDP; peft's, or moeflow.model.expert_lora's 3-D
+    (experts, r, in) and (experts, out, r) under expert parallelism) and how peft combines them (its layer's
     ``get_delta_weight``): ``experts`` is a fused expert tensor's expert count (peft's ``ParamWrapper``; 1 for a
     ``Linear`` and a 2-D parameter), ``swapped`` its (experts, out, in) layout."""
 

@@ -12,7 +12,7 @@ layout answers the same way (reshard, the whole state dict).
     FSDP's mixed precision (bf16 gathers and compute, fp32 shards and gradient reduction). With
     ``parallel.cpu_offload`` (FSDP2 only) every unit offloads (:func:`cpu_offload_policy`): the shards, their
     gradients and so AdamW's state stay on the host, one rank shards over a group of one, and the device the model
-    computes on is recorded (moeflow.model.device.model_device), its parameters being on the host.
+    computes on is recorded (moeflow.runtime.host_copies.model_device), its parameters being on the host.
   - ``ep``: transformers 5 shards the model on the meta device as its ``from_pretrained`` does for
     ``DistributedConfig(ep_size=..., fsdp_size=...)`` (moeflow.loading.factory): experts split over ``ep_size``
     ranks, the rest FSDP2-sharded; each rank then reads its rows (moeflow.parallel.rank_load).
@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-from moeflow.model.device import set_compute_device
 from moeflow.model.parameters import clean_name
 from moeflow.model.wrappers import is_fsdp1
 from moeflow.parallel import dtensors
@@ -50,6 +49,7 @@ from moeflow.parallel.rank_load import (
 )
 from moeflow.parallel.settings import ParallelSettings
 from moeflow.runtime import compat
+from moeflow.runtime.host_copies import set_compute_device
 
 
 def distributed_config(

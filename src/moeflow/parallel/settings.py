@@ -34,13 +34,15 @@ def training_layout_problems(
     fsdp2: bool | None = None,
     cpu_offload: bool = False,
     lora_router: str = "frozen",
+    lora_targets: tuple[str, ...] = (),
 ) -> list[str]:
     """What a training layout cannot run, each naming the keys and what to do. The config check, the loader
     (moeflow.loading.factory) and the planner's proposals (moeflow.plan.proposals) refuse the same layouts:
     expert parallelism with tied embeddings (transformers 5's expert-parallel sharding unties them), LoRA adapters
-    under FSDP1 and a router adapter (``lora_router``) under expert parallelism, ESFT under FSDP1 on fused expert
-    tensors (``model_type``'s: its flat shards split elements, not experts), and ``cpu_offload`` (FSDP2's offload
-    policy) anywhere but ``fsdp`` on FSDP2. Expert parallelism on transformers
+    under FSDP1, and under expert parallelism a router adapter (``lora_router``) or the routed experts alone
+    (``lora_targets``: moeflow.model.expert_lora's adapters go beside peft's, which need a module), ESFT under
+    FSDP1 on fused expert tensors (``model_type``'s: its flat shards split elements, not experts), and
+    ``cpu_offload`` (FSDP2's offload policy) anywhere but ``fsdp`` on FSDP2. Expert parallelism on transformers
     4.57 is refused where the model is loaded (moeflow.parallel.layouts), not here: a plan on the pinned stack may
     be for a cluster that runs the current one. ``fsdp2``: whether FSDP is FSDP2 (None: this stack's torch says;
     docs/training.md's table is for the current stack). Imports nothing heavy: the config check runs at DAG build."""
@@ -60,6 +62,12 @@ def training_layout_problems(
             "config keys 'train.lora.router': adapter and 'parallel.strategy': ep do not combine: peft's wrapper would "
             "move the router out of the names transformers' expert-parallel plan reads. Use train.lora.router: "
             "frozen or trainable, or parallel.strategy: fsdp"
+        )
+    if method == "lora" and strategy == "ep" and set(lora_targets) == {"routed_experts"}:
+        problems.append(
+            "config keys 'train.lora.targets': [routed_experts] and 'parallel.strategy': ep do not combine: under "
+            "expert parallelism the experts' adapters go beside peft's, which need a module to adapt too. Add "
+            "attention to train.lora.targets, or use parallel.strategy: fsdp"
         )
     if method == "lora" and strategy == "fsdp" and world > 1 and not fsdp2:
         problems.append(
@@ -90,9 +98,9 @@ def _offload_problems(strategy: str, fsdp2: bool) -> list[str]:
         ]
     if strategy == "ep":
         return [
-            "config keys 'parallel.cpu_offload': true and 'parallel.strategy': ep do not combine: transformers' "
-            "expert-parallel experts (most of the weights) are not FSDP units, so they would stay on the device. "
-            "Use parallel.strategy: fsdp"
+            "config keys 'parallel.cpu_offload': true and 'parallel.strategy': ep do not combine: under ep "
+            "transformers makes the FSDP units, and moeflow does not turn its offload on (untested). Use "
+            "parallel.strategy: fsdp"
         ]
     if not fsdp2:
         return [

@@ -92,8 +92,10 @@ def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int 
     sharded = 2 * (states - muon_gathered_bytes(params, two)) if states else 0
     replicated = at_two["total"] - sharded / 2
     room = (1 - HEADROOM) * memory - replicated
-    if room <= 0 or not sharded:
-        return 2 if fits(s, params, two, memory) else None
+    if room <= 0:
+        return None
+    if not sharded:  # CPU offload: more devices shrink only each unit's copies; a node's worth is the last to try
+        return next((n for n in range(2, 9) if fits(s, params, dataclasses.replace(job, num_devices=n), memory)), None)
     n = max(2, math.ceil(sharded / room))
     while n <= limit:  # ceil() of the shards (or another phase) can need more: step up until it really fits
         if fits(s, params, dataclasses.replace(job, num_devices=n), memory):

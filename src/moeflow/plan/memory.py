@@ -335,7 +335,7 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         else width
     )
     out = {} if job.offloads_to_host else step_state(s, params, job)
-    if job.cpu_offload:  # FSDP2 copies a unit's shards to the device for its gather, its gradient's back to the host
+    if job.offloads_to_host:  # FSDP2 copies a unit's shards to the device for its gather, its gradient's to the host
         out["offload_copies"] = math.ceil((gathered * stored + unit_trainable * gradient_width) / job.shard_ranks)
     out |= {
         "unsharded_layer": math.ceil(gathered * stored + unit_trainable * width) if job.sharded else 0,

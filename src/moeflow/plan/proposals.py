@@ -178,6 +178,8 @@ def _refused(s: Shape, job: Job) -> bool:
             s.tie_word_embeddings,
             s.model_type,
             cpu_offload=job.cpu_offload,
+            lora_router=job.lora.router if job.method == "lora" else "frozen",
+            lora_targets=tuple(job.lora.targets) if job.method == "lora" else (),
         )
         or quantization_problems(job.quantization, job.method, job.gradient_checkpointing, job.strategy)
     )

@@ -40,7 +40,6 @@ from moeflow.evaluation.routing_stats import layer_health
 from moeflow.families.mtp import unfreeze_mtp_layers
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
 from moeflow.model.chunked_loss import count_label_tokens, decoder_forward, token_losses
-from moeflow.model.device import model_device
 from moeflow.model.mtp_loss import mtp_sums
 from moeflow.model.routing import adapter_or_none, capture
 from moeflow.model.wrappers import unwrap
@@ -48,7 +47,7 @@ from moeflow.parallel import dtensors
 from moeflow.parallel.gradients import clip_grad_norm, fill_missing_gradients, reduce_gradients, release_gradients
 from moeflow.parallel.layouts import reshard
 from moeflow.parallel.process_group import all_reduce_sum, gather_objects, rank, world_size
-from moeflow.runtime.host_copies import to_device
+from moeflow.runtime.host_copies import model_device, to_device
 from moeflow.runtime.stage import kill_point, progress
 from moeflow.settings import PRECISIONS, enum
 from moeflow.train import guards as G

@@ -413,6 +413,7 @@ def training_layout_problems(cfg: Mapping[str, Any]) -> list[str]:
         model_type=model_type,
         cpu_offload=par["cpu_offload"],
         lora_router=(cfg["train"].get("lora") or {}).get("router", "frozen"),
+        lora_targets=tuple((cfg["train"].get("lora") or {}).get("targets", ())),
     )
 
 

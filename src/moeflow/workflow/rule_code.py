@@ -72,6 +72,11 @@ PLUMBING: dict[str, tuple[str, ...]] = {
         "runtime.files.write_text",
     ),
     "a batch copied to the device: the same values through pinned memory or not": ("runtime.host_copies.to_device",),
+    "the device a model computes on, where its inputs go (hardware.device's, recorded where the parameters stay on "
+    "the host under CPU offload): the same values on it": (
+        "runtime.host_copies.model_device",
+        "runtime.host_copies.set_compute_device",
+    ),
     "figures rendered reproducibly (backend, hash salt): how a figure is drawn, no number in it": (
         "runtime.figures.pyplot",
     ),
