@@ -104,8 +104,8 @@ def test_data_tokenized_with_a_larger_vocabulary_is_refused(tmp_path):
     make_model(settings(), vocab_size=VOCAB + 1, data=[data])
 
 
-def _train(method: str) -> TrainSettings:
-    section = {"steps": 1, "lr": 1e-3, "method": method} | ({"lora": {"rank": 2}} if method == "lora" else {})
+def _train(method: str, **lora) -> TrainSettings:
+    section = {"steps": 1, "lr": 1e-3, "method": method} | ({"lora": {"rank": 2, **lora}} if method == "lora" else {})
     return typed(TrainSettings, training(section))
 
 
@@ -113,8 +113,10 @@ def test_the_combinations_it_refuses_name_the_keys(tmp_path):
     two = Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     fsdp = typed(ParallelSettings, {"strategy": "fsdp", "nproc_per_node": 2})
     ep = typed(ParallelSettings, {"strategy": "ep", "ep_size": 2, "nproc_per_node": 2})
-    with pytest.raises(DistributedError, match="'train.method': lora and 'parallel.strategy': ep"):
-        make_model(settings(), vocab_size=VOCAB, layout=Layout(two, ep, _train("lora")))
+    with pytest.raises(DistributedError, match="'train.lora.router': adapter and 'parallel.strategy': ep"):
+        make_model(settings(), vocab_size=VOCAB, layout=Layout(two, ep, _train("lora", router="adapter")))
+    with pytest.raises(DistributedError, match=r"'train.lora.targets': \[routed_experts\] and 'parallel.strategy': ep"):
+        make_model(settings(), vocab_size=VOCAB, layout=Layout(two, ep, _train("lora", targets=["routed_experts"])))
     if not compat.fsdp2_available():  # FSDP1's flat parameters hold one dtype
         with pytest.raises(DistributedError, match="'train.method': lora and 'parallel.strategy': fsdp.*STACK=current"):
             make_model(settings(), vocab_size=VOCAB, layout=Layout(two, fsdp, _train("lora")))
