@@ -583,6 +583,21 @@ def _steps(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) ->
     report["sharded"] = is_sharded(trainer.model)
     report["eval"] = gather_objects(evaluation(model_dir, layout, ranks))
 
+    straight, report["resume"] = straight_and_resumed(model_dir, out, ranks, layout)
+    record = straight.train_records()[-1]
+    report["mfu"], report["flops_per_s"] = record["mfu"], record["flops_per_s"]
+    if ranks.is_main:
+        (out / "report.json").write_text(json.dumps(report))
+
+
+def records(trainer: Trainer) -> list[tuple[int, float, float]]:
+    """(step, loss, gradient norm) of each of a run's training steps."""
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in trainer.train_records()]
+
+
+def straight_and_resumed(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> tuple[Trainer, dict]:
+    """Three steps straight through with a checkpoint after each, then a run resumed from the newest: the straight
+    run, and what both did."""
     with_peak = settings("running", 1, checkpoint_every=1, peak_flops_per_s=1e12)
     straight = make_trainer(model_dir, layout, ranks, with_peak, checkpoint_dir=out / "checkpoints")
     straight.run()  # checkpoints after steps 1 and 2 (only the newest is kept)
@@ -590,19 +605,14 @@ def _steps(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) ->
     assert resumed.resume()
     continued_from = resumed.step
     resumed.run()
-    last = lambda t: [(r["step"], r["loss"], r["grad_norm"]) for r in t.train_records()]  # noqa: E731
     weights = [full_state_dict(t.model)[0] for t in (straight, resumed)]
-    report["resume"] = {
+    return straight, {
         "continued_from": continued_from,
-        "straight": last(straight),
-        "resumed": last(resumed),
+        "straight": records(straight),
+        "resumed": records(resumed),
         "same_weights": sorted(weights[0]) == sorted(weights[1])
         and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
     }
-    record = straight.train_records()[-1]
-    report["mfu"], report["flops_per_s"] = record["mfu"], record["flops_per_s"]
-    if ranks.is_main:
-        (out / "report.json").write_text(json.dumps(report))
 
 
 def _base_reference(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> None:
@@ -651,10 +661,9 @@ def _lora(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) -> 
         continued_from = resumed.step
         resumed.run()
         params = dict(straight.model.named_parameters())
-        last = lambda t: [(r["step"], r["loss"], r["grad_norm"]) for r in t.train_records()]  # noqa: E731
         report[case] = {
-            "straight": last(straight),
-            "resumed": last(resumed),
+            "straight": records(straight),
+            "resumed": records(resumed),
             "continued_from": continued_from,
             "frozen_unchanged": sorted(before) == sorted(frozen)
             and all(torch.equal(before[n], after[n]) for n in frozen),
@@ -675,26 +684,14 @@ def _offload(model_dir: str, out: Path, ranks: Ranks, layout: ParallelSettings) 
     """The steps part's straight and resumed run, and the bf16 LoRA and QLoRA cases' straight runs, with
     ``cpu_offload``."""
     offloaded = dataclasses.replace(layout, cpu_offload=True)
-    with_peak = settings("running", 1, checkpoint_every=1, peak_flops_per_s=1e12)
-    straight = make_trainer(model_dir, offloaded, ranks, with_peak, checkpoint_dir=out / "checkpoints")
-    straight.run()
-    resumed = make_trainer(model_dir, offloaded, ranks, with_peak, checkpoint_dir=out / "checkpoints")
-    assert resumed.resume()
-    continued_from = resumed.step
-    resumed.run()
-    weights = [full_state_dict(t.model)[0] for t in (straight, resumed)]
+    straight, resume = straight_and_resumed(model_dir, out, ranks, offloaded)
     lora = {}
     for case in ("bf16", "nf4-bf16"):
         lora[case] = lora_trainer(lora_folder(Path(model_dir).parent, case), offloaded, ranks, case)
         lora[case].run()
-    last = lambda t: [(r["step"], r["loss"], r["grad_norm"]) for r in t.train_records()]  # noqa: E731
-    report = {
+    report = resume | {
         "parameters": offloaded_parameters(straight.model),
-        "straight": last(straight),
-        "resumed": last(resumed),
-        "continued_from": continued_from,
-        "same_weights": all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]),
-        "lora": {case: last(trainer) for case, trainer in lora.items()},
+        "lora": {case: records(trainer) for case, trainer in lora.items()},
     }
     if ranks.is_main:
         (out / "report.json").write_text(json.dumps(report))

@@ -139,6 +139,12 @@ def peft_factors(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return a.reshape(experts * rank, in_features), b.permute(1, 2, 0).reshape(b.shape[1], rank * experts)
 
 
+def lora_a_start(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """A ``lora_A`` weight's start as peft draws it, in fp32: Kaiming-uniform with ``a=sqrt(5)`` over ``shape``."""
+    start = torch.empty(shape, dtype=torch.float32)
+    return torch.nn.init.kaiming_uniform_(start, a=math.sqrt(5), generator=generator)
+
+
 def initial_factors(path: str, module: torch.nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The factors' start by name, drawn as peft draws its wrappers' (``lora_A`` Kaiming-uniform over the whole
     (r x experts, in) tensor, ``lora_B`` zero), outermost wrapper first (its module order)."""
@@ -147,8 +153,6 @@ def initial_factors(path: str, module: torch.nn.Module, generator: torch.Generat
         a_name, b_name = factor_names(tensor)
         a, b = module._parameters[a_name], module._parameters[b_name]
         experts, rank, in_features = a.shape
-        start = torch.empty((experts * rank, in_features), dtype=torch.float32)
-        torch.nn.init.kaiming_uniform_(start, a=math.sqrt(5), generator=generator)
-        out[f"{path}.{a_name}"] = start.reshape(experts, rank, in_features)
+        out[f"{path}.{a_name}"] = lora_a_start((experts * rank, in_features), generator).reshape(a.shape)
         out[f"{path}.{b_name}"] = torch.zeros(tuple(b.shape), dtype=torch.float32)
     return out

@@ -64,7 +64,6 @@ from moeflow.families.registry import FAMILIES
 from moeflow.model import expert_lora
 from moeflow.model import parameters as P
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
-from moeflow.model.expert_lora import add_expert_adapters
 from moeflow.model.quantization import quantized_weights
 from moeflow.model.settings import LORA_ALL, LoraSettings
 from moeflow.model.wrappers import unwrap
@@ -293,7 +292,7 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool,
             "differently from moeflow.model.lora.find_targets"
         )
     _remove_only_lora_proxies(peft_model)
-    add_expert_adapters(peft_model.get_base_model(), apart, settings)
+    expert_lora.add_expert_adapters(peft_model.get_base_model(), apart, settings)
     peft_model._moeflow_expert_targets = sorted(apart) if full else parameter_suffixes(apart)
     if settings.router == "trainable":
         for router in router_modules(peft_model).values():
@@ -350,8 +349,7 @@ def initial_adapters(model: Any, seed: int) -> dict[str, torch.Tensor]:
         if not isinstance(layer, LoraLayer) or ADAPTER_NAME not in layer.lora_A:
             continue
         a, b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
-        start = torch.empty(tuple(a.shape), dtype=torch.float32)
-        torch.nn.init.kaiming_uniform_(start, a=math.sqrt(5), generator=generator)
+        start = expert_lora.lora_a_start(tuple(a.shape), generator)
         out[P.clean_name(f"{path}.lora_A.{ADAPTER_NAME}.weight")] = start.to(a.dtype)
         out[P.clean_name(f"{path}.lora_B.{ADAPTER_NAME}.weight")] = torch.zeros(tuple(b.shape), dtype=b.dtype)
     return out

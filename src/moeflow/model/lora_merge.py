@@ -38,8 +38,8 @@ class MergeTarget:
         a fused tensor with ``expert``. peft's ``get_delta_weight`` casts it to the base's dtype before the sum,
         which rounds a small update away in a bf16 base."""
         a, b = a.float(), b.float()
-        if b.dim() == 3:  # moeflow.model.expert_lora's (experts, out, r): peft's (out, r, experts)
-            b = b.permute(1, 2, 0)
+        if b.dim() == 3:  # moeflow.model.expert_lora's factors
+            a, b = expert_lora.peft_factors(a, b)
         if self.experts == 1:
             update = b @ a
             return (update.T if self.fan_in_fan_out else update) * self.scaling
