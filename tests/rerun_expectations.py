@@ -223,6 +223,7 @@ ROWS = (
             "src/moeflow/model/lora.py",
             "src/moeflow/model/expert_lora.py",
             "src/moeflow/model/lora_merge.py",
+            "src/moeflow/model/adapter_layout.py",
             "src/moeflow/model/quantization.py",
             "src/moeflow/model/saved_names.py",
             "src/moeflow/parallel/*",

@@ -49,6 +49,7 @@ from tiny_training import VOCAB, packed_rows  # noqa: E402
 from moeflow.checkpoint.export import save_final_model
 from moeflow.data.collate import collate
 from moeflow.loading.factory import Layout, make_model
+from moeflow.model.adapter_layout import PIECES_FILE
 from moeflow.model.lora import save_adapter_output
 from moeflow.model.settings import ModelSettings
 from moeflow.model.wrappers import unwrap
@@ -376,6 +377,9 @@ def test_lora_on_two_ranks_gives_one_process_adapters_and_merged_model(saved_mod
     got = load_file(str(ranks_out / "adapter" / "adapter_model.safetensors"))
     reference = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert sorted(got) == sorted(reference) and any(".mlp.experts." in k for k in got)
+    # which file module each fused row is, for a reader on transformers 4.57 (moeflow.model.adapter_layout)
+    pieces_file = [folder / "adapter" / PIECES_FILE for folder in (ranks_out, tmp_path)]
+    assert pieces_file[0].is_file() and json.loads(pieces_file[0].read_text()) == json.loads(pieces_file[1].read_text())
     if layout == "ep" and precision == "bf16":
         # The experts' bf16 outputs come back from their ranks and are combined in another order, so near-tied
         # router scores can pick another expert for a token, and AdamW's normalised step turns rounding into a sign

@@ -36,8 +36,9 @@ The adapter folder holds only what training changes: ``save_pretrained`` of the 
 the LoRA settings (moeflow_lora.json). It is written whole from every layout: under FSDP every rank holds a share of
 each adapter's rows, and :func:`adapter_state` gathers them first; under expert parallelism the routed experts'
 adapters are moeflow.model.expert_lora's, saved in peft's layout and names. train_model declares it as an output
-(``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which ``PeftModel.from_pretrained`` loads on the
-base model, plus the trainable-parameter report; a full run writes only the report (``method: full``). The merged
+(``runs/<run>/adapter``, :func:`save_adapter_output`): the adapter, which :func:`load_adapter` loads on the base
+model on either stack (moeflow.model.adapter_layout converts the routed experts' adapters), plus the trainable-parameter
+report; a full run writes only the report (``method: full``). The merged
 model is ``moeflow.checkpoint.export``'s: each adapted weight made whole in turn, its update (:class:`MergeTarget`)
 added in fp32 and the sum rounded once to the dtype written.
 
@@ -61,9 +62,10 @@ import torch
 
 from moeflow.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.families.registry import FAMILIES
-from moeflow.model import expert_lora
+from moeflow.model import adapter_layout, expert_lora
 from moeflow.model import parameters as P
 from moeflow.model.activation_checkpointing import enable_activation_checkpointing
+from moeflow.model.adapter_layout import ADAPTER_NAME
 from moeflow.model.quantization import quantized_weights
 from moeflow.model.settings import LORA_ALL, LoraSettings
 from moeflow.model.wrappers import unwrap
@@ -72,9 +74,6 @@ from moeflow.runtime.files import atomic_dir, read_json, write_json
 from moeflow.settings import typed
 
 log = logging.getLogger("moeflow.model.lora")
-
-
-ADAPTER_NAME = "default"
 
 
 SETTINGS_FILE = "moeflow_lora.json"
@@ -250,12 +249,19 @@ def _native_layout():
         )
 
 
-def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool, experts_apart: bool = False) -> Any:
+def apply_lora(
+    model: Any,
+    settings: LoraSettings,
+    gradient_checkpointing: bool,
+    experts_apart: bool = False,
+    rank_times: dict[str, int] | None = None,
+) -> Any:
     """Wrap a transformers causal LM with LoRA adapters (peft) and freeze everything else; return the
     peft model. ``settings``: ``train.lora``. With ``gradient_checkpointing``
     it turns on non-reentrant checkpointing and makes the embedding output require grad. ``experts_apart``
     (expert parallelism): the fused routed-expert tensors get moeflow.model.expert_lora's factors, not peft's
-    wrappers."""
+    wrappers. ``rank_times``: parameter name -> a multiple of the rank and alpha its adapter gets (the same
+    scaling; an adapter fused from per-expert ones, moeflow.model.adapter_layout)."""
     from peft import LoraConfig, get_peft_model
 
     if is_lora_model(model):
@@ -280,6 +286,8 @@ def apply_lora(model: Any, settings: LoraSettings, gradient_checkpointing: bool,
         bias="none",
         target_modules=module_pattern(sorted(targets.modules), exclude=mtp) if targets.modules else [],
         target_parameters=parameters or None,
+        rank_pattern={re.escape(n): settings.rank * k for n, k in (rank_times or {}).items()},
+        alpha_pattern={re.escape(n): settings.alpha * k for n, k in (rank_times or {}).items()},
     )
     with _native_layout():
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
@@ -389,7 +397,7 @@ def save_adapter(model: Any, folder: str | os.PathLike, state: dict[str, torch.T
     the router's weights when it is trainable, and the LoRA settings into ``folder``; ``state``: a sharded
     model's :func:`adapter_state` (None: the model's own tensors). Call it inside
     ``moeflow.runtime.files.atomic_dir`` (or a checkpoint folder that is renamed into place)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     settings = lora_settings(model)
     folder = Path(folder)
@@ -401,8 +409,10 @@ def save_adapter(model: Any, folder: str | os.PathLike, state: dict[str, torch.T
         router = {P.base_name(k): v.contiguous() for k, v in state.items() if not P.is_adapter(k)}
     if getattr(model, "_moeflow_expert_targets", None):
         _add_expert_factors(model, folder, state or {P.clean_name(k): v for k, v in model.state_dict().items()})
-    if settings.router == "trainable":
-        save_file(router, str(folder / ROUTER_FILE))
+    adapter_layout.record_pieces(model, folder, load_file(str(folder / "adapter_model.safetensors")))
+    if settings.router == "trainable":  # under the files' names, which both stacks read
+        names = adapter_layout.file_names(unwrap(model, peft=True), router)
+        save_file({names[k]: v for k, v in router.items()}, str(folder / ROUTER_FILE))
     write_json(folder / SETTINGS_FILE, settings.as_dict())
 
 
@@ -427,8 +437,10 @@ def _add_expert_factors(model: Any, folder: Path, state: dict[str, torch.Tensor]
 
 def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: bool = False) -> Any:
     """Adapters saved by :func:`save_adapter`, trainable. ``model``: the base model (it is wrapped as
-    :func:`apply_lora` does, ``gradient_checkpointing`` as there), or a model already wrapped with the same
-    LoRA settings (resume: its adapter weights are replaced). Returns the peft model."""
+    :func:`apply_lora` does, ``gradient_checkpointing`` as there; routed-expert adapters saved on the other stack are
+    converted, moeflow.model.adapter_layout), or a model already wrapped with the same LoRA settings (resume: its
+    adapter weights are replaced). Refuses an adapter tensor with no module here and an adapted weight without its
+    adapter, naming them. Returns the peft model."""
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
     from safetensors.torch import load_file
@@ -437,35 +449,45 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
     if not (folder / SETTINGS_FILE).is_file():
         raise LoraConfigError(f"{folder} is not a moeflow LoRA adapter folder (no {SETTINGS_FILE})")
     saved = typed(LoraSettings, read_json(folder / SETTINGS_FILE))
-    if not is_lora_model(model):
-        model = apply_lora(model, saved, gradient_checkpointing)
+    weights = load_peft_weights(str(folder), device="cpu")
+    if not is_lora_model(model):  # an adapter saved on the other stack: its routed experts converted
+        base = unwrap(model, peft=True)
+        weights = adapter_layout.split_fused(weights, folder, base)
+        routed = [n for n, c in find_targets(model, saved).parameters.items() if c == P.ROUTED_EXPERTS]
+        weights, fused = adapter_layout.fuse_pieces(weights, base, routed, saved.rank)
+        times = {name: adapter.times for name, adapter in fused.items() if adapter.times > 1}
+        model = apply_lora(model, saved, gradient_checkpointing, rank_times=times)
+        weights = adapter_layout.place_fused(model, weights, fused)
     elif lora_settings(model) != saved:
         raise LoraConfigError(
             f"the adapter in {folder} was trained with train.lora {saved.as_dict()}, "
             f"the model has {lora_settings(model).as_dict()}"
         )
     with _native_layout():
-        result = set_peft_model_state_dict(
-            model, load_peft_weights(str(folder), device="cpu"), adapter_name=ADAPTER_NAME
-        )
+        result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER_NAME)
     missing = [k for k in result.missing_keys if "lora_" in k]
-    if missing or result.unexpected_keys:
+    if missing or result.unexpected_keys:  # an adapter not on a module, or a module without its adapter
         raise LoraConfigError(
-            f"the adapter in {folder} does not fit this model: missing {missing[:3]}, "
-            f"unexpected {list(result.unexpected_keys)[:3]}"
+            f"the adapter in {folder} does not fit this model: {len(missing)} adapted weights have no adapter "
+            f"there ({missing[:4]}), {len(result.unexpected_keys)} of its tensors have no module here "
+            f"({list(result.unexpected_keys)[:4]}). Load it on the base model it was trained on"
         )
     if saved.router == "trainable":
         state = load_file(str(folder / ROUTER_FILE))
+        routers = {f"{n}.{p}": w for n, router in router_modules(model).items() for p, w in router.named_parameters()}
+        names = adapter_layout.file_names(unwrap(model, peft=True), {k: w.detach() for k, w in routers.items()})
+        lost = [names[k] for k in routers if names[k] not in state and k not in state]
+        if lost:
+            raise LoraConfigError(f"{folder / ROUTER_FILE} has no weights for the routers {lost[:4]}")
         with torch.no_grad():
-            for name, router in router_modules(model).items():
-                for param_name, param in router.named_parameters():
-                    param.copy_(state[f"{name}.{param_name}"])
+            for key, param in routers.items():
+                param.copy_(state[names[key]] if names[key] in state else state[key])
     return model
 
 
 def save_adapter_output(model: Any, folder: str | os.PathLike, expert_mask: Any = None) -> dict[str, Any]:
     """train_model's ``adapter`` output, written atomically by rank 0: for a LoRA model the adapter
-    (:func:`save_adapter`: loadable with ``PeftModel.from_pretrained`` on the base model), for every model
+    (:func:`save_adapter`: loadable with :func:`load_adapter` on the base model), for every model
     ``trainable_parameters.json`` (:func:`trainable_parameter_report`; ``method`` is ``full``, ``lora`` or
     ``esft``), so the output exists for a full run too. A collective for a sharded LoRA model: every rank calls it.
     Returns the report."""

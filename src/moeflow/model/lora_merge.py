@@ -14,7 +14,7 @@ import torch
 
 from moeflow.model import expert_lora
 from moeflow.model import parameters as P
-from moeflow.model.lora import ADAPTER_NAME
+from moeflow.model.adapter_layout import ADAPTER_NAME
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ MODEL = (
     "model.lora",
     "model.expert_lora",
     "model.lora_merge",
+    "model.adapter_layout",
     "model.quantization",
     "model.routing",  # LoRA finds the routers as the routing adapters do
     "model.parameters",
