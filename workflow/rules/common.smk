@@ -322,12 +322,48 @@ def is_moe_run(run):
         raise WorkflowError(f"moeflow: run {run!r}: {exc}") from None
 
 
+class JobWildcards(dict):
+    """A job's wildcards where no job is running yet, read as Snakemake's (``wildcards.run``)."""
+
+    __getattr__ = dict.__getitem__
+
+
+# The inputs of a base-model evaluation job beside its settings and runtime, by rule (as the rules list them).
+BASE_EVALUATION_INPUTS = {
+    "lm_eval_task": lambda wc: [base_model(wc), experts(wc), task_files(wc), task_data(wc)],
+    "humaneval": lambda wc: [base_model(wc), experts(wc)],
+}
+BASE_EVALUATION_RULES = {"lm_eval_task": ("lm_eval_task",), "humaneval": ("humaneval_generate", "humaneval_execute")}
+
+
+def base_evaluation(kind, run, **wildcards):
+    """What a job scoring ``run``'s base model reads and computes with (``kind``: lm_eval_task, humaneval: its
+    generation and execution): its inputs, settings and runtime, as Snakemake compares them."""
+    wc = JobWildcards(run=run, model="base", **wildcards)
+    compared = [(str(settings(rule)(wc)), str(job_runtime(rule)(wc))) for rule in BASE_EVALUATION_RULES[kind]]
+    return repr((BASE_EVALUATION_INPUTS[kind](wc), compared))
+
+
+def base_evaluation_run(kind, run, **wildcards):
+    """The run whose job scores ``run``'s base model for ``kind``: the first run, in config order, whose job would
+    read the same files with the same settings. Runs that fine-tune one base model and evaluate it alike share one
+    job (its result in that run's folder), so a paper scores each base once."""
+    task = wildcards.get("task")
+    has = [r for r in RUNS if task is None or task in lm_eval_task_labels(RUNS[r]["evaluate"]["tasks"])]
+    if kind == "humaneval":
+        has = [r for r in has if RUNS[r]["evaluate"]["humaneval"]["enabled"]]
+    mine = base_evaluation(kind, run, **wildcards)
+    return next(r for r in has if base_evaluation(kind, r, **wildcards) == mine)
+
+
 def lm_eval_files(run):
-    """The lm_eval_task rule's results of a run, task label -> model -> path: each of evaluate.tasks on both models."""
-    return {
-        task: {model: f"{run_eval_dir(run)}/lm_eval/{model}/{task}.json" for model in MODELS}
-        for task in lm_eval_task_labels(RUNS[run]["evaluate"]["tasks"])
-    }
+    """The lm_eval_task rule's results of a run, task label -> model -> path: each of evaluate.tasks on both models,
+    the base model's from the run that scores it (:func:`base_evaluation_run`)."""
+    files = {}
+    for task in lm_eval_task_labels(RUNS[run]["evaluate"]["tasks"]):
+        scored_by = {"base": base_evaluation_run("lm_eval_task", run, task=task), "finetuned": run}
+        files[task] = {model: f"{run_eval_dir(scored_by[model])}/lm_eval/{model}/{task}.json" for model in MODELS}
+    return files
 
 
 def lm_eval_task_of(wildcards):
@@ -350,7 +386,8 @@ def humaneval_files(run):
     """The humaneval execution rule's results of a run, model -> path; none when evaluate.humaneval is off."""
     if not RUNS[run]["evaluate"]["humaneval"]["enabled"]:
         return {}
-    return {model: f"{run_eval_dir(run)}/humaneval/{model}/results.json" for model in MODELS}
+    scored_by = {"base": base_evaluation_run("humaneval", run), "finetuned": run}
+    return {model: f"{run_eval_dir(scored_by[model])}/humaneval/{model}/results.json" for model in MODELS}
 
 
 def drift_file(run):
@@ -362,8 +399,8 @@ def model_stage_results(wildcards=None):
     """Every run's results of the evaluation stages that run a model, the on_device target's inputs: its lm-eval
     tasks, HumanEval's samples (not their execution) and the routing drift."""
     lm_eval = [path for run in RUNS for by_model in lm_eval_files(run).values() for path in by_model.values()]
-    samples = [f"{run_eval_dir(run)}/humaneval/{model}/samples.jsonl" for run in RUNS for model in humaneval_files(run)]
-    return lm_eval + samples + [drift for drift in map(drift_file, RUNS) if drift]
+    samples = [path.replace("results.json", "samples.jsonl") for run in RUNS for path in humaneval_files(run).values()]
+    return list(dict.fromkeys(lm_eval + samples + [drift for drift in map(drift_file, RUNS) if drift]))
 
 
 def eval_result_files(wildcards=None):
@@ -378,7 +415,7 @@ def eval_result_paths(wildcards=None):
     for files in eval_result_files().values():
         paths += [path for by_model in files["lm_eval"].values() for path in by_model.values()]
         paths += [*files["humaneval"].values(), *([files["drift"]] if files["drift"] else [])]
-    return paths
+    return list(dict.fromkeys(paths))  # runs that share a base model share its results
 
 
 def paper_corpora():
