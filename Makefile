@@ -1,5 +1,6 @@
 # Two commands from a fresh clone:
 #   make train     runs the pipeline's main target on the embedded default
+#   (make paper    then evaluates every run and writes the figures and tables)
 #   make test      runs the fast tier of the test suite (unit tests, the smoke pipeline and the cheap tests
 #                  that read it); make test-all runs every test (docs/testing.md)
 # Each creates its Python environment (.venvs/$(STACK)) from envs/$(STACK).yaml if it is missing or
@@ -13,7 +14,7 @@ BIN := $(VENV)/bin
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: env train test test-all lint format clean gpu-check gpu-bundle device-env slurm-up slurm-down
+.PHONY: env train paper test test-all lint format clean gpu-check gpu-bundle device-env slurm-up slurm-down
 
 $(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/runtime/pins.py
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,9 @@ env: $(VENV)/.installed
 
 train: env
 	STACK=$(STACK) $(BIN)/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) train
+
+paper: env
+	STACK=$(STACK) $(BIN)/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS) paper
 
 test: env
 	STACK=$(STACK) $(BIN)/python -m pytest -m "not full" $(PYTEST_ARGS)

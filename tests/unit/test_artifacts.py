@@ -525,6 +525,7 @@ def test_without_tasks_or_humaneval_their_columns_are_absent(tmp_path):
         assert "general loss change" in table.columns and "target loss change" in table.columns, table.name
         assert not [c for c in table.columns if "HumanEval" in c or "moeflow_" in c], table.name
     assert lm_eval_table(records).rows == [] and humaneval_table(records).rows == []
+    assert humaneval_table(records).caption.startswith("HumanEval was not run: evaluate.humaneval.enabled is off")
 
 
 def test_comparison_tables_gain_the_forgetting_columns(tmp_path):

@@ -27,14 +27,21 @@ def base_jobs(workdir, *overlay: str) -> Counter:
 
 def test_a_paper_scores_each_base_model_once(tmp_path):
     workdir = copy_workflow(tmp_path / "moeflow")
-    jobs = base_jobs(workdir)
+    humaneval_on = write_overlay(workdir, {"evaluate": {"humaneval": {"enabled": True}}})  # off in the default
+    jobs = base_jobs(workdir, "--configfile", humaneval_on)
     # moe, lora and esft fine-tune one base model (scored in moe's folder), dense its own
     assert {run for _, _, run in jobs} == {"moe", "dense"} and set(jobs.values()) == {1}
     tasks = {task for rule, task, _ in jobs if rule == "lm_eval_task"}
     assert tasks and len(jobs) == 2 * (len(tasks) + 2)
 
     # a run that samples HumanEval otherwise has its own base HumanEval jobs, and still shares the lm-eval ones
-    overlay = write_overlay(workdir, {"runs": {"lora": {"evaluate": {"humaneval": {"temperature": 0.7}}}}})
+    overlay = write_overlay(
+        workdir,
+        {
+            "evaluate": {"humaneval": {"enabled": True}},
+            "runs": {"lora": {"evaluate": {"humaneval": {"temperature": 0.7}}}},
+        },
+    )
     jobs = base_jobs(workdir, "--configfile", overlay)
     assert {run for rule, _, run in jobs if rule.startswith("humaneval")} == {"moe", "dense", "lora"}
     assert {run for rule, _, run in jobs if rule == "lm_eval_task"} == {"moe", "dense"}

@@ -413,10 +413,18 @@ def lm_eval_table(records: Sequence[RunRecord]) -> Table:
 def humaneval_table(records: Sequence[RunRecord]) -> Table:
     """HumanEval pass@k of every run that ran it: greedy pass@1 and sampled pass@k, base vs fine-tuned."""
     rows = [row for r in records for row in humaneval_rows(r.name, r.results)]
+    caption = (
+        "HumanEval of every run with evaluate.humaneval on: greedy pass@1 and pass@k of the sampled "
+        "completions (unbiased estimator) of the base and the fine-tuned model, and the change."
+    )
+    if not rows:
+        caption = (
+            "HumanEval was not run: evaluate.humaneval.enabled is off for every run. The embedded default turns it "
+            "off: a model of a few million parameters writes no working Python, so its pass@k would say nothing."
+        )
     return Table(
         name="humaneval",
-        caption="HumanEval of every run with evaluate.humaneval on: greedy pass@1 and pass@k of the sampled "
-        "completions (unbiased estimator) of the base and the fine-tuned model, and the change.",
+        caption=caption,
         columns=HUMANEVAL_COLUMNS,
         rows=[[row[c] for c in HUMANEVAL_COLUMNS] for row in rows],
     )
