@@ -25,7 +25,7 @@ from conftest import SMOKE, only_on, scheduled_rules, snakemake
 
 pytestmark = [
     pytest.mark.pipeline,
-    only_on("current", "the rule graph and the rules' inputs are the same on both stacks"),
+    only_on("pinned", "the rule graph and the rules' inputs are the same on both stacks"),
 ]
 UPDATED = "Updated input files: "
 
