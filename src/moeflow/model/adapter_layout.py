@@ -24,6 +24,7 @@ which transformers 5 computes: a loader there computes it from its model, and an
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 
 from moeflow.model import expert_lora
 from moeflow.model import parameters as P
+from moeflow.model.quantization import quantized_weights
 from moeflow.model.saved_names import saved_format
 from moeflow.runtime.files import read_json, write_json
 
@@ -39,6 +41,9 @@ PIECES_FILE = "experts_in_files.json"
 
 
 ADAPTER_NAME = "default"  # the one peft adapter of a moeflow model
+
+
+PER_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.")  # an adapter key of one expert's module (4.57's layout)
 
 
 PEFT_PREFIX = "base_model.model."  # an adapter file's keys: the peft model's names without the adapter name
@@ -166,9 +171,11 @@ def fuse_pieces(
     modules whose adapters are missing where the adapter has some of a tensor's pieces but not all."""
     weights = dict(weights)
     fused: dict[str, FusedAdapter] = {}
+    if not any(PER_EXPERT_MODULE.search(key) for key in weights):
+        return weights, fused  # saved on this layout: nothing to assemble
     for name in names:
-        tensor = model.get_parameter(name)
-        pieces = file_pieces(model, name, tensor.shape[0], tensor.shape[1])
+        shape = _shape(model, name)
+        pieces = file_pieces(model, name, shape[0], shape[1])
         if pieces is None:
             continue
         keys = [(f"{PEFT_PREFIX}{p.module}.lora_A.weight", f"{PEFT_PREFIX}{p.module}.lora_B.weight") for p in pieces]
@@ -186,13 +193,13 @@ def fuse_pieces(
             per_expert.setdefault(p.expert, []).append((p, weights.pop(a_key), weights.pop(b_key)))
         shared = all(torch.equal(group[0][1], piece[1]) for group in per_expert.values() for piece in group)
         times = 1 if shared else len(per_expert[0])
-        if len(per_expert) != tensor.shape[0] or any(len(group) != len(per_expert[0]) for group in per_expert.values()):
+        if len(per_expert) != shape[0] or any(len(group) != len(per_expert[0]) for group in per_expert.values()):
             raise AdapterLayoutError(f"{name}: the files' pieces do not cover each of its experts alike")
         a_all, b_all = [], []
-        for expert in range(tensor.shape[0]):
+        for expert in range(shape[0]):
             group = per_expert[expert]
             a = group[0][1] if shared else torch.cat([piece[1] for piece in group])
-            b = torch.zeros(tensor.shape[1], rank * times, dtype=group[0][2].dtype)
+            b = torch.zeros(shape[1], rank * times, dtype=group[0][2].dtype)
             for i, (p, _, piece_b) in enumerate(group):
                 columns = slice(0, rank) if shared else slice(i * rank, (i + 1) * rank)
                 b[p.first_row : p.first_row + p.rows, columns] = piece_b
@@ -200,6 +207,12 @@ def fuse_pieces(
             b_all.append(b)
         fused[name] = FusedAdapter(torch.stack(a_all), torch.stack(b_all), times)
     return weights, fused
+
+
+def _shape(model: torch.nn.Module, name: str) -> tuple[int, ...]:
+    """A weight's dense shape, a quantized one's (model.quantization) too."""
+    quantized = quantized_weights(model).get(name)
+    return tuple(quantized.dequantize.packing.shape if quantized else model.get_parameter(name).shape)
 
 
 def place_fused(
