@@ -82,7 +82,7 @@ def test_warmup_key_ignores_settings_of_the_second_part_only():
     key = warmup_key(cfg)
     for second_part in ({"steps": 500}, {"min_lr": 0.0}, {"eval_every": 3}):
         assert warmup_key(deep_merge(cfg, {"train": second_part})) == key
-    for first_part in ({"lr": 1e-3}, {"warmup_steps": 3}, {"balance": {"mode": "exact"}}):
+    for first_part in ({"lr": 2 * cfg["train"]["lr"]}, {"warmup_steps": 3}, {"balance": {"mode": "exact"}}):
         assert warmup_key(deep_merge(cfg, {"train": first_part})) != key
     assert warmup_key(deep_merge(cfg, {"data": {"seq_len": 256}})) != key
     ratio = deep_merge(cfg, {"train": {"warmup_steps": None, "warmup_ratio": 0.2, "steps": 40}})
