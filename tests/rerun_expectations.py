@@ -31,6 +31,7 @@ RULE_ORDER = (
     "coverage_valset",
     "warmup",
     "train_model",
+    "evaluate_model",
     "evaluate_run",
     "lm_eval_task",
     "humaneval_generate",
@@ -41,7 +42,9 @@ RULE_ORDER = (
 # Rules of a run the smoke config does not have (train.method esft), so no row can name them; docs/reruns.md says
 # what they rerun.
 OUTSIDE_SMOKE = frozenset({"esft_routing", "esft_select"})
-EVALUATION = frozenset({"evaluate_run", "lm_eval_task", "humaneval_generate", "humaneval_execute", "routing_drift"})
+EVALUATION = frozenset(
+    {"evaluate_model", "evaluate_run", "lm_eval_task", "humaneval_generate", "humaneval_execute", "routing_drift"}
+)
 AFTER_FINE_TUNING = frozenset({"train_model", *EVALUATION, "paper"})  # what follows train_model
 AFTER_BASE_MODEL = frozenset({"pretrain_base", "coverage_valset", "warmup", *AFTER_FINE_TUNING})
 
@@ -144,7 +147,12 @@ ROWS = (
     Row(
         "the evaluation on sets (loss, perplexity, per-expert tables; lm-eval's cross-check uses it)",
         ("src/moeflow/evaluation/run_metrics.py",),
-        frozenset({"evaluate_run", "lm_eval_task", "paper"}),
+        frozenset({"evaluate_model", "evaluate_run", "lm_eval_task", "paper"}),
+    ),
+    Row(
+        "a run's base and fine-tuned model compared from their records (change per set, forgetting, coverage recheck)",
+        ("src/moeflow/evaluation/comparison.py",),
+        frozenset({"evaluate_run", "paper"}),
     ),
     Row("routing drift", ("src/moeflow/evaluation/drift.py",), frozenset({"routing_drift", "paper"})),
     Row(
@@ -298,7 +306,7 @@ NAMED = (
 )
 LEGEND = (
     "*after the base model*: `pretrain_base`, `coverage_valset`, `warmup` and what is after fine-tuning; "
-    "*after fine-tuning*: `train_model`, the evaluation stages (`evaluate_run`, `lm_eval_task`, "
+    "*after fine-tuning*: `train_model`, the evaluation stages (`evaluate_model`, `evaluate_run`, `lm_eval_task`, "
     "`humaneval_generate`, `humaneval_execute`, `routing_drift`) and `paper`."
 )
 

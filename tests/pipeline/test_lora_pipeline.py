@@ -57,7 +57,7 @@ def lora_overlay(workdir: Path, train: dict | None = None, **lora_run_train) -> 
     return write_overlay(workdir, {"train": train or {}, "runs": {LORA_RUN: run}})
 
 
-EVALUATION = ("evaluate_run", "routing_drift")
+EVALUATION = ("evaluate_model", "evaluate_run", "routing_drift")
 
 
 def only_the_lora_run(jobs: list[tuple[str, str]]) -> None:

@@ -77,7 +77,15 @@ def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
 # schedules (target paper).
 # plan_memory reads the model, tokenizer.vocab_size and the training settings, not the data.
 # Every evaluation stage reads the fine-tuned model.
-EVALUATION = {"evaluate_run", "lm_eval_task", "humaneval_generate", "humaneval_execute", "routing_drift", "paper"}
+EVALUATION = {
+    "evaluate_model",
+    "evaluate_run",
+    "lm_eval_task",
+    "humaneval_generate",
+    "humaneval_execute",
+    "routing_drift",
+    "paper",
+}
 TRAINING = {"plan_memory", "warmup", "train_model"} | EVALUATION
 ALL_RULES = {
     "verify_env",
@@ -104,7 +112,10 @@ RERUN_TABLE = {
     "total steps": ({"train": {"steps": 10}}, TRAINING - {"warmup"}),
     # The experts implementation is timed at the micro-batch's token count.
     "micro-batch size": ({"train": {"micro_batch_size": 3}}, TRAINING | {"choose_experts"}),
-    "evaluation setting": ({"evaluate": {"max_sequences": 4}}, {"evaluate_run", "routing_drift", "paper"}),
+    "evaluation setting": (
+        {"evaluate": {"max_sequences": 4}},
+        {"evaluate_model", "evaluate_run", "routing_drift", "paper"},
+    ),
     # The export's settings are part of train_model's settings param only (no part of the checkpoints' key).
     "export setting": ({"export": {"max_shard_size": "1GB"}}, TRAINING - {"plan_memory", "warmup"}),
     # Evaluation's own layout (the forward-only stages after training): training and coverage are reused.

@@ -1,7 +1,7 @@
 """The evaluation stage sharded like training: ``evaluate.ranks: 2`` with ``evaluate.strategy: fsdp`` starts
-evaluate_run through torchrun on two gloo ranks, each loading its FSDP shard of the base and the fine-tuned
-model from their folders (moeflow.parallel.rank_load) and evaluating half the batches; its metrics.json equals
-the one-rank result of the finished smoke pipeline (sums added in another order: 1e-9 relative). routing_drift
+evaluate_model through torchrun on two gloo ranks for the base and the fine-tuned model, each rank loading its FSDP
+shard from the model's folder (moeflow.parallel.rank_load) and evaluating half the batches; the run's metrics.json
+equals the one-rank result of the finished smoke pipeline (sums added in another order: 1e-9 relative). routing_drift
 runs in the same layout, and its drift.json equals the one-rank record (the batches put back in order);
 humaneval_generate too, and its samples.jsonl is the one-rank file byte for byte (rank 1 has no batch of the
 smoke run's one greedy and one sampled batch: it runs filler forwards in step with rank 0's generation)."""
@@ -31,7 +31,7 @@ def assert_close(got, want, path="metrics"):
         assert got == want, path
 
 
-def test_evaluate_run_on_two_fsdp_ranks_equals_one_rank(pipeline_copy):
+def test_evaluation_on_two_fsdp_ranks_equals_one_rank(pipeline_copy):
     out = results(pipeline_copy) / "runs" / "moe" / "eval"
     one = json.loads((out / "metrics.json").read_text())
     one_drift = json.loads((out / "drift.json").read_text())
@@ -46,7 +46,8 @@ def test_evaluate_run_on_two_fsdp_ranks_equals_one_rank(pipeline_copy):
     log = done.stdout + done.stderr  # Snakemake logs to stderr
     assert "torch.distributed.run --standalone --monitor-interval 0.5 --nproc_per_node 2" in log
     assert (
-        "rule evaluate_run:" in log
+        "rule evaluate_model:" in log
+        and "rule evaluate_run:" in log
         and "rule routing_drift:" in log
         and "rule humaneval_generate:" in log
         and "rule warmup:" not in log

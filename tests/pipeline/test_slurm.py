@@ -330,7 +330,8 @@ def normalized(argv: list[str], workdir: Path) -> list[str]:
 
 
 WRAP = "--wrap=<the jobstep's command>"  # python -m snakemake ... --executor slurm-jobstep ...: runs the job
-DOC_RULES = ("train_model", "evaluate_run", "plan_memory")  # in the docs: the training job, a one-GPU rule, a CPU rule
+# in the docs: the training job, a one-GPU rule, a CPU rule
+DOC_RULES = ("train_model", "evaluate_model", "plan_memory")
 GPU_NODES = {"slurm": 1, "slurm-multinode": 6}  # each profile's training job, on that many 8-GPU nodes
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moeflow.evaluation.comparison import compare_run
 from moeflow.evaluation.loop import SetStats
-from moeflow.evaluation.run_metrics import EvalSet, run_metrics
+from moeflow.evaluation.run_metrics import EvalSet, model_record
 from moeflow.paper.build import (
     PaperStage,
     balance_table,
@@ -63,8 +64,9 @@ def metrics_for(run: str, moe: bool, seed: int) -> dict:
     ]
     base = {s.name: set_stats(seed + i, moe) for i, s in enumerate(sets)}
     tuned = {s.name: set_stats(seed + 10 + i, moe) for i, s in enumerate(sets)}
-    total = 1_000_000 if moe else 600_000
-    return run_metrics(run, sets, base, tuned, "target", {"total": total, "active_per_token": 600_000})
+    parameters = {"total": 1_000_000 if moe else 600_000, "active_per_token": 600_000}
+    records = [model_record(sets, stats, None, parameters) for stats in (base, tuned)]
+    return compare_run(run, *records, "target")
 
 
 def train_log(path: Path, moe: bool, steps: int = 12, step_seconds: float = 0.25) -> Path:

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
+from moeflow.evaluation.comparison import change_record, set_comparison, summary_markdown
 from moeflow.evaluation.loop import evaluate_batches
-from moeflow.evaluation.run_metrics import balance, change_record, set_comparison, set_record, summary_markdown
+from moeflow.evaluation.run_metrics import balance, set_record
 from moeflow.loading.factory import make_model
 from moeflow.model.routing import adapter_for, capture
 from moeflow.model.settings import ModelSettings
@@ -141,11 +142,8 @@ def test_summary_names_forgetting(moe):
     stats = evaluate_batches(moe, batches, adapter_for(moe))
     other = make_model(typed(ModelSettings, TINY_MOE), vocab_size=VOCAB, seed=4)
     worse = evaluate_batches(other, batches, adapter_for(other))
-    general = (
-        set_comparison("test/general", False, stats, worse)
-        if worse.loss > stats.loss
-        else set_comparison("test/general", False, worse, stats)
-    )
+    before, after = (stats, worse) if worse.loss > stats.loss else (worse, stats)
+    general = set_comparison("test/general", False, set_record(before), set_record(after))
     assert general["forgetting"]
     text = summary_markdown({"run": "moe", "sets": [general]})
     assert "Forgetting" in text and "test/general" in text.split("Forgetting", 1)[1]
@@ -187,7 +185,7 @@ def test_packed_rows_evaluate_as_each_document_alone(moe):
 
 
 def test_coverage_recheck_names_cells_that_fall_below_the_threshold():
-    from moeflow.evaluation.run_metrics import coverage_recheck
+    from moeflow.evaluation.comparison import coverage_recheck
 
     before = {"layers": [0, 1], "docs": [[5, 5, 1, 6], [7, 7, 7, 7]]}
     after = {"layers": [0, 1], "docs": [[5, 4, 6, 6], [7, 7, 0, 7]]}

@@ -373,9 +373,9 @@ def rules_that_load_a_model() -> set[str]:
 
 def test_every_rule_that_loads_a_model_takes_the_choice_and_none_the_timings(tmp_path):
     loaders = rules_that_load_a_model()
-    assert {"pretrain_base", "coverage_valset", "warmup", "train_model", "evaluate_run"} <= loaders
+    assert {"pretrain_base", "coverage_valset", "warmup", "train_model", "evaluate_model"} <= loaders
     jobs = dry_run_jobs(copy_workflow(tmp_path / "moeflow"), "evaluate")
-    assert "choose_experts" in jobs and {"pretrain_base", "warmup", "train_model", "evaluate_run"} <= set(jobs)
+    assert "choose_experts" in jobs and {"pretrain_base", "warmup", "train_model", "evaluate_model"} <= set(jobs)
     for rule in loaders & set(jobs):
         for inputs in jobs[rule]:
             choices = [p for p in inputs if re.fullmatch(r"results/\w+/experts/e-[0-9a-f]+/choice\.json", p)]

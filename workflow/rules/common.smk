@@ -260,7 +260,7 @@ def model_config_file(wildcards):
 # --- a job's params: its settings and runtime (Snakemake compares both), as functions of its wildcards
 
 # The rules whose scripts never compute with torch: their runtime leaves torch's threads out.
-WITHOUT_TORCH = ("verify_env", "train_tokenizer", "tokenize", "plan_memory", "esft_select", "humaneval_execute", "paper")
+WITHOUT_TORCH = ("verify_env", "train_tokenizer", "tokenize", "plan_memory", "esft_select", "evaluate_run", "humaneval_execute", "paper")
 
 
 def settings(rule):
@@ -330,15 +330,16 @@ class JobWildcards(dict):
 
 # The inputs of a base-model evaluation job beside its settings and runtime, by rule (as the rules list them).
 BASE_EVALUATION_INPUTS = {
+    "evaluate_model": lambda wc: [base_model(wc), experts(wc), valset(wc), eval_data(wc)],
     "lm_eval_task": lambda wc: [base_model(wc), experts(wc), task_files(wc), task_data(wc)],
     "humaneval": lambda wc: [base_model(wc), experts(wc)],
 }
-BASE_EVALUATION_RULES = {"lm_eval_task": ("lm_eval_task",), "humaneval": ("humaneval_generate", "humaneval_execute")}
+BASE_EVALUATION_RULES = {"evaluate_model": ("evaluate_model",), "lm_eval_task": ("lm_eval_task",), "humaneval": ("humaneval_generate", "humaneval_execute")}
 
 
 def base_evaluation(kind, run, **wildcards):
-    """What a job scoring ``run``'s base model reads and computes with (``kind``: lm_eval_task, humaneval: its
-    generation and execution): its inputs, settings and runtime, as Snakemake compares them."""
+    """What a job scoring ``run``'s base model reads and computes with (``kind``: evaluate_model, lm_eval_task,
+    humaneval: its generation and execution): its inputs, settings and runtime, as Snakemake compares them."""
     wc = JobWildcards(run=run, model="base", **wildcards)
     compared = [(str(settings(rule)(wc)), str(job_runtime(rule)(wc))) for rule in BASE_EVALUATION_RULES[kind]]
     return repr((BASE_EVALUATION_INPUTS[kind](wc), compared))
@@ -354,6 +355,22 @@ def base_evaluation_run(kind, run, **wildcards):
         has = [r for r in has if RUNS[r]["evaluate"]["humaneval"]["enabled"]]
     mine = base_evaluation(kind, run, **wildcards)
     return next(r for r in has if base_evaluation(kind, r, **wildcards) == mine)
+
+
+def evaluate_model_file(run, model):
+    """Rule evaluate_model's record of ``run``'s ``model`` (base or finetuned), the base model's from the run that
+    scores it (:func:`base_evaluation_run`)."""
+    scored_by = base_evaluation_run("evaluate_model", run) if model == "base" else run
+    return f"{run_eval_dir(scored_by)}/sets/{model}.json"
+
+
+def evaluated_sets(model):
+    """Input ``model`` (base or finetuned) of a run's evaluate_run job: :func:`evaluate_model_file`."""
+
+    def of(wildcards):
+        return evaluate_model_file(wildcards.run, model)
+
+    return of
 
 
 def lm_eval_files(run):

@@ -1,16 +1,16 @@
-"""Evaluation: loss and perplexity per evaluation set, before and after fine-tuning, and per expert.
+"""Evaluation of one model: loss and perplexity per evaluation set, and per expert.
 
-For each evaluation set (the coverage validation set and each eval corpus's test split) the base model
-and the fine-tuned model are run over the same packed batches (no grad, ``use_cache=False``, documents
-masked from each other by ``moeflow.data.collate``). The loss of a set is the token-normalised cross-entropy:
-the sum over every non-ignored next-token label divided by the number of such labels (never a mean of
-batch means); perplexity is ``exp(loss)``.
+For each evaluation set (the coverage validation set and each eval corpus's test split) the model (a run's base
+or its fine-tuned one: moeflow.evaluation.comparison compares the two records) is run over the packed batches (no
+grad, ``use_cache=False``, documents masked from each other by ``moeflow.data.collate``). The loss of a set is
+the token-normalised cross-entropy: the sum over every non-ignored next-token label divided by the number of such
+labels (never a mean of batch means); perplexity is ``exp(loss)``.
 
 For an MoE model the routing of the same forward (``moeflow.model.routing.capture``) gives, per layer and
 expert, the tokens routed to it (its top-k assignments over the non-padding tokens) and the mean loss
 of the tokens it served: a token's loss is the cross-entropy of predicting the next token from it, so
 the experts that processed its hidden state are charged with that loss. The loop itself is
-``moeflow.evaluation.loop``; this module makes the stage's records and summaries from its sums.
+``moeflow.evaluation.loop``; this module makes the stage's record from its sums.
 
 Everything here is a pure function of the model and the data; timings go to a separate record.
 """
@@ -77,43 +77,6 @@ def set_record(stats: SetStats) -> dict[str, Any]:
     return out
 
 
-def change_record(base: Mapping[str, Any], finetuned: Mapping[str, Any]) -> dict[str, Any]:
-    """How a set's numbers moved from the base to the fine-tuned model (positive loss = worse)."""
-    out: dict[str, Any] = {}
-    if base["loss"] is not None and finetuned["loss"] is not None:
-        out["loss"] = finetuned["loss"] - base["loss"]
-        out["perplexity_ratio"] = finetuned["perplexity"] / base["perplexity"]
-    if "experts" in base and "experts" in finetuned:
-        out["experts"] = [
-            {
-                "layer": b["layer"],
-                "share": [f - s for s, f in zip(b["share"], a["share"])],
-                "mean_loss": [
-                    None if s is None or f is None else f - s for s, f in zip(b["mean_loss"], a["mean_loss"])
-                ],
-            }
-            for b, a in zip(base["experts"], finetuned["experts"])
-        ]
-    return out
-
-
-def set_comparison(name: str, targeted: bool, base: SetStats, finetuned: SetStats) -> dict[str, Any]:
-    """One evaluation set's record: both models, the change, and whether the fine-tune targeted it.
-
-    A rise in loss on a set the fine-tune did not target is forgetting.
-    """
-    b, f = set_record(base), set_record(finetuned)
-    change = change_record(b, f)
-    return {
-        "name": name,
-        "targeted": targeted,
-        "base": b,
-        "finetuned": f,
-        "change": change,
-        "forgetting": (not targeted) and change.get("loss", 0.0) > 0,
-    }
-
-
 def peak_memory_bytes(device_type: str) -> int:
     """Peak memory of this process so far: CUDA allocator peak on GPU, peak RSS on CPU."""
     if device_type == "cuda":
@@ -126,51 +89,6 @@ def speed_record(stats: Iterable[SetStats]) -> dict[str, float]:
     stats = list(stats)
     tokens, seconds = sum(s.input_tokens for s in stats), sum(s.seconds for s in stats)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
-
-
-def _fmt(x: float | None, digits: int = 4) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
-def summary_markdown(metrics: Mapping[str, Any]) -> str:
-    """A short human summary of ``metrics.json``: loss per set, forgetting, expert balance, coverage."""
-    lines = [f"# Evaluation of run `{metrics['run']}`", ""]
-    lines += [
-        "| set | targeted | base loss | fine-tuned loss | change | base ppl | fine-tuned ppl |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for s in metrics["sets"]:
-        lines.append(
-            f"| {s['name']} | {'yes' if s['targeted'] else 'no'} | {_fmt(s['base']['loss'])} "
-            f"| {_fmt(s['finetuned']['loss'])} "
-            f"| {_fmt(s['change'].get('loss'), 4)} "
-            f"| {_fmt(s['base']['perplexity'], 2)} | {_fmt(s['finetuned']['perplexity'], 2)} |"
-        )
-    forgotten = [s["name"] for s in metrics["sets"] if s["forgetting"]]
-    lines += ["", f"Forgetting (loss rose on a set the fine-tune did not target): {', '.join(forgotten) or 'none'}."]
-    experts_set = next((s for s in metrics["sets"] if "experts" in s["finetuned"]), None)
-    if experts_set:
-        lines += ["", f"Expert balance on `{experts_set['name']}` (base -> fine-tuned):", ""]
-        lines += ["| layer | max/mean | CV | entropy (norm.) | dead |", "|---|---|---|---|---|"]
-        for b, f in zip(experts_set["base"]["experts"], experts_set["finetuned"]["experts"]):
-            bb, fb = b["balance"], f["balance"]
-            lines.append(
-                f"| {b['layer']} | {_fmt(bb['max_over_mean'], 2)} -> {_fmt(fb['max_over_mean'], 2)} "
-                f"| {_fmt(bb['cv'], 2)} -> {_fmt(fb['cv'], 2)} "
-                f"| {_fmt(bb['load_entropy'], 3)} -> {_fmt(fb['load_entropy'], 3)} "
-                f"| {len(bb['dead_experts'])} -> {len(fb['dead_experts'])} |"
-            )
-    recheck = metrics.get("coverage_recheck")
-    if recheck:
-        newly = recheck["newly_below"]
-        cells = ", ".join(f"layer {c['layer']} expert {c['expert']}" for c in newly) or "none"
-        lines += [
-            "",
-            "Coverage of the validation set with the fine-tuned router: "
-            f"{recheck['below_after']} (layer, expert) cells "
-            f"below the threshold (base router: {recheck['below_before']}); newly below: {cells}.",
-        ]
-    return "\n".join(lines) + "\n"
 
 
 @dataclass
@@ -206,26 +124,19 @@ def parameter_counts(model) -> dict[str, int]:
     return {"total": sum(sizes.values()), "active_per_token": active_per_token(unwrap(model).config, sizes)}
 
 
-def run_metrics(
-    run: str,
+def model_record(
     sets: Sequence[EvalSet],
-    base: Mapping[str, SetStats],
-    finetuned: Mapping[str, SetStats],
-    finetune_corpus: str,
+    stats: Mapping[str, SetStats],
+    coverage: Mapping[str, Any] | None,
     parameters: Mapping[str, int],
 ) -> dict[str, Any]:
-    """``metrics.json`` without provenance: every set's comparison, and the model's parameter counts."""
+    """One model's evaluation (rule evaluate_model's JSON, without provenance and speed): each set's record
+    (:func:`set_record`) with the corpora it was drawn from, the validation set's coverage by its router, and its
+    parameter counts. Shared by every run that fine-tunes this model and evaluates it alike."""
     return {
-        "run": run,
-        "finetune_corpus": finetune_corpus,
+        "sets": [{"name": s.name, "corpora": list(s.corpora), "record": set_record(stats[s.name])} for s in sets],
+        "coverage": coverage,
         "parameters": dict(parameters),
-        "sets": [
-            {
-                **set_comparison(s.name, finetune_corpus in s.corpora, base[s.name], finetuned[s.name]),
-                "corpora": list(s.corpora),
-            }
-            for s in sets
-        ],
     }
 
 
@@ -254,35 +165,3 @@ def valset_coverage(
         return None
     docs, tokens = cell_table(stats, np.ones(stats.num_docs, dtype=bool), int(coverage_settings["min_tokens"]))
     return {"layers": list(stats.layers), "documents": stats.num_docs, "docs": docs.tolist(), "tokens": tokens.tolist()}
-
-
-def coverage_recheck(
-    before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, coverage_settings: Mapping[str, Any]
-) -> dict[str, Any] | None:
-    """Which (layer, expert) cells of the validation set fall below the coverage threshold
-    (``min_docs_per_expert`` documents with ``min_tokens`` tokens) with the base and the fine-tuned router."""
-    if before is None or after is None:
-        return None
-    min_docs = int(coverage_settings["min_docs_per_expert"])
-
-    def below(cov: Mapping[str, Any]) -> set[tuple[int, int]]:
-        return {(layer, e) for layer, row in zip(cov["layers"], cov["docs"]) for e, n in enumerate(row) if n < min_docs}
-
-    def cells(keys: set[tuple[int, int]], cov: Mapping[str, Any]) -> list[dict[str, int]]:
-        position = {layer: i for i, layer in enumerate(cov["layers"])}
-        return [
-            {"layer": layer, "expert": e, "docs": int(cov["docs"][position[layer]][e])} for layer, e in sorted(keys)
-        ]
-
-    b, a = below(before), below(after)
-    return {
-        "min_docs_per_expert": min_docs,
-        "min_tokens": int(coverage_settings["min_tokens"]),
-        "below_before": len(b),
-        "below_after": len(a),
-        "below_cells_after": cells(a, after),
-        "newly_below": cells(a - b, after),
-        "recovered": cells(b - a, after),
-        "base": dict(before),
-        "finetuned": dict(after),
-    }

@@ -1,7 +1,7 @@
 """Memory per rank of the forward-only stages, and whether each fits on its section's ranks.
 
 The six stages that run a model without training it (coverage_valset and esft_routing on ``coverage.ranks``;
-evaluate_run, lm_eval_task, humaneval_generate and routing_drift on ``evaluate.ranks``) load it in the compute
+evaluate_model, lm_eval_task, humaneval_generate and routing_drift on ``evaluate.ranks``) load it in the compute
 dtype (bf16 with ``precision: bf16``, moeflow.model.device.compute_dtype) in their section's layout
 (moeflow.workflow.keys.forward_parallel) and run forwards without gradients. Per rank and phase:
 
@@ -17,7 +17,7 @@ dtype (bf16 with ``precision: bf16``, moeflow.model.device.compute_dtype) in the
   - ``routing`` (every stage but humaneval_generate; lm_eval_task for moeflow_perplexity's cross-check): each MoE
     layer's router scores for the forward's tokens in fp32, captured until the forward ends
     (moeflow.model.routing.capture);
-  - ``chunked`` logits (evaluate_run, lm_eval_task: moeflow.model.chunked_loss): one chunk of
+  - ``chunked`` logits (evaluate_model, lm_eval_task: moeflow.model.chunked_loss): one chunk of
     ``model.loss_chunk_tokens`` rows of the vocabulary at a time, never the batch's;
   - ``generate`` (humaneval_generate: transformers' generate, which computes the last position's logits only):
     each sequence's last logits and their fp32 copy, and the KV cache of its prompt (HumanEval's longest, or
@@ -63,12 +63,12 @@ from moeflow.plan.memory import (
 from moeflow.plan.shapes import PlanError, Shape
 from moeflow.settings import typed
 
-# What each forward-only stage computes after the decoder (module docstring); evaluate_run counts the routing
+# What each forward-only stage computes after the decoder (module docstring); evaluate_model counts the routing
 # and scores the tokens. The section each runs on: moeflow.workflow.keys.FORWARD_STAGE_SECTIONS.
 COMPUTES: dict[str, tuple[str, ...]] = {
     "coverage_valset": ("routing",),
     "esft_routing": ("routing",),
-    "evaluate_run": ("routing", "chunked"),
+    "evaluate_model": ("routing", "chunked"),
     "lm_eval_task": ("routing", "chunked"),  # moeflow_perplexity's cross-check evaluates with routing captured
     "humaneval_generate": ("generate",),
     "routing_drift": ("routing",),

@@ -1,9 +1,9 @@
 """The forward-only stages' typed settings and the opening their scripts share.
 
-Six stages run a model without training it (coverage_valset, esft_routing, evaluate_run, routing_drift,
+Six stages run a model without training it (coverage_valset, esft_routing, evaluate_model, routing_drift,
 lm_eval_task, humaneval_generate). Each script starts the same way::
 
-    job = Job.from_argv(EvaluateRunStage)
+    job = Job.from_argv(EvaluateModelStage)
     stage = Stage.start(job)
     layout = forward_layout(job, stage, job.input.base)   # the memory plan refuses here, before a load
     model = load_model(job, stage, layout, job.input.base)
@@ -64,15 +64,14 @@ class EsftRoutingStage(ForwardStage):
 
 
 @dataclass(frozen=True)
-class EvaluateRunStage(ForwardStage):
-    """Rule evaluate_run: ``evaluate`` holds how the sets are batched; ``coverage`` is the coverage settings of
-    the run whose validation set it reads."""
+class EvaluateModelStage(ForwardStage):
+    """Rule evaluate_model: ``evaluate`` holds how the sets are batched; ``coverage`` is the coverage settings of
+    the run whose validation set it reads. Nothing names the run: runs that evaluate one base model alike share
+    its job (common.smk's base_evaluation_run)."""
 
     evaluate: dict[str, Any]
     coverage: dict[str, Any]
     eval_corpora: tuple[str, ...]
-    finetune_corpus: str
-    run: str
 
 
 @dataclass(frozen=True)

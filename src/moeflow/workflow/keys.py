@@ -130,7 +130,7 @@ def experts_key(cfg: Mapping[str, Any], part: str = "train") -> str:
 
 
 def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """How the evaluation sets are batched (``moeflow.evaluation.loop.batches``): what rules evaluate_run and
+    """How the evaluation sets are batched (``moeflow.evaluation.loop.batches``): what rules evaluate_model and
     routing_drift take from the ``evaluate`` section, so that a change to lm-eval or HumanEval settings does
     not rerun them."""
     return {key: cfg["evaluate"][key] for key in ("batch_size", "max_sequences")}
@@ -138,7 +138,7 @@ def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def forward_parallel(cfg: Mapping[str, Any], section: str = "evaluate") -> dict[str, Any]:
     """The ``parallel`` section of a forward-only job of ``cfg`` whose layout ``section`` sets (evaluate:
-    evaluate_run; coverage: coverage_valset): its ``strategy`` on its ``ranks`` ranks of one node, the FSDP
+    evaluate_model; coverage: coverage_valset): its ``strategy`` on its ``ranks`` ranks of one node, the FSDP
     dimension over all of them. A null ``strategy`` is the run's parallel.strategy (the model sharded as training
     shards it), but one rank holds the whole model (none), whatever training's layout: the defaults always tile.
     moeflow.workflow.checks refuses an expert-parallel layout whose ep_size does not divide the ranks. Training's
@@ -192,7 +192,7 @@ def plan_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 FORWARD_STAGE_SECTIONS = {
     "coverage_valset": "coverage",
     "esft_routing": "coverage",
-    "evaluate_run": "evaluate",
+    "evaluate_model": "evaluate",
     "routing_drift": "evaluate",
     "lm_eval_task": "evaluate",
     "humaneval_generate": "evaluate",
@@ -206,7 +206,7 @@ HUMANEVAL_PROMPT_TOKENS = 1360
 def forward_batch(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
     """A forward-only stage's batch as its memory plan counts it (moeflow.plan.forward), with the config keys a
     refusal names: sequences per forward and tokens per sequence (coverage_valset and esft_routing:
-    ``coverage.batch_tokens`` of ``data.seq_len``-token rows; evaluate_run and routing_drift: ``evaluate.batch_size``
+    ``coverage.batch_tokens`` of ``data.seq_len``-token rows; evaluate_model and routing_drift: ``evaluate.batch_size``
     rows; lm_eval_task: ``evaluate.lm_eval.batch_size`` requests of ``max_length`` (null: ``data.seq_len``) + 1 tokens;
     humaneval_generate: ``evaluate.humaneval.batch_size`` prompts of at most :data:`HUMANEVAL_PROMPT_TOKENS` (or
     ``data.seq_len``) tokens and ``max_new_tokens`` new ones)."""
@@ -215,7 +215,7 @@ def forward_batch(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
     lm_eval, humaneval = evaluate["lm_eval"], evaluate["humaneval"]
     batches = {  # stage: (batch key, sequences, tokens per sequence)
         "coverage_valset": ("coverage.batch_tokens", max(1, cfg["coverage"]["batch_tokens"] // seq_len), seq_len),
-        "evaluate_run": ("evaluate.batch_size", evaluate["batch_size"], seq_len),
+        "evaluate_model": ("evaluate.batch_size", evaluate["batch_size"], seq_len),
         # a request's max_length + 1 tokens are the model's input (moeflow.evaluation.lm_eval_run.continuation_scores)
         "lm_eval_task": ("evaluate.lm_eval.batch_size", lm_eval["batch_size"], (lm_eval["max_length"] or seq_len) + 1),
         "humaneval_generate": (
@@ -224,7 +224,7 @@ def forward_batch(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
             min(seq_len, HUMANEVAL_PROMPT_TOKENS),
         ),
     }
-    batches["esft_routing"], batches["routing_drift"] = batches["coverage_valset"], batches["evaluate_run"]
+    batches["esft_routing"], batches["routing_drift"] = batches["coverage_valset"], batches["evaluate_model"]
     key, sequences, tokens = batches[stage]
     return {
         "stage": stage,

@@ -183,7 +183,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "esft_select": ("train.esft",),
     "warmup": TRAINING,
     "train_model": (*TRAINING, *VALSET),
-    "evaluate_run": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters", *FORWARD_OPENING),
+    "evaluate_model": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters", *FORWARD_OPENING),
+    "evaluate_run": ("evaluation.comparison",),  # compares evaluate_model's records
     # the set evaluation: each result carries its cross-check against moeflow's own loss
     "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *FORWARD_OPENING),
     "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL, *FORWARD_OPENING),

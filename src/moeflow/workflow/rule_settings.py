@@ -28,15 +28,28 @@ class CommandLineJson(dict):
         return json.dumps(self, sort_keys=True)
 
 
-def evaluate_run_settings(cfg: Mapping[str, Any], coverage_cfg: Mapping[str, Any], run: str) -> dict[str, Any]:
-    """Rule evaluate_run (moeflow.stages.forward.EvaluateRunStage): how the sets are batched (not lm-eval's or
-    HumanEval's keys), the coverage settings of the run whose validation set it reads, its corpora."""
-    return keys.forward_settings(cfg, "evaluate_run") | {
+def evaluate_model_settings(cfg: Mapping[str, Any], coverage_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Rule evaluate_model (moeflow.stages.forward.EvaluateModelStage): how the sets are batched (not lm-eval's or
+    HumanEval's keys), the coverage settings of the run whose validation set it reads, its corpora. No run name:
+    runs that evaluate one base model alike share its job."""
+    return keys.forward_settings(cfg, "evaluate_model") | {
         "evaluate": keys.eval_batch_settings(cfg),
         "coverage": coverage_cfg["coverage"],
         "eval_corpora": cfg["data"]["eval_corpora"],
-        "finetune_corpus": cfg["data"]["finetune_corpus"],
+    }
+
+
+# What the validation set's coverage recheck counts against (moeflow.evaluation.comparison.coverage_recheck).
+COVERAGE_RECHECK_KEYS = ("min_docs_per_expert", "min_tokens")
+
+
+def evaluate_run_settings(cfg: Mapping[str, Any], coverage_cfg: Mapping[str, Any], run: str) -> dict[str, Any]:
+    """Rule evaluate_run (moeflow.evaluation.comparison.EvaluateRunStage): the run, its fine-tuning corpus and the
+    coverage thresholds of the run whose validation set its models were evaluated on."""
+    return {
         "run": run,
+        "finetune_corpus": cfg["data"]["finetune_corpus"],
+        "coverage": {key: coverage_cfg["coverage"][key] for key in COVERAGE_RECHECK_KEYS},
     }
 
 
@@ -80,6 +93,8 @@ def rule_settings(
 ) -> dict[str, Any]:
     """``params.settings`` of a job of ``rule`` that serves the run config ``cfg``: ``wildcards`` are the job's,
     ``coverage_cfg`` the config of the run whose coverage validation set ``cfg`` uses."""
+    if rule == "evaluate_model":
+        return evaluate_model_settings(cfg, coverage_cfg)
     if rule == "evaluate_run":
         return evaluate_run_settings(cfg, coverage_cfg, wildcards["run"])
     if rule == "lm_eval_task":
