@@ -183,10 +183,11 @@ def test_null_in_an_overlay_removes_a_key_or_a_run():
             "paper": {"dense_runs": []},
         }
     )
-    assert run_names(cfg) == ["moe", "lora"]
+    assert run_names(cfg) == ["moe", "lora", "moe-seed2"]
     assert train_settings(cfg)["warmup_steps"] == 10  # 0.25 x 40 steps: the default's 8 is gone
     with pytest.raises(
-        ConfigError, match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe, lora, esft\)"
+        ConfigError,
+        match=r"'paper.moe_run' / 'paper.dense_runs': 'dense' is not a run \(moe, lora, esft, moe-seed2\)",
     ):
         load(overrides={"runs": {"dense": None}})
 
@@ -228,6 +229,7 @@ def test_a_pretrained_model_gets_only_its_own_runs(tmp_path):
     has no model.config to change, so it is not there for one."""
     pretrained = load(overrides={"model": {"pretrained": str(tmp_path)}})
     assert run_names(pretrained) == ["moe"] and pretrained["paper"]["dense_runs"] == []
+    assert pretrained["paper"]["noise_run"] is None
     assert "model_from_config" not in pretrained and "model_from_config" not in load()
     # the smoke overlay's change to the dense run lands on the embedded default's
     assert run_config(load(SMOKE), "dense")["model"]["config"]["num_experts"] == 0
@@ -253,7 +255,7 @@ def test_a_run_that_changes_model_config_of_a_pretrained_model_is_refused(tmp_pa
 
 
 def test_default_and_smoke_configs_are_valid():
-    for cfg, runs in ((load(), ["moe", "dense", "lora", "esft"]), (load(SMOKE), ["moe", "dense"])):
+    for cfg, runs in ((load(), ["moe", "dense", "lora", "esft", "moe-seed2"]), (load(SMOKE), ["moe", "dense"])):
         assert run_names(cfg) == runs
         full = run_config(cfg, "moe")
         for method in set(runs) & {"lora", "esft"}:  # the methods comparison: the same base, data and token budget
@@ -269,6 +271,48 @@ def test_default_and_smoke_configs_are_valid():
             dense["num_experts"] == 0
             and dense["intermediate_size"] == moe["num_experts_per_tok"] * moe["moe_intermediate_size"]
         )
+
+
+def test_the_defaults_noise_run_is_the_moe_run_reseeded_from_its_base_model_on():
+    """paper.noise_run: the moe run with another seed, so its distance from moe is the seed noise of the base model's
+    pretraining and of the fine-tune together, on the same data, splits and validation set."""
+    cfg = load()
+    assert cfg["paper"]["noise_run"] == "moe-seed2" and load(SMOKE)["paper"]["noise_run"] is None
+    moe, twin = run_config(cfg, "moe"), run_config(cfg, "moe-seed2")
+    assert (moe["seed"], twin["seed"]) == (1234, 1235) and twin["coverage"]["valset_of_run"] == "moe"
+    assert data_key(twin) == data_key(moe) and tokenizer_key(twin) == tokenizer_key(moe)  # the same splits
+    assert base_model_settings(twin) != base_model_settings(moe)  # pretrained again
+    assert warmup_settings(twin)["seed"] == 1235 != warmup_settings(moe)["seed"]  # the fine-tune reseeded
+    assert {**twin, "seed": 1234, "coverage": moe["coverage"]} == moe
+
+
+def test_a_noise_run_that_is_missing_or_differs_in_more_than_its_seed_is_refused():
+    def refusal(**overrides) -> str:
+        with pytest.raises(ConfigError) as err:
+            load(overrides=overrides)
+        return str(err.value)
+
+    off = "or set paper.noise_run: null (the paper then says the seed noise was not measured)"
+    assert refusal(runs={"moe-seed2": None}) == (
+        "invalid configuration: config key 'paper.noise_run': 'moe-seed2' is not a run (moe, dense, lora, esft): add "
+        f"the run, moe_run with another seed, {off}"
+    )
+    assert refusal(runs={"moe-seed2": {"train": {"steps": 20}, "data": {"seq_len": 256}}}) == (
+        "invalid configuration: config key 'paper.noise_run': 'moe-seed2' must differ from paper.moe_run 'moe' in its "
+        "seed only (and coverage.valset_of_run), but it also differs in data.seq_len, train.steps: make it 'moe' "
+        f"with another seed, {off}"
+    )
+    assert "also differs in train.lr, train.method, train.min_lr:" in refusal(paper={"noise_run": "lora"})
+    assert refusal(runs={"moe-seed2": {"seed": 1234}}) == (
+        "invalid configuration: config key 'paper.noise_run': 'moe-seed2' has the seed of paper.moe_run 'moe': give "
+        f"it another seed, {off}"
+    )
+    assert refusal(paper={"noise_run": "moe"}) == (
+        "invalid configuration: config key 'paper.noise_run': 'moe' is paper.moe_run itself: name a run that is "
+        f"'moe' with another seed, {off}"
+    )
+    load(overrides={"runs": {"moe-seed2": None}, "paper": {"noise_run": None}})  # the noise unmeasured: accepted
+    load(overrides={"runs": {"again": {"seed": 7}}, "paper": {"noise_run": "again"}})  # its own valset: accepted
 
 
 def test_stepfuns_recipe_sets_their_values_with_a_source_on_every_line():

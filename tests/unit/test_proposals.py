@@ -41,8 +41,8 @@ def hardware(devices: int, gib: int) -> dict:
     return {
         "hardware": {"device": "cuda", "num_devices": devices, "memory_gib_per_device": gib},
         "parallel": {"nproc_per_node": devices, "nnodes": 1, "strategy": "none", "ep_size": 1, "fsdp_size": None},
-        "runs": {"lora": None, "esft": None, "dense": None},
-        "paper": {"dense_runs": []},
+        "runs": {"lora": None, "esft": None, "dense": None, "moe-seed2": None},
+        "paper": {"dense_runs": [], "noise_run": None},
     }
 
 

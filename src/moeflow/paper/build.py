@@ -14,20 +14,13 @@ Everything is a function of cached stage outputs, never of a retraining. Reprodu
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeflow.paper.eval_results import (
-    aligned,
-    drift_rows,
-    eval_set,
-    forgetting_changes,
-    forgetting_rows,
-    humaneval_rows,
-    lm_eval_rows,
-)
+from moeflow.paper.comparisons import comparison_table, forgetting_table, method_table, methods_table
+from moeflow.paper.eval_results import drift_rows, eval_set, humaneval_rows, lm_eval_rows
 from moeflow.paper.figures import (
     FIGURE_FORMATS,
     comparison_figure,
@@ -38,19 +31,27 @@ from moeflow.paper.figures import (
     lr_figure,
     methods_figure,
     save_figure,
+    with_caption,
 )
-from moeflow.paper.inputs import RunRecord, comparison_rows, last, method_comparison_rows, training_cost
+from moeflow.paper.findings import (
+    balance_finding,
+    caption_finding,
+    coverage_finding,
+    drift_finding,
+    environment_finding,
+    expert_finding,
+    expert_load_finding,
+    final_metrics_finding,
+    humaneval_finding,
+    lm_eval_finding,
+    loss_finding,
+    lr_finding,
+    seed_noise_finding,
+)
+from moeflow.paper.inputs import RunRecord
+from moeflow.paper.noise import noise_line, seed_noise, seed_noise_table, without_twin
 from moeflow.paper.provenance import provenance_line, provenance_record, stage_provenance, write_provenance
 from moeflow.paper.tables import TABLE_FORMATS, Table, write_table
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b not in (None, 0) else None
-
-
-def times(x: float | None) -> str:
-    """A ratio as table text, e.g. ``0.53x``."""
-    return "n/a" if x is None else f"{x:.2f}x"
 
 
 def final_metrics_table(evals: Mapping[str, Mapping[str, Any]]) -> Table:
@@ -90,7 +91,7 @@ def final_metrics_table(evals: Mapping[str, Mapping[str, Any]]) -> Table:
         ],
         rows=rows,
         digits={"base ppl": 2, "fine-tuned ppl": 2},
-    )
+    ).found(final_metrics_finding)
 
 
 def _expert_sets(
@@ -145,7 +146,7 @@ def expert_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valset
             "below",
         ],
         rows=rows,
-    )
+    ).found(expert_finding, set_name)
 
 
 def balance_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valset") -> Table:
@@ -172,7 +173,7 @@ def balance_table(evals: Mapping[str, Mapping[str, Any]], set_name: str = "valse
         columns=["run", "layer", "model", "max/mean", "CV", "entropy (norm.)", "dead experts"],
         rows=rows,
         digits={"max/mean": 3, "CV": 3, "entropy (norm.)": 3},
-    )
+    ).found(balance_finding)
 
 
 def experts_choice_line(timings: Mapping[str, Any]) -> str:
@@ -194,9 +195,10 @@ def environment_table(
     config: Mapping[str, Any],
     record: Mapping[str, Any],
     experts: Mapping[str, Mapping[str, Any]],
+    noise: str = "",
 ) -> Table:
     """The environment and config summary every number in the paper was made with; ``experts``: each run's
-    experts timings (rule choose_experts)."""
+    experts timings (rule choose_experts); ``noise``: the seed noise's runs (moeflow.paper.noise.noise_line)."""
     system, torch_ = env_report.get("system", {}), env_report.get("torch", {})
     packages = env_report.get("packages", {})
     model = config["model"]["config"]
@@ -214,6 +216,7 @@ def environment_table(
         ["threads", config["threads"]],
         ["precision", config["precision"]],
         ["seed", config["seed"]],
+        *([["seed noise", noise]] if noise else []),
         ["device", config["hardware"]["device"]],
         ["model type", model.get("model_type")],
         ["layers x hidden", f"{model.get('num_hidden_layers')} x {model.get('hidden_size')}"],
@@ -228,144 +231,8 @@ def environment_table(
         ["code versions", " ".join(record["code_versions"])],
         ["environment report", record["environment_report"]],
     ] + [[f"data manifest {label}", fp] for label, fp in record["data_manifests"].items()]
-    return Table(name="environment", caption="Environment and configuration.", columns=["item", "value"], rows=rows)
-
-
-def rows_with_ratios(
-    rows: Sequence[Mapping[str, Any]],
-    reference: str,
-    ratio_columns: Sequence[str],
-    compared: Callable[[Mapping, Mapping], bool],
-) -> tuple[list[str], list[list[Any]]]:
-    """Columns and table rows: one row per run, then for each run that ``compared(run, reference row)``
-    selects, its ratio to the ``reference`` run in ``ratio_columns``."""
-    columns = list(rows[0]) if rows else ["run"]
-    ref = next((r for r in rows if r["run"] == reference), None)
-    table_rows = [[r[c] for c in columns] for r in rows]
-    if ref is not None:
-        for r in rows:
-            if compared(r, ref):
-                table_rows.append(
-                    [f"{r['run']} / {reference}"]
-                    + [times(ratio(r[c], ref[c])) if c in ratio_columns else "" for c in columns[1:]]
-                )
-    return columns, table_rows
-
-
-COMPARISON_RATIOS = ("train tokens/s", "train peak MiB", "train job peak RSS MiB", "eval tokens/s", "eval peak MiB")
-
-
-def comparison_table(records: Sequence[RunRecord], reference: str) -> Table:
-    """The MoE-vs-dense table: one row per run, then each other run's ratio to ``reference`` (the MoE run)."""
-    columns, table_rows = rows_with_ratios(
-        comparison_rows(records), reference, COMPARISON_RATIOS, lambda r, ref: r["run"] != reference
-    )
-    return Table(
-        name="moe_vs_dense",
-        caption="MoE vs dense on the same data, token budget and recipe: parameters, tokens trained, final training "
-        "cross-entropy and validation loss (nats/token), median training throughput (tokens/s), peak memory "
-        "(MiB; step-end RSS on CPU or allocated memory on CUDA, and the training job's peak RSS), evaluation "
-        f"throughput and peak memory, and the base-to-fine-tuned changes of the forgetting table. {FORGETTING_NOTE} "
-        "Ratio rows divide by the MoE run.",
-        columns=columns,
-        rows=table_rows,
-        digits={
-            "train tokens/s": 0,
-            "eval tokens/s": 0,
-            "train peak MiB": 0,
-            "train job peak RSS MiB": 0,
-            "eval peak MiB": 0,
-        },
-    )
-
-
-def value_at_tokens(tokens: Sequence[int], values: Sequence[float], budget: int) -> float | None:
-    """The value logged at the last point with at most ``budget`` tokens trained (None if there is none)."""
-    picked = None
-    for t, v in zip(tokens, values):
-        if t <= budget:
-            picked = v
-    return picked
-
-
-def method_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """Per run: training method, trainable parameters, cost, the losses reached after the same number of
-    tokens (the fewest any run trained), so runs of different lengths compare at equal data, and the
-    forgetting table's changes."""
-    budget = min((last(r.log.tokens) or 0 for r in records), default=0)
-    out = []
-    for r in records:
-        t = r.training
-        out.append(
-            {
-                "run": r.name,
-                "method": t.get("method"),
-                "trainable params": t.get("trainable"),
-                "total params": t.get("total"),
-                "trainable %": 100.0 * t["trainable_fraction"] if "trainable_fraction" in t else None,
-                **training_cost(r),
-                "tokens compared": budget,
-                "train CE at tokens": value_at_tokens(r.log.tokens, r.log.ce, budget),
-                "val loss at tokens": value_at_tokens(r.log.val_tokens, r.log.val_loss, budget),
-                **forgetting_changes(r.metrics, r.results),
-            }
-        )
-    return aligned(out)
-
-
-METHOD_RATIOS = ("trainable params", "train tokens/s", "train peak MiB", "train job peak RSS MiB")
-
-
-def method_table(records: Sequence[RunRecord], reference: str) -> Table:
-    """The LoRA-vs-full table: one row per run, then each run trained by another method than ``reference``
-    (the paper's MoE run) as a ratio to it."""
-    columns, table_rows = rows_with_ratios(
-        method_rows(records), reference, METHOD_RATIOS, lambda r, ref: r["method"] != ref["method"]
-    )
-    return Table(
-        name="lora_vs_full",
-        caption="LoRA vs full fine-tuning of every run: trainable and total parameters, median training throughput "
-        "(tokens/s), peak memory (MiB; step-end RSS on CPU or allocated memory on CUDA, and the training job's "
-        "peak RSS), the training cross-entropy and validation loss (nats/token) at the last logged step "
-        "within the tokens every run trained, and the base-to-fine-tuned changes of the forgetting table. "
-        f"{FORGETTING_NOTE} Ratio rows divide by the MoE run.",
-        columns=columns,
-        rows=table_rows,
-        digits={"trainable %": 2, "train tokens/s": 0, "train peak MiB": 0, "train job peak RSS MiB": 0},
-    )
-
-
-def methods_table(records: Sequence[RunRecord]) -> Table:
-    """The methods comparison: per MoE run, target-slice gain against general-slice forgetting, with trainable
-    parameters, optimizer-state memory, step time and routing drift (inputs.method_comparison_rows). With one
-    training method among the runs the caption says there is nothing to compare; with no MoE run it has no rows."""
-    rows = method_comparison_rows(records)
-    columns = list(rows[0]) if rows else ["run", "method"]
-    methods = sorted({str(r["method"]) for r in rows})
-    note = (
-        ""
-        if len(methods) > 1
-        else f" Only one training method ({', '.join(methods) or 'no MoE run'}): nothing to compare; add runs with "
-        "another train.method (full, lora, esft), as config/config.yaml's model_from_config runs do."
-    )
-    return Table(
-        name="methods",
-        caption="Training methods on the same base model and data: loss (nats/token) on the test split of the "
-        "target slice (data.finetune_corpus) and of the general slice (data.base_corpus) before and after "
-        "fine-tuning; gain = target before - after, forgetting = general after - before (positive: forgotten); "
-        "trainable parameters (updated ones: ESFT's unselected experts excluded), the optimizer state's MiB (all "
-        "ranks), the median optimizer step's seconds, and routing drift on the coverage validation set (mean over "
-        f"MoE layers of the JS divergence, bits, and of the fraction of tokens whose expert set changed).{note}",
-        columns=columns,
-        rows=[[row[c] for c in columns] for row in rows],
-        digits={"trainable %": 2, "optimizer state MiB": 2, "step s": 3},
-    )
-
-
-FORGETTING_NOTE = (
-    "General = the test split of data.base_corpus, target = that of data.finetune_corpus; a rise in loss is "
-    "worse, a rise in a task score or pass@k better."
-)
+    table = Table(name="environment", caption="Environment and configuration.", columns=["item", "value"], rows=rows)
+    return table.found(environment_finding)
 
 
 LM_EVAL_COLUMNS = [
@@ -407,7 +274,7 @@ def lm_eval_table(records: Sequence[RunRecord]) -> Table:
         "model with lm-eval's standard error (n/a where lm-eval gives none), the change, and the samples scored.",
         columns=LM_EVAL_COLUMNS,
         rows=[[row[c] for c in LM_EVAL_COLUMNS] for row in rows],
-    )
+    ).found(lm_eval_finding)
 
 
 def humaneval_table(records: Sequence[RunRecord]) -> Table:
@@ -427,22 +294,7 @@ def humaneval_table(records: Sequence[RunRecord]) -> Table:
         caption=caption,
         columns=HUMANEVAL_COLUMNS,
         rows=[[row[c] for c in HUMANEVAL_COLUMNS] for row in rows],
-    )
-
-
-def forgetting_table(records: Sequence[RunRecord]) -> Table:
-    """Per run: the base-to-fine-tuned change on the general slice beside the target slice (loss), each
-    lm-eval task's metrics and pass@k; columns only for what some run was evaluated on."""
-    rows = forgetting_rows((r.name, r.metrics, r.results) for r in records)
-    columns = list(rows[0]) if rows else ["run"]
-    return Table(
-        name="forgetting",
-        caption="Forgetting: the change from the base to the fine-tuned model of every run, loss (nats/token) on the "
-        f"general and on the target slice, each lm-eval task's metrics and HumanEval pass@k. {FORGETTING_NOTE} "
-        "'forgetting' = the general slice's loss rose.",
-        columns=columns,
-        rows=[[row[c] for c in columns] for row in rows],
-    )
+    ).found(humaneval_finding)
 
 
 def drift_table(records: Sequence[RunRecord]) -> Table:
@@ -453,7 +305,7 @@ def drift_table(records: Sequence[RunRecord]) -> Table:
         caption="Routing drift per MoE layer on the coverage validation set: Jensen-Shannon divergence (bits) of the "
         "expert-load distributions of the base and the fine-tuned router, the fraction of tokens whose chosen expert "
         "set changed, the experts that gained or lost more than half their load, and the mean router entropy "
-        "(nats) per token.",
+        "(nats) per token. " + drift_finding(rows),
         columns=DRIFT_COLUMNS,
         rows=[[row[c] for c in DRIFT_COLUMNS] for row in rows],
     )
@@ -474,6 +326,7 @@ TABLES = (
     "lm_eval",
     "humaneval",
     "routing_drift",
+    "seed_noise",
 )
 
 
@@ -488,12 +341,14 @@ def paper_outputs(outdir: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class PaperStage:
     """Rule paper: the config's ``paper`` section (the MoE run reported, the dense runs it is compared with, the
-    evaluation set of the per-expert and balance tables, the PNGs' resolution)."""
+    evaluation set of the per-expert and balance tables, the PNGs' resolution, and the MoE run's reseeded twin
+    whose distance from it is the seed noise, None: not measured)."""
 
     moe_run: str
     dense_runs: tuple[str, ...]
     set: str
     dpi: int
+    noise_run: str | None = None
 
 
 def write_paper(
@@ -520,34 +375,43 @@ def write_paper(
     env_report = json.loads(Path(env_report_path).read_text(encoding="utf-8"))
     evals = {run: r.metrics for run, r in records.items()}
     moe, dense = settings.moe_run, list(settings.dense_runs)
+    noise = seed_noise(records, moe, settings.noise_run, config)
     compared = [records[moe]] + [records[d] for d in dense]
     runs = list(records.values())
+    shown = without_twin(runs, noise)  # the comparisons' runs: the seed-noise run is no method of its own
     dpi = settings.dpi
+    comparison, methods = comparison_table(compared, moe, noise), methods_table(shown, moe, noise)
+    drift = drift_table(runs)
+    twin = noise.record if noise is not None else None
 
     artifacts: list[Path] = []
     for table in (
         final_metrics_table(evals),
         expert_table(evals, settings.set),
         balance_table(evals, settings.set),
-        environment_table(env_report, config, record, experts),
-        comparison_table(compared, moe),
-        method_table(runs, moe),
-        methods_table(runs),
-        forgetting_table(runs),
+        environment_table(env_report, config, record, experts, noise_line(noise)),
+        comparison,
+        method_table(shown, moe, noise),
+        methods,
+        forgetting_table(shown, noise),
         lm_eval_table(runs),
         humaneval_table(runs),
-        drift_table(runs),
+        drift,
+        seed_noise_table(noise, records[moe], seed_noise_finding(records[moe], twin)),
     ):
         artifacts += write_table(table, outdir / "tables", line)
 
     figures = outdir / "figures"
     logs = {run: r.log for run, r in records.items()}
-    artifacts += save_figure(loss_figure(logs), figures, "loss_vs_tokens", line, dpi)
-    artifacts += save_figure(lr_figure(logs), figures, "lr_schedule", line, dpi)
-    artifacts += save_figure(expert_load_figure(moe, records[moe].log), figures, "expert_load", line, dpi)
-    artifacts += save_figure(coverage_figure(coverage), figures, "coverage", line, dpi)
-    artifacts += save_figure(comparison_figure(compared), figures, "moe_vs_dense", line, dpi)
-    artifacts += save_figure(drift_figure(runs), figures, "routing_drift", line, dpi)
-    artifacts += save_figure(methods_figure(runs), figures, "methods", line, dpi)
+    for name, figure, text in (  # one figure at a time, each captioned with its finding
+        ("loss_vs_tokens", lambda: loss_figure(logs), loss_finding(logs)),
+        ("lr_schedule", lambda: lr_figure(logs), lr_finding(logs)),
+        ("expert_load", lambda: expert_load_figure(moe, records[moe].log), expert_load_finding(moe, records[moe].log)),
+        ("coverage", lambda: coverage_figure(coverage), coverage_finding(coverage)),
+        ("moe_vs_dense", lambda: comparison_figure(compared), caption_finding(comparison)),
+        ("routing_drift", lambda: drift_figure(runs), caption_finding(drift)),
+        ("methods", lambda: methods_figure(shown), caption_finding(methods)),
+    ):
+        artifacts += save_figure(with_caption(figure(), text), figures, name, line, dpi)
     write_provenance(outdir / "provenance.json", record, artifacts, outdir)
     return artifacts

@@ -32,6 +32,17 @@ def save_figure(fig, outdir: str | Path, name: str, provenance_line: str, dpi: i
     return paths
 
 
+def with_caption(fig, text: str):
+    """``fig`` with ``text`` (its finding, moeflow.paper.findings) under it, wrapped to the figure's width."""
+    import textwrap
+
+    width = max(int(fig.get_figwidth() * 72 / 4.6), 40)  # characters of 8 pt text across the figure
+    fig.canvas.draw()  # lays the figure out, so that the caption goes under everything it shows
+    bottom = fig.get_tightbbox(fig.canvas.get_renderer()).y0  # inches
+    fig.text(0.5, (bottom - 0.1) / fig.get_figheight(), textwrap.fill(text, width), ha="center", va="top", fontsize=8)
+    return fig
+
+
 def _colors(names: Sequence[str]) -> dict[str, Any]:
     plt = pyplot()
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,12 @@ class Table:
     columns: list[str]
     rows: list[list[Any]]
     digits: dict[str, int] = field(default_factory=dict)  # per-column decimals (default 4)
+
+    def found(self, finding: Callable[..., str], *args: Any) -> Table:
+        """The table with ``finding(self, *args)``, the finding of its rows (moeflow.paper.findings), at the end of
+        its caption."""
+        self.caption = f"{self.caption} {finding(self, *args)}"
+        return self
 
     def cells(self) -> list[list[str]]:
         return [[cell(v, self.digits.get(c, 4)) for c, v in zip(self.columns, row)] for row in self.rows]

@@ -67,6 +67,8 @@ def validate(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(f"invalid configuration: {problem}")
     for name in cfg["runs"]:
         check({**merged_run(cfg, name), "runs": {}}, f" (run '{name}')")
+    for problem in noise_run_problems(cfg):  # after the runs' own checks, whose messages say more about a bad run
+        raise ConfigError(f"invalid configuration: {problem}")
 
 
 def check(tree: Mapping[str, Any], label: str = "") -> None:
@@ -358,6 +360,47 @@ def run_problems(cfg: Mapping[str, Any]) -> list[str]:
                 f"config keys 'paper.moe_run' / 'paper.dense_runs': {name!r} is not a run ({', '.join(runs)})"
             )
     return problems
+
+
+# What the seed-noise run (paper.noise_run) may change of paper.moe_run: its seed, and whose coverage validation set it
+# is validated on (the MoE run's, so that their losses are on the same set).
+NOISE_RUN_KEYS = ("seed", "coverage.valset_of_run")
+
+
+def differing_keys(a: Any, b: Any, path: str = "") -> list[str]:
+    """The dotted keys whose values differ between two config trees (a mapping on one side only: its keys)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return [
+            k
+            for key in sorted(set(a) | set(b), key=str)
+            for k in differing_keys(a.get(key), b.get(key), f"{path}{key}.")
+        ]
+    return [] if a == b else [path.rstrip(".")]
+
+
+def noise_run_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """``paper.noise_run`` must name a run that differs from ``paper.moe_run`` in its seed and nothing else
+    (NOISE_RUN_KEYS): the paper reports |moe_run - noise_run| as the seed-to-seed noise of its comparisons."""
+    paper, runs = cfg["paper"], cfg["runs"]
+    noise, moe = paper.get("noise_run"), paper["moe_run"]
+    if noise is None or moe not in runs:
+        return []
+    where = f"config key 'paper.noise_run': {noise!r}"
+    off = "or set paper.noise_run: null (the paper then says the seed noise was not measured)"
+    if noise not in runs:
+        return [f"{where} is not a run ({', '.join(runs)}): add the run, moe_run with another seed, {off}"]
+    if noise == moe:
+        return [f"{where} is paper.moe_run itself: name a run that is {moe!r} with another seed, {off}"]
+    differs = differing_keys(merged_run(cfg, moe), merged_run(cfg, noise))
+    other = [key for key in differs if key not in NOISE_RUN_KEYS]
+    if other:
+        return [
+            f"{where} must differ from paper.moe_run {moe!r} in its seed only (and coverage.valset_of_run), but it "
+            f"also differs in {', '.join(other)}: make it {moe!r} with another seed, {off}"
+        ]
+    if "seed" not in differs:
+        return [f"{where} has the seed of paper.moe_run {moe!r}: give it another seed, {off}"]
+    return []
 
 
 def parallel_problems(cfg: Mapping[str, Any]) -> list[str]:

@@ -71,8 +71,8 @@ def job_overrides(devices: int, gib: int, method: str) -> dict[str, Any]:
             "micro_batch_size": 1,
             "gradient_checkpointing": True,
         },
-        "runs": {"lora": None, "esft": None, "dense": None},
-        "paper": {"dense_runs": []},
+        "runs": {"lora": None, "esft": None, "dense": None, "moe-seed2": None},
+        "paper": {"dense_runs": [], "noise_run": None},
     }
 
 
