@@ -612,7 +612,9 @@ def report_card_files(stage):
         )
         for run, cfg in RUNS.items()
     ]
-    return CardFiles(stack=STACK, stage=stage, runs=runs, logs=f"{RESULTS}/logs", paper=PAPER if evaluated else None)
+    twin = config["paper"]["noise_run"]
+    noise = (config["paper"]["moe_run"], twin) if evaluated and twin else None
+    return CardFiles(stack=STACK, stage=stage, runs=runs, logs=f"{RESULTS}/logs", paper=PAPER if evaluated else None, noise=noise)
 
 
 def print_report_card():

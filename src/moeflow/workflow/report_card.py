@@ -51,13 +51,15 @@ class RunFiles:
 @dataclass(frozen=True)
 class CardFiles:
     """The card's inputs: the stack, the stage the target stands for (``train`` or ``paper``), every run's
-    files, the paper folder (``paper`` only) and the logs folder."""
+    files, the paper folder (``paper`` only), the logs folder, and ``noise``: (paper.moe_run, paper.noise_run)
+    when the paper measures the seed noise (``paper`` only)."""
 
     stack: str
     stage: str
     runs: Sequence[RunFiles]
     logs: str
     paper: str | None = None
+    noise: tuple[str, str] | None = None
 
 
 def card_stage(targets: Iterable[str], default_target: str | None) -> str | None:
@@ -303,12 +305,48 @@ def run_section(files: RunFiles, card: CardFiles, src: Sources) -> list[str]:
     return [*lines, f"- train_model's log: `{files.train_log}`", ""]
 
 
+def noise_lines(card: CardFiles, src: Sources) -> list[str]:
+    """The seed noise: per evaluation set, how far the loss change of paper.moe_run and of its reseeded twin
+    (paper.noise_run) lie apart, and each run's change on the fine-tuned slice against it."""
+    if card.noise is None:
+        return []
+    moe, twin = card.noise
+    files = {f.run: f for f in card.runs}
+    metrics = {run: src.json(files[run].evaluation) for run in (moe, twin) if files[run].evaluation}
+    if len(metrics) < 2 or None in metrics.values():
+        return []
+    changes = {run: {s["name"]: s["change"].get("loss") for s in m["sets"]} for run, m in metrics.items()}
+    noise = {
+        name: abs(a - b)
+        for name, a in changes[moe].items()
+        if (b := changes[twin].get(name)) is not None and a is not None
+    }
+    cells = ", ".join(f"{name} {number(value)}" for name, value in noise.items())
+    lines = ["## seed noise", "", f"`{moe}` against `{twin}` (one config but the seed), |loss change|: {cells}"]
+    targeted = next((s["name"] for s in metrics[moe]["sets"] if s["targeted"] and s["name"] != "valset"), None)
+    if targeted in noise:
+        verdicts = []
+        for f in card.runs:
+            record = src.json(f.evaluation) if f.evaluation and f.run != twin else None
+            change = next(
+                (s["change"].get("loss") for s in (record or {}).get("sets", []) if s["name"] == targeted), None
+            )
+            if change is not None:
+                beyond = "beyond" if abs(change) > noise[targeted] else "within"
+                verdicts.append(f"`{f.run}` {signed(change)} ({beyond})")
+        lines.append(
+            f"- {targeted}, each run's change against the noise {number(noise[targeted])}: {', '.join(verdicts)}"
+        )
+    return [*lines, ""]
+
+
 def render_card(card: CardFiles) -> str:
     """The card as text, from the files ``card`` names; the expected files that are missing are listed last."""
     src = Sources()
     lines = [f"# moeflow report card: target `{card.stage}`, stack `{card.stack}`", ""]
     for files in card.runs:
         lines += run_section(files, card, src)
+    lines += noise_lines(card, src)
     if card.paper is not None:
         src.exists(f"{card.paper}/provenance.json")
         lines += [f"Paper: `{card.paper}` (figures/, tables/, provenance.json)"]
