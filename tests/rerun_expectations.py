@@ -154,7 +154,11 @@ ROWS = (
         ("src/moeflow/evaluation/comparison.py",),
         frozenset({"evaluate_run", "paper"}),
     ),
-    Row("routing drift", ("src/moeflow/evaluation/drift.py",), frozenset({"routing_drift", "paper"})),
+    Row(
+        "routing drift, and the routing files evaluate_model keeps for it",
+        ("src/moeflow/evaluation/drift.py", "src/moeflow/evaluation/token_routing.py"),
+        frozenset({"evaluate_model", "evaluate_run", "routing_drift", "paper"}),
+    ),
     Row(
         "HumanEval: problems, samples, pass@k; the generation loop",
         (

@@ -1,5 +1,5 @@
 """GPU jobs and their GPUs, on the CPU: every rule that uses a GPU declares ``resources.gpu`` from the config (the
-training layout's ranks for warmup and train_model, evaluate.ranks for evaluate_model, lm_eval_task and routing_drift,
+training layout's ranks for warmup and train_model, evaluate.ranks for evaluate_model and lm_eval_task,
 coverage.ranks for coverage_valset, one for the other forward-only stages), so ``--resources gpu=N`` keeps the GPU
 jobs that run at once within N GPUs; and each job claims GPUs of its own (moeflow.runtime.devices), so jobs that
 overlap never share one.
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.pipeline
 stack_free = only_on("pinned", "its jobs run no model: GPU claims and Snakemake's resources are the same on both")
 
 FORWARD_ONLY = {"choose_experts"}
-# evaluate_model, lm_eval_task, humaneval_generate and routing_drift: evaluate.ranks; coverage_valset: coverage.ranks;
+# evaluate_model, lm_eval_task and humaneval_generate: evaluate.ranks; coverage_valset: coverage.ranks;
 # sharded like training
 TRAINING = {
     "warmup",
@@ -36,7 +36,6 @@ TRAINING = {
     "evaluate_model",
     "lm_eval_task",
     "humaneval_generate",
-    "routing_drift",
     "coverage_valset",
 }
 CUDA = {

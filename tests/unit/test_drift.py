@@ -13,7 +13,7 @@ from scipy.spatial.distance import jensenshannon
 from tiny_models import tiny_dense_cfg, tiny_model_cfg
 
 from moeflow.data.packing import pack_documents
-from moeflow.evaluation import drift
+from moeflow.evaluation import drift, token_routing
 from moeflow.evaluation.loop import batches, evaluate_batches
 from moeflow.loading.factory import make_model
 from moeflow.model.routing import NoMoELayers, adapter_for, capture
@@ -72,13 +72,13 @@ def test_experts_that_gain_or_lose_more_than_half_their_load():
 
 def test_token_entropy_in_nats():
     probs = torch.tensor([[0.25] * 4, [1.0, 0, 0, 0], [0.5, 0.5, 0, 0]])
-    assert drift.token_entropy(probs).tolist() == pytest.approx([math.log(4), 0.0, math.log(2)])
+    assert token_routing.token_entropy(probs).tolist() == pytest.approx([math.log(4), 0.0, math.log(2)])
 
 
 def test_identical_models_do_not_drift(base, rows):
     packed, real_tokens, _ = rows
-    routing = drift.model_routing(base, packed, SETTINGS, label="base")
-    record = drift.drift_record(routing, drift.model_routing(copy.deepcopy(base), packed, SETTINGS))
+    routing = token_routing.model_routing(base, packed, SETTINGS, label="base")
+    record = drift.drift_record(routing, token_routing.model_routing(copy.deepcopy(base), packed, SETTINGS))
     assert record["tokens"] == real_tokens  # padding excluded
     assert [layer["layer"] for layer in record["layers"]] == adapter_for(base).moe_layers
     for layer in record["layers"]:
@@ -94,7 +94,7 @@ def test_routing_runs_the_decoder_without_the_output_layer(base, rows):
     calls = []
     handle = base.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
     try:
-        routing = drift.model_routing(base, packed, SETTINGS)
+        routing = token_routing.model_routing(base, packed, SETTINGS)
     finally:
         handle.remove()
     assert routing and not calls
@@ -104,7 +104,7 @@ def test_load_is_the_evaluations_routed_share(base, rows):
     """The same loads as moeflow.evaluation.loop counts over the same batches (a second implementation)."""
     packed, _, _ = rows
     stats = evaluate_batches(base, batches(packed, 3, "eager"), adapter_for(base))
-    for row, layer in enumerate(drift.model_routing(base, packed, SETTINGS)):
+    for row, layer in enumerate(token_routing.model_routing(base, packed, SETTINGS)):
         assert layer.load_share() == pytest.approx(stats.routed[row] / stats.routed[row].sum())
 
 
@@ -122,7 +122,7 @@ def test_entropy_is_the_mean_over_the_real_tokens_each_segment_alone(base, rows)
                     base(input_ids=torch.tensor([list(row["input_ids"][lo:hi])]), use_cache=False)
                 for i, layer in enumerate(routing.layers):
                     total[i] += float(torch.special.entr(layer.probs().double()).sum())
-    found = [layer.mean_entropy for layer in drift.model_routing(base, packed, SETTINGS)]
+    found = [layer.mean_entropy for layer in token_routing.model_routing(base, packed, SETTINGS)]
     assert found == pytest.approx((total / real_tokens).tolist(), rel=1e-6)
 
 
@@ -133,8 +133,8 @@ def test_a_planted_expert_swap_gives_the_known_drift(base, rows):
     a, b = SWAPPED
     with torch.no_grad():  # swapping two router rows relabels the two experts for the router of that layer
         last.router.weight[[a, b]] = last.router.weight[[b, a]].clone()
-    before = drift.model_routing(base, packed, SETTINGS)
-    record = drift.drift_record(before, drift.model_routing(tuned, packed, SETTINGS))
+    before = token_routing.model_routing(base, packed, SETTINGS)
+    record = drift.drift_record(before, token_routing.model_routing(tuned, packed, SETTINGS))
     first, moved = record["layers"][0], record["layers"][-1]
     assert first["js_divergence"] == 0.0 and first["changed_expert_set_fraction"] == 0.0  # earlier layers: as before
 
@@ -156,7 +156,7 @@ def test_a_dense_model_has_no_routing_to_compare(rows):
         typed(ModelSettings, tiny_dense_cfg("eager", max_position_embeddings=64)), vocab_size=VOCAB, seed=5
     )
     with pytest.raises(NoMoELayers, match="MoE"):
-        drift.model_routing(dense, rows[0], SETTINGS, label="base")
+        token_routing.model_routing(dense, rows[0], SETTINGS, label="base")
 
 
 @pytest.mark.parametrize("world", [4, 5])
@@ -166,10 +166,26 @@ def test_ranks_shares_in_batch_order_give_the_one_process_routing(base, rows, wo
     packed, _, _ = rows
     assert len(packed) % world  # some rank runs a filler
     adapter = adapter_for(base)
-    want = drift.route_tokens(base, batches(packed, 1, "eager"), adapter)
-    parts = [drift.route_batches(base, batches(packed, 1, "eager", rank=r, world=world), adapter) for r in range(world)]
+    want = token_routing.route_tokens(base, batches(packed, 1, "eager"), adapter)
+    shares = [batches(packed, 1, "eager", rank=r, world=world) for r in range(world)]
+    parts = [token_routing.route_batches(base, share, adapter) for share in shares]
     assert sum(map(len, parts)) == len(packed)
-    got = drift.layer_tokens(drift.in_batch_order(parts))
+    got = token_routing.layer_tokens(token_routing.in_batch_order(parts))
     assert [g.layer for g in got] == [w.layer for w in want]
     for g, w in zip(got, want):
         assert np.array_equal(g.expert_sets, w.expert_sets) and g.entropy_sum == w.entropy_sum
+
+
+def test_a_routing_written_and_read_back_is_the_same_and_its_bytes_too(base, rows, tmp_path):
+    routing = token_routing.model_routing(base, rows[0], SETTINGS)
+    for name in ("a", "b"):
+        drift.write_routing(tmp_path / name, routing)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+    back = drift.read_routing(tmp_path / "a")
+    assert [(t.layer, t.num_experts, t.entropy_sum) for t in back] == [
+        (t.layer, t.num_experts, t.entropy_sum) for t in routing
+    ]
+    assert all(np.array_equal(b.expert_sets, t.expert_sets) for b, t in zip(back, routing))
+    assert drift.drift_record(back, routing)["layers"] == drift.drift_record(routing, routing)["layers"]
+    drift.write_routing(tmp_path / "dense", [])  # a dense model's file: no layer
+    assert drift.read_routing(tmp_path / "dense") == []

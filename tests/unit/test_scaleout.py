@@ -348,7 +348,7 @@ def test_every_rule_that_runs_a_model_on_the_device_gets_a_gpu(profile):
 
 # The torchrun rules of evaluation's layout: the profile's GPUs are the ranks their launcher starts, which the
 # script checks against evaluate.ranks (moeflow.parallel.process_group.check_ranks).
-EVALUATE_RANKS_RULES = ("evaluate_model", "lm_eval_task", "humaneval_generate", "routing_drift")
+EVALUATE_RANKS_RULES = ("evaluate_model", "lm_eval_task", "humaneval_generate")
 
 
 # The torchrun rules of coverage's layout (the routing pass over the base model): coverage.ranks.

@@ -260,7 +260,7 @@ def model_config_file(wildcards):
 # --- a job's params: its settings and runtime (Snakemake compares both), as functions of its wildcards
 
 # The rules whose scripts never compute with torch: their runtime leaves torch's threads out.
-WITHOUT_TORCH = ("verify_env", "train_tokenizer", "tokenize", "plan_memory", "esft_select", "evaluate_run", "humaneval_execute", "paper")
+WITHOUT_TORCH = ("verify_env", "train_tokenizer", "tokenize", "plan_memory", "esft_select", "evaluate_run", "routing_drift", "humaneval_execute", "paper")
 
 
 def settings(rule):
@@ -369,6 +369,16 @@ def evaluated_sets(model):
 
     def of(wildcards):
         return evaluate_model_file(wildcards.run, model)
+
+    return of
+
+
+def evaluated_routing(model):
+    """Input ``model`` (base or finetuned) of a run's routing_drift job: the routing evaluate_model kept beside the
+    record of :func:`evaluate_model_file`."""
+
+    def of(wildcards):
+        return evaluate_model_file(wildcards.run, model).replace(".json", ".routing.safetensors")
 
     return of
 

@@ -4,26 +4,22 @@
 
 
 rule routing_drift:
-    # Started through torchrun like evaluate_run, on evaluate.ranks ranks in evaluate.strategy's layout.
+    # Compares the routings evaluate_model kept beside its records: no model, no GPU.
     input:
-        base=base_model,
-        finetuned=finetuned_model,
-        experts=experts,
-        valset=valset,
-        script="workflow/scripts/routing_drift.py",
+        base=evaluated_routing("base"),
+        finetuned=evaluated_routing("finetuned"),
         lib=code("routing_drift"),
     output:
         json=f"{RESULTS}/runs/{{run}}/eval/drift.json",
     params:
-        **torchrun_params("routing_drift"),
-    resources:
-        gpu=job_gpus("routing_drift"),
-    threads: config["threads"]
+        settings=settings("routing_drift"),
+        runtime=job_runtime("routing_drift"),
+    threads: 1
     log:
         log_path("routing_drift", "{run}"),
     benchmark:
         bench_path("routing_drift", "{run}")
     conda:
         ENV_FILE
-    shell:
-        TORCHRUN_SHELL
+    script:
+        "../scripts/routing_drift.py"

@@ -17,6 +17,7 @@ rule evaluate_model:
         lib=code("evaluate_model"),
     output:
         json=f"{RESULTS}/runs/{{run}}/eval/sets/{{model}}.json",
+        routing=f"{RESULTS}/runs/{{run}}/eval/sets/{{model}}.routing.safetensors",  # rule routing_drift's input
     wildcard_constraints:
         model="base|finetuned",
     params:

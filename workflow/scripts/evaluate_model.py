@@ -3,11 +3,15 @@ corpus's test split: loss, perplexity, per-expert load and loss, the validation 
 the throughput and peak memory of the passes. Started through torchrun by its rule: ``evaluate.ranks`` ranks hold
 the model in parallel.strategy's layout (moeflow.loading.factory.Layout: fsdp shards it as training does), each
 evaluates its share of the batches and the sums are added up (moeflow.evaluation.run_metrics); rank 0 writes the
-record. Rule evaluate_run compares the two models' records."""
+record, and an MoE model's routing of the validation set token by token (moeflow.evaluation.token_routing). Rules
+evaluate_run and routing_drift compare the two models' records and routings."""
 
 from moeflow.data.shards import open_split
 from moeflow.data.valset import open_valset
 from moeflow.evaluation import run_metrics as ev
+from moeflow.evaluation.drift import write_routing
+from moeflow.evaluation.token_routing import model_routing
+from moeflow.model.routing import NoMoELayers
 from moeflow.parallel.process_group import gather_objects, teardown
 from moeflow.runtime.files import write_json
 from moeflow.runtime.job import Job
@@ -28,11 +32,16 @@ model = load_model(job, stage, layout, job.input.model, data=job.input.eval_data
 stats = ev.evaluate_model(model, sets, settings.evaluate, stage.precision, layout.ranks)
 coverage = ev.valset_coverage(model, sets[0].rows, settings.coverage, stage.precision, layout.ranks)
 record = ev.model_record(sets, stats, coverage, ev.parameter_counts(model))
+try:
+    routing = model_routing(model, sets[0].rows, settings.evaluate, stage.precision, "valset", layout.ranks)
+except NoMoELayers:
+    routing = []  # a dense model: its routing file holds no layer, and no routing_drift job reads it
 
 peak = max(gather_objects(ev.peak_memory_bytes(device.type)))
 if layout.ranks.is_main:
     record["speed"] = ev.speed_record(stats.values())
     record["memory"] = {"peak_memory_bytes": peak, "device": device.type, "ranks": layout.ranks.world_size}
     record["provenance"] = stage.provenance()
+    write_routing(job.output.routing, routing)
     write_json(job.output.json, record)
 teardown()

@@ -1,7 +1,7 @@
 """Memory per rank of the forward-only stages, and whether each fits on its section's ranks.
 
-The six stages that run a model without training it (coverage_valset and esft_routing on ``coverage.ranks``;
-evaluate_model, lm_eval_task, humaneval_generate and routing_drift on ``evaluate.ranks``) load it in the compute
+The five stages that run a model without training it (coverage_valset and esft_routing on ``coverage.ranks``;
+evaluate_model, lm_eval_task and humaneval_generate on ``evaluate.ranks``) load it in the compute
 dtype (bf16 with ``precision: bf16``, moeflow.model.device.compute_dtype) in their section's layout
 (moeflow.workflow.keys.forward_parallel) and run forwards without gradients. Per rank and phase:
 
@@ -64,14 +64,14 @@ from moeflow.plan.shapes import PlanError, Shape
 from moeflow.settings import typed
 
 # What each forward-only stage computes after the decoder (module docstring); evaluate_model counts the routing
-# and scores the tokens. The section each runs on: moeflow.workflow.keys.FORWARD_STAGE_SECTIONS.
+# (also routing drift's, token by token) and scores the tokens. The section each runs on:
+# moeflow.workflow.keys.FORWARD_STAGE_SECTIONS.
 COMPUTES: dict[str, tuple[str, ...]] = {
     "coverage_valset": ("routing",),
     "esft_routing": ("routing",),
     "evaluate_model": ("routing", "chunked"),
     "lm_eval_task": ("routing", "chunked"),  # moeflow_perplexity's cross-check evaluates with routing captured
     "humaneval_generate": ("generate",),
-    "routing_drift": ("routing",),
 }
 
 FORWARD_PHASES = ("load", "forward")

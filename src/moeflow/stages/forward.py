@@ -1,7 +1,7 @@
 """The forward-only stages' typed settings and the opening their scripts share.
 
-Six stages run a model without training it (coverage_valset, esft_routing, evaluate_model, routing_drift,
-lm_eval_task, humaneval_generate). Each script starts the same way::
+Five stages run a model without training it (coverage_valset, esft_routing, evaluate_model, lm_eval_task,
+humaneval_generate). Each script starts the same way::
 
     job = Job.from_argv(EvaluateModelStage)
     stage = Stage.start(job)
@@ -72,13 +72,6 @@ class EvaluateModelStage(ForwardStage):
     evaluate: dict[str, Any]
     coverage: dict[str, Any]
     eval_corpora: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RoutingDriftStage(ForwardStage):
-    """Rule routing_drift: ``evaluate`` holds how the validation set is batched."""
-
-    evaluate: dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -130,9 +130,9 @@ def experts_key(cfg: Mapping[str, Any], part: str = "train") -> str:
 
 
 def eval_batch_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """How the evaluation sets are batched (``moeflow.evaluation.loop.batches``): what rules evaluate_model and
-    routing_drift take from the ``evaluate`` section, so that a change to lm-eval or HumanEval settings does
-    not rerun them."""
+    """How the evaluation sets are batched (``moeflow.evaluation.loop.batches``): what rule evaluate_model takes
+    from the ``evaluate`` section (its routing of the validation set for routing drift included), so that a change
+    to lm-eval or HumanEval settings does not rerun it."""
     return {key: cfg["evaluate"][key] for key in ("batch_size", "max_sequences")}
 
 
@@ -193,7 +193,6 @@ FORWARD_STAGE_SECTIONS = {
     "coverage_valset": "coverage",
     "esft_routing": "coverage",
     "evaluate_model": "evaluate",
-    "routing_drift": "evaluate",
     "lm_eval_task": "evaluate",
     "humaneval_generate": "evaluate",
 }
@@ -206,8 +205,8 @@ HUMANEVAL_PROMPT_TOKENS = 1360
 def forward_batch(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
     """A forward-only stage's batch as its memory plan counts it (moeflow.plan.forward), with the config keys a
     refusal names: sequences per forward and tokens per sequence (coverage_valset and esft_routing:
-    ``coverage.batch_tokens`` of ``data.seq_len``-token rows; evaluate_model and routing_drift: ``evaluate.batch_size``
-    rows; lm_eval_task: ``evaluate.lm_eval.batch_size`` requests of ``max_length`` (null: ``data.seq_len``) + 1 tokens;
+    ``coverage.batch_tokens`` of ``data.seq_len``-token rows; evaluate_model: ``evaluate.batch_size`` rows;
+    lm_eval_task: ``evaluate.lm_eval.batch_size`` requests of ``max_length`` (null: ``data.seq_len``) + 1 tokens;
     humaneval_generate: ``evaluate.humaneval.batch_size`` prompts of at most :data:`HUMANEVAL_PROMPT_TOKENS` (or
     ``data.seq_len``) tokens and ``max_new_tokens`` new ones)."""
     seq_len = int(cfg["data"]["seq_len"])
@@ -224,7 +223,7 @@ def forward_batch(cfg: Mapping[str, Any], stage: str) -> dict[str, Any]:
             min(seq_len, HUMANEVAL_PROMPT_TOKENS),
         ),
     }
-    batches["esft_routing"], batches["routing_drift"] = batches["coverage_valset"], batches["evaluate_model"]
+    batches["esft_routing"] = batches["coverage_valset"]
     key, sequences, tokens = batches[stage]
     return {
         "stage": stage,

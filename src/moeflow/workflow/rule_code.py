@@ -183,13 +183,23 @@ RULES: dict[str, tuple[str, ...]] = {
     "esft_select": ("train.esft",),
     "warmup": TRAINING,
     "train_model": (*TRAINING, *VALSET),
-    "evaluate_model": (*SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *VALSET, "model.parameters", *FORWARD_OPENING),
+    "evaluate_model": (
+        *SET_EVALUATION,
+        *ROUTING,
+        "evaluation.token_routing",
+        "evaluation.drift",
+        *MODEL,
+        *ROWS,
+        *VALSET,
+        "model.parameters",
+        *FORWARD_OPENING,
+    ),
     "evaluate_run": ("evaluation.comparison",),  # compares evaluate_model's records
     # the set evaluation: each result carries its cross-check against moeflow's own loss
     "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *FORWARD_OPENING),
     "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL, *FORWARD_OPENING),
     "humaneval_execute": (*HUMANEVAL, *SANDBOX),
-    "routing_drift": ("evaluation.drift", "evaluation.loop", "model.routing", *MODEL, *ROWS, *VALSET, *FORWARD_OPENING),
+    "routing_drift": ("evaluation.drift",),  # compares evaluate_model's routings
     "paper": ("paper",),
 }
 

@@ -75,9 +75,6 @@ BY_CONFIG: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "esft_select": keys.esft_selection_settings,
     "warmup": keys.warmup_settings,
     "train_model": keys.train_model_settings,
-    "routing_drift": lambda cfg: (
-        keys.forward_settings(cfg, "routing_drift") | {"evaluate": keys.eval_batch_settings(cfg)}
-    ),
     "humaneval_generate": lambda cfg: (
         keys.forward_settings(cfg, "humaneval_generate") | {"humaneval": keys.humaneval_generation_settings(cfg)}
     ),
@@ -97,6 +94,8 @@ def rule_settings(
         return evaluate_model_settings(cfg, coverage_cfg)
     if rule == "evaluate_run":
         return evaluate_run_settings(cfg, coverage_cfg, wildcards["run"])
+    if rule == "routing_drift":
+        return {"run": wildcards["run"]}
     if rule == "lm_eval_task":
         return lm_eval_task_settings(cfg, wildcards["task"], wildcards["model"])
     return BY_CONFIG[rule](cfg)
