@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from moeflow.checkpoint.dense_export import write_dense_architecture
 from moeflow.checkpoint.pieces import state_pieces
 from moeflow.checkpoint.storage import Piece
 from moeflow.model.folder import PICKLE_WEIGHTS
@@ -418,10 +419,13 @@ def save_final_model(
     """A folder that AutoModelForCausalLM/AutoTokenizer.from_pretrained load, written atomically by rank 0
     (a LoRA model's adapters merged into the weights written), with the ``source`` folder's own files where given
     (the base model a fine-tune started from: :func:`write_model_folder`), its floating-point weights in ``dtype``
-    (:func:`export_dtype`; None: their own). A collective: every rank calls it."""
+    (:func:`export_dtype`; None: their own). A model with no MoE layer is written as its family's dense architecture
+    (moeflow.checkpoint.dense_export). A collective: every rank calls it."""
     reshard(model)  # the parameters as their shards, also after a last evaluation's forward
     with atomic_dir(folder) if rank() == 0 else contextlib.nullcontext() as out:
         write_model_folder(model, tokenizer, out, max_shard_size, source, dtype)
+        if out is not None:
+            write_dense_architecture(out, unwrap(model, peft=True))
     barrier()  # the folder is in place before any rank goes on
 
 

@@ -68,7 +68,8 @@ class Family:
     ``gate_up_proj``): ``gate_up_fused_v4`` (so on 4.57 too), ``experts_one_tensor_v4`` (one tensor for all the
     experts, under other names). Packed rows (moeflow.data.collate): ``mask_per_layer_type`` (its decoder takes a
     dict {layer type: mask}), ``masks_without_positions_v5`` (transformers 5's mask builders are not given its
-    position_ids, so moeflow builds its masks)."""
+    position_ids, so moeflow builds its masks). Export (moeflow.checkpoint.dense_export): ``dense_model_type``, the
+    dense architecture a config of this type with no MoE layer is written as (None: the family has none)."""
 
     model_type: str
     block_class: str
@@ -85,3 +86,4 @@ class Family:
     experts_one_tensor_v4: bool = False
     mask_per_layer_type: bool = False
     masks_without_positions_v5: bool = False
+    dense_model_type: str | None = None

@@ -48,7 +48,13 @@ def qwen2_moe_shape(f: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", "gate", SOFTMAX, read_linear_gate, qwen3_moe_shape)
+# With no MoE layer (num_experts 0: every layer a dense MLP of intermediate_size) the model is Qwen3's or Qwen2's,
+# under the same weight names: the export writes it as that architecture (moeflow.checkpoint.dense_export).
+QWEN3_MOE = Family(
+    "qwen3_moe", "Qwen3MoeSparseMoeBlock", "gate", SOFTMAX, read_linear_gate, qwen3_moe_shape, dense_model_type="qwen3"
+)
 
 
-QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", "gate", SOFTMAX, read_linear_gate, qwen2_moe_shape)
+QWEN2_MOE = Family(
+    "qwen2_moe", "Qwen2MoeSparseMoeBlock", "gate", SOFTMAX, read_linear_gate, qwen2_moe_shape, dense_model_type="qwen2"
+)

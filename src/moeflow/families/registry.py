@@ -39,6 +39,11 @@ NO_FLASH_ATTENTION = tuple(t for t, f in FAMILIES.items() if not f.flash_attenti
 MTP_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.mtp)
 
 
+# A dense architecture -> the family whose configs with no MoE layer are written as it
+# (moeflow.checkpoint.dense_export).
+DENSE_OF: dict[str, Family] = {f.dense_model_type: f for f in FAMILIES.values() if f.dense_model_type}
+
+
 # The families the planner reads a shape for (moeflow.plan.shapes).
 PLANNED = tuple(t for t, f in FAMILIES.items() if f.shape is not None)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.families.config_fields import ConfigFieldError, mask_kinds
-from moeflow.families.registry import FAMILIES, PLANNED
+from moeflow.families.registry import DENSE_OF, FAMILIES, PLANNED
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
 from moeflow.settings import typed
@@ -91,8 +91,21 @@ def resolve_vocab_size(config_fields: Mapping[str, Any], tokenizer_vocab: int | 
     return int(vocab)
 
 
+# A dense architecture's config (moeflow.checkpoint.dense_export: the dense twin's export) is planned as its MoE family
+# with no MoE layer: these are the MoE keys it does not have.
+NO_EXPERTS = {
+    "num_experts": 0,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 0,
+    "shared_expert_intermediate_size": 0,
+}
+
+
 def model_shape(config_fields: Mapping[str, Any], vocab_size: int) -> Shape:
     model_type = config_fields.get("model_type")
+    if model_type in DENSE_OF:
+        model_type = DENSE_OF[model_type].model_type
+        config_fields = {**NO_EXPERTS, **config_fields, "model_type": model_type}
     if model_type not in PLANNED:
         raise PlanError(
             f"config key 'model.config.model_type': the planner knows {', '.join(sorted(PLANNED))}; got {model_type!r}"
