@@ -147,7 +147,7 @@ ROWS = (
     Row(
         "the evaluation on sets (loss, perplexity, per-expert tables; lm-eval's cross-check uses it)",
         ("src/moeflow/evaluation/run_metrics.py",),
-        frozenset({"evaluate_model", "evaluate_run", "lm_eval_task", "paper"}),
+        frozenset({"evaluate_model", "evaluate_run", "routing_drift", "lm_eval_task", "paper"}),
     ),
     Row(
         "a run's base and fine-tuned model compared from their records (change per set, forgetting, coverage recheck)",

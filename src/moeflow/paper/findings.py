@@ -306,17 +306,20 @@ def seed_noise_finding(moe: Any, twin: Any) -> str:
         return finding("no rows: the seed noise was not measured")
     a, b = forgetting_changes(moe.metrics, moe.results), forgetting_changes(twin.metrics, twin.results)
     va, vb = (eval_set(r.metrics, "valset") for r in (moe, twin))
+    change = lambda x: f"{x:+.3f}"  # noqa: E731 (a change's sign matters, a loss has none)
     picked = [
-        ("the target slice's loss change", a["target loss change"], b["target loss change"]),
-        ("the general slice's", a["general loss change"], b["general loss change"]),
-        ("the fine-tuned validation loss", *(v["finetuned"]["loss"] if v else None for v in (va, vb))),
+        ("the target slice's loss change", change, a["target loss change"], b["target loss change"]),
+        ("the general slice's", change, a["general loss change"], b["general loss change"]),
+        ("the fine-tuned validation loss", level, *(v["finetuned"]["loss"] if v else None for v in (va, vb))),
     ]
-    picked = [(label, x, y) for label, x, y in picked if difference(x, y) is not None]
+    picked = [(label, shown, x, y) for label, shown, x, y in picked if difference(x, y) is not None]
     if not picked:
         return finding("the two runs share no measure")
     return finding(
         "the two seeds differ by "
-        + ", ".join(f"{num(abs(x - y))} nats/token in {label} ({signed(x)} vs {signed(y)})" for label, x, y in picked)
+        + ", ".join(
+            f"{num(abs(x - y))} nats/token in {label} ({shown(x)} vs {shown(y)})" for label, shown, x, y in picked
+        )
     )
 
 
