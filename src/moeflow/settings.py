@@ -144,3 +144,15 @@ def _typed(hint: Any, value: Any) -> Any:
 def plain(typed: Any) -> dict[str, Any]:
     """Typed settings as plain JSON-able data (the inverse of :func:`typed`)."""
     return json.loads(json.dumps(dataclasses.asdict(typed)))
+
+
+def differing_keys(a: Any, b: Any, where: str = "") -> list[str]:
+    """The dotted keys whose values differ between two config trees (a key on one side only counts; two differing
+    roots that are not mappings: ``(the settings)``)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return [
+            d
+            for k in sorted(set(a) | set(b), key=str)
+            for d in differing_keys(a.get(k), b.get(k), f"{where}.{k}".strip("."))
+        ]
+    return [] if a == b else [where or "(the settings)"]

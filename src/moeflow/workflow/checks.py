@@ -25,6 +25,7 @@ from moeflow.settings import (
     SCHEMA_PATH,
     SOURCE_SCHEMA,
     ConfigError,
+    differing_keys,
     matches,
     schema,
     schema_node,
@@ -365,17 +366,6 @@ def run_problems(cfg: Mapping[str, Any]) -> list[str]:
 # What the seed-noise run (paper.noise_run) may change of paper.moe_run: its seed, and whose coverage validation set it
 # is validated on (the MoE run's, so that their losses are on the same set).
 NOISE_RUN_KEYS = ("seed", "coverage.valset_of_run")
-
-
-def differing_keys(a: Any, b: Any, path: str = "") -> list[str]:
-    """The dotted keys whose values differ between two config trees (a mapping on one side only: its keys)."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return [
-            k
-            for key in sorted(set(a) | set(b), key=str)
-            for k in differing_keys(a.get(key), b.get(key), f"{path}{key}.")
-        ]
-    return [] if a == b else [path.rstrip(".")]
 
 
 def noise_run_problems(cfg: Mapping[str, Any]) -> list[str]:

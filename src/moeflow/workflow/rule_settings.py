@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from moeflow.evaluation.lm_eval_tasks import by_label as lm_eval_tasks
-from moeflow.settings import ConfigError
+from moeflow.settings import ConfigError, differing_keys
 from moeflow.workflow import keys
 
 
@@ -126,16 +126,10 @@ def configs_by_key(wildcard: str, configs: Mapping[str, Mapping[str, Any]]) -> d
             continue
         first, _, seen = served[key]
         if view != seen:
-            differ = sorted(_differences(seen, view))
+            differ = sorted(differing_keys(seen, view))
             raise ConfigError(
                 f"runs {first!r} and {run!r} share rule {rules[0]}'s output {key} but differ in what it reads "
                 f"({', '.join(differ)}): give them the same settings there (for a layout: coverage.strategy and "
                 "coverage.ranks, or evaluate's), or change one so that its key differs"
             )
     return {key: cfg for key, (_, cfg, _) in served.items()}
-
-
-def _differences(a: Any, b: Any, where: str = "") -> list[str]:
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{where}.{k}".strip("."))]
-    return [] if a == b else [where or "(the settings)"]
