@@ -357,28 +357,23 @@ def base_evaluation_run(kind, run, **wildcards):
     return next(r for r in has if base_evaluation(kind, r, **wildcards) == mine)
 
 
-def evaluate_model_file(run, model):
-    """Rule evaluate_model's record of ``run``'s ``model`` (base or finetuned), the base model's from the run that
-    scores it (:func:`base_evaluation_run`)."""
+# Rule evaluate_model's outputs beside each other, by output name: the record and the routing kept for routing_drift.
+EVALUATE_MODEL_ENDINGS = {"json": ".json", "routing": ".routing.safetensors"}
+
+
+def evaluate_model_file(run, model, output="json"):
+    """Rule evaluate_model's ``output`` (EVALUATE_MODEL_ENDINGS) for ``run``'s ``model`` (base or finetuned), the base
+    model's from the run that scores it (:func:`base_evaluation_run`)."""
     scored_by = base_evaluation_run("evaluate_model", run) if model == "base" else run
-    return f"{run_eval_dir(scored_by)}/sets/{model}.json"
+    return f"{run_eval_dir(scored_by)}/sets/{model}{EVALUATE_MODEL_ENDINGS[output]}"
 
 
-def evaluated_sets(model):
-    """Input ``model`` (base or finetuned) of a run's evaluate_run job: :func:`evaluate_model_file`."""
-
-    def of(wildcards):
-        return evaluate_model_file(wildcards.run, model)
-
-    return of
-
-
-def evaluated_routing(model):
-    """Input ``model`` (base or finetuned) of a run's routing_drift job: the routing evaluate_model kept beside the
-    record of :func:`evaluate_model_file`."""
+def evaluated(model, output):
+    """Input ``model`` (base or finetuned) of a run's evaluate_run (``output`` json) or routing_drift job (routing):
+    :func:`evaluate_model_file`."""
 
     def of(wildcards):
-        return evaluate_model_file(wildcards.run, model).replace(".json", ".routing.safetensors")
+        return evaluate_model_file(wildcards.run, model, output)
 
     return of
 

@@ -6,8 +6,8 @@
 rule routing_drift:
     # Compares the routings evaluate_model kept beside its records: no model, no GPU.
     input:
-        base=evaluated_routing("base"),
-        finetuned=evaluated_routing("finetuned"),
+        base=evaluated("base", "routing"),
+        finetuned=evaluated("finetuned", "routing"),
         lib=code("routing_drift"),
     output:
         json=f"{RESULTS}/runs/{{run}}/eval/drift.json",

@@ -16,8 +16,9 @@ rule evaluate_model:
         script="workflow/scripts/evaluate_model.py",
         lib=code("evaluate_model"),
     output:
-        json=f"{RESULTS}/runs/{{run}}/eval/sets/{{model}}.json",
-        routing=f"{RESULTS}/runs/{{run}}/eval/sets/{{model}}.routing.safetensors",  # rule routing_drift's input
+        # the record, and the routing rule routing_drift compares (EVALUATE_MODEL_ENDINGS)
+        json=f"{RESULTS}/runs/{{run}}/eval/sets/{{model}}{EVALUATE_MODEL_ENDINGS['json']}",
+        routing=f"{RESULTS}/runs/{{run}}/eval/sets/{{model}}{EVALUATE_MODEL_ENDINGS['routing']}",
     wildcard_constraints:
         model="base|finetuned",
     params:
@@ -38,8 +39,8 @@ rule evaluate_model:
 rule evaluate_run:
     # Reads the two records only: no model, no GPU.
     input:
-        base=evaluated_sets("base"),
-        finetuned=evaluated_sets("finetuned"),
+        base=evaluated("base", "json"),
+        finetuned=evaluated("finetuned", "json"),
         lib=code("evaluate_run"),
     output:
         metrics=f"{RESULTS}/runs/{{run}}/eval/metrics.json",
