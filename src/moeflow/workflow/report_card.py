@@ -311,11 +311,10 @@ def noise_lines(card: CardFiles, src: Sources) -> list[str]:
     if card.noise is None:
         return []
     moe, twin = card.noise
-    files = {f.run: f for f in card.runs}
-    metrics = {run: src.json(files[run].evaluation) for run in (moe, twin) if files[run].evaluation}
-    if len(metrics) < 2 or None in metrics.values():
+    metrics = {f.run: src.json(f.evaluation) for f in card.runs if f.evaluation}  # each file read once
+    changes = {run: {s["name"]: s["change"].get("loss") for s in m["sets"]} for run, m in metrics.items() if m}
+    if moe not in changes or twin not in changes:
         return []
-    changes = {run: {s["name"]: s["change"].get("loss") for s in m["sets"]} for run, m in metrics.items()}
     noise = {
         name: abs(a - b)
         for name, a in changes[moe].items()
@@ -326,14 +325,10 @@ def noise_lines(card: CardFiles, src: Sources) -> list[str]:
     targeted = next((s["name"] for s in metrics[moe]["sets"] if s["targeted"] and s["name"] != "valset"), None)
     if targeted in noise:
         verdicts = []
-        for f in card.runs:
-            record = src.json(f.evaluation) if f.evaluation and f.run != twin else None
-            change = next(
-                (s["change"].get("loss") for s in (record or {}).get("sets", []) if s["name"] == targeted), None
-            )
+        for run, change in ((run, sets.get(targeted)) for run, sets in changes.items() if run != twin):
             if change is not None:
                 beyond = "beyond" if abs(change) > noise[targeted] else "within"
-                verdicts.append(f"`{f.run}` {signed(change)} ({beyond})")
+                verdicts.append(f"`{run}` {signed(change)} ({beyond})")
         lines.append(
             f"- {targeted}, each run's change against the noise {number(noise[targeted])}: {', '.join(verdicts)}"
         )
