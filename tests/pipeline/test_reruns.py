@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import rerun_expectations as E
 from conftest import SMOKE, active_stack, results, scheduled_rules, snakemake, write_overlay
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.fast]  # dry runs and reads of the smoke pipeline
@@ -77,24 +78,9 @@ def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
 # schedules (target paper).
 # plan_memory reads the model, tokenizer.vocab_size and the training settings, not the data.
 # Every evaluation stage reads the fine-tuned model.
-EVALUATION = {
-    "evaluate_model",
-    "evaluate_run",
-    "lm_eval_task",
-    "humaneval_generate",
-    "humaneval_execute",
-    "routing_drift",
-    "paper",
-}
+EVALUATION = {*E.EVALUATION, "paper"}
 TRAINING = {"plan_memory", "warmup", "train_model"} | EVALUATION
-ALL_RULES = {
-    "verify_env",
-    "choose_experts",
-    "train_tokenizer",
-    "tokenize",
-    "pretrain_base",
-    "coverage_valset",
-} | TRAINING
+ALL_RULES = set(E.RULE_ORDER)  # the smoke pipeline's rules
 RERUN_TABLE = {
     "tokenizer setting": (
         {"tokenizer": {"min_frequency": 3}},
