@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: env train paper test test-all lint format clean gpu-check gpu-bundle device-env slurm-up slurm-down
+.PHONY: env train paper test test-all lint format clean gpu-check gpu-bundle device-env serve-env slurm-up slurm-down
 
 $(VENV)/.installed: envs/$(STACK).yaml pyproject.toml tools/pip_pins.py src/moeflow/runtime/pins.py
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,19 @@ DEVICE_PYTHON ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versi
 	touch $@
 
 device-env: .venvs/device/.installed
+
+# The serving environment (envs/serve.txt) for rule serve_check (config/serve.yaml): vLLM's CPU build, whose pins differ
+# from both stacks'. pip pulls CUDA builds of torchvision, torchaudio and torchcodec with it, which break
+# `import transformers` beside torch's CPU build; nothing here needs them.
+.venvs/serve/.installed: envs/serve.txt
+	rm -rf .venvs/serve
+	$(PYTHON) -m venv .venvs/serve
+	.venvs/serve/bin/python -m pip install --quiet --upgrade pip
+	.venvs/serve/bin/python -m pip install --quiet -r envs/serve.txt
+	.venvs/serve/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+serve-env: .venvs/serve/.installed
 
 # A real SLURM on this machine (as root; Debian's packages installed if missing): this machine as one node, in the
 # profiles' partitions (cpu, gpu), daemons in .slurm/ (tests/slurm_cluster.py, what tests/pipeline/test_slurm.py uses).

@@ -3,7 +3,8 @@
 #   snakemake --cores 8 train     environment, experts choice -> tokenizer -> shards -> base model -> coverage set,
 #                                 memory plan -> warmup -> fine-tuned model, for every run
 #   snakemake --cores 8 paper     and each run evaluated (losses, lm-eval tasks, HumanEval, routing drift)
-#                                 -> the paper's figures and tables
+#                                 -> the paper's figures and tables (and, with serve.python set, each export
+#                                 checked in vLLM: workflow/rules/serve.smk)
 #   snakemake --cores 2 verify_env
 #
 # A finished train or paper ends with the report card of every run, kept in results/{stack}/report_card.md.
@@ -45,6 +46,7 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/lm_eval.smk"
 include: "workflow/rules/humaneval.smk"
 include: "workflow/rules/drift.smk"
+include: "workflow/rules/serve.smk"
 include: "workflow/rules/paper.smk"
 
 
@@ -59,6 +61,7 @@ rule train:
         rules.verify_env.output.json,
         [t for run, cfg in RUNS.items() for t in run_targets(cfg, run)],
         [final_model_dir(run) for run in RUNS],
+        [adapter for adapter in map(serving_adapter_dir, RUNS) if adapter],  # workflow/rules/serve.smk
     default_target: True
 
 

@@ -33,6 +33,28 @@ NOT_REPRODUCED = ("timings.json", "rng.safetensors")
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs", "src", "tools", "profiles")
 
 
+def serve_python() -> Path | None:
+    """The serving environment's Python (``make serve-env``) the tests check exports with: MOEFLOW_SERVE_PYTHON, else
+    .venvs/serve's if it is installed, else None (the serving tests skip; the smoke pipeline has no serve_check). CI
+    sets the variable, and a path it names must exist."""
+    named = os.environ.get("MOEFLOW_SERVE_PYTHON")
+    if named:
+        if not Path(named).is_file():
+            raise pytest.UsageError(f"MOEFLOW_SERVE_PYTHON={named} does not exist: run `make serve-env`")
+        return Path(named).resolve()
+    default = REPO_ROOT / ".venvs" / "serve" / "bin" / "python"
+    return default if (REPO_ROOT / ".venvs" / "serve" / ".installed").is_file() else None
+
+
+SERVE_PYTHON = serve_python()
+needs_serve_env = pytest.mark.skipif(SERVE_PYTHON is None, reason="no serving environment (make serve-env)")
+
+
+def in_smoke(rules: set[str]) -> set[str]:
+    """``rules`` as the smoke pipeline has them: without serve_check where no serving environment is installed."""
+    return set(rules) if SERVE_PYTHON else set(rules) - {"serve_check"}
+
+
 def active_stack() -> str:
     """The stack this interpreter belongs to (tests run in .venvs/pinned or .venvs/current)."""
     return "current" if int(metadata.version("transformers").split(".")[0]) >= 5 else "pinned"
@@ -104,6 +126,9 @@ def smoke_pipeline(tmp_path_factory) -> Path:
     """A finished smoke pipeline (config/smoke.yaml, target ``paper``: every stage) in its own folder.
     Tests only read it or dry-run against it; a test that changes something uses ``pipeline_copy``."""
     workdir = copy_workflow(tmp_path_factory.mktemp("smoke") / "moeflow")
+    if SERVE_PYTHON:  # every export checked in vLLM too (rule serve_check), as config/serve.yaml asks
+        smoke = workdir / "config" / "smoke.yaml"
+        smoke.write_text(smoke.read_text() + yaml.safe_dump({"serve": {"python": str(SERVE_PYTHON)}}))
     snakemake(workdir, "paper", "--cores", "2", "--configfile", "config/smoke.yaml")
     return workdir
 

@@ -37,15 +37,18 @@ RULE_ORDER = (
     "humaneval_generate",
     "humaneval_execute",
     "routing_drift",
+    "serve_check",
     "paper",
 )
-# Rules of a run the smoke config does not have (train.method esft), so no row can name them; docs/reruns.md says
-# what they rerun.
-OUTSIDE_SMOKE = frozenset({"esft_routing", "esft_select"})
+# Rules of a run the smoke config does not have (train.method esft; lora, serving_adapter), so no row can name them;
+# docs/reruns.md says what they rerun.
+OUTSIDE_SMOKE = frozenset({"esft_routing", "esft_select", "serving_adapter"})
 EVALUATION = frozenset(
     {"evaluate_model", "evaluate_run", "lm_eval_task", "humaneval_generate", "humaneval_execute", "routing_drift"}
 )
-AFTER_FINE_TUNING = frozenset({"train_model", *EVALUATION, "paper"})  # what follows train_model
+# The serving check (serve.python set; the smoke pipeline has it where the serving environment is installed).
+SERVING = frozenset({"serve_check"})
+AFTER_FINE_TUNING = frozenset({"train_model", *EVALUATION, *SERVING, "paper"})  # what follows train_model
 AFTER_BASE_MODEL = frozenset({"pretrain_base", "coverage_valset", "warmup", *AFTER_FINE_TUNING})
 
 
@@ -139,6 +142,11 @@ INFRASTRUCTURE = (
 # The first row whose pattern matches a file is that file's expectation.
 ROWS = (
     Row("the paper's figures, tables and provenance", ("src/moeflow/paper/*",), frozenset({"paper"})),
+    Row(
+        "the serving check: the engine's log-probs (run in the serving environment) against moeflow's forward",
+        ("src/moeflow/serving/*",),
+        frozenset({"serve_check", "paper"}),
+    ),
     Row(
         "lm-eval: the run, moeflow's documents as requests, the task resolver; the task YAMLs and their code",
         ("src/moeflow/evaluation/lm_eval_*.py", "workflow/tasks/*"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE, only_on, results, scheduled_rules, snakemake, write_overlay
+from conftest import SERVE_PYTHON, SMOKE, only_on, results, scheduled_rules, snakemake, write_overlay
 
 pytestmark = [
     pytest.mark.pipeline,
@@ -57,7 +57,10 @@ def lora_overlay(workdir: Path, train: dict | None = None, **lora_run_train) -> 
     return write_overlay(workdir, {"train": train or {}, "runs": {LORA_RUN: run}})
 
 
-EVALUATION = ("evaluate_model", "evaluate_run", "routing_drift")
+# with a serving environment, the merged QLoRA export is checked in vLLM, and its adapter as vLLM reads it (the smoke
+# pipeline's serve.python)
+SERVING = ("serve_check", "serving_adapter") if SERVE_PYTHON else ()
+EVALUATION = ("evaluate_model", "evaluate_run", "routing_drift", *SERVING)
 
 
 def only_the_lora_run(jobs: list[tuple[str, str]]) -> None:
@@ -114,6 +117,12 @@ def test_a_lora_run_trains_merges_evaluates_and_reruns_only_its_training_on_a_lo
     assert evaluated["parameters"]["total"] == sum(
         p.numel() for p in merged.parameters()
     )  # the merged model, no adapters
+
+    if SERVE_PYTHON:  # the merged QLoRA export from 2 ranks serves as trained; vLLM's loader reads its adapter whole
+        served = json.loads((res / "runs" / LORA_RUN / "serve" / "check.json").read_text())
+        assert served["passed"] and served["max_abs_logprob_diff"] < 1e-4, served
+        assert served["adapter"]["stacked_moe_layers"] == 2 and served["adapter"]["scaling"] == 32 / 4  # alpha / r
+        assert (res / "runs" / LORA_RUN / "serve" / "adapter" / "adapter_model.safetensors").is_file()
 
     columns, rows = read_csv_table(res / "paper" / "tables" / "lora_vs_full.csv")
     by_run = {row[0]: dict(zip(columns, row)) for row in rows}

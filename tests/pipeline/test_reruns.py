@@ -7,7 +7,7 @@ import json
 
 import pytest
 import rerun_expectations as E
-from conftest import SMOKE, active_stack, results, scheduled_rules, snakemake, write_overlay
+from conftest import SERVE_PYTHON, SMOKE, active_stack, in_smoke, results, scheduled_rules, snakemake, write_overlay
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.fast]  # dry runs and reads of the smoke pipeline
 
@@ -79,7 +79,7 @@ def test_adding_a_run_schedules_only_that_runs_stages(pipeline_copy):
 # plan_memory reads the model, tokenizer.vocab_size and the training settings, not the data.
 # Every evaluation stage reads the fine-tuned model.
 EVALUATION = {*E.EVALUATION, "paper"}
-TRAINING = {"plan_memory", "warmup", "train_model"} | EVALUATION
+TRAINING = {"plan_memory", "warmup", "train_model"} | EVALUATION | E.SERVING  # serve_check reads the export
 ALL_RULES = set(E.RULE_ORDER)  # the smoke pipeline's rules
 RERUN_TABLE = {
     "tokenizer setting": (
@@ -91,9 +91,15 @@ RERUN_TABLE = {
         {"data": {"sources": {"target": {"packages": ["email"]}}}},
         {"train_tokenizer", "tokenize", "pretrain_base", "coverage_valset"} | TRAINING - {"plan_memory"},
     ),
-    "coverage setting": ({"coverage": {"token_budget": 8192}}, {"coverage_valset", "train_model"} | EVALUATION),
+    "coverage setting": (
+        {"coverage": {"token_budget": 8192}},
+        {"coverage_valset", "train_model"} | EVALUATION | E.SERVING,
+    ),
     # The coverage stage's own layout: no part of the coverage key, so its params start it again (same outputs).
-    "coverage layout": ({"coverage": {"strategy": "fsdp"}}, {"coverage_valset", "train_model"} | EVALUATION),
+    "coverage layout": (
+        {"coverage": {"strategy": "fsdp"}},
+        {"coverage_valset", "train_model"} | EVALUATION | E.SERVING,
+    ),
     "peak learning rate": ({"train": {"lr": 1e-3}}, TRAINING),
     "total steps": ({"train": {"steps": 10}}, TRAINING - {"warmup"}),
     # The experts implementation is timed at the micro-batch's token count.
@@ -122,18 +128,21 @@ RERUN_TABLE = {
     "precision": ({"precision": "bf16"}, ALL_RULES),
     "seed": ({"seed": 1}, ALL_RULES),
 }
+if SERVE_PYTHON:  # the serving check's own settings (without a serving environment no job reads them)
+    RERUN_TABLE["serving setting"] = ({"serve": {"tolerance": 1.0e-3}}, {"serve_check", "paper"})
 
 
 @pytest.mark.parametrize("change", sorted(RERUN_TABLE))
 def test_rerun_table(pipeline_copy, change):
     overlay, expected = RERUN_TABLE[change]
-    assert scheduled_rules(pipeline_copy, write_overlay(pipeline_copy, overlay), target="paper") == expected
+    assert scheduled_rules(pipeline_copy, write_overlay(pipeline_copy, overlay), target="paper") == in_smoke(expected)
 
 
 def test_editing_the_environment_file_reruns_the_stages_that_read_its_report(pipeline_copy):
     env_file = pipeline_copy / "envs" / f"{active_stack()}.yaml"
     env_file.write_text(env_file.read_text() + "\n# an edit\n")
-    assert scheduled_rules(pipeline_copy, target="paper") == {"verify_env", "plan_memory", "train_model"} | EVALUATION
+    expected = {"verify_env", "plan_memory", "train_model"} | EVALUATION | E.SERVING
+    assert scheduled_rules(pipeline_copy, target="paper") == in_smoke(expected)
 
 
 def test_stacks_write_to_separate_result_trees(smoke_pipeline):

@@ -110,7 +110,7 @@ def test_every_stage_script_opens_with_its_typed_settings_and_the_shared_start()
         typed_job = first.startswith("job = Job.from_snakemake(snakemake, ") or first.startswith("job = Job.from_argv(")
         if not (typed_job and first.endswith(")") and first.count(",") <= 1 and "Stage.start(job)" in second):
             bad.append(f"{relative(path)}: {first} / {second}")
-    assert len(scripts) == 18 and bad == []
+    assert len(scripts) == 20 and bad == []
 
 
 def test_schema_defaults_are_filled_only_where_the_config_is_loaded():

@@ -104,7 +104,7 @@ def test_script_rules_with_gpus_claim_before_importing_anything_that_imports_tor
         script for block in blocks if "gpu=" in block for script in re.findall(r'scripts/(\w+\.py)"\s*$', block, re.M)
     }
     scripts = {s for s in scripts if any(f'script:\n        "../scripts/{s}"' in block for block in blocks)}
-    assert scripts == {"choose_experts.py"}
+    assert scripts == {"choose_experts.py", "serve_check.py"}
     for script in scripts:
         body = ast.parse((REPO_ROOT / "workflow" / "scripts" / script).read_text()).body
         start = next(i for i, node in enumerate(body) if "Stage.start" in ast.unparse(node))

@@ -32,6 +32,7 @@ LAYERS = (
     "plan",
     "paper",
     "stages",
+    "serving",
     "workflow",
 )
 

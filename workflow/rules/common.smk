@@ -260,7 +260,18 @@ def model_config_file(wildcards):
 # --- a job's params: its settings and runtime (Snakemake compares both), as functions of its wildcards
 
 # The rules whose scripts never compute with torch: their runtime leaves torch's threads out.
-WITHOUT_TORCH = ("verify_env", "train_tokenizer", "tokenize", "plan_memory", "esft_select", "evaluate_run", "routing_drift", "humaneval_execute", "paper")
+WITHOUT_TORCH = (
+    "verify_env",
+    "train_tokenizer",
+    "tokenize",
+    "plan_memory",
+    "esft_select",
+    "evaluate_run",
+    "routing_drift",
+    "humaneval_execute",
+    "serving_adapter",
+    "paper",
+)
 
 
 def settings(rule):
@@ -415,6 +426,34 @@ def humaneval_files(run):
 def drift_file(run):
     """The routing_drift rule's drift.json of an MoE run; None for a dense run (it has no router)."""
     return f"{run_eval_dir(run)}/drift.json" if is_moe_run(run) else None
+
+
+def serving_adapter_dir(run):
+    """The serving_adapter rule's output for a LoRA run whose router is not fully trained (a trainable router is no
+    adapter a serving engine applies); None for any other run."""
+    train = RUNS[run]["train"]
+    if train["method"] != "lora" or train["lora"]["router"] == "trainable":
+        return None
+    return f"{RESULTS}/runs/{run}/serve/adapter"
+
+
+def serve_check_inputs(wildcards):
+    """serve_check's inputs: the run's exported model, its base model folder, the experts choice, the validation set,
+    and a LoRA run's serving adapter."""
+    inputs = {"model": finetuned_model(wildcards), "base": base_model(wildcards), "experts": experts(wildcards)}
+    inputs["valset"] = valset(wildcards)
+    adapter = serving_adapter_dir(wildcards.run)
+    return inputs | ({"adapter": adapter} if adapter else {})
+
+
+def serve_check_file(run):
+    """The serve_check rule's record of a run; None where its serve.python is null (no serving environment)."""
+    return f"{RESULTS}/runs/{run}/serve/check.json" if RUNS[run]["serve"]["python"] else None
+
+
+def serve_check_files(wildcards=None):
+    """Every run's serving check (the paper's and the serve target's inputs): none where serve.python is null."""
+    return [path for path in map(serve_check_file, RUNS) if path]
 
 
 def model_stage_results(wildcards=None):
@@ -614,6 +653,7 @@ def report_card_files(stage):
             lm_eval=lm_eval_files(run) if evaluated else {},
             humaneval=humaneval_files(run) if evaluated else {},
             drift=drift_file(run) if evaluated else None,
+            serve=serve_check_file(run) if evaluated else None,
         )
         for run, cfg in RUNS.items()
     ]

@@ -12,6 +12,7 @@ rule paper:
         train_benchmarks=[bench_path("train_model", run) for run in RUNS],
         adapters=expand(rules.train_model.output.adapter, run=list(RUNS)),  # method and trainable parameters (LoRA vs full)
         evaluation=eval_result_paths,  # lm-eval, HumanEval and routing drift of every run (common.smk)
+        serve=serve_check_files,  # each run's export checked in vLLM, where serve.python is set (workflow/rules/serve.smk)
         coverage=f"{coverage_dir(RUNS[config['paper']['moe_run']])}/coverage.json",
         env=rules.verify_env.output.json,
         experts=[experts_timings(RUNS[run]) for run in RUNS],  # the environment table's experts choice per run (rule choose_experts)

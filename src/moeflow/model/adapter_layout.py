@@ -128,16 +128,19 @@ def _factors_by_expert(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[tor
     return a.reshape(experts, rank, a.shape[1]), b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)
 
 
-def split_fused(weights: dict[str, torch.Tensor], folder: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def split_fused(
+    weights: dict[str, torch.Tensor], folder: Path, model: torch.nn.Module | None
+) -> dict[str, torch.Tensor]:
     """``weights`` of an adapter saved on transformers 5 with its fused expert adapters given to the modules
-    :data:`PIECES_FILE` names, where ``model`` (the base) has those modules; ``weights`` unchanged otherwise."""
+    :data:`PIECES_FILE` names, where ``model`` (the base) has those modules, or every one with ``model`` None (the
+    files' layout, which serving engines read: moeflow.serving.adapter); ``weights`` unchanged otherwise."""
     if not (folder / PIECES_FILE).is_file():
         return weights
-    modules = dict(model.named_modules())
+    modules = None if model is None else dict(model.named_modules())
     weights = dict(weights)
     for entry in read_json(folder / PIECES_FILE).values():
         pieces = [Piece(*p) for p in entry["pieces"]]
-        if pieces[0].module not in modules:
+        if modules is not None and pieces[0].module not in modules:
             continue  # this model holds the tensor fused too
         keys = [f"{entry['adapter']}.lora_{factor}.weight" for factor in "AB"]
         if not all(key in weights for key in keys):

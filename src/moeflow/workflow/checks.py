@@ -148,7 +148,20 @@ def semantic_problems(cfg: Mapping[str, Any]) -> list[str]:
     problems += attention_problems(cfg)
     problems += humaneval_problems(cfg)
     problems += lm_eval_problems(cfg)
+    problems += serve_problems(cfg)
     return problems
+
+
+def serve_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """serve.python must be a Python that exists (rule serve_check starts vLLM with it)."""
+    python = cfg["serve"]["python"]
+    if python is None or Path(python).is_file():
+        return []
+    return [
+        f"config key 'serve.python': {python} does not exist: make the serving environment with `make serve-env` "
+        "(.venvs/serve/bin/python, as config/serve.yaml names it), or set the key to a Python with vLLM installed, "
+        "or to null (no serving check)"
+    ]
 
 
 def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:

@@ -32,7 +32,8 @@ MIB = 2**20
 class RunFiles:
     """Where one run's stage outputs are (the Snakefile's paths, common.smk). ``evaluation`` is None when the
     target does not evaluate; ``lm_eval`` (task -> model -> path) and ``humaneval`` (model -> path) are empty
-    when the run has no tasks or HumanEval is off; ``drift`` is None for a run without a router."""
+    when the run has no tasks or HumanEval is off; ``drift`` is None for a run without a router, ``serve`` where
+    serve.python is null (no serving check)."""
 
     run: str
     moe: bool
@@ -46,6 +47,7 @@ class RunFiles:
     lm_eval: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     humaneval: Mapping[str, str] = field(default_factory=dict)
     drift: str | None = None
+    serve: str | None = None
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,34 @@ def humaneval_lines(files: RunFiles, src: Sources) -> list[str]:
     return [f"- HumanEval ({len(docs['finetuned']['problems'])} problems), base -> fine-tuned: {cells}"]
 
 
+def serve_lines(files: RunFiles, src: Sources) -> list[str]:
+    """The serving check's verdict: the engine, the largest log-prob difference and the top-token agreement."""
+    if files.evaluation is None:
+        return []
+    if files.serve is None:
+        return [
+            "- serving check: not run (serve.python is null: `make serve-env`, then --configfile config/serve.yaml)"
+        ]
+    record = src.json(files.serve)
+    if record is None:
+        return [missing_line("serving check", files.serve)]
+    if not record["checked"]:
+        return [f"- serving check: {record['model_type']} not checked here: {record['reason']}"]
+    lines = [
+        f"- serving check, {record['engine']} {record['engine_version']} ({record['engine_device']}, "
+        f"{record['dtype']}) against moeflow on {record['sequences']} validation segments: largest |log-prob "
+        f"difference| {record['max_abs_logprob_diff']:.2g} (tolerance {record['tolerance']:g}), top token the same "
+        f"at {record['top_token_agreement']:.1%} of {record['top_token_positions']} positions"
+    ]
+    adapter = record.get("adapter")
+    if adapter:
+        lines.append(
+            f"- serving adapter read by {adapter['read_by']}'s adapter loader: {adapter['modules']} modules as "
+            f"written, {adapter['stacked_moe_layers']} MoE layers stacked (`runs/{files.run}/serve/adapter`)"
+        )
+    return lines
+
+
 # --------------------------------------------------------------------------- the card
 
 
@@ -296,6 +326,8 @@ def run_section(files: RunFiles, card: CardFiles, src: Sources) -> list[str]:
     lines += [*routing_lines(files, summary, metrics, src), "", "Memory:", *memory_lines(files, log, src)]
     tasks = lm_eval_lines(files, src) + humaneval_lines(files, src)
     lines += ["", "Tasks:", *tasks] if tasks else []
+    serving = serve_lines(files, src)
+    lines += ["", "Serving:", *serving] if serving else []
     lines += [
         "",
         "Where:",

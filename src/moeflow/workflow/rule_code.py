@@ -200,6 +200,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL, *FORWARD_OPENING),
     "humaneval_execute": (*HUMANEVAL, *SANDBOX),
     "routing_drift": ("evaluation.drift",),  # compares evaluate_model's routings
+    # the export in the serving engine (its script, moeflow.serving.engine, is part of the package) against moeflow's
+    # forward of the same folder on the validation set's segments
+    "serve_check": ("serving", *MODEL, *ROWS, *VALSET, "model.device"),
+    # a LoRA adapter split by expert module (the conversion the loader uses, without a model)
+    "serving_adapter": ("serving.adapter", "serving.settings", *MODEL),
     "paper": ("paper",),
 }
 

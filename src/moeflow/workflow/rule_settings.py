@@ -66,6 +66,12 @@ def lm_eval_task_settings(cfg: Mapping[str, Any], task: str, model: str) -> dict
     }
 
 
+def serve_check_settings(cfg: Mapping[str, Any], run: str) -> dict[str, Any]:
+    """Rule serve_check (moeflow.serving.settings.ServeCheckStage): the run, how moeflow loads its model (the model
+    section, the device) and the ``serve`` section."""
+    return {"run": run, "model": cfg["model"], "device": cfg["hardware"]["device"], "serve": cfg["serve"]}
+
+
 # Rule -> its settings from the run config it serves, for the rules whose wildcards name nothing else.
 BY_CONFIG: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "pretrain_base": keys.base_model_settings,
@@ -95,6 +101,10 @@ def rule_settings(
     if rule == "evaluate_run":
         return evaluate_run_settings(cfg, coverage_cfg, wildcards["run"])
     if rule == "routing_drift":
+        return {"run": wildcards["run"]}
+    if rule == "serve_check":
+        return serve_check_settings(cfg, wildcards["run"])
+    if rule == "serving_adapter":
         return {"run": wildcards["run"]}
     if rule == "lm_eval_task":
         return lm_eval_task_settings(cfg, wildcards["task"], wildcards["model"])

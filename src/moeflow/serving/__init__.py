@@ -1,0 +1,1 @@
+"""Serving: whether an exported model serves in an inference engine as moeflow trained it."""

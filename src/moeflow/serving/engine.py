@@ -1,0 +1,152 @@
+"""Prompt log-probs of token sequences in vLLM, computed by the serving environment's own Python.
+
+moeflow.serving.check starts this file as a script with the serving environment's interpreter (``make serve-env``:
+.venvs/serve, whose pins differ from both stacks')::
+
+    <serve python> engine.py --model DIR --sequences IN.json --output OUT.json --dtype float32
+
+It imports vLLM and the standard library only: moeflow is not installed there. For each sequence it writes, at
+every position after the first, the log-prob vLLM gives the sequence's token there and vLLM's top token.
+
+With ``--adapter DIR --read OUT.safetensors`` it loads no model: it reads a LoRA adapter with vLLM's own adapter
+loader (``LoRAModel.from_local_checkpoint``, the names the model class expects, and the stacking of each MoE layer's
+per-expert adapters into its fused w13 and w2), and writes the factors vLLM holds per module and, in the record, their
+names and scaling. vLLM's CPU build reads MoE adapters but cannot run them (no CPU MoE LoRA kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="prompt log-probs of token sequences in vLLM")
+    parser.add_argument("--model", required=True, help="the exported model folder")
+    parser.add_argument("--sequences", help="JSON: a list of token id lists")
+    parser.add_argument("--output", required=True, help="JSON written here: engine, version, device, log-probs")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--adapter", help="read this LoRA adapter with vLLM's loader instead (no model is loaded)")
+    parser.add_argument("--read", help="with --adapter: the factors vLLM holds, written here (safetensors)")
+    args = parser.parse_args(argv)
+    if args.adapter:
+        read_adapter(args.model, args.adapter, args.read, args.output)
+        return
+
+    # One process: vLLM's engine core in a second interpreter costs its imports again and gains nothing here.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The CPU build reserves its KV cache up front (GiB); a check's sequences are few and short.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    with open(args.sequences) as f:
+        sequences = json.load(f)
+    # The longest sequence and the one generated token vLLM insists on: within the model's positions when the
+    # sequences were packed within its training context.
+    max_model_len = max(map(len, sequences)) + 1
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=max_model_len, seed=0)
+    # One log-prob per position (the sequence's token, and the top one): the whole vocabulary costs 10x the time.
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False)
+    result = []
+    for ids, output in zip(sequences, outputs):
+        per_position = output.prompt_logprobs[1:]  # the first token has no prediction
+        result.append(
+            {
+                "token": [logprobs[token].logprob for token, logprobs in zip(ids[1:], per_position)],
+                "top": [next(t for t, lp in logprobs.items() if lp.rank == 1) for logprobs in per_position],
+            }
+        )
+    record = {
+        "engine": "vllm",
+        "version": vllm.__version__,
+        "device": current_platform.device_type,
+        "sequences": result,
+    }
+    with open(args.output, "w") as f:
+        json.dump(record, f)
+
+
+# The expert projections' names in a family's files, in the order vLLM's expert mapping takes them: gate, down, up.
+EXPERT_NAMES = {"mixtral": ("w1", "w2", "w3")}
+DEFAULT_EXPERT_NAMES = ("gate_proj", "down_proj", "up_proj")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# What vLLM's get_supported_lora_modules finds on an MoE decoder's layers besides the experts (it needs a built model).
+SUPPORTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate", "experts")
+
+
+def read_adapter(model_dir: str, adapter_dir: str, read_file: str, output: str) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.models import ModelRegistry
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    model_class = ModelRegistry._try_load_model_cls(config["architectures"][0])
+    experts = next(config[key] for key in EXPERT_COUNT_KEYS if config.get(key))
+    names = EXPERT_NAMES.get(config["model_type"], DEFAULT_EXPERT_NAMES)
+    # worker_manager._load_adapter's expected modules: the supported ones, the packed ones spelled out, and each
+    # expert's projections as vLLM's expert mapping names them
+    packed = dict(model_class.packed_modules_mapping)
+    mapping = RoutedExperts.build_expert_params_mapping(*names, num_experts=experts, routed_experts_prefix="")
+    packed["experts"] = [weight.rstrip(".") for _, weight, _, _ in mapping]
+    expected = {*SUPPORTED, *packed["experts"], *(m for ms in packed.values() for m in ms)}
+    mapper = getattr(model_class, "hf_to_vllm_mapper", None)
+    rename = mapper.get_rename_mapper() if mapper is not None else None
+    helper = PEFTHelper.from_local_dir(adapter_dir, max_position_embeddings=config.get("max_position_embeddings"))
+    lora = LoRAModel.from_local_checkpoint(
+        adapter_dir, expected, helper, lora_model_id=1, device="cpu", dtype=torch.float32, weights_mapper=rename
+    )
+    read = {}
+    for module, weights in lora.loras.items():
+        read[f"{module}.lora_a"] = weights.lora_a.clone()
+        read[f"{module}.lora_b"] = weights.lora_b.clone()  # as read: the packing below scales some in place
+    scalings = {weights.scaling for weights in lora.loras.values()}
+    # each file module's name in vLLM, as its loader parses the adapter's keys
+    with safe_open(os.path.join(adapter_dir, "adapter_model.safetensors"), framework="pt") as f:
+        keys = [key for key in f.keys() if ".lora_A." in key]
+    file_names = {
+        key.removeprefix("base_model.model.").split(".lora_A.")[0]: parse_fine_tuned_lora_name(key, rename)[0]
+        for key in keys
+    }
+    # each MoE layer's per-expert adapters stacked into w13 and w2 as the model manager does when the adapter is
+    # activated (a bare manager: the packing needs no model); an expert missing its adapter fails here
+    manager = LoRAModelManager.__new__(LoRAModelManager)
+    manager.modules, manager.packed_modules, manager.packed_modules_mapping = {}, {}, packed
+    manager.is_pooling_model = manager._enable_moe_shared_loras = manager._is_non_gated_moe = False
+    manager._enable_mixed_moe_lora_format = False
+    layers = sorted({module.split(".experts.")[0] + ".experts" for module in lora.loras if ".experts." in module})
+    for layer in layers:
+        manager._register_packed_modules(layer)
+    manager._create_merged_loras_inplace(lora)
+    stacked = {
+        layer: [list(t.shape) for t in lora.loras[layer].lora_a] + [list(t.shape) for t in lora.loras[layer].lora_b]
+        for layer in layers
+    }
+    save_file(read, read_file)
+    import vllm
+
+    record = {
+        "engine": "vllm",
+        "version": vllm.__version__,
+        "scaling": scalings.pop() if len(scalings) == 1 else sorted(scalings),
+        "names": file_names,
+        "stacked": stacked,
+    }
+    with open(output, "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The serving check through the Snakefile, on the smoke pipeline's exports (its serve.python, where a serving
+environment is installed: tests/conftest.py): each run's record, the dense twin served as its dense architecture, the
+report card's line, and a planted export defect failing the stage with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SMOKE, active_stack, needs_serve_env, only_on, results, snakemake
+from safetensors.torch import load_file, save_file
+
+pytestmark = [needs_serve_env, only_on("current", "the stage's wiring is one; both stacks' smoke pipelines run it")]
+
+
+@pytest.mark.fast
+def test_every_export_of_the_smoke_pipeline_serves_as_trained(smoke_pipeline):
+    res = results(smoke_pipeline)
+    for run, model_type in (("moe", "qwen3_moe"), ("dense", "qwen3")):  # the dense twin as Qwen3
+        record = json.loads((res / "runs" / run / "serve" / "check.json").read_text())
+        assert record["checked"] and record["passed"] and record["model_type"] == model_type, record
+        assert record["engine"] == "vllm" and record["dtype"] == "float32" and record["sequences"] > 10
+        assert record["max_abs_logprob_diff"] < 1e-4 and record["top_token_agreement"] == 1.0
+    card = (res / "report_card.md").read_text()
+    assert card.count("- serving check, vllm ") == 2
+
+
+def test_a_planted_export_defect_fails_the_stage_and_writes_nothing(pipeline_copy):
+    res = results(pipeline_copy)
+    weights = res / "runs" / "moe" / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.router.weight"] = tensors.pop("model.layers.0.mlp.gate.weight")  # a renamed router
+    save_file(tensors, weights, metadata={"format": "pt"})
+    target = f"results/{active_stack()}/runs/moe/serve/check.json"
+    failed = snakemake(pipeline_copy, target, "--forcerun", "serve_check", "--cores", "1", *SMOKE, check=False)
+    assert failed.returncode != 0
+    said = failed.stderr  # the stage's error, as Snakemake shows it
+    assert "missing 1: model.layers.0.mlp.gate.weight" in said and "unexpected 1: model.layers.0.mlp.router" in said
+    assert not (res / "runs" / "moe" / "serve" / "check.json").exists()
