@@ -143,7 +143,17 @@ INFRASTRUCTURE = (
 ROWS = (
     Row("the paper's figures, tables and provenance", ("src/moeflow/paper/*",), frozenset({"paper"})),
     Row(
-        "the serving check: the engine's log-probs (run in the serving environment) against moeflow's forward",
+        "the serving engine's script and how it is run in the serving environment (the package's docstring)",
+        ("src/moeflow/serving/engine.py", "src/moeflow/serving/process.py", "src/moeflow/serving/__init__.py"),
+        frozenset({"serve_check", "humaneval_generate", "humaneval_execute", "paper"}),
+    ),
+    Row(
+        "HumanEval's completions generated in the serving engine (evaluate.humaneval.engine: vllm)",
+        ("src/moeflow/serving/generation.py",),
+        frozenset({"humaneval_generate", "humaneval_execute", "paper"}),
+    ),
+    Row(
+        "the serving check: the engine's log-probs against moeflow's forward, the tensors, the serving adapter",
         ("src/moeflow/serving/*",),
         frozenset({"serve_check", "paper"}),
     ),

@@ -152,6 +152,22 @@ def test_bad_settings_fail_at_the_config_check_naming_the_key(humaneval, match):
         load(overrides={"evaluate": {"humaneval": humaneval}})
 
 
+def test_the_vllm_engine_is_refused_without_its_environment_or_on_several_ranks():
+    import sys
+
+    vllm = {"enabled": True, "engine": "vllm"}
+    with pytest.raises(ConfigError, match=r"'evaluate.humaneval.engine' is vllm but 'serve.python' is null"):
+        load(overrides={"evaluate": {"humaneval": vllm}})
+    with pytest.raises(ConfigError, match=r"'serve.python': /nowhere/python does not exist: .*make serve-env"):
+        load(overrides={"serve": {"python": "/nowhere/python"}})
+    with pytest.raises(ConfigError, match=r"holds the model in one process, but 'evaluate.ranks' is 2"):
+        load(overrides={"serve": {"python": sys.executable}, "evaluate": {"ranks": 2, "humaneval": vllm}})
+    cfg = run_config(load(overrides={"serve": {"python": sys.executable}, "evaluate": {"humaneval": vllm}}), "moe")
+    serving = humaneval_generation_settings(cfg)["serving"]
+    assert serving == {"python": sys.executable, "dtype": "float32", "timeout_s": 1800}
+    assert humaneval_generation_settings(run_config(load(), "moe"))["serving"] is None  # hf reads no serve key
+
+
 def test_generation_and_execution_settings_are_apart():
     cfg = run_config(load(REPO_ROOT / "config" / "smoke.yaml"), "moe")
     generation, execution = humaneval_generation_settings(cfg), humaneval_execution_settings(cfg)

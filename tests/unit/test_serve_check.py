@@ -18,6 +18,8 @@ from moeflow.data.tokenizer import train_tokenizer
 from moeflow.loading.factory import make_model
 from moeflow.model.settings import ModelSettings
 from moeflow.serving import check
+from moeflow.serving.process import EngineError
+from moeflow.serving.settings import unsupported_reason
 from moeflow.settings import typed
 
 # vLLM's CPU attention takes head sizes of 32 and more: the tiny families at hidden size 64, two heads of 32.
@@ -72,6 +74,14 @@ def test_the_comparison_passes_within_the_tolerance_and_fails_beyond():
     assert not failed["passed"] and failed["worst"] == {"sequence": 0, "position": 3}
 
 
+def test_a_nan_or_a_length_the_engine_changed_fails_naming_where():
+    ref = [{"token": [-1.0, -2.0, -3.0], "top": [4, 5, 6], "margin": [0.5, 0.5, 0.5]}]
+    nan = check.compare(ref, [{"token": [-1.0, float("nan"), -3.0], "top": [4, 5, 6]}], 1e-4)
+    assert not nan["passed"] and nan["worst"] == {"sequence": 0, "position": 2}
+    with pytest.raises(check.ServeCheckError, match="sequence 0: the engine scored 2 positions, moeflow 3"):
+        check.compare(ref, [{"token": [-1.0, -2.0], "top": [4, 5]}], 1e-4)
+
+
 def test_a_top_token_that_differs_fails_unless_moeflows_top_two_tie():
     ref = [{"token": [-1.0, -2.0], "top": [4, 5], "margin": [0.5, 0.0]}]
     assert check.compare(ref, [{"token": [-1.0, -2.0], "top": [4, 9]}], 1e-4)["passed"]  # a tie: either is top
@@ -83,8 +93,8 @@ def test_a_top_token_that_differs_fails_unless_moeflows_top_two_tie():
 
 
 def test_an_export_whose_tensors_are_not_its_bases_is_refused_naming_them(tmp_path, tokenizer):
-    # deepseek_v3's tiny folder carries its published MTP layer (model.layers.3); qwen3_moe's expert tensors are
-    # (16, 64) and (64, 16): a transpose keeps the element count.
+    # deepseek_v3's tiny folder carries its published MTP layer (model.layers.3); its expert tensors are (16, 64) and
+    # (64, 16): a transpose keeps the element count.
     base = save_folder(tmp_path / "base", served_config("deepseek_v3"), tokenizer)
     export = tmp_path / "export"
     shutil.copytree(base, export)
@@ -114,8 +124,8 @@ def test_an_export_whose_tensors_are_not_its_bases_is_refused_naming_them(tmp_pa
 
 def test_the_families_the_cpu_build_cannot_run_are_named_with_the_reason():
     for family in ("deepseek_v3", "gpt_oss", "step3p5"):
-        assert check.unsupported_reason(family, "cpu") and check.unsupported_reason(family, "cuda") is None
-    assert all(check.unsupported_reason(family, "cpu") is None for family in SERVED)
+        assert unsupported_reason(family, "cpu") and unsupported_reason(family, "cuda") is None
+    assert all(unsupported_reason(family, "cpu") is None for family in SERVED)
 
 
 # --------------------------------------------------------------------------- in vLLM
@@ -152,12 +162,26 @@ def test_an_export_the_engine_cannot_read_fails_naming_the_tensor(tmp_path, toke
     folder = save_folder(tmp_path / "qwen3_moe", served_config("qwen3_moe"), tokenizer)
     name = "model.layers.0.mlp.experts.0.down_proj.weight"
     rewrite(folder, lambda t: t.update({name: t[name].t().contiguous()}))
-    with pytest.raises(check.ServeCheckError, match="vLLM could not serve"):
+    with pytest.raises(EngineError, match="vLLM could not serve") as refused:
         check.engine_logprobs(SERVE_PYTHON, folder, SEQUENCES, "float32", 600)
+    assert "size" in str(refused.value) or "shape" in str(refused.value), str(refused.value)[-2000:]
+
+
+@needs_serve_env
+@only_on("pinned", "vLLM's side is stack-independent")
+def test_a_weight_the_engine_reads_otherwise_fails_the_check(tmp_path, tokenizer):
+    # moeflow scores the folder as saved; vLLM a copy whose final norm is scaled by 1.01
+    folder = save_folder(tmp_path / "olmoe", served_config("olmoe"), tokenizer)
+    served = tmp_path / "served"
+    shutil.copytree(folder, served)
+    rewrite(served, lambda t: t.update({"model.norm.weight": t["model.norm.weight"] * 1.01}))
+    engine = check.engine_logprobs(SERVE_PYTHON, served, SEQUENCES, "float32", 600)
+    agreement = check.compare(moeflow_logprobs(folder), engine["sequences"], 1e-4)
+    assert not agreement["passed"] and agreement["max_abs_logprob_diff"] > 1e-4
 
 
 def test_a_missing_serving_python_is_refused_saying_what_to_do(tmp_path):
-    with pytest.raises(check.ServeCheckError, match="make serve-env"):
+    with pytest.raises(EngineError, match="make serve-env"):
         check.engine_logprobs(tmp_path / "nothing" / "python", tmp_path, SEQUENCES, "float32", 60)
 
 
@@ -236,12 +260,13 @@ def model_folder_for(tmp_path: Path) -> Path:
 
 
 @needs_serve_env
+@only_on("pinned", "vLLM's side is stack-independent, and both stacks' kept adapters are read here")
 @pytest.mark.parametrize("saved_on", ("pinned", "current"))
 def test_vllms_adapter_loader_reads_every_expert_of_the_serving_adapter(tmp_path, saved_on):
-    from moeflow.serving.adapter import engine_read_differences
+    from moeflow.serving.adapter import engine_read_adapter, engine_read_differences
 
     out = serving_adapter(tmp_path, saved_on)
-    engine, read = check.engine_read_adapter(SERVE_PYTHON, model_folder_for(tmp_path), out, 300)
+    engine, read = engine_read_adapter(SERVE_PYTHON, model_folder_for(tmp_path), out, 300)
     assert engine_read_differences(out, engine, read) == []
     assert len(engine["names"]) == 56 and engine["scaling"] == 2.0  # alpha 4 / r 2
     # vLLM's stacking of each MoE layer: w1, w2, w3 factors A (experts, r, in) and B (experts, out, r)
@@ -256,11 +281,14 @@ def test_vllms_adapter_loader_reads_every_expert_of_the_serving_adapter(tmp_path
 
 
 @needs_serve_env
+@only_on("pinned", "vLLM's side is stack-independent")
 def test_a_serving_adapter_that_lost_an_expert_is_refused_by_vllms_loader(tmp_path):
+    from moeflow.serving.adapter import engine_read_adapter
+
     out = serving_adapter(tmp_path, "current")
     rewrite_adapter = {
         k: v for k, v in load_file(out / "adapter_model.safetensors").items() if ".experts.5.down_proj." not in k
     }
     save_file(rewrite_adapter, out / "adapter_model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(check.ServeCheckError, match="could not serve"):
-        check.engine_read_adapter(SERVE_PYTHON, model_folder_for(tmp_path), out, 300)
+    with pytest.raises(EngineError, match="could not serve"):
+        engine_read_adapter(SERVE_PYTHON, model_folder_for(tmp_path), out, 300)

@@ -30,6 +30,7 @@ from moeflow.plan.shapes import PlanError, model_config_fields, model_shape
 from moeflow.runtime.devices import claim_command
 from moeflow.runtime.env import fingerprint as environment_fingerprint
 from moeflow.runtime.files import stable_hash
+from moeflow.serving.settings import FUSED_IN_FILES
 from moeflow.settings import REPO_ROOT, ConfigError
 from moeflow.workflow import keys as stage_keys
 from moeflow.workflow.load import load as load_config, resolve_stack, run_config
@@ -429,10 +430,13 @@ def drift_file(run):
 
 
 def serving_adapter_dir(run):
-    """The serving_adapter rule's output for a LoRA run whose router is not fully trained (a trainable router is no
-    adapter a serving engine applies); None for any other run."""
+    """The serving_adapter rule's output for a LoRA run of an MoE model whose router is not fully trained (a trainable
+    router is no adapter a serving engine applies) and whose files hold one module per expert
+    (moeflow.serving.settings.FUSED_IN_FILES); None for any other run."""
     train = RUNS[run]["train"]
-    if train["method"] != "lora" or train["lora"]["router"] == "trainable":
+    if train["method"] != "lora" or train["lora"]["router"] == "trainable" or not is_moe_run(run):
+        return None
+    if model_config_fields(RUNS[run]["model"]).get("model_type") in FUSED_IN_FILES:
         return None
     return f"{RESULTS}/runs/{run}/serve/adapter"
 

@@ -74,9 +74,9 @@ def prompt_ids(tokenizer: Any, prompt: str, room: int | None) -> tuple[list[int]
     return ids, False
 
 
-def context_room(model: Any, decoding: Decoding) -> int | None:
-    """How many prompt tokens fit beside ``max_new_tokens`` in the model's context (None: no stated limit)."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+def context_room(limit: int | None, decoding: Decoding) -> int | None:
+    """How many prompt tokens fit beside ``max_new_tokens`` in a context of ``limit`` tokens (the model's
+    max_position_embeddings; None: no stated limit, none either)."""
     if limit is None:
         return None
     room = int(limit) - decoding.max_new_tokens
@@ -112,7 +112,7 @@ def generate(
         eos_token_id=tokenizer.eos_token_id,
         use_cache=True,
     )
-    room = context_room(model, decoding)
+    room = context_room(getattr(model.config, "max_position_embeddings", None), decoding)
     encoded = [prompt_ids(tokenizer, p, room) for p in prompts]
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     batches = list(enumerate(range(0, len(encoded), batch_size)))

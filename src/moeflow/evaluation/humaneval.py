@@ -181,7 +181,9 @@ class HumanEvalGeneration:
     top_p: float
     max_new_tokens: int
     batch_size: int
+    engine: str
     seed: int
+    serving: dict[str, Any] | None  # engine vllm: the serving environment's python and dtype
 
 
 @dataclass(frozen=True)

@@ -4,17 +4,17 @@ Rule serve_check loads the exported folder twice: with moeflow's own loader (the
 and in vLLM, started in the serving environment's Python (moeflow.serving.engine). Both score every segment of the
 coverage validation set, so every expert serves some of its tokens; at each position the log-prob of the segment's
 token must agree within ``serve.tolerance``, and the top token must be the same wherever moeflow's top two are
-further apart than that. Before either, the export's tensors (names and shapes) must be the base model folder's:
+further apart than twice that. Before either, the export's tensors (names and shapes) must be the base model folder's:
 a dropped MTP tensor or a renamed router changes no log-prob of the main model, but a serving engine reads those
 names. A check that fails raises, naming what differs; nothing is written.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,29 +25,17 @@ import torch
 
 from moeflow.data.shards import iter_rows
 from moeflow.data.valset import open_valset
+from moeflow.loading.factory import make_model
+from moeflow.model.device import compute_device
 from moeflow.model.safetensors_files import read_header, weight_files
 from moeflow.runtime.files import read_json
 from moeflow.runtime.host_copies import model_device
+from moeflow.serving.process import ServeCheckError, run_engine
+from moeflow.serving.settings import ServeCheckStage, unsupported_reason
 
 log = logging.getLogger(__name__)
 
-ENGINE_SCRIPT = Path(__file__).with_name("engine.py")
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Families vLLM's CPU build cannot run as published, and why; on a GPU it runs them.
-CPU_UNSUPPORTED = {
-    "deepseek_v3": "vLLM's CPU MLA kernels take bf16 weights only and lose rotary positions (the output equals every "
-    "position at 0); the check runs on a GPU",
-    "gpt_oss": "vLLM's CPU build has no unquantized MoE backend for it ('No Unquantized MoE backend supports the "
-    "deployment configuration'); the check runs on a GPU",
-    "step3p5": "vLLM 0.32's Step-3.5 model reads num_attention_heads as one value, which transformers 5.19's per-layer "
-    "config refuses (AmbiguousGlobalPerLayerAttributeError)",
-}
-
-
-class ServeCheckError(RuntimeError):
-    """The export does not serve as trained, or the engine could not load it; the message says what differs."""
 
 
 def model_type(folder: str | os.PathLike) -> str:
@@ -55,19 +43,19 @@ def model_type(folder: str | os.PathLike) -> str:
     return read_json(Path(folder) / "config.json")["model_type"]
 
 
-def unsupported_reason(model_type: str, engine_device: str) -> str | None:
-    """Why the engine cannot check a model of ``model_type`` on ``engine_device`` (None: it can)."""
-    return CPU_UNSUPPORTED.get(model_type) if engine_device == "cpu" else None
-
-
-def valset_segments(valset_dir: str | os.PathLike, max_sequences: int | None = None) -> list[list[int]]:
+def valset_segments(
+    valset_dir: str | os.PathLike, max_sequences: int | None = None, max_tokens: int | None = None
+) -> list[list[int]]:
     """The coverage validation set's segments as the model reads them (each packed document piece from its position
-    0; padding dropped; pieces of one token have nothing to predict), in order; the first ``max_sequences``."""
+    0; padding dropped; pieces of one token have nothing to predict), in order; the first ``max_sequences``, each
+    cut to ``max_tokens``."""
     segments = []
     for row in iter_rows(open_valset(valset_dir)):
         ids, positions, labels = row["input_ids"], row["position_ids"], row["labels"]
         starts = np.flatnonzero(positions == 0).tolist() + [len(ids)]
         for lo, hi in zip(starts[:-1], starts[1:]):
+            if max_tokens is not None:
+                hi = min(hi, lo + max_tokens)
             if hi - lo > 1 and (labels[lo + 1 : hi] >= 0).any():
                 segments.append(ids[lo:hi].tolist())
                 if max_sequences is not None and len(segments) == max_sequences:
@@ -105,58 +93,11 @@ def engine_logprobs(
     threads: int = 1,
 ) -> dict[str, Any]:
     """The engine's record (moeflow.serving.engine) for ``sequences`` on the folder ``model_dir``, from the serving
-    environment's ``python``; a ServeCheckError with the end of its output when it fails."""
+    environment's ``python``; an EngineError with the end of its output when it fails."""
     with tempfile.TemporaryDirectory(prefix="moeflow-serve-") as tmp:
         given = Path(tmp) / "sequences.json"
         given.write_text(json.dumps([list(map(int, ids)) for ids in sequences]))
         return run_engine(python, model_dir, ["--sequences", str(given), "--dtype", dtype], timeout_s, threads)
-
-
-def engine_read_adapter(
-    python: str | os.PathLike, model_dir: str | os.PathLike, adapter_dir: str | os.PathLike, timeout_s: float
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """How vLLM's adapter loader reads the adapter at ``adapter_dir`` for the model at ``model_dir`` (no model is
-    loaded): the engine's record and the factors it holds (moeflow.serving.engine's ``--adapter``)."""
-    from safetensors.torch import load_file
-
-    with tempfile.TemporaryDirectory(prefix="moeflow-serve-") as tmp:
-        read = Path(tmp) / "read.safetensors"
-        record = run_engine(python, model_dir, ["--adapter", str(adapter_dir), "--read", str(read)], timeout_s)
-        return record, load_file(str(read))
-
-
-def run_engine(
-    python: str | os.PathLike, model_dir: str | os.PathLike, args: Sequence[str], timeout_s: float, threads: int = 1
-) -> dict[str, Any]:
-    """moeflow.serving.engine run by the serving environment's ``python`` on ``model_dir`` with ``args``: its JSON
-    record, or a ServeCheckError with the end of its output."""
-    python = Path(python)
-    if not python.is_file():
-        raise ServeCheckError(
-            f"config key 'serve.python': {python} does not exist: make the serving environment with `make serve-env` "
-            "(it writes .venvs/serve), or point the key at a Python with vLLM installed"
-        )
-    with tempfile.TemporaryDirectory(prefix="moeflow-serve-") as tmp:
-        result = Path(tmp) / "engine.json"
-        command = [str(python), str(ENGINE_SCRIPT), "--model", str(model_dir), "--output", str(result), *args]
-        env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": ""}
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
-            raise ServeCheckError(
-                f"the engine took longer than serve.timeout_s ({timeout_s} s) on {model_dir}"
-            ) from None
-        log.info("engine output:\n%s", done.stdout[-4000:] + done.stderr[-8000:])
-        if done.returncode != 0:
-            raise ServeCheckError(
-                f"vLLM could not serve {model_dir} (exit {done.returncode}); the end of its output:\n"
-                + _last_lines(done.stdout + done.stderr)
-            )
-        return json.loads(result.read_text())
-
-
-def _last_lines(text: str, lines: int = 25) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def compare(
@@ -165,17 +106,23 @@ def compare(
     """How the engine's log-probs (``engine``, moeflow.serving.engine's sequences) agree with moeflow's
     (``reference``, :func:`model_logprobs`): the largest and mean absolute difference of the sequence's token's
     log-prob, and the share of positions with the same top token among those whose top two moeflow sets further
-    apart than ``tolerance``; ``passed`` when the largest difference is within ``tolerance`` and every such top token
-    agrees. ``worst``: where the largest difference is (sequence, position)."""
+    apart than twice ``tolerance``; ``passed`` when the largest difference is within ``tolerance`` and every such top
+    token agrees. ``worst``: where the largest difference is (sequence, position)."""
     if len(reference) != len(engine):
         raise ServeCheckError(f"the engine scored {len(engine)} sequences, moeflow {len(reference)}")
     diffs, agree, decided, worst = [], 0, 0, (0, 0, 0.0)
     for i, (ref, eng) in enumerate(zip(reference, engine)):
+        if len(ref["token"]) != len(eng["token"]):
+            raise ServeCheckError(
+                f"sequence {i}: the engine scored {len(eng['token'])} positions, moeflow {len(ref['token'])}"
+            )
         diff = np.abs(np.asarray(ref["token"], dtype=np.float64) - np.asarray(eng["token"], dtype=np.float64))
+        diff = np.nan_to_num(diff, nan=np.inf)  # a NaN on either side is a difference, and the worst one
         if diff.size and diff.max() > worst[2]:
             worst = (i, int(diff.argmax()) + 1, float(diff.max()))
         diffs.append(diff)
-        clear = np.asarray(ref["margin"]) > tolerance
+        # each side's log-probs may move by the tolerance: a flip between two tokens closer than twice it is allowed
+        clear = np.asarray(ref["margin"]) > 2 * tolerance
         decided += int(clear.sum())
         agree += int((np.asarray(ref["top"])[clear] == np.asarray(eng["top"])[clear]).sum())
     every = np.concatenate(diffs) if diffs else np.zeros(0)
@@ -219,3 +166,48 @@ def refuse_tensor_differences(differences: dict[str, list[str]], export_dir: str
             f"{export_dir}: the export's tensors are not its base model's ({listed}); a serving engine reads the "
             "base model's names and shapes"
         )
+
+
+def check_export(
+    settings: ServeCheckStage,
+    model_dir: str | os.PathLike,
+    base_dir: str | os.PathLike,
+    experts: str | os.PathLike,
+    valset_dir: str | os.PathLike,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """The serving check of one run's export at ``model_dir`` (module docstring): its record, or a ServeCheckError
+    saying what differs. ``base_dir``: its base model folder; ``experts``: the run's experts choice."""
+    serve = settings.serve
+    record = {"run": settings.run, "model_type": model_type(model_dir), "dtype": serve.dtype}
+    refuse_tensor_differences(tensor_differences(model_dir, base_dir), model_dir)
+    reason = unsupported_reason(record["model_type"], settings.device)
+    if reason:
+        log.warning("serve_check: %s is not checked on %s: %s", record["model_type"], settings.device, reason)
+        return record | {"checked": False, "reason": reason}
+    # vLLM generates one token after each sequence: the longest must stay under the model's positions
+    limit = read_json(Path(model_dir) / "config.json").get("max_position_embeddings")
+    sequences = valset_segments(valset_dir, serve.max_sequences, limit - 1 if limit else None)
+    device = compute_device(settings.device)
+    model = make_model(settings.model, experts=experts, folder=model_dir, device=device, dtype=DTYPES[serve.dtype])
+    reference = model_logprobs(model.eval(), sequences)
+    del model  # the engine loads the model next, in its own process, and measures the device's free memory
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    engine = engine_logprobs(serve.python, model_dir, sequences, serve.dtype, serve.timeout_s, threads)
+    agreement = compare(reference, engine["sequences"], serve.tolerance)
+    record |= {"checked": True, "engine": engine["engine"], "engine_version": engine["version"]}
+    record |= {"engine_device": engine["device"], "sequences": len(sequences), **agreement}
+    log.info("serve_check: %s", {k: v for k, v in record.items() if k != "worst"})
+    if not agreement["passed"]:
+        raise ServeCheckError(
+            f"run {settings.run!r}: {record['engine']} {record['engine_version']} does not compute what moeflow "
+            f"computes from {model_dir} in {serve.dtype}: largest |log-prob difference| "
+            f"{agreement['max_abs_logprob_diff']:.3g} (serve.tolerance {serve.tolerance:g}) at sequence "
+            f"{agreement['worst']['sequence']} position {agreement['worst']['position']}, top token agreeing at "
+            f"{agreement['top_token_agreement']:.1%} of {agreement['top_token_positions']} positions. Do not serve "
+            "this export with this engine: compare the family's config with the engine's implementation (a feature "
+            "one side ignores), or, in a lower precision than float32, measure a tolerance for it"
+        )
+    return record

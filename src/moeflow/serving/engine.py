@@ -8,6 +8,10 @@ moeflow.serving.check starts this file as a script with the serving environment'
 It imports vLLM and the standard library only: moeflow is not installed there. For each sequence it writes, at
 every position after the first, the log-prob vLLM gives the sequence's token there and vLLM's top token.
 
+With ``--generate REQUESTS.json`` it generates instead: one completion per prompt (token ids), greedy or sampled with
+a seed per prompt, ending at EOS, a stop string or ``max_tokens``; it writes each completion's token ids and why it
+ended (HumanEval through vLLM: moeflow.serving.generation).
+
 With ``--adapter DIR --read OUT.safetensors`` it loads no model: it reads a LoRA adapter with vLLM's own adapter
 loader (``LoRAModel.from_local_checkpoint``, the names the model class expects, and the stacking of each MoE layer's
 per-expert adapters into its fused w13 and w2), and writes the factors vLLM holds per module and, in the record, their
@@ -30,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--adapter", help="read this LoRA adapter with vLLM's loader instead (no model is loaded)")
     parser.add_argument("--read", help="with --adapter: the factors vLLM holds, written here (safetensors)")
+    parser.add_argument(
+        "--generate", help="JSON: prompts (token id lists), max_tokens, temperature, top_p, seeds, stop"
+    )
     args = parser.parse_args(argv)
     if args.adapter:
         read_adapter(args.model, args.adapter, args.read, args.output)
@@ -39,23 +46,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # The CPU build reserves its KV cache up front (GiB); a check's sequences are few and short.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.generate:
+        generate(args.model, args.generate, args.dtype, args.output)
+    else:
+        prompt_logprobs(args.model, args.sequences, args.dtype, args.output)
+
+
+def prompt_logprobs(model_dir: str, sequences_file: str, dtype: str, output: str) -> None:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
-    with open(args.sequences) as f:
+    with open(sequences_file) as f:
         sequences = json.load(f)
     # The longest sequence and the one generated token vLLM insists on: within the model's positions when the
     # sequences were packed within its training context.
     max_model_len = max(map(len, sequences)) + 1
-    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=max_model_len, seed=0)
+    llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=0)
     # One log-prob per position (the sequence's token, and the top one): the whole vocabulary costs 10x the time.
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False)
     result = []
-    for ids, output in zip(sequences, outputs):
-        per_position = output.prompt_logprobs[1:]  # the first token has no prediction
+    for ids, scored in zip(sequences, outputs):
+        per_position = scored.prompt_logprobs[1:]  # the first token has no prediction
         result.append(
             {
                 "token": [logprobs[token].logprob for token, logprobs in zip(ids[1:], per_position)],
@@ -68,8 +82,39 @@ def main(argv: Sequence[str] | None = None) -> None:
         "device": current_platform.device_type,
         "sequences": result,
     }
-    with open(args.output, "w") as f:
+    with open(output, "w") as f:
         json.dump(record, f)
+
+
+def generate(model_dir: str, requests_file: str, dtype: str, output: str) -> None:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    with open(requests_file) as f:
+        requests = json.load(f)
+    prompts = requests["prompts"]
+    max_model_len = max(map(len, prompts)) + requests["max_tokens"]
+    llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=0)
+    sampled = requests["temperature"] is not None
+    params = [
+        SamplingParams(
+            max_tokens=requests["max_tokens"],
+            temperature=requests["temperature"] if sampled else 0.0,
+            top_p=requests["top_p"] if sampled else 1.0,
+            seed=requests["seeds"][i] if sampled else None,
+            stop=requests["stop"],
+        )
+        for i in range(len(prompts))
+    ]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+    completions = [
+        {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason} for o in outputs
+    ]
+    record = {"engine": "vllm", "version": vllm.__version__, "device": current_platform.device_type}
+    with open(output, "w") as f:
+        json.dump(record | {"completions": completions}, f)
 
 
 # The expert projections' names in a family's files, in the order vLLM's expert mapping takes them: gate, down, up.

@@ -20,6 +20,7 @@ from moeflow.families.family import EXPERT_COUNT_KEYS
 from moeflow.model.settings import quantization_problems as model_quantization_problems
 from moeflow.parallel.settings import training_layout_problems as layout_problems
 from moeflow.runtime import compat
+from moeflow.serving.settings import unsupported_reason
 from moeflow.settings import (
     REPO_ROOT,
     SCHEMA_PATH,
@@ -179,9 +180,28 @@ def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 
 def humaneval_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """pass@k estimates from n samples per problem exist for k <= n only."""
+    """pass@k estimates from n samples per problem exist for k <= n only; vLLM needs its environment and holds the
+    model in one process."""
     humaneval = cfg["evaluate"]["humaneval"]
     n = humaneval["n_samples"]
+    if humaneval["enabled"] and humaneval["engine"] == "vllm":
+        if cfg["serve"]["python"] is None:
+            return [
+                "config key 'evaluate.humaneval.engine' is vllm but 'serve.python' is null: make the serving "
+                "environment (`make serve-env`) and pass --configfile config/serve.yaml, or use engine: hf"
+            ]
+        model_type, _ = _model_type_and_experts(cfg["model"])
+        reason = unsupported_reason(model_type or "", cfg["hardware"]["device"])
+        if reason:
+            return [
+                f"config key 'evaluate.humaneval.engine' is vllm, which cannot run {model_type} on the CPU here: "
+                f"{reason}; use engine: hf"
+            ]
+        if cfg["evaluate"]["ranks"] > 1:
+            return [
+                f"config key 'evaluate.humaneval.engine' is vllm, which holds the model in one process, but "
+                f"'evaluate.ranks' is {cfg['evaluate']['ranks']}: set evaluate.ranks: 1, or use engine: hf"
+            ]
     return [
         f"config key 'evaluate.humaneval.k[{i}]' ({k}) exceeds 'evaluate.humaneval.n_samples' ({n}): pass@k needs at "
         "least k sampled completions per problem; raise n_samples or drop that k"

@@ -156,7 +156,7 @@ def forward_parallel(cfg: Mapping[str, Any], section: str = "evaluate") -> dict[
     }
 
 
-HUMANEVAL_GENERATION_KEYS = ("problems", "n_samples", "temperature", "top_p", "max_new_tokens", "batch_size")
+HUMANEVAL_GENERATION_KEYS = ("problems", "n_samples", "temperature", "top_p", "max_new_tokens", "batch_size", "engine")
 
 
 HUMANEVAL_EXECUTION_KEYS = ("k", "timeout_s", "memory_mb")
@@ -167,7 +167,10 @@ def humaneval_generation_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     ``seed`` null resolved to the run's. Execution's keys are left out: changing one generates nothing again."""
     humaneval = cfg["evaluate"]["humaneval"]
     seed = cfg["seed"] if humaneval["seed"] is None else humaneval["seed"]
-    return {key: humaneval[key] for key in HUMANEVAL_GENERATION_KEYS} | {"seed": seed}
+    # vLLM's: the serving environment, the dtype it computes in, how long it may take (the hf engine reads none)
+    serve = cfg["serve"]
+    serving = {key: serve[key] for key in ("python", "dtype", "timeout_s")} if humaneval["engine"] == "vllm" else None
+    return {key: humaneval[key] for key in HUMANEVAL_GENERATION_KEYS} | {"seed": seed, "serving": serving}
 
 
 def humaneval_execution_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:

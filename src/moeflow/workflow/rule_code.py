@@ -169,6 +169,14 @@ HUMANEVAL = ("evaluation.humaneval", "evaluation.completions")
 SANDBOX = ("evaluation.humaneval_execution", "evaluation.sandbox", "evaluation.sandbox_launcher")
 
 
+# The serving engine run in the serving environment (serve.python), and what it is asked for.
+ENGINE = ("serving.engine", "serving.process")
+# An export checked in the engine against moeflow's forward, and a LoRA run's adapter as the engine reads it.
+SERVING_CHECK = ("serving.check", "serving.adapter", "serving.settings", *ENGINE)
+# Completions generated in the engine (evaluate.humaneval.engine: vllm).
+ENGINE_GENERATION = ("serving.generation", *ENGINE)
+
+
 RULES: dict[str, tuple[str, ...]] = {
     "verify_env": (),  # its script runs infrastructure only; its fingerprint param reruns it when packages change
     "choose_experts": ("model.experts_choice", "model.device", *MODEL_CONFIG, "model.routing"),
@@ -197,14 +205,14 @@ RULES: dict[str, tuple[str, ...]] = {
     "evaluate_run": ("evaluation.comparison",),  # compares evaluate_model's records
     # the set evaluation: each result carries its cross-check against moeflow's own loss
     "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *FORWARD_OPENING),
-    "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *MODEL, *FORWARD_OPENING),
+    "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *ENGINE_GENERATION, *MODEL, *FORWARD_OPENING),
     "humaneval_execute": (*HUMANEVAL, *SANDBOX),
     "routing_drift": ("evaluation.drift",),  # compares evaluate_model's routings
     # the export in the serving engine (its script, moeflow.serving.engine, is part of the package) against moeflow's
     # forward of the same folder on the validation set's segments
-    "serve_check": ("serving", *MODEL, *ROWS, *VALSET, "model.device"),
+    "serve_check": (*SERVING_CHECK, *MODEL, *ROWS, *VALSET, "model.device"),
     # a LoRA adapter split by expert module (the conversion the loader uses, without a model)
-    "serving_adapter": ("serving.adapter", "serving.settings", *MODEL),
+    "serving_adapter": ("serving.adapter", "serving.settings", "serving.process", *MODEL),
     "paper": ("paper",),
 }
 

@@ -69,7 +69,7 @@ def lm_eval_task_settings(cfg: Mapping[str, Any], task: str, model: str) -> dict
 def serve_check_settings(cfg: Mapping[str, Any], run: str) -> dict[str, Any]:
     """Rule serve_check (moeflow.serving.settings.ServeCheckStage): the run, how moeflow loads its model (the model
     section, the device) and the ``serve`` section."""
-    return {"run": run, "model": cfg["model"], "device": cfg["hardware"]["device"], "serve": cfg["serve"]}
+    return {"run": run, "model": keys.untrained_model(cfg), "device": cfg["hardware"]["device"], "serve": cfg["serve"]}
 
 
 # Rule -> its settings from the run config it serves, for the rules whose wildcards name nothing else.

@@ -37,3 +37,28 @@ def test_a_planted_export_defect_fails_the_stage_and_writes_nothing(pipeline_cop
     said = failed.stderr  # the stage's error, as Snakemake shows it
     assert "missing 1: model.layers.0.mlp.gate.weight" in said and "unexpected 1: model.layers.0.mlp.router" in said
     assert not (res / "runs" / "moe" / "serve" / "check.json").exists()
+
+
+def test_humaneval_through_vllm_writes_the_hf_engines_greedy_completions(pipeline_copy):
+    # evaluate.humaneval.engine: vllm on the smoke pipeline's models: the samples in the same format, every greedy
+    # completion the HF engine's text (float32: the two pick the same tokens), the sampled ones drawn by vLLM.
+    res = results(pipeline_copy)
+    samples = {
+        model: res / "runs" / "moe" / "eval" / "humaneval" / model / "samples.jsonl" for model in ("base", "finetuned")
+    }
+    by_hf = {model: [json.loads(line) for line in path.read_text().splitlines()] for model, path in samples.items()}
+    overlay = pipeline_copy / "config" / "engine.yaml"
+    overlay.write_text(json.dumps({"evaluate": {"humaneval": {"engine": "vllm"}}}))
+    targets = [str(path.relative_to(pipeline_copy)) for path in samples.values()]
+    snakemake(pipeline_copy, *targets, "--cores", "2", *SMOKE, "config/engine.yaml")
+    for model, path in samples.items():
+        by_vllm = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [(r["task_id"], r["mode"], r["index"]) for r in by_vllm] == [
+            (r["task_id"], r["mode"], r["index"]) for r in by_hf[model]
+        ]
+        greedy = [(r, h) for r, h in zip(by_vllm, by_hf[model]) if r["mode"] == "greedy"]
+        assert len(greedy) == 4 and all(r == h for r, h in greedy), (model, greedy)
+        sampled = [r for r in by_vllm if r["mode"] != "greedy"]
+        assert all(r["finish"] in ("stop", "eos", "length") and r["new_tokens"] <= 24 for r in sampled)
+    log = (res / "logs" / "humaneval_generate").rglob("*.log")
+    assert any("vllm" in p.read_text().lower() for p in log)
