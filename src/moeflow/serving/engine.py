@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # The CPU build reserves its KV cache up front (GiB); a check's sequences are few and short.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Its default pins its threads to chosen cores, where other jobs run too: a check took 22.7 s unpinned and 42 to
+    # 65 s pinned on a 2-core machine, 137 to 236 s in CI beside the test suites (docs/benchmarks.md).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if args.generate:
         generate(args.model, args.generate, args.dtype, args.output)
     else:
