@@ -38,11 +38,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def model_type(folder: str | os.PathLike) -> str:
-    """The ``model_type`` of a model folder's config.json (what the engine picks its implementation by)."""
-    return read_json(Path(folder) / "config.json")["model_type"]
-
-
 def valset_segments(
     valset_dir: str | os.PathLike, max_sequences: int | None = None, max_tokens: int | None = None
 ) -> list[list[int]]:
@@ -179,14 +174,15 @@ def check_export(
     """The serving check of one run's export at ``model_dir`` (module docstring): its record, or a ServeCheckError
     saying what differs. ``base_dir``: its base model folder; ``experts``: the run's experts choice."""
     serve = settings.serve
-    record = {"run": settings.run, "model_type": model_type(model_dir), "dtype": serve.dtype}
+    config = read_json(Path(model_dir) / "config.json")  # its model_type is what the engine picks its code by
+    record = {"run": settings.run, "model_type": config["model_type"], "dtype": serve.dtype}
     refuse_tensor_differences(tensor_differences(model_dir, base_dir), model_dir)
     reason = unsupported_reason(record["model_type"], settings.device)
     if reason:
         log.warning("serve_check: %s is not checked on %s: %s", record["model_type"], settings.device, reason)
         return record | {"checked": False, "reason": reason}
     # vLLM generates one token after each sequence: the longest must stay under the model's positions
-    limit = read_json(Path(model_dir) / "config.json").get("max_position_embeddings")
+    limit = config.get("max_position_embeddings")
     sequences = valset_segments(valset_dir, serve.max_sequences, limit - 1 if limit else None)
     device = compute_device(settings.device)
     model = make_model(settings.model, experts=experts, folder=model_dir, device=device, dtype=DTYPES[serve.dtype])
