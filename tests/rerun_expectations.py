@@ -145,7 +145,12 @@ ROWS = (
     Row(
         "the serving engine's script and how it is run in the serving environment (the package's docstring)",
         ("src/moeflow/serving/engine.py", "src/moeflow/serving/process.py", "src/moeflow/serving/__init__.py"),
-        frozenset({"serve_check", "humaneval_generate", "humaneval_execute", "paper"}),
+        frozenset({"serve_check", "humaneval_generate", "humaneval_execute", "lm_eval_task", "paper"}),
+    ),
+    Row(
+        "lm-eval tasks through lm-eval's vLLM backend in the serving environment (evaluate.lm_eval.engine: vllm)",
+        ("src/moeflow/serving/harness.py",),
+        frozenset({"lm_eval_task", "paper"}),
     ),
     Row(
         "HumanEval's completions generated in the serving engine (evaluate.humaneval.engine: vllm)",

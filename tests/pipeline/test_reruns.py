@@ -7,7 +7,16 @@ import json
 
 import pytest
 import rerun_expectations as E
-from conftest import SERVE_PYTHON, SMOKE, active_stack, in_smoke, results, scheduled_rules, snakemake, write_overlay
+from conftest import (
+    SMOKE,
+    SMOKE_SERVE_PYTHON,
+    active_stack,
+    in_smoke,
+    results,
+    scheduled_rules,
+    snakemake,
+    write_overlay,
+)
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.fast]  # dry runs and reads of the smoke pipeline
 
@@ -128,7 +137,7 @@ RERUN_TABLE = {
     "precision": ({"precision": "bf16"}, ALL_RULES),
     "seed": ({"seed": 1}, ALL_RULES),
 }
-if SERVE_PYTHON:  # the serving check's own settings (without a serving environment no job reads them)
+if SMOKE_SERVE_PYTHON:  # the serving check's own settings (without a serving environment no job reads them)
     RERUN_TABLE["serving setting"] = ({"serve": {"tolerance": 1.0e-3}}, {"serve_check", "paper"})
 
 

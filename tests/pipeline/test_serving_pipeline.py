@@ -40,12 +40,11 @@ def test_a_planted_export_defect_fails_the_stage_and_writes_nothing(pipeline_cop
 
 
 def test_humaneval_through_vllm_writes_the_hf_engines_greedy_completions(pipeline_copy):
-    # evaluate.humaneval.engine: vllm on the smoke pipeline's models: the samples in the same format, every greedy
-    # completion the HF engine's text (float32: the two pick the same tokens), the sampled ones drawn by vLLM.
+    # evaluate.humaneval.engine: vllm on the smoke pipeline's fine-tuned model (the base goes the same way): the samples
+    # in the same format, every greedy completion the HF engine's text (float32: the two pick the same tokens), the
+    # sampled ones drawn by vLLM.
     res = results(pipeline_copy)
-    samples = {
-        model: res / "runs" / "moe" / "eval" / "humaneval" / model / "samples.jsonl" for model in ("base", "finetuned")
-    }
+    samples = {model: res / "runs" / "moe" / "eval" / "humaneval" / model / "samples.jsonl" for model in ("finetuned",)}
     by_hf = {model: [json.loads(line) for line in path.read_text().splitlines()] for model, path in samples.items()}
     overlay = pipeline_copy / "config" / "engine.yaml"
     overlay.write_text(json.dumps({"evaluate": {"humaneval": {"engine": "vllm"}}}))
@@ -62,3 +61,27 @@ def test_humaneval_through_vllm_writes_the_hf_engines_greedy_completions(pipelin
         assert all(r["finish"] in ("stop", "eos", "length") and r["new_tokens"] <= 24 for r in sampled)
     log = (res / "logs" / "humaneval_generate").rglob("*.log")
     assert any("vllm" in p.read_text().lower() for p in log)
+
+
+def test_lm_eval_through_vllm_gives_the_hf_engines_metrics(pipeline_copy):
+    # evaluate.lm_eval.engine: vllm on the smoke pipeline's fine-tuned moe model: lm-eval's own vLLM backend scores the
+    # exported folder. The perplexity equals the HF engine's (itself moeflow's evaluation, its cross-check says) to
+    # float32 rounding: both score a segment from its first token, on the data stage's tokens. The body-choice
+    # accuracies are the same fractions: no choice is a near tie in float32.
+    res = results(pipeline_copy)
+    folder = res / "runs" / "moe" / "eval" / "lm_eval" / "finetuned"
+    by_hf = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+    assert set(by_hf) == {"moeflow_perplexity", "moeflow_body_choice"}
+    overlay = pipeline_copy / "config" / "engine.yaml"
+    overlay.write_text(json.dumps({"evaluate": {"lm_eval": {"engine": "vllm"}}}))
+    targets = [str((folder / f"{task}.json").relative_to(pipeline_copy)) for task in by_hf]
+    snakemake(pipeline_copy, *targets, "--cores", "2", *SMOKE, "config/engine.yaml")
+    for task, hf in by_hf.items():
+        by_vllm = json.loads((folder / f"{task}.json").read_text())
+        assert hf["engine"]["name"] == "hf" and by_vllm["engine"]["name"] == "vllm", by_vllm["engine"]
+        assert by_vllm["engine"]["dtype"] == "float32" and by_vllm["lm_eval"] == hf["lm_eval"]
+        assert by_vllm["num_samples"] == hf["num_samples"] > 0 and by_vllm["corpora"] == hf["corpora"]
+        assert by_vllm["metrics"].keys() == hf["metrics"].keys()
+        for metric, value in hf["metrics"].items():
+            assert by_vllm["metrics"][metric]["value"] == pytest.approx(value["value"], rel=1e-5, abs=0), (task, metric)
+    assert "cross_check" in by_hf["moeflow_perplexity"] and "cross_check" not in by_vllm

@@ -29,6 +29,7 @@ from moeflow.model.settings import ModelSettings
 from moeflow.settings import REPO_ROOT, ConfigError, typed
 from moeflow.workflow.keys import humaneval_execution_settings, humaneval_generation_settings
 from moeflow.workflow.load import load, run_config
+from moeflow.workflow.rule_settings import lm_eval_task_settings
 
 LIMITS = Limits(wall_s=5.0, memory_mb=512)
 
@@ -166,6 +167,24 @@ def test_the_vllm_engine_is_refused_without_its_environment_or_on_several_ranks(
     serving = humaneval_generation_settings(cfg)["serving"]
     assert serving == {"python": sys.executable, "dtype": "float32", "timeout_s": 1800}
     assert humaneval_generation_settings(run_config(load(), "moe"))["serving"] is None  # hf reads no serve key
+
+
+def test_lm_evals_vllm_engine_is_refused_as_humanevals_and_reads_the_serving_settings():
+    import sys
+
+    vllm = {"engine": "vllm"}
+    with pytest.raises(ConfigError, match=r"'evaluate.lm_eval.engine' is vllm but 'serve.python' is null"):
+        load(overrides={"evaluate": {"lm_eval": vllm}})
+    with pytest.raises(ConfigError, match=r"'evaluate.lm_eval.engine' is vllm, which holds the model in one process"):
+        load(overrides={"serve": {"python": sys.executable}, "evaluate": {"ranks": 2, "lm_eval": vllm}})
+    on_cpu = {"serve": {"python": sys.executable}, "evaluate": {"lm_eval": vllm}, "hardware": {"device": "cpu"}}
+    with pytest.raises(ConfigError, match=r"'evaluate.lm_eval.engine' is vllm, which cannot run gpt_oss on the CPU"):
+        load(REPO_ROOT / "config" / "models" / "gpt-oss-20b.yaml", overrides=on_cpu)
+    load(overrides={"evaluate": {"tasks": [], "lm_eval": vllm}})  # no task: nothing runs in the engine
+    cfg = run_config(load(overrides={"serve": {"python": sys.executable}, "evaluate": {"lm_eval": vllm}}), "moe")
+    settings = lm_eval_task_settings(cfg, "moeflow_perplexity", "finetuned")
+    assert settings["serving"] == {"python": sys.executable, "dtype": "float32", "timeout_s": 1800}
+    assert lm_eval_task_settings(run_config(load(), "moe"), "moeflow_perplexity", "base")["serving"] is None
 
 
 def test_generation_and_execution_settings_are_apart():

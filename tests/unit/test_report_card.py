@@ -1,5 +1,6 @@
-"""Which finished Snakemake runs get a report card (moeflow.workflow.report_card.card_stage); what the card says
-is checked on a finished smoke pipeline's files in tests/pipeline/test_report_card_pipeline.py."""
+"""Which finished Snakemake runs get a report card (moeflow.workflow.report_card.card_stage), and the seed-noise and
+lm-eval lines from records written here; what the card says otherwise is checked on a finished smoke pipeline's files
+in tests/pipeline/test_report_card_pipeline.py."""
 
 from __future__ import annotations
 
@@ -54,3 +55,25 @@ def test_the_seed_noise_section_sets_each_runs_target_change_against_the_twins(t
     # the twin is the noise, not a run set against it; esft's 0.015 is within it
     assert verdicts == "`moe` -0.2900 (beyond), `lora` -0.0700 (beyond), `esft` -0.0150 (within)"
     assert noise_lines(CardFiles("pinned", "paper", runs, str(tmp_path)), Sources()) == []
+
+
+def test_an_lm_eval_line_names_the_engine_that_is_not_hf(tmp_path):
+    import json
+
+    from moeflow.workflow.report_card import RunFiles, Sources, lm_eval_lines
+
+    def card_line(engines: dict[str, str | None]) -> str:
+        by_model = {}
+        for model, engine in engines.items():
+            path = tmp_path / f"{model}-{engine}.json"
+            record = {"metrics": {"general/acc": {"value": 0.5, "stderr": None}}}
+            path.write_text(json.dumps(record | ({"engine": {"name": engine}} if engine else {})))
+            by_model[model] = str(path)
+        base = str(tmp_path)
+        run = RunFiles("moe", True, base, base, base, base, base, base, evaluation=base, lm_eval={"t": by_model})
+        (line,) = lm_eval_lines(run, Sources())
+        return line
+
+    assert card_line({"base": "hf", "finetuned": None}).startswith("- lm-eval `t`, base -> fine-tuned: ")
+    assert card_line({"base": "vllm", "finetuned": "vllm"}).startswith("- lm-eval `t` (through vllm), base")
+    assert card_line({"base": "hf", "finetuned": "vllm"}).startswith("- lm-eval `t` (through hf and vllm), base")

@@ -1,8 +1,8 @@
 """The documents of moeflow's own lm-eval tasks, from an evaluation corpus's packed test split.
 
-The tasks are in workflow/tasks/, and the split's rows are the data stage's (``moeflow.data.shards``). This module
-is also lm-eval's side of the documents: the dataset loader and the per-document scores the task YAMLs name with
-``!function``.
+The tasks are in workflow/tasks/, and the split's rows are the data stage's (``moeflow.data.shards``). lm-eval's side
+of the documents, the dataset loader and the per-document scores the task YAMLs name with ``!function``, is
+workflow/tasks/moeflow_tasks.py, which imports nothing of moeflow (the serving environment's lm-eval runs it too).
 
 - ``segments``: one document per packed segment, the token span of one document inside one row that
   moeflow's evaluation scores on its own (attention stays inside it, its first token is context only).
@@ -11,7 +11,7 @@ is also lm-eval's side of the documents: the dataset loader and the per-document
   signature and docstring as the prompt and its real body among the bodies of other functions of the split.
 
 The stage writes the documents as JSONL and hands lm-eval the file through the task's metadata
-(:data:`DOCS_FILE`); :func:`docs_dataset` reads it back as the task's test split.
+(:data:`DOCS_FILE`); moeflow_tasks.docs reads it back as the task's test split.
 """
 
 from __future__ import annotations
@@ -177,23 +177,3 @@ def write_docs(path: Any, docs: Iterable[Mapping[str, Any]]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         for doc in docs:
             fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
-
-
-def docs_dataset(metadata: Mapping[str, Any]):
-    """The task's test split from the documents file the stage named in the task metadata."""
-    import datasets
-
-    if DOCS_FILE not in metadata:
-        raise TaskDataError(
-            "moeflow's corpus tasks get their documents from moeflow's lm_eval stage (rule lm_eval_task); "
-            "run them through it (evaluate.tasks in the config), not from the lm-eval command line"
-        )
-    with open(metadata[DOCS_FILE], encoding="utf-8") as fh:
-        records = [json.loads(line) for line in fh]
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(records)})
-
-
-def token_perplexity_items(doc: Mapping[str, Any], results: Sequence[float]) -> dict[str, tuple[float, int]]:
-    """A segment's log-likelihood and the tokens it predicts: lm-eval's ``weighted_perplexity`` of these is
-    exp(-sum of log-likelihoods / sum of tokens), moeflow's perplexity over the same tokens."""
-    return {"token_perplexity": (float(results[0]), int(doc["labels"]))}

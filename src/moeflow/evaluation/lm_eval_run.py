@@ -34,7 +34,7 @@ from moeflow.evaluation.lm_eval_docs import (
     segments,
     write_docs,
 )
-from moeflow.evaluation.lm_eval_tasks import TASKS_DIR, TaskSpec
+from moeflow.evaluation.lm_eval_tasks import TaskSpec
 from moeflow.evaluation.run_metrics import EvalSet, evaluate_model
 from moeflow.parallel.layouts import generation_model
 from moeflow.parallel.lockstep import forwards_in_step
@@ -253,9 +253,8 @@ def evaluate_task(
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    include = [str(TASKS_DIR)] + ([str(task.yaml_path.parent)] if task.yaml_path else [])
     manager = TaskManager(
-        include_path=include,
+        include_path=task.include_path,
         include_defaults=task.registry,
         metadata={DOCS_FILE: str(docs_file)} if docs_file else None,
     )
@@ -416,26 +415,52 @@ def corpus_task_record(
     """metrics (``<corpus>/<metric>``), num_samples and, for the perplexity task, cross_check per corpus; with
     several ``ranks`` holding the model, each scores its share (:func:`share_requests`) and every rank gets
     the record."""
+
+    def score(runs: Sequence[tuple[Path, Mapping[str, Sequence[int]] | None]]) -> list[dict[str, Any]]:
+        # the perplexity task logs its per-segment scores for the cross-check
+        return [
+            evaluate_task(model, tokenizer, task, settings, max_length, seed, docs, ids is not None, ids, ranks)
+            for docs, ids in runs
+        ]
+
+    def check(parts: Sequence[Segment], output: Mapping[str, Any], corpus: str) -> dict[str, Any]:
+        loglikelihoods = segment_loglikelihoods(output)
+        return cross_check(model, parts, loglikelihoods, corpus, settings["batch_size"], precision, ranks)
+
+    return corpus_records(task, documents, workdir, score, check) | {"lm_eval": lm_eval_version()}
+
+
+# One lm-eval run's documents file and the token ids of its documents' texts (the perplexity task), or None for each.
+TaskRun = tuple[Path | None, Mapping[str, Sequence[int]] | None]
+
+
+def corpus_records(
+    task: TaskSpec,
+    documents: Mapping[str, tuple[list[dict[str, Any]], list[Segment]]],
+    workdir: str | Path,
+    score: Callable[[Sequence[TaskRun]], Sequence[Mapping[str, Any]]],
+    check: Callable[[Sequence[Segment], Mapping[str, Any], str], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A corpus task's record, whatever engine scores it: each corpus's documents written to ``workdir``, lm-eval's
+    output for every corpus from ``score`` (one :data:`TaskRun` per corpus, in order), its metrics named
+    ``<corpus>/<metric>``, and for the perplexity task ``check(segments, output, corpus)`` per corpus (the HF
+    engine's cross-check) under cross_check."""
+    runs = []
+    for corpus, (docs, _) in documents.items():
+        docs_file = Path(workdir) / f"{corpus}.jsonl"
+        write_docs(docs_file, docs)
+        runs.append((docs_file, {doc["text"]: doc["input_ids"] for doc in docs} if task.docs == SEGMENTS else None))
     record: dict[str, Any] = {
         "metrics": {},
         "num_samples": 0,
         "corpora": list(documents),  # the corpora that gave documents
-        "lm_eval": lm_eval_version(),
     }
     checks = {}
-    for corpus, (docs, parts) in documents.items():
-        docs_file = Path(workdir) / f"{corpus}.jsonl"
-        write_docs(docs_file, docs)
-        segments_task = task.docs == SEGMENTS
-        token_ids = {doc["text"]: doc["input_ids"] for doc in docs} if segments_task else None
-        output = evaluate_task(
-            model, tokenizer, task, settings, max_length, seed, docs_file, segments_task, token_ids, ranks
-        )
-        record["metrics"].update(metrics(output, prefix=f"{corpus}/"))
-        record["num_samples"] += num_samples(output)
-        if task.docs == SEGMENTS:
-            loglikelihoods = segment_loglikelihoods(output)
-            checks[corpus] = cross_check(model, parts, loglikelihoods, corpus, settings["batch_size"], precision, ranks)
+    for (corpus, (_, parts)), scored in zip(documents.items(), score(runs), strict=True):
+        record["metrics"].update(metrics(scored, prefix=f"{corpus}/"))
+        record["num_samples"] += num_samples(scored)
+        if task.docs == SEGMENTS and check is not None:
+            checks[corpus] = check(parts, scored, corpus)
     if checks:
         record["cross_check"] = checks
     return record

@@ -51,6 +51,11 @@ class TaskSpec:
         return self.yaml_path is None
 
     @property
+    def include_path(self) -> list[str]:
+        """lm-eval's include path for the task: moeflow's tasks, and the folder of a task YAML."""
+        return [str(TASKS_DIR)] + ([str(self.yaml_path.parent)] if self.yaml_path else [])
+
+    @property
     def files(self) -> list[Path]:
         """The YAML and the Python modules beside it (its ``!function`` code): editing one reruns the task."""
         return [self.yaml_path, *sorted(self.yaml_path.parent.glob("*.py"))] if self.yaml_path else []

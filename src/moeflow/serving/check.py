@@ -12,10 +12,8 @@ names. A check that fails raises, naming what differs; nothing is written.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,10 +87,8 @@ def engine_logprobs(
 ) -> dict[str, Any]:
     """The engine's record (moeflow.serving.engine) for ``sequences`` on the folder ``model_dir``, from the serving
     environment's ``python``; an EngineError with the end of its output when it fails."""
-    with tempfile.TemporaryDirectory(prefix="moeflow-serve-") as tmp:
-        given = Path(tmp) / "sequences.json"
-        given.write_text(json.dumps([list(map(int, ids)) for ids in sequences]))
-        return run_engine(python, model_dir, ["--sequences", str(given), "--dtype", dtype], timeout_s, threads)
+    given = [list(map(int, ids)) for ids in sequences]
+    return run_engine(python, model_dir, ["--dtype", dtype], timeout_s, threads, request=("--sequences", given))
 
 
 def compare(

@@ -12,6 +12,11 @@ With ``--generate REQUESTS.json`` it generates instead: one completion per promp
 a seed per prompt, ending at EOS, a stop string or ``max_tokens``; it writes each completion's token ids and why it
 ended (HumanEval through vLLM: moeflow.serving.generation).
 
+With ``--lm-eval REQUEST.json`` it runs one lm-evaluation-harness task through lm-eval's own vLLM backend (its
+``vllm`` model type, lm-eval installed beside vLLM) and writes lm-eval's results (``evaluate.lm_eval.engine: vllm``:
+moeflow.serving.harness). The request carries what moeflow's HF engine does differently from lm-eval's defaults, so that
+both score the same tokens: a document's exact token ids, and the perplexity task's first token as context.
+
 With ``--adapter DIR --read OUT.safetensors`` it loads no model: it reads a LoRA adapter with vLLM's own adapter
 loader (``LoRAModel.from_local_checkpoint``, the names the model class expects, and the stacking of each MoE layer's
 per-expert adapters into its fused w13 and w2), and writes the factors vLLM holds per module and, in the record, their
@@ -37,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--generate", help="JSON: prompts (token id lists), max_tokens, temperature, top_p, seeds, stop"
     )
+    parser.add_argument("--lm-eval", help="JSON: one lm-eval task and its settings (moeflow.serving.harness)")
     args = parser.parse_args(argv)
     if args.adapter:
         read_adapter(args.model, args.adapter, args.read, args.output)
@@ -51,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if args.generate:
         generate(args.model, args.generate, args.dtype, args.output)
+    elif args.lm_eval:
+        lm_eval_task(args.model, args.lm_eval, args.dtype, args.output)
     else:
         prompt_logprobs(args.model, args.sequences, args.dtype, args.output)
 
@@ -118,6 +126,111 @@ def generate(model_dir: str, requests_file: str, dtype: str, output: str) -> Non
     record = {"engine": "vllm", "version": vllm.__version__, "device": current_platform.device_type}
     with open(output, "w") as f:
         json.dump(record | {"completions": completions}, f)
+
+
+def lm_eval_task(model_dir: str, request_file: str, dtype: str, output: str) -> None:
+    _vllm_cpu_version_as_vllm()
+    import vllm
+    from lm_eval import simple_evaluate
+    from lm_eval.models.vllm_causallms import VLLM
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+    from vllm.platforms import current_platform
+
+    with open(request_file) as f:
+        request = json.load(f)
+    token_ids: dict[str, list[int]] = {}  # the running run's
+    first_token_as_context = request["first_token_as_context"]
+
+    class MoeflowVLLM(VLLM):
+        def tok_encode(self, string, *args, **kwargs):
+            # a perplexity document's text gives back the tokens the data stage made for it (decoding a segment and
+            # encoding it again is not always the identity)
+            if isinstance(string, str) and string in token_ids:
+                return list(token_ids[string])
+            return super().tok_encode(string, *args, **kwargs)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False):
+            if first_token_as_context:
+                # moeflow's evaluation scores a segment from its first token, which is context only: lm-eval's prefix
+                # token goes, and the segment's first token becomes the context
+                reshaped = []
+                for key, context, continuation in requests:
+                    if list(context) != [self.prefix_token_id]:
+                        raise SystemExit(
+                            "lm-eval split a perplexity document into several windows (or gave one without its "
+                            "prefix): set evaluate.lm_eval.max_length to at least data.seq_len, or null"
+                        )
+                    reshaped.append((key, list(continuation[:1]), list(continuation[1:])))
+                requests = reshaped
+            return super()._loglikelihood_tokens(requests, disable_tqdm)
+
+    # moeflow's HF engine scores at most max_length + 1 tokens per request and rolls perplexity windows of max_length
+    # tokens; lm-eval's vLLM backend keeps one position for the token vLLM must generate and, in its rolling windows,
+    # another for the prefix: two more positions score the same requests.
+    lm = MoeflowVLLM(
+        pretrained=model_dir,
+        dtype=dtype,
+        max_model_len=request["max_length"] + 2,
+        batch_size="auto",  # every request at once: vLLM schedules its own batches
+        seed=request["seed"],
+        enforce_eager=True,
+    )
+    seed = request["seed"]
+    outputs = []
+    for run in request["runs"]:  # one per evaluation corpus of moeflow's corpus tasks, one engine start
+        token_ids.clear()
+        token_ids.update(run["token_ids"] or {})
+        manager = TaskManager(
+            include_path=request["include_path"], include_defaults=request["include_defaults"], metadata=run["metadata"]
+        )
+        results = simple_evaluate(
+            model=lm,
+            tasks=[request["task"]],
+            task_manager=manager,
+            num_fewshot=request["num_fewshot"],
+            limit=request["limit"],
+            bootstrap_iters=request["bootstrap_iters"],
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+        outputs.append({key: results[key] for key in ("results", "n-samples")})
+    record = {
+        "engine": "vllm",
+        "version": vllm.__version__,
+        "device": current_platform.device_type,
+        "lm_eval": _version("lm_eval"),
+        "outputs": outputs,
+    }
+    with open(output, "w") as f:
+        json.dump(record, f, default=handle_non_serializable)
+
+
+def _version(distribution: str) -> str:
+    from importlib.metadata import version
+
+    return version(distribution)
+
+
+def _vllm_cpu_version_as_vllm() -> None:
+    """lm-eval's vLLM backend asks for the version of the distribution ``vllm`` (on import, and when it starts the
+    engine); the CPU build installs as ``vllm-cpu``. Where ``vllm`` is not installed, its version is vllm-cpu's with
+    ``+cpu``, as vLLM's own platform detection reads it (vllm.platforms.vllm_version_matches_substr)."""
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def vllm_or_cpu_build(distribution: str) -> str:
+        try:
+            return version(distribution)
+        except metadata.PackageNotFoundError:
+            if distribution != "vllm":
+                raise
+            return version("vllm-cpu") + "+cpu"
+
+    metadata.version = vllm_or_cpu_build
 
 
 # The expert projections' names in a family's files, in the order vLLM's expert mapping takes them: gate, down, up.

@@ -9,9 +9,7 @@ completion is the same text wherever the two engines pick the same tokens.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,10 +42,7 @@ def engine_completions(
         "seeds": [seed + i for i in range(len(prompts))],
         "stop": list(stops),
     }
-    with tempfile.TemporaryDirectory(prefix="moeflow-generate-") as tmp:
-        given = Path(tmp) / "requests.json"
-        given.write_text(json.dumps(requests))
-        record = run_engine(python, model_dir, ["--generate", str(given), "--dtype", dtype], timeout_s)
+    record = run_engine(python, model_dir, ["--dtype", dtype], timeout_s, request=("--generate", requests))
     return [
         completion(tokenizer, done["token_ids"], stops, len(ids), truncated)
         for (ids, truncated), done in zip(encoded, record["completions"])

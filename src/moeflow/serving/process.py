@@ -29,10 +29,16 @@ class ServeCheckError(EngineError):
 
 
 def run_engine(
-    python: str | os.PathLike, model_dir: str | os.PathLike, args: Sequence[str], timeout_s: float, threads: int = 1
+    python: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    args: Sequence[str],
+    timeout_s: float,
+    threads: int = 1,
+    request: tuple[str, Any] | None = None,
 ) -> dict[str, Any]:
     """moeflow.serving.engine run by the serving environment's ``python`` on ``model_dir`` with ``args``: its JSON
-    record, or a EngineError with the end of its output."""
+    record, or a EngineError with the end of its output. ``request``: (flag, value), the value written as JSON to a
+    file beside the record and passed as ``flag FILE``."""
     if python is None:
         raise EngineError(
             "config key 'serve.python' is null: make the serving environment (`make serve-env`) and "
@@ -46,6 +52,11 @@ def run_engine(
         )
     with tempfile.TemporaryDirectory(prefix="moeflow-serve-") as tmp:
         result = Path(tmp) / "engine.json"
+        if request is not None:
+            flag, value = request
+            given = Path(tmp) / "request.json"
+            given.write_text(json.dumps(value))
+            args = [*args, flag, str(given)]
         # -I: none of this process's paths, nor the engine file's folder (moeflow's modules) on its import path
         command = [str(python), "-I", str(ENGINE_SCRIPT), "--model", str(model_dir), "--output", str(result), *args]
         env = os.environ | {"OMP_NUM_THREADS": str(threads)}

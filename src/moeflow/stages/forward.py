@@ -79,6 +79,7 @@ class LmEvalTaskStage(ForwardStage):
     """Rule lm_eval_task: one entry of ``evaluate.tasks`` (``task``) on the model labelled ``label``."""
 
     lm_eval: dict[str, Any]
+    serving: dict[str, Any] | None  # with evaluate.lm_eval.engine vllm: serve.python, dtype, timeout_s
     task: str
     eval_corpora: tuple[str, ...]
     seq_len: int

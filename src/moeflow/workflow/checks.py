@@ -167,7 +167,8 @@ def serve_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
     """Every evaluate.tasks entry must resolve (moeflow.evaluation.lm_eval_tasks); moeflow_perplexity's documents are
-    segments of up to data.seq_len tokens, each scored in one window of evaluate.lm_eval.max_length."""
+    segments of up to data.seq_len tokens, each scored in one window of evaluate.lm_eval.max_length; the vllm engine
+    needs what :func:`engine_problems` says."""
     tasks, data = cfg["evaluate"]["tasks"], cfg["data"]
     problems = task_problems(tasks, data["eval_corpora"])
     max_length, seq_len = cfg["evaluate"]["lm_eval"]["max_length"], data["seq_len"]
@@ -176,32 +177,42 @@ def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
             f"config key 'evaluate.lm_eval.max_length' ({max_length}) is below 'data.seq_len' ({seq_len}): "
             "moeflow_perplexity scores each packed segment in one window; raise it or set null"
         )
+    if tasks:
+        problems += engine_problems(cfg, "lm_eval")
     return problems
 
 
+def engine_problems(cfg: Mapping[str, Any], section: str) -> list[str]:
+    """``evaluate.<section>.engine: vllm`` needs the serving environment, a family its build runs, and one process."""
+    if cfg["evaluate"][section]["engine"] != "vllm":
+        return []
+    key = f"evaluate.{section}.engine"
+    if cfg["serve"]["python"] is None:
+        return [
+            f"config key '{key}' is vllm but 'serve.python' is null: make the serving "
+            "environment (`make serve-env`) and pass --configfile config/serve.yaml, or use engine: hf"
+        ]
+    model_type, _ = _model_type_and_experts(cfg["model"])
+    reason = unsupported_reason(model_type or "", cfg["hardware"]["device"])
+    if reason:
+        return [f"config key '{key}' is vllm, which cannot run {model_type} on the CPU here: {reason}; use engine: hf"]
+    if cfg["evaluate"]["ranks"] > 1:
+        return [
+            f"config key '{key}' is vllm, which holds the model in one process, but "
+            f"'evaluate.ranks' is {cfg['evaluate']['ranks']}: set evaluate.ranks: 1, or use engine: hf"
+        ]
+    return []
+
+
 def humaneval_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """pass@k estimates from n samples per problem exist for k <= n only; vLLM needs its environment and holds the
-    model in one process."""
+    """pass@k estimates from n samples per problem exist for k <= n only; the vllm engine needs what
+    :func:`engine_problems` says."""
     humaneval = cfg["evaluate"]["humaneval"]
     n = humaneval["n_samples"]
-    if humaneval["enabled"] and humaneval["engine"] == "vllm":
-        if cfg["serve"]["python"] is None:
-            return [
-                "config key 'evaluate.humaneval.engine' is vllm but 'serve.python' is null: make the serving "
-                "environment (`make serve-env`) and pass --configfile config/serve.yaml, or use engine: hf"
-            ]
-        model_type, _ = _model_type_and_experts(cfg["model"])
-        reason = unsupported_reason(model_type or "", cfg["hardware"]["device"])
-        if reason:
-            return [
-                f"config key 'evaluate.humaneval.engine' is vllm, which cannot run {model_type} on the CPU here: "
-                f"{reason}; use engine: hf"
-            ]
-        if cfg["evaluate"]["ranks"] > 1:
-            return [
-                f"config key 'evaluate.humaneval.engine' is vllm, which holds the model in one process, but "
-                f"'evaluate.ranks' is {cfg['evaluate']['ranks']}: set evaluate.ranks: 1, or use engine: hf"
-            ]
+    if humaneval["enabled"]:
+        problems = engine_problems(cfg, "humaneval")
+        if problems:
+            return problems
     return [
         f"config key 'evaluate.humaneval.k[{i}]' ({k}) exceeds 'evaluate.humaneval.n_samples' ({n}): pass@k needs at "
         "least k sampled completions per problem; raise n_samples or drop that k"

@@ -167,10 +167,16 @@ def humaneval_generation_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     ``seed`` null resolved to the run's. Execution's keys are left out: changing one generates nothing again."""
     humaneval = cfg["evaluate"]["humaneval"]
     seed = cfg["seed"] if humaneval["seed"] is None else humaneval["seed"]
-    # vLLM's: the serving environment, the dtype it computes in, how long it may take (the hf engine reads none)
-    serve = cfg["serve"]
-    serving = {key: serve[key] for key in ("python", "dtype", "timeout_s")} if humaneval["engine"] == "vllm" else None
-    return {key: humaneval[key] for key in HUMANEVAL_GENERATION_KEYS} | {"seed": seed, "serving": serving}
+    return {key: humaneval[key] for key in HUMANEVAL_GENERATION_KEYS} | {
+        "seed": seed,
+        "serving": engine_serving(cfg, humaneval["engine"]),
+    }
+
+
+def engine_serving(cfg: Mapping[str, Any], engine: str) -> dict[str, Any] | None:
+    """What a stage that runs through ``engine`` reads of the ``serve`` section: with vllm, the serving environment,
+    the dtype it computes in and how long it may take; with hf, nothing (None)."""
+    return {key: cfg["serve"][key] for key in ("python", "dtype", "timeout_s")} if engine == "vllm" else None
 
 
 def humaneval_execution_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:

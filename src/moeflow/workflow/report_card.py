@@ -266,7 +266,9 @@ def lm_eval_lines(files: RunFiles, src: Sources) -> list[str]:
             f"{number(docs['finetuned']['metrics'][metric]['value'])}"
             for metric in sorted(docs["base"]["metrics"])
         )
-        lines.append(f"- lm-eval `{task}`, base -> fine-tuned: {cells}")
+        engines = sorted({doc.get("engine", {}).get("name", "hf") for doc in docs.values()})
+        through = "" if engines == ["hf"] else f" (through {' and '.join(engines)})"
+        lines.append(f"- lm-eval `{task}`{through}, base -> fine-tuned: {cells}")
     return lines
 
 

@@ -175,6 +175,8 @@ ENGINE = ("serving.engine", "serving.process")
 SERVING_CHECK = ("serving.check", "serving.adapter", "serving.settings", *ENGINE)
 # Completions generated in the engine (evaluate.humaneval.engine: vllm).
 ENGINE_GENERATION = ("serving.generation", *ENGINE)
+# lm-eval tasks through lm-eval's vLLM backend in the engine's environment (evaluate.lm_eval.engine: vllm).
+ENGINE_HARNESS = ("serving.harness", *ENGINE)
 
 
 RULES: dict[str, tuple[str, ...]] = {
@@ -204,7 +206,7 @@ RULES: dict[str, tuple[str, ...]] = {
     ),
     "evaluate_run": ("evaluation.comparison",),  # compares evaluate_model's records
     # the set evaluation: each result carries its cross-check against moeflow's own loss
-    "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *FORWARD_OPENING),
+    "lm_eval_task": (*LM_EVAL, *SET_EVALUATION, *ROUTING, *MODEL, *ROWS, *FORWARD_OPENING, *ENGINE_HARNESS),
     "humaneval_generate": (*HUMANEVAL, "evaluation.generation", *ENGINE_GENERATION, *MODEL, *FORWARD_OPENING),
     "humaneval_execute": (*HUMANEVAL, *SANDBOX),
     "routing_drift": ("evaluation.drift",),  # compares evaluate_model's routings

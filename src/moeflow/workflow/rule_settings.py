@@ -55,10 +55,12 @@ def evaluate_run_settings(cfg: Mapping[str, Any], coverage_cfg: Mapping[str, Any
 
 def lm_eval_task_settings(cfg: Mapping[str, Any], task: str, model: str) -> dict[str, Any]:
     """Rule lm_eval_task (moeflow.stages.forward.LmEvalTaskStage): the task of label ``task`` from
-    ``evaluate.tasks``, on ``model`` (base or finetuned); the evaluation corpora when the task reads them."""
+    ``evaluate.tasks``, on ``model`` (base or finetuned); the evaluation corpora when the task reads them; the
+    serving environment's settings with the vllm engine."""
     spec = lm_eval_tasks(cfg["evaluate"]["tasks"])[task]
     return keys.forward_settings(cfg, "lm_eval_task") | {
         "lm_eval": cfg["evaluate"]["lm_eval"],
+        "serving": keys.engine_serving(cfg, cfg["evaluate"]["lm_eval"]["engine"]),
         "task": spec.spec,
         "eval_corpora": cfg["data"]["eval_corpora"] if spec.docs else [],
         "seq_len": cfg["data"]["seq_len"],
