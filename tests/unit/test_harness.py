@@ -467,3 +467,22 @@ def test_sampled_lm_eval_generation_on_several_ranks_is_refused_naming_the_key(c
     ranks = Ranks(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(harness.HarnessError, match=r"samples its generations.*'evaluate.ranks'"):
         _generated(model, tokenizer, task, ranks)
+
+
+def test_the_task_functions_import_nothing_of_moeflow_and_name_the_stages_documents_key():
+    # the serving environment's lm-eval imports them (evaluate.lm_eval.engine: vllm), where moeflow is not installed
+    import ast
+    import importlib.util
+
+    path = harness_tasks.TASKS_DIR / "moeflow_tasks.py"
+    imported = {
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    assert imported == {"json", "datasets"}, imported
+    spec = importlib.util.spec_from_file_location("moeflow_tasks", path)
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    assert tasks.DOCS_FILE == lm_eval_docs.DOCS_FILE

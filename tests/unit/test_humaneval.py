@@ -181,6 +181,10 @@ def test_lm_evals_vllm_engine_is_refused_as_humanevals_and_reads_the_serving_set
     with pytest.raises(ConfigError, match=r"'evaluate.lm_eval.engine' is vllm, which cannot run gpt_oss on the CPU"):
         load(REPO_ROOT / "config" / "models" / "gpt-oss-20b.yaml", overrides=on_cpu)
     load(overrides={"evaluate": {"tasks": [], "lm_eval": vllm}})  # no task: nothing runs in the engine
+    served = {"serve": {"python": sys.executable}}
+    with pytest.raises(ConfigError, match=r"\+ 2 positions \(2049\), beyond the model's max_position_embeddings"):
+        load(overrides=served | {"evaluate": {"lm_eval": vllm | {"max_length": 2047}}})  # the default's 2048
+    load(overrides=served | {"evaluate": {"lm_eval": vllm | {"max_length": 2046}}})
     cfg = run_config(load(overrides={"serve": {"python": sys.executable}, "evaluate": {"lm_eval": vllm}}), "moe")
     settings = lm_eval_task_settings(cfg, "moeflow_perplexity", "finetuned")
     assert settings["serving"] == {"python": sys.executable, "dtype": "float32", "timeout_s": 1800}

@@ -40,7 +40,15 @@ documents = (
 if settings["engine"] == "vllm":  # the model as it will be served (one process)
     with tempfile.TemporaryDirectory() as workdir:
         record = engine_task_record(
-            job.settings.serving, job.input.model, task, documents, settings, max_length, stage.seed, workdir
+            job.settings.serving,
+            job.input.model,
+            task,
+            documents,
+            settings,
+            max_length,
+            stage.seed,
+            workdir,
+            stage.threads,
         )
     is_main = True
 else:

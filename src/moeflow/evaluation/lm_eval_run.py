@@ -400,6 +400,10 @@ def corpus_documents(
     return out
 
 
+# One lm-eval run's documents file and the token ids of its documents' texts (the perplexity task), or None for each.
+TaskRun = tuple[Path | None, Mapping[str, Sequence[int]] | None]
+
+
 def corpus_task_record(
     model: Any,
     tokenizer: Any,
@@ -416,7 +420,7 @@ def corpus_task_record(
     several ``ranks`` holding the model, each scores its share (:func:`share_requests`) and every rank gets
     the record."""
 
-    def score(runs: Sequence[tuple[Path, Mapping[str, Sequence[int]] | None]]) -> list[dict[str, Any]]:
+    def score(runs: Sequence[TaskRun]) -> list[dict[str, Any]]:
         # the perplexity task logs its per-segment scores for the cross-check
         return [
             evaluate_task(model, tokenizer, task, settings, max_length, seed, docs, ids is not None, ids, ranks)
@@ -430,10 +434,6 @@ def corpus_task_record(
     return corpus_records(task, documents, workdir, score, check) | {"lm_eval": lm_eval_version()}
 
 
-# One lm-eval run's documents file and the token ids of its documents' texts (the perplexity task), or None for each.
-TaskRun = tuple[Path | None, Mapping[str, Sequence[int]] | None]
-
-
 def corpus_records(
     task: TaskSpec,
     documents: Mapping[str, tuple[list[dict[str, Any]], list[Segment]]],
@@ -441,10 +441,11 @@ def corpus_records(
     score: Callable[[Sequence[TaskRun]], Sequence[Mapping[str, Any]]],
     check: Callable[[Sequence[Segment], Mapping[str, Any], str], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A corpus task's record, whatever engine scores it: each corpus's documents written to ``workdir``, lm-eval's
-    output for every corpus from ``score`` (one :data:`TaskRun` per corpus, in order), its metrics named
-    ``<corpus>/<metric>``, and for the perplexity task ``check(segments, output, corpus)`` per corpus (the HF
-    engine's cross-check) under cross_check."""
+    """A corpus task's record, whatever engine scores it.
+
+    Each corpus's documents are written to ``workdir``; ``score`` gives lm-eval's output for every corpus (one
+    :data:`TaskRun` each, in order), whose metrics are named ``<corpus>/<metric>``; for the perplexity task
+    ``check(segments, output, corpus)`` per corpus (the HF engine's cross-check) goes under cross_check."""
     runs = []
     for corpus, (docs, _) in documents.items():
         docs_file = Path(workdir) / f"{corpus}.jsonl"

@@ -140,7 +140,7 @@ def lm_eval_task(model_dir: str, request_file: str, dtype: str, output: str) -> 
     with open(request_file) as f:
         request = json.load(f)
     token_ids: dict[str, list[int]] = {}  # the running run's
-    first_token_as_context = request["first_token_as_context"]
+    first_token_as_context, max_length, seed = request["first_token_as_context"], request["max_length"], request["seed"]
 
     class MoeflowVLLM(VLLM):
         def tok_encode(self, string, *args, **kwargs):
@@ -165,18 +165,26 @@ def lm_eval_task(model_dir: str, request_file: str, dtype: str, output: str) -> 
                 requests = reshaped
             return super()._loglikelihood_tokens(requests, disable_tqdm)
 
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            # a prompt is cut to max_length less the tokens to generate, as moeflow's HF engine cuts it
+            self._max_length = max_length
+            try:
+                return super().generate_until(requests, disable_tqdm)
+            finally:
+                self._max_length = max_length + 2
+
     # moeflow's HF engine scores at most max_length + 1 tokens per request and rolls perplexity windows of max_length
     # tokens; lm-eval's vLLM backend keeps one position for the token vLLM must generate and, in its rolling windows,
-    # another for the prefix: two more positions score the same requests.
+    # another for the prefix: two more positions score the same requests (the config check keeps them within the
+    # model's positions).
     lm = MoeflowVLLM(
         pretrained=model_dir,
         dtype=dtype,
-        max_model_len=request["max_length"] + 2,
+        max_model_len=max_length + 2,
         batch_size="auto",  # every request at once: vLLM schedules its own batches
-        seed=request["seed"],
+        seed=seed,
         enforce_eager=True,
     )
-    seed = request["seed"]
     outputs = []
     for run in request["runs"]:  # one per evaluation corpus of moeflow's corpus tasks, one engine start
         token_ids.clear()
@@ -191,6 +199,7 @@ def lm_eval_task(model_dir: str, request_file: str, dtype: str, output: str) -> 
             num_fewshot=request["num_fewshot"],
             limit=request["limit"],
             bootstrap_iters=request["bootstrap_iters"],
+            log_samples=False,
             random_seed=seed,
             numpy_random_seed=seed,
             torch_random_seed=seed,

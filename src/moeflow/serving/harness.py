@@ -28,11 +28,14 @@ def engine_task_outputs(
     max_length: int,
     seed: int,
     runs: Sequence[TaskRun],
-) -> dict[str, Any]:
-    """The engine's record for lm-eval's ``task`` on the folder ``model_dir``, once per run (documents file and token
-    ids, :data:`moeflow.evaluation.lm_eval_run.TaskRun`) with one engine start: lm-eval's output of each (``results``,
-    ``n-samples``) under ``outputs``, and the engine's and lm-eval's versions. ``serving``: python, dtype, timeout_s
-    (moeflow.workflow.keys.engine_serving); ``settings``: ``evaluate.lm_eval``."""
+    threads: int = 1,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """lm-eval's output for ``task`` on the folder ``model_dir`` in the engine, one per run, with one engine start.
+
+    Each run is a documents file and its token ids (:data:`moeflow.evaluation.lm_eval_run.TaskRun`); each output has
+    lm-eval's ``results`` and ``n-samples``. The second value is what ran them: the engine's name, version, device
+    and dtype, and lm-eval's version. ``serving``: python, dtype, timeout_s (moeflow.workflow.keys.engine_serving);
+    ``settings``: ``evaluate.lm_eval``."""
     request = {
         "task": task.spec,
         "include_path": task.include_path,
@@ -52,7 +55,11 @@ def engine_task_outputs(
         "first_token_as_context": task.docs == SEGMENTS,
     }
     args = ["--dtype", serving["dtype"]]
-    return run_engine(serving["python"], model_dir, args, serving["timeout_s"], request=("--lm-eval", request))
+    record = run_engine(
+        serving["python"], model_dir, args, serving["timeout_s"], threads, request=("--lm-eval", request)
+    )
+    engine = {"name": record["engine"], "version": record["version"], "device": record["device"]}
+    return record["outputs"], engine | {"dtype": serving["dtype"], "lm_eval": record["lm_eval"]}
 
 
 def engine_task_record(
@@ -64,20 +71,22 @@ def engine_task_record(
     max_length: int,
     seed: int,
     workdir: str | os.PathLike,
+    threads: int = 1,
 ) -> dict[str, Any]:
-    """The lm_eval_task record of ``task`` scored in the engine (for a corpus task, on ``documents`` per corpus as
-    moeflow.evaluation.lm_eval_run.corpus_documents builds them), with the serving environment's lm-eval version
-    and the engine's under ``engine``."""
-    done: dict[str, Any] = {}
+    """The lm_eval_task record of ``task`` scored in the engine, with the engine under ``engine``.
+
+    A corpus task runs on ``documents`` per corpus, as moeflow.evaluation.lm_eval_run.corpus_documents builds them;
+    ``lm_eval`` is the serving environment's lm-eval version."""
+    ran: dict[str, Any] = {}
 
     def score(runs: Sequence[TaskRun]) -> list[dict[str, Any]]:
-        done.update(engine_task_outputs(serving, model_dir, task, settings, max_length, seed, runs))
-        return done["outputs"]
+        outputs, engine = engine_task_outputs(serving, model_dir, task, settings, max_length, seed, runs, threads)
+        ran.update(engine)
+        return outputs
 
     if task.docs:
         record = corpus_records(task, documents, workdir, score)
     else:
         (scored,) = score([(None, None)])
         record = {"metrics": metrics(scored), "num_samples": num_samples(scored)}
-    engine = {key: done[key] for key in ("version", "device")} | {"name": done["engine"], "dtype": serving["dtype"]}
-    return record | {"lm_eval": done["lm_eval"], "engine": engine}
+    return record | {"lm_eval": ran.pop("lm_eval"), "engine": ran}

@@ -168,7 +168,7 @@ def serve_problems(cfg: Mapping[str, Any]) -> list[str]:
 def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
     """Every evaluate.tasks entry must resolve (moeflow.evaluation.lm_eval_tasks); moeflow_perplexity's documents are
     segments of up to data.seq_len tokens, each scored in one window of evaluate.lm_eval.max_length; the vllm engine
-    needs what :func:`engine_problems` says."""
+    needs what :func:`engine_problems` says, and its positions within the model's."""
     tasks, data = cfg["evaluate"]["tasks"], cfg["data"]
     problems = task_problems(tasks, data["eval_corpora"])
     max_length, seq_len = cfg["evaluate"]["lm_eval"]["max_length"], data["seq_len"]
@@ -177,9 +177,23 @@ def lm_eval_problems(cfg: Mapping[str, Any]) -> list[str]:
             f"config key 'evaluate.lm_eval.max_length' ({max_length}) is below 'data.seq_len' ({seq_len}): "
             "moeflow_perplexity scores each packed segment in one window; raise it or set null"
         )
-    if tasks:
-        problems += engine_problems(cfg, "lm_eval")
+    if tasks and cfg["evaluate"]["lm_eval"]["engine"] == "vllm":
+        problems += engine_problems(cfg, "lm_eval") or _engine_context_problems(cfg, (max_length or seq_len) + 2)
     return problems
+
+
+def _engine_context_problems(cfg: Mapping[str, Any], positions: int) -> list[str]:
+    """lm-eval's vLLM backend asks the engine for ``positions`` (moeflow.serving.engine), which vLLM refuses beyond
+    the model's max_position_embeddings."""
+    _, config = _model_type_and_experts(cfg["model"])
+    limit = config.get("max_position_embeddings")
+    if limit is None or positions <= limit:
+        return []
+    return [
+        f"config key 'evaluate.lm_eval.engine' is vllm, which scores up to evaluate.lm_eval.max_length (null: "
+        f"data.seq_len) + 2 positions ({positions}), beyond the model's max_position_embeddings ({limit}): lower "
+        "evaluate.lm_eval.max_length (at least data.seq_len for moeflow_perplexity), or use engine: hf"
+    ]
 
 
 def engine_problems(cfg: Mapping[str, Any], section: str) -> list[str]:
