@@ -73,6 +73,33 @@ def test_deepseek_v3_routes_in_float32_under_bf16_autocast():
     assert routing.layers and all(layer.logits.dtype == torch.float32 for layer in routing.layers)
 
 
+def test_deepseek_v3_never_routes_outside_the_chosen_groups_on_either_stack():
+    """transformers 4.57 fills the experts of the groups it did not choose with 0.0, 5 and DeepSeek's published code
+    with -inf. With correction biases below the scores (as load balancing sets them for busy experts) 4.57's choice
+    went to the other group's experts; moeflow's router chooses as 5 does on both stacks."""
+    import torch
+
+    from moeflow.families.deepseek_v3.modeling import DeepseekV3Router
+    from moeflow.loading.factory import make_model
+    from moeflow.model.settings import ModelSettings
+    from moeflow.settings import typed
+
+    model = make_model(typed(ModelSettings, model_config("deepseek_v3")), vocab_size=VOCAB, seed=0)
+    router = next(m for m in model.modules() if isinstance(m, DeepseekV3Router))
+    config = model.config
+    experts, groups, top_k = config.n_routed_experts, config.n_group, config.num_experts_per_tok
+    assert groups > 1 and config.topk_group < groups and top_k > 1
+    per_group = experts // groups
+    with torch.no_grad():
+        # every biased score below 0, group 0's the highest: only group 0 (topk_group groups from it on) is chosen
+        router.e_score_correction_bias.copy_(-2.0 - torch.arange(experts, dtype=torch.float32) / per_group)
+        hidden = torch.randn(16, config.hidden_size, generator=torch.Generator().manual_seed(0))
+        out = router(hidden)
+    indices = out[0] if len(out) == 2 else out[2]  # 4.57: index, weights; 5: logits, weights, index
+    allowed = config.topk_group * per_group
+    assert int(indices.max()) < allowed, indices  # within the chosen groups (the first topk_group here)
+
+
 def _deepseek_router_rank(rank: int, root: str, parallel: dict, results: dict) -> None:
     import dataclasses
 

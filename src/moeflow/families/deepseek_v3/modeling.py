@@ -28,6 +28,19 @@ class DeepseekV3Router(shipped.DeepseekV3TopkRouter):
         with torch.autocast(hidden_states.device.type, enabled=False):
             return super().forward(hidden_states)
 
+    @torch.no_grad()
+    def get_topk_indices(self, scores: torch.Tensor) -> torch.Tensor:
+        """transformers 4.57's group-limited choice (its forward calls this; 5's forward does the choice itself), with
+        the experts of the groups not chosen at -inf, as DeepSeek's published code and transformers 5 put them. 4.57
+        puts them at 0.0, where they win over a chosen group's expert whose score plus correction bias is below 0:
+        a bias that load balancing lowered routes tokens outside the chosen groups."""
+        biased = scores.view(-1, self.n_routed_experts) + self.e_score_correction_bias.unsqueeze(0)
+        groups = biased.view(-1, self.n_group, self.n_routed_experts // self.n_group)
+        chosen = groups.topk(2, dim=-1)[0].sum(dim=-1).topk(self.topk_group, dim=-1, sorted=False)[1]
+        outside = torch.ones(groups.shape[:2], dtype=torch.bool, device=groups.device).scatter_(1, chosen, False)
+        candidates = groups.masked_fill(outside.unsqueeze(-1), float("-inf")).flatten(1)
+        return torch.topk(candidates, k=self.top_k, dim=-1, sorted=False)[1]
+
 
 def float32_routers(model: torch.nn.Module) -> None:
     """Every DeepSeek-V3 router of ``model`` computes in float32 (:class:`DeepseekV3Router`)."""
