@@ -229,6 +229,17 @@ def _generating_through(lm: Any, generator: Any) -> Iterator[None]:
         lm._model, lm._model_generate = model, model_generate
 
 
+def evaluation_options(settings: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` options from ``evaluate.lm_eval`` (``settings``), every seed ``seed``: the same
+    for either engine (moeflow.serving.engine receives them as they are)."""
+    return {
+        "num_fewshot": settings["num_fewshot"],
+        "limit": settings["limit"],
+        "bootstrap_iters": settings["bootstrap_iters"],
+        **{key: seed for key in ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")},
+    }
+
+
 def evaluate_task(
     model: Any,
     tokenizer: Any,
@@ -266,14 +277,8 @@ def evaluate_task(
         model=lm,
         tasks=[task.spec],
         task_manager=manager,
-        num_fewshot=settings["num_fewshot"],
-        limit=settings["limit"],
-        bootstrap_iters=settings["bootstrap_iters"],
         log_samples=log_samples,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
+        **evaluation_options(settings, seed),
     )
     if ranks is not None and ranks.world_size > 1:
         # under torchrun lm-eval returns its output on LOCAL_RANK 0 only (it takes the ranks for tensor

@@ -192,18 +192,9 @@ def lm_eval_task(model_dir: str, request_file: str, dtype: str, output: str) -> 
         manager = TaskManager(
             include_path=request["include_path"], include_defaults=request["include_defaults"], metadata=run["metadata"]
         )
+        # the options are moeflow.evaluation.lm_eval_run.evaluation_options', as the HF engine passes them
         results = simple_evaluate(
-            model=lm,
-            tasks=[request["task"]],
-            task_manager=manager,
-            num_fewshot=request["num_fewshot"],
-            limit=request["limit"],
-            bootstrap_iters=request["bootstrap_iters"],
-            log_samples=False,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
+            model=lm, tasks=[request["task"]], task_manager=manager, log_samples=False, **request["options"]
         )
         outputs.append({key: results[key] for key in ("results", "n-samples")})
     record = {

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moeflow.evaluation.lm_eval_docs import DOCS_FILE, SEGMENTS, Segment
-from moeflow.evaluation.lm_eval_run import TaskRun, corpus_records, metrics, num_samples
+from moeflow.evaluation.lm_eval_run import TaskRun, corpus_records, evaluation_options, metrics, num_samples
 from moeflow.evaluation.lm_eval_tasks import TaskSpec
 from moeflow.serving.process import run_engine
 
@@ -47,9 +47,7 @@ def engine_task_outputs(
             }
             for docs_file, token_ids in runs
         ],
-        "num_fewshot": settings["num_fewshot"],
-        "limit": settings["limit"],
-        "bootstrap_iters": settings["bootstrap_iters"],
+        "options": evaluation_options(settings, seed),
         "seed": seed,
         "max_length": max_length,
         "first_token_as_context": task.docs == SEGMENTS,
