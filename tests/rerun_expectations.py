@@ -260,6 +260,7 @@ ROWS = (
             "src/moeflow/model/lora_merge.py",
             "src/moeflow/model/adapter_layout.py",
             "src/moeflow/model/quantization.py",
+            "src/moeflow/model/quantized_experts.py",
             "src/moeflow/model/saved_names.py",
             "src/moeflow/parallel/*",
             "src/moeflow/model/safetensors_files.py",

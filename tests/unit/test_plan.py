@@ -538,9 +538,9 @@ def test_lora_of_step3p5_flash_is_sharded_with_its_bf16_base(env_report):
     """LoRA shards under FSDP2 (#38): LoRA of Step-3.5-Flash on 8 x 80 GiB splits its frozen base (bf16) and its
     adapters (fp32, with fp32 gradients and AdamW's two moments, no master copy) over the 8 cards. It is tight there:
     each MoE layer's 288 experts are gathered whole in bf16 (8.9 GiB) and the next layer's prefetched. The full
-    fine-tune, refused there, is offered QLoRA (an NF4 base) on 4 cards, LoRA under ep on 8 (each rank's experts are
-    never gathered) and under fsdp on 16, where the stack can shard them (FSDP2) and bitsandbytes runs (torch
-    2.4)."""
+    fine-tune, refused there, is offered QLoRA (an NF4 base, its experts dense one at a time) on 3 cards under ep and
+    under fsdp, and LoRA under ep on 8 (each rank's experts are never gathered), where the stack can shard them
+    (FSDP2) and bitsandbytes runs (torch 2.4)."""
     cards = {"hardware": {"memory_gib_per_device": 80, "num_devices": 8}}
     full = plan(settings_of(STEP3P5, overrides=cards), env_report)
     assert full["verdict"] == "does_not_fit" and full["min_devices"] > 40
@@ -548,9 +548,9 @@ def test_lora_of_step3p5_flash_is_sharded_with_its_bf16_base(env_report):
     lora_proposals = [o for o in full["suggestions"] if o["overlay"].get("train", {}).get("method") == "lora"]
     quantized = [o["overlay"].get("model", {}).get("quantization") for o in lora_proposals]
     assert [(o["strategy"], o["num_devices"]) for o in lora_proposals] == (
-        [("fsdp", 4)] * 2 + [("ep", 8)] * 2 + [("fsdp", 16)] * 2 if compat.fsdp2_available() else []
+        [("ep", 3)] * 2 + [("fsdp", 3)] * 2 + [("ep", 8)] * 2 if compat.fsdp2_available() else []
     )
-    assert quantized == (["nf4"] * 2 + [None] * 4 if compat.fsdp2_available() else [])
+    assert quantized == (["nf4"] * 4 + [None] * 2 if compat.fsdp2_available() else [])
     lora = plan(settings_of(STEP3P5, overrides={**cards, "train": {"method": "lora"}}), env_report)
     assert lora["verdict"] == "tight" and lora["lora"]["trainable"] > 1e9  # every one of the 288 x 42 experts
     # on paper LoRA shards (a plan for the current stack's FSDP2); FSDP1 cannot, so no count fits it there
@@ -617,8 +617,8 @@ def test_the_planner_counts_the_attention_masks_a_packed_forward_builds(family, 
 def test_the_planner_never_suggests_a_setting_the_job_already_has(env_report):
     """Qwen3-30B-A3B with LoRA on one 24 GiB card, with gradient checkpointing, micro-batch 1 and sdpa already
     set: refused, and none of those three settings is proposed (they were, #38); what is proposed is QLoRA (an NF4
-    base) on 2 cards, LoRA under ep on 4 and under fsdp on 5, sharded where the stack shards them (FSDP2), nothing
-    on FSDP1 and torch 2.3, which the config check refuses.
+    base) on 2 cards under ep and under fsdp, LoRA under ep on 4 and under fsdp on 5, sharded where the stack shards
+    them (FSDP2), nothing on FSDP1 and torch 2.3, which the config check refuses.
     tests/unit/test_proposals.py checks every proposal over a grid of models and hardware."""
     settings = settings_of(
         QWEN3_30B,
@@ -634,6 +634,11 @@ def test_the_planner_never_suggests_a_setting_the_job_already_has(env_report):
     assert result["verdict"] == "does_not_fit"
     if compat.fsdp2_available():
         assert [(o["change"], o["num_devices"]) for o in result["suggestions"]] == [
+            (
+                "model.quantization: nf4, parallel.strategy: ep, parallel.nproc_per_node: 2, parallel.ep_size: 2, "
+                "hardware.num_devices: 2",
+                2,
+            ),
             (
                 "model.quantization: nf4, parallel.strategy: fsdp, parallel.nproc_per_node: 2, hardware.num_devices: 2",
                 2,

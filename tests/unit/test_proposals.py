@@ -154,7 +154,8 @@ def test_training_docs_method_table_is_the_planners_output(monkeypatch):
 def test_training_docs_target_table_is_the_planners_output_and_the_rows_that_fit_keep_fitting(monkeypatch):
     """#38's target rows (moeflow.workflow.method_table.TARGETS): the table in docs/training.md is the planner's, and
     a row that fits today (LoRA of Qwen3-30B-A3B on 2 x 80 GiB, QLoRA of GPT-OSS-20B on one 24 GiB card, LoRA of
-    Step-3.5-Flash on 8 x 80 GiB under ep) fails this test the day it stops fitting."""
+    Step-3.5-Flash on 8 x 80 GiB under ep, QLoRA of Step-3.5-Flash on 8 x 24 GiB with CPU offload) fails this test the
+    day it stops fitting."""
     from moeflow.plan import counts
     from moeflow.workflow.method_table import TARGETS, target_plan, target_table
 
@@ -167,3 +168,7 @@ def test_training_docs_target_table_is_the_planners_output_and_the_rows_that_fit
     assert fitting[("gpt-oss-20b", "qlora", 1, 24)] == "fits"
     assert fitting[("step3p5-flash", "lora", 8, 80)] == "fits"  # under ep: each rank's experts, never gathered
     assert fitting[("step3p5-flash", "lora", 8, 80)] != "does_not_fit"
+    # a quantized base's fused experts dense one at a time (moeflow.model.quantized_experts): with the states on the
+    # host, each 24 GiB card holds one layer of Step-3.5-Flash's QLoRA (whole dequantized experts: 24.9 GiB)
+    step_8x24 = next(t for t in TARGETS if (t.model, t.method, t.devices, t.gib) == ("step3p5-flash", "qlora", 8, 24))
+    assert target_plan(step_8x24, cpu_offload=True)["verdict"] == "fits"

@@ -20,6 +20,7 @@ from moeflow.checkpoint.export import save_final_model
 from moeflow.data.collate import collate
 from moeflow.loading.factory import Layout, make_model
 from moeflow.model import parameters as P
+from moeflow.model.lora import load_adapter, save_adapter_output
 from moeflow.model.quantization import Packing, QuantizationError, pack, quantized_weights, unpack
 from moeflow.model.settings import ModelSettings
 from moeflow.runtime import compat
@@ -135,7 +136,7 @@ def test_a_quantized_base_computes_what_its_rounded_weights_do(folder):
 
 
 @needs_bitsandbytes
-def test_training_moves_only_the_adapters_resumes_exactly_and_exports_the_trained_model(folder, tmp_path):
+def test_training_moves_only_the_adapters_resumes_exactly_exports_and_saves_the_trained_model(folder, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model, train = qlora(folder, precision="fp32", steps=4, checkpoint_every=2)
@@ -164,15 +165,25 @@ def test_training_moves_only_the_adapters_resumes_exactly_and_exports_the_traine
         torch.testing.assert_close(merged(input_ids=x).logits, model.eval()(input_ids=x).logits, rtol=0, atol=1e-5)
     assert all(torch.equal(w.stored, stored[n]) for n, w in quantized_weights(model).items())  # export reads only
 
+    # the adapter file (the experts' factors in peft's layout) loads on a fresh quantized base as trained
+    save_adapter_output(model, tmp_path / "adapter")
+    loaded = load_adapter(qlora(folder, precision="fp32")[0], tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, model(input_ids=x).logits, rtol=0, atol=0)
+
 
 def test_the_config_check_refuses_what_a_quantized_base_cannot_run():
-    """A full fine-tune over it, LoRA without activation checkpointing, and (the pinned stack's torch 2.3) a torch
-    bitsandbytes does not run on, naming the stack to use."""
+    """A full fine-tune over it, LoRA without activation checkpointing, adapters on the routed experts alone (they go
+    beside peft's, moeflow.model.quantized_experts) and (the pinned stack's torch 2.3) a torch bitsandbytes does not
+    run on, naming the stack to use."""
     with pytest.raises(ConfigError, match="'model.quantization': nf4 and 'train.method': full"):
         load(overrides={"model": {"quantization": "nf4"}, "runs": {"lora": None, "esft": None}})
     with pytest.raises(ConfigError, match="needs train.gradient_checkpointing: true"):
         load(overrides={"model": {"quantization": "nf4"}, "train": {"method": "lora"}, "runs": {"esft": None}})
     accepted = {"model": {"quantization": "int8"}, "train": {"method": "lora", "gradient_checkpointing": True}}
+    experts_alone = {**accepted, "train": accepted["train"] | {"lora": {"targets": ["routed_experts"]}}}
+    with pytest.raises(ConfigError, match=r"'train.lora.targets': \[routed_experts\] do not combine.*Add attention"):
+        load(overrides={**experts_alone, "runs": {"esft": None}})
     if compat.version_of("torch").release >= (2, 4):
         load(overrides={**accepted, "runs": {"esft": None}})
     else:

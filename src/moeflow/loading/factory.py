@@ -25,7 +25,8 @@ How a folder is loaded, by layout (:class:`Layout`):
   ``fsdp`` (FSDP2) and ``ep``, where the adapters go on before transformers shards the model and the routed
   experts' are split by experts with them (moeflow.model.expert_lora). With
   ``model.quantization`` the base's weight matrices are quantized first (moeflow.model.quantization), on the meta
-  device, and each rank quantizes the rows it reads.
+  device, and each rank quantizes the rows it reads; under ``ep`` a fused expert tensor's stored bytes are split by
+  experts as the tensor would be (moeflow.model.quantized_experts).
 
 Every model class and config comes from ``moeflow.model.configs`` (``causal_lm_class``: the one place where a
 family transformers does not register for ``AutoModelForCausalLM`` is registered).
@@ -50,6 +51,7 @@ from moeflow.model.expert_lora import ep_plan
 from moeflow.model.folder import ModelError, check_vocabulary, refusing_remote_code
 from moeflow.model.lora import apply_lora, initial_adapters, is_lora_model, router_modules
 from moeflow.model.quantization import quantize_base
+from moeflow.model.quantized_experts import split_quantized_experts
 from moeflow.model.settings import AUTO_EXPERTS, STACK_DEFAULT_EXPERTS, ModelSettings, quantization_problems
 from moeflow.model.wrappers import unwrap
 from moeflow.parallel.layouts import distributed_config, fp32_units_for_expert_parallel, shard_model
@@ -129,6 +131,9 @@ def make_model(
         model = _built(settings, vocab_size, seed, dtype)
     else:
         model = _built_on_meta(settings, Path(folder), dtype)
+    if layout.adapters and settings.quantization != "none":  # before the adapters, which read the dequantized weights
+        quantize_base(model, settings.quantization, set(router_modules(model)))
+    if folder is not None:
         if layout.parallel.strategy == "ep":
             if layout.adapters:  # before transformers shards the experts: their factors are split with them
                 model = apply_lora(model, layout.train.lora, layout.train.gradient_checkpointing, experts_apart=True)
@@ -138,11 +143,8 @@ def make_model(
         unfreeze_mtp_layers(model)  # before any forward: FSDP2 fixes its gradient dtypes at the first one
     check_vocabulary(model, list(data), folder or "the model")
     names_of = tied_names(model)
-    if layout.adapters:
-        if settings.quantization != "none":  # before the adapters, which read the dequantized weights
-            quantize_base(model, settings.quantization, set(router_modules(model)))
-        if not is_lora_model(model):
-            model = apply_lora(model, layout.train.lora, layout.train.gradient_checkpointing)
+    if layout.adapters and not is_lora_model(model):
+        model = apply_lora(model, layout.train.lora, layout.train.gradient_checkpointing)
     model = shard_model(model, layout.parallel, layout.ranks, layout.precision, layout.adapters)
     if folder is not None and weights:
         fill_from_folder(model, folder, names_of)
@@ -171,7 +173,9 @@ def _check_combination(layout: Layout, folder: str | os.PathLike | None, quantiz
         lora_targets=tuple(lora.targets) if lora else (),
     )
     if lora:
-        problems += quantization_problems(quantization, method, layout.train.gradient_checkpointing, strategy)
+        problems += quantization_problems(
+            quantization, method, layout.train.gradient_checkpointing, tuple(lora.targets)
+        )
     for problem in problems:
         raise DistributedError(problem)
     if strategy == "ep" and folder is None:
@@ -192,6 +196,7 @@ def _expert_parallel(model: torch.nn.Module, settings: ModelSettings, folder: Pa
     config, _, mesh = type(inner).prepare_distribute_model(config)
     fp32_units_for_expert_parallel(inner, config, mesh)
     type(inner).maybe_distribute_model(inner, config, mesh)
+    split_quantized_experts(inner)
     return model
 
 

@@ -11,10 +11,13 @@ adapted tensor: while the module runs, the tensor plus ``alpha / r x B_e @ A_e``
 tensor's dtype as peft's ``ParamWrapper`` folds it (``baddbmm``, autocast off); outside its forward, the tensor
 itself (peft's wrapper leaves a direct read unadapted too).
 
+A quantized base's experts module (moeflow.model.quantized_experts, every layout) gets these factors too, and reads
+them itself, one expert at a time, rather than through the property.
+
 Saved, merged and started as peft's own: :func:`peft_factors` gives the factors in peft's fused layout (``lora_A``
 (r x experts, in) with each expert's rows together, ``lora_B`` (out, r x experts) with each rank's columns together)
-under the names of peft's nested wrappers (the first registered tensor innermost), and :func:`initial_factors` draws
-them as peft does, in its module order.
+under the names of peft's nested wrappers (the first registered tensor innermost), :func:`place_peft_factors` reads
+them back from such a file, and :func:`initial_factors` draws them as peft does, in its module order.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from moeflow.model.parameters import clean_name
 from moeflow.model.settings import LoraSettings
 
 SUFFIXES = ("_lora_A", "_lora_B")
@@ -41,31 +45,38 @@ def factor_names(tensor: str) -> tuple[str, str]:
     return tensor + SUFFIXES[0], tensor + SUFFIXES[1]
 
 
-def add_expert_adapters(model: torch.nn.Module, names: list[str], settings: LoraSettings) -> None:
+def add_expert_adapters(
+    model: torch.nn.Module, names: list[str], settings: LoraSettings, rank_times: dict[str, int] | None = None
+) -> None:
     """Give each fused expert tensor of ``names`` (parameter names in ``model``) its factors and its module the
-    property that adapts it. Call on the model before expert parallelism shards it (the meta-device model)."""
+    property that adapts it (a quantized base's experts module reads them itself: moeflow.model.quantized_experts).
+    ``rank_times``: name -> a multiple of the rank and alpha (moeflow.model.lora.apply_lora's). Call on the model
+    before expert parallelism shards it (the meta-device model)."""
     by_module: dict[str, list[str]] = {}
     for name in names:
         path, _, tensor = name.rpartition(".")
         by_module.setdefault(path, []).append(tensor)
     for path, tensors in by_module.items():
         module = model.get_submodule(path)
-        order = list(module._parameters)
+        quantized = getattr(module, "parametrizations", {})  # read by moeflow.model.quantized_experts
+        order = [*module._parameters, *quantized]
         transposed = bool(getattr(module, "is_transposed", False))  # (experts, in, out), as peft reads the flag
         adapted = {}
         for tensor in sorted(tensors, key=order.index):
-            weight = module._parameters[tensor]
-            experts, first, second = weight.shape
+            weight = quantized[tensor].original if tensor in quantized else module._parameters[tensor]
+            experts, first, second = quantized[tensor][0].packing.shape if tensor in quantized else weight.shape
             out_features, in_features = (second, first) if transposed else (first, second)
+            rank = settings.rank * (rank_times or {}).get(f"{path}.{tensor}", 1)
             a, b = factor_names(tensor)
-            shapes = {a: (experts, settings.rank, in_features), b: (experts, out_features, settings.rank)}
+            shapes = {a: (experts, rank, in_features), b: (experts, out_features, rank)}
             for factor, shape in shapes.items():
                 module.register_parameter(
                     factor, torch.nn.Parameter(torch.empty(shape, dtype=torch.float32, device=weight.device))
                 )
             adapted[tensor] = (settings.alpha / settings.rank, transposed)
         setattr(module, _ADAPTED, adapted)
-        module.__class__ = _adapted_class(type(module), tuple(adapted))
+        if not quantized:
+            module.__class__ = _adapted_class(type(module), tuple(adapted))
 
 
 def adapted_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -113,16 +124,19 @@ def _adapted_class(cls: type, tensors: tuple[str, ...]) -> type:
 
 
 def ep_plan(model: torch.nn.Module) -> dict[str, str] | None:
-    """The model's expert-parallel plan with each adapted tensor's factors split as the tensor is (None: no expert
-    adapters)."""
+    """The model's expert-parallel plan with each adapted tensor's factors split as the tensor is, and a quantized
+    tensor's stored bytes (``<module>.parametrizations.<tensor>.original``, moeflow.model.quantization) in its
+    place (None: neither)."""
     adapted = {tensor for _, module in adapted_modules(model) for tensor in adapted_tensors(module)}
-    if not adapted:
-        return None
+    quantized = {tensor for module in model.modules() for tensor in getattr(module, "parametrizations", {})}
     plan = dict(model.ep_plan)
-    factors = {
-        key + suffix: style for key, style in plan.items() if key.rpartition(".")[2] in adapted for suffix in SUFFIXES
-    }
-    return plan | factors
+    out = {}
+    for key, style in plan.items():
+        module, _, tensor = key.rpartition(".")
+        is_quantized = tensor in quantized and module.endswith("experts")
+        out[f"{module}.parametrizations.{tensor}.original" if is_quantized else key] = style
+        out |= {key + suffix: style for suffix in SUFFIXES} if tensor in adapted else {}
+    return out if adapted or quantized else None
 
 
 def peft_names(path: str, module: torch.nn.Module) -> dict[str, str]:
@@ -137,6 +151,32 @@ def peft_factors(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     (out, r x experts)."""
     experts, rank, in_features = a.shape
     return a.reshape(experts * rank, in_features), b.permute(1, 2, 0).reshape(b.shape[1], rank * experts)
+
+
+def factors_of_peft(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`peft_factors` undone: peft's fused (r x experts, in) and (out, r x experts) as (experts, r, in) and
+    (experts, out, r)."""
+    return a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+
+
+def place_peft_factors(
+    model: torch.nn.Module, weights: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Copy the factors' values out of an adapter file's ``weights`` (:func:`peft_factors`' layout, under
+    :func:`peft_names`, as moeflow.model.lora saves them) into a LoRA model's factors. Returns the other tensors
+    (peft's own adapters) and the adapted tensors the file has no factors for."""
+    weights, lost = dict(weights), []
+    with torch.no_grad():
+        for path, module in adapted_modules(model):
+            for tensor, wrapper in peft_names(clean_name(path), module).items():
+                keys = f"{wrapper}.lora_A.weight", f"{wrapper}.lora_B.weight"
+                if not all(key in weights for key in keys):
+                    lost.append(f"{clean_name(path)}.{tensor}")
+                    continue
+                a, b = (module._parameters[name] for name in factor_names(tensor))
+                for factor, value in zip((a, b), factors_of_peft(*map(weights.pop, keys), a.shape[0]), strict=True):
+                    factor.copy_(value)
+    return weights, lost
 
 
 def lora_a_start(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:

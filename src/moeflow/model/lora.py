@@ -15,7 +15,7 @@ Routed experts stored as fused 3D parameters (transformers 5: ``mlp.experts.gate
 ``down_proj``, shape (experts, out, in)) go to peft as ``target_parameters``; peft then trains one
 rank-r adapter per expert (``lora_A``: in -> r x experts, ``lora_B``: r x experts -> out). Under expert
 parallelism they get moeflow.model.expert_lora's adapters instead (the same update, split by experts with
-them). A transformers 5 router is a module with a ``weight`` parameter, so a router adapter is a
+them), and so do a quantized base's, whose experts run one at a time (moeflow.model.quantized_experts). A transformers 5 router is a module with a ``weight`` parameter, so a router adapter is a
 ``target_parameters`` entry there and a ``target_modules`` entry on 4.57 (an ``nn.Linear``).
 
 Limits (each raises a clear error): peft cannot apply dropout to ``target_parameters`` adapters, so
@@ -267,17 +267,21 @@ def apply_lora(
     if is_lora_model(model):
         raise LoraConfigError("the model already has LoRA adapters: apply_lora takes the base model")
     targets = find_targets(model, settings)
-    apart = sorted(n for n, c in targets.parameters.items() if c == "routed_experts") if experts_apart else []
+    quantized = quantized_weights(model)  # fused experts read one at a time (moeflow.model.quantized_experts)
+    apart = sorted(
+        n for n, c in targets.parameters.items() if c == "routed_experts" and (experts_apart or n in quantized)
+    )
     targets.parameters = {n: c for n, c in targets.parameters.items() if n not in apart}
     if apart and not targets.modules:
         raise LoraConfigError(
-            "config keys 'train.lora.targets' and 'parallel.strategy': ep: under expert parallelism the routed "
-            "experts' adapters go beside peft's, which need a module to adapt too: add attention to the targets"
+            "config key 'train.lora.targets': [routed_experts] alone, with parallel.strategy: ep or a quantized "
+            "base: the routed experts' adapters then go beside peft's, which need a module to adapt too. Add "
+            "attention to train.lora.targets"
         )
     mtp = mtp_prefixes(unwrap(model, peft=True))
     # peft matches target_parameters as suffixes, which the MTP layers' parameters share, and a quantized weight
     # (a parametrization) only by its full name: name each in full then
-    full = mtp or bool(quantized_weights(model))
+    full = mtp or bool(quantized)
     parameters = sorted(targets.parameters) if full else parameter_suffixes(sorted(targets.parameters))
     config = LoraConfig(
         r=settings.rank,
@@ -300,7 +304,7 @@ def apply_lora(
             "differently from moeflow.model.lora.find_targets"
         )
     _remove_only_lora_proxies(peft_model)
-    expert_lora.add_expert_adapters(peft_model.get_base_model(), apart, settings)
+    expert_lora.add_expert_adapters(peft_model.get_base_model(), apart, settings, rank_times)
     peft_model._moeflow_expert_targets = sorted(apart) if full else parameter_suffixes(apart)
     if settings.router == "trainable":
         for router in router_modules(peft_model).values():
@@ -463,9 +467,14 @@ def load_adapter(model: Any, folder: str | os.PathLike, gradient_checkpointing: 
             f"the adapter in {folder} was trained with train.lora {saved.as_dict()}, "
             f"the model has {lora_settings(model).as_dict()}"
         )
+    weights, lost = expert_lora.place_peft_factors(model, weights)
+    if lost:
+        raise LoraConfigError(
+            f"the adapter in {folder} has no adapter for {lost[:4]}. Load it on the base model it was trained on"
+        )
     with _native_layout():
         result = set_peft_model_state_dict(model, weights, adapter_name=ADAPTER_NAME)
-    missing = [k for k in result.missing_keys if "lora_" in k]
+    missing = [k for k in result.missing_keys if "lora_" in k and not k.endswith(expert_lora.SUFFIXES)]  # placed
     if missing or result.unexpected_keys:  # an adapter not on a module, or a module without its adapter
         raise LoraConfigError(
             f"the adapter in {folder} does not fit this model: {len(missing)} adapted weights have no adapter "

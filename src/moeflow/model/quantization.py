@@ -30,6 +30,7 @@ import torch
 
 from moeflow.families.mtp import is_mtp_name, mtp_prefixes
 from moeflow.model.parameters import base_name, clean_name
+from moeflow.model.quantized_experts import run_expert_wise
 from moeflow.model.settings import QUANTIZATION_BLOCK, QUANTIZED_BITS
 from moeflow.model.wrappers import unwrap
 
@@ -122,6 +123,10 @@ class Dequantize(torch.nn.Module):
     def forward(self, stored: torch.Tensor) -> torch.Tensor:
         if stored.is_meta:
             return torch.empty(self.packing.shape, dtype=self.dtype, device="meta")
+        return self.rows(stored)
+
+    def rows(self, stored: torch.Tensor) -> torch.Tensor:
+        """Some of the weight's rows (one expert's of a fused tensor, say), dense, from their stored bytes."""
         return unpack(self.packing, stored, self.dtype)
 
 
@@ -174,6 +179,8 @@ def quantize_base(model: Any, kind: str, routers: set[str]) -> list[QuantizedWei
                 module._parameters[attribute] = torch.nn.Parameter(stored, requires_grad=False)
                 parametrize.register_parametrization(module, attribute, Dequantize(packing, param.dtype), unsafe=True)
                 weights.append(QuantizedWeight(name, module, attribute))
+                if param.dim() == 3 and hasattr(module, "has_gate"):  # transformers' experts: one at a time
+                    run_expert_wise(module)
     if not weights:
         raise QuantizationError(f"model.quantization: {kind}: {type(base).__name__} has no weight matrix to quantize")
     return weights

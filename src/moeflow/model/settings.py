@@ -53,19 +53,21 @@ def quantized_bytes_per_element(kind: str, width: int = 0) -> float:
 BITSANDBYTES_TORCH = "2.4"  # bitsandbytes 0.50's oldest torch
 
 
-def quantization_problems(kind: str, method: str, gradient_checkpointing: bool, strategy: str = "none") -> list[str]:
+def quantization_problems(
+    kind: str, method: str, gradient_checkpointing: bool, lora_targets: tuple[str, ...] = ()
+) -> list[str]:
     """What ``model.quantization`` cannot run with, each naming the keys and what to do: a quantized base is frozen,
     so a LoRA run's; with activation checkpointing (else autograd keeps every layer's dequantized weight); on a
-    torch bitsandbytes runs on; not under expert parallelism (``strategy`` ep). The config check and the planner's
-    proposals refuse the same."""
+    torch bitsandbytes runs on; not with adapters on the routed experts alone (``lora_targets``: those go beside
+    peft's, moeflow.model.quantized_experts). The config check and the planner's proposals refuse the same."""
     if kind == "none":
         return []
     problems = []
-    if strategy == "ep":
+    if method == "lora" and set(lora_targets) == {"routed_experts"}:
         problems.append(
-            f"config keys 'model.quantization': {kind} and 'parallel.strategy': ep do not combine: a quantized weight "
-            "is held under another name than the one transformers' expert-parallel plan splits. Use "
-            "parallel.strategy: fsdp"
+            f"config keys 'model.quantization': {kind} and 'train.lora.targets': [routed_experts] do not combine: a "
+            "quantized base's experts run one at a time with their adapters beside peft's, which need a module to "
+            "adapt too. Add attention to train.lora.targets"
         )
     if method != "lora":
         problems.append(

@@ -98,8 +98,9 @@ linear layers) or its fused gate_up ``rank x (hidden + 2 I_e)`` and down project
 (``target_parameters``; GPT-OSS fuses on both), so the same config plans slightly differently per stack.
 Activations add, per adapted matrix a token passes through (k of the routed experts), the rank-r
 intermediate and, with dropout, a copy of the matrix's input. With ``model.quantization`` the decoder matrices are
-held in 4 or 8 bits with their scales (gathered so under FSDP), and a layer's are dense while it runs
-(``dequantized_layer``). A full fine-tune is offered LoRA and QLoRA among moeflow.plan.proposals' configurations.
+held in 4 or 8 bits with their scales (gathered so under FSDP), and a layer's are dense while it runs, its fused
+experts one at a time (``dequantized_layer``). A full fine-tune is offered LoRA and QLoRA among
+moeflow.plan.proposals' configurations.
 
 ``train.method: esft`` (moeflow.train.expert_mask): gradients and AdamW's state for the selected experts only where each
 expert is its own module (transformers 4.57; ``Job.esft_selected`` pairs, all of them while no selection is
@@ -116,6 +117,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from moeflow.families import registry
 from moeflow.model.settings import LoraSettings, quantized_bytes_per_element
 from moeflow.plan.activations import (
     FP32_BYTES,
@@ -349,11 +351,19 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         "runtime": runtime_bytes(job.device),
     }
     if quantized_parameters(params, job.quantization):
-        # a quantized base's weights read dense while a layer runs (moeflow.model.quantization): the largest layer's,
-        # which its backward keeps, and beside its largest tensor the copy with the adapter's update folded in
-        out["dequantized_layer"] = (params.largest_layer + params.largest_tensor) * width
+        out["dequantized_layer"] = dequantized_layer(s, params) * width
     out["total"] = sum(out.values())
     return out
+
+
+def dequantized_layer(s: Shape, params: ParamCount) -> int:
+    """Elements of a quantized base (moeflow.model.quantization) dense at once while a layer runs. Its matrices are
+    read dense and the backward keeps them, but fused experts are read one at a time and not kept
+    (moeflow.model.quantized_experts): beside the rest of the layer, an expert's largest matrix. Experts held as
+    modules are each read whole, as the rest is, and peft folds the largest tensor's update into a copy of it."""
+    if s.moe_layers and registry.experts_fused(s.model_type):
+        return params.largest_layer_without_routed + 2 * s.expert_ffn * s.hidden_size
+    return params.largest_layer + params.largest_tensor
 
 
 def step_state(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:

@@ -181,7 +181,12 @@ def _refused(s: Shape, job: Job) -> bool:
             lora_router=job.lora.router if job.method == "lora" else "frozen",
             lora_targets=tuple(job.lora.targets) if job.method == "lora" else (),
         )
-        or quantization_problems(job.quantization, job.method, job.gradient_checkpointing, job.strategy)
+        or quantization_problems(
+            job.quantization,
+            job.method,
+            job.gradient_checkpointing,
+            tuple(job.lora.targets) if job.method == "lora" else (),
+        )
     )
 
 

@@ -268,7 +268,10 @@ def quantization_problems(cfg: Mapping[str, Any]) -> list[str]:
     """``model.quantization`` (moeflow.model.settings.quantization_problems)."""
     train = cfg["train"]
     return model_quantization_problems(
-        cfg["model"]["quantization"], train["method"], train["gradient_checkpointing"], cfg["parallel"]["strategy"]
+        cfg["model"]["quantization"],
+        train["method"],
+        train["gradient_checkpointing"],
+        tuple(train["lora"]["targets"]),
     )
 
 

@@ -103,7 +103,8 @@ def fitting_layouts(model: str | None, devices: int, gib: int, method: str, host
             continue
         if training_layout_problems(job.method, strategy, devices, shape.tie_word_embeddings, fsdp2=True):
             continue
-        if quantization_problems(job.quantization, job.method, job.gradient_checkpointing, strategy):
+        targets = tuple(job.lora.targets) if job.method == "lora" else ()
+        if quantization_problems(job.quantization, job.method, job.gradient_checkpointing, targets):
             continue
         variant = dataclasses.replace(
             job, replicated=strategy == "none", expert_parallel=strategy == "ep", ep_size=ep_size, fsdp_size=None

@@ -121,6 +121,7 @@ MODEL = (
     "model.lora_merge",
     "model.adapter_layout",
     "model.quantization",
+    "model.quantized_experts",
     "model.routing",  # LoRA finds the routers as the routing adapters do
     "model.parameters",
     "model.saved_names",
