@@ -260,6 +260,25 @@ def test_states_take_16_bytes_per_parameter_in_both_precisions():
     assert bf16["weights"] == 2 * count.total and bf16["optimizer"] == 12 * count.total
 
 
+def test_a_quantized_base_is_counted_as_it_loads_and_runs():
+    """QLoRA's load reads each weight's rows dense 64 MiB at a time and packs them (moeflow.parallel.rank_load); its
+    step holds a layer's attention and MLP matrices dense, and its fused experts one expert's matrix at a time
+    (moeflow.model.quantized_experts), not the layer's whole experts."""
+    shape, count = tiny_shape_and_count()
+    lora = default_job(method="lora", precision="bf16", gradient_checkpointing=True)
+    qlora = dataclasses.replace(lora, quantization="nf4")
+    load = phase_memory(shape, count, qlora)["load"]["device"]
+    assert load["quantized_read"] == math.ceil(64 * 2**20 * (1 + 0.5625 / 2))  # dense bf16 rows and their NF4 bytes
+    assert "quantized_read" not in phase_memory(shape, count, lora)["load"]["device"]
+    step = memory_per_device(shape, count, qlora)
+    expert_matrix = 2 * shape.expert_ffn * shape.hidden_size
+    fused = experts_fused(shape.model_type)
+    dense = count.largest_layer_without_routed + expert_matrix if fused else count.largest_layer + count.largest_tensor
+    assert step["dequantized_layer"] == 2 * dense
+    if fused:
+        assert step["dequantized_layer"] < 2 * count.largest_layer  # the layer's experts are never dense at once
+
+
 def test_sharding_checkpointing_and_lora_lower_what_they_should():
     shape, count = tiny_shape_and_count()
     small = default_job(micro_batch_size=2, seq_len=256)

@@ -15,8 +15,9 @@ Routed experts stored as fused 3D parameters (transformers 5: ``mlp.experts.gate
 ``down_proj``, shape (experts, out, in)) go to peft as ``target_parameters``; peft then trains one
 rank-r adapter per expert (``lora_A``: in -> r x experts, ``lora_B``: r x experts -> out). Under expert
 parallelism they get moeflow.model.expert_lora's adapters instead (the same update, split by experts with
-them), and so do a quantized base's, whose experts run one at a time (moeflow.model.quantized_experts). A transformers 5 router is a module with a ``weight`` parameter, so a router adapter is a
-``target_parameters`` entry there and a ``target_modules`` entry on 4.57 (an ``nn.Linear``).
+them), and so do a quantized base's, whose experts run one at a time (moeflow.model.quantized_experts). A
+transformers 5 router is a module with a ``weight`` parameter, so a router adapter is a ``target_parameters`` entry
+there and a ``target_modules`` entry on 4.57 (an ``nn.Linear``).
 
 Limits (each raises a clear error): peft cannot apply dropout to ``target_parameters`` adapters, so
 ``dropout`` must be 0 when fused experts (or a transformers-5 router) get adapters; transformers 4.57

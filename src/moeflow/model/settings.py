@@ -43,6 +43,11 @@ QUANTIZED_BITS = {"nf4": 4, "fp4": 4, "int8": 8}
 QUANTIZATION_BLOCK = 64
 
 
+# A quantized weight's dense rows read from the folder at a time before they are packed (at least one row:
+# moeflow.parallel.rank_load), which the planner counts in the load phase.
+QUANTIZED_READ_BYTES = 64 * 2**20
+
+
 def quantized_bytes_per_element(kind: str, width: int = 0) -> float:
     """Bytes a weight element takes in ``kind`` with its share of the scales (``width``: the row's, for int8's one
     scale per row; 0: scales not counted)."""

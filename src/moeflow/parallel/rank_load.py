@@ -39,14 +39,11 @@ from moeflow.model.parameters import base_name, clean_name, is_adapter
 from moeflow.model.quantization import pack, quantized_weights
 from moeflow.model.safetensors_files import SafetensorsError, read_elements, read_header, read_tensor, weight_files
 from moeflow.model.saved_names import saved_format
+from moeflow.model.settings import QUANTIZED_READ_BYTES
 from moeflow.model.wrappers import is_fsdp1, unwrap
 from moeflow.parallel import dtensors, process_group
 
 META = torch.device("meta")
-
-
-# The dense rows of a quantized weight read at a time before they are packed (at least one row).
-QUANTIZED_READ_BYTES = 64 * 2**20
 
 
 @contextlib.contextmanager

@@ -77,6 +77,9 @@ def fits(s: Shape, params: ParamCount, job: Job, memory: int) -> bool:
     return verdict(worst_device_total(s, params, job), memory) == "fits"
 
 
+STEPS_UP = 64  # device counts tried one by one past the step's estimate before halving the rest of the range
+
+
 def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int = 1_000_000) -> int | None:
     """The smallest device count at which every phase of the job fits with headroom, or None if no count
     does. More devices help by sharding: a ``strategy: none`` job is counted as FSDP over them."""
@@ -96,12 +99,22 @@ def min_devices(s: Shape, params: ParamCount, job: Job, memory: int, limit: int 
         return None
     if not sharded:  # CPU offload: more devices shrink only each unit's copies; a node's worth is the last to try
         return next((n for n in range(2, 9) if fits(s, params, dataclasses.replace(job, num_devices=n), memory)), None)
-    n = max(2, math.ceil(sharded / room))
-    while n <= limit:  # ceil() of the shards (or another phase) can need more: step up until it really fits
+    first = max(2, math.ceil(sharded / room))
+    tried = range(first, min(first + STEPS_UP, limit + 1))
+    for n in tried:  # ceil() of the shards, or another phase, can need a few more: step up until it really fits
         if fits(s, params, dataclasses.replace(job, num_devices=n), memory):
             return n
-        n += 1
-    return None
+    # a term of another phase that sharding does not shrink (a quantized load's read buffer) may fit at no count
+    if tried.stop > limit or not fits(s, params, dataclasses.replace(job, num_devices=limit), memory):
+        return None
+    low, high = tried.stop, limit
+    while low < high:  # the fewest devices that fit, halving the range: more devices never hold more each
+        middle = (low + high) // 2
+        if fits(s, params, dataclasses.replace(job, num_devices=middle), memory):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def gib(n: float) -> float:

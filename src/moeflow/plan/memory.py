@@ -118,7 +118,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeflow.families import registry
-from moeflow.model.settings import LoraSettings, quantized_bytes_per_element
+from moeflow.model.settings import QUANTIZED_READ_BYTES, LoraSettings, quantized_bytes_per_element
 from moeflow.plan.activations import (
     FP32_BYTES,
     WEIGHT_BYTES,
@@ -480,7 +480,8 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     phase holds).
 
     * load: the rank's share of the weights (read from the safetensors rows it owns), FSDP1's unit while it
-      wraps (pinned stack), one tensor's owned rows read into a host buffer on CUDA;
+      wraps (pinned stack), one tensor's owned rows read into a host buffer on CUDA; with a quantized base, the
+      dense rows read at a time before they are packed (:func:`quantized_read_bytes`);
     * step: :func:`memory_per_device`;
     * checkpoint: the resident state (:func:`resident_state`) and, on CUDA, one tensor's shard staged on the host;
     * resume: the resident state (the loaded weights, the optimizer's shards read into), the zero gradients of
@@ -506,10 +507,14 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     # LoRA's export writes each adapted weight merged, into a tensor of its own beside the gathered one
     merged = {"merged_copy": whole} if job.method == "lora" else {}
     step = {k: v for k, v in memory_per_device(s, params, job).items() if k != "total"}
+    # a quantized base's rows are read dense a few at a time and packed where they land (moeflow.parallel.rank_load)
+    quantized_read = (
+        {"quantized_read": quantized_read_bytes(s, job)} if quantized_parameters(params, job.quantization) else {}
+    )
     # phase: (device terms, host copies of device memory: only on CUDA)
     terms = {
         "load": (
-            {"weights": state["weights"], "wrapping_unit": wrapping_unit_bytes(s, params, job)},
+            {"weights": state["weights"], "wrapping_unit": wrapping_unit_bytes(s, params, job)} | quantized_read,
             {"read_buffer": owned},
         ),
         "step": (step, {}),
@@ -529,6 +534,13 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
         host = copies | {"runtime": CUDA_HOST_RUNTIME_BYTES} if on_cuda else {}
         out[phase] = {"device": with_total(device), "host": with_total(host)}
     return out
+
+
+def quantized_read_bytes(s: Shape, job: Job) -> int:
+    """A quantized base's load buffer: its dense rows read at a time (``QUANTIZED_READ_BYTES``) and their packed
+    bytes."""
+    packed = quantized_bytes_per_element(job.quantization, s.hidden_size) / WEIGHT_BYTES[job.precision]
+    return math.ceil(QUANTIZED_READ_BYTES * (1 + packed))
 
 
 def with_total(terms: Mapping[str, int]) -> dict[str, int]:
