@@ -195,8 +195,9 @@ def _expert_parallel(model: torch.nn.Module, settings: ModelSettings, folder: Pa
     config = distributed_config(layout.parallel, layout.precision, adapters=layout.adapters, ep_plan=ep_plan(inner))
     config, _, mesh = type(inner).prepare_distribute_model(config)
     fp32_units_for_expert_parallel(inner, config, mesh)
+    if config.ep_size > 1:
+        split_quantized_experts(inner, config.ep_size)
     type(inner).maybe_distribute_model(inner, config, mesh)
-    split_quantized_experts(inner)
     return model
 
 

@@ -23,6 +23,7 @@ planner counts, are moeflow.model.settings'.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,12 +105,21 @@ def unpack(packing: Packing, stored: torch.Tensor, dtype: torch.dtype) -> torch.
     state = F.QuantState(
         absmax=scales,
         shape=torch.Size(shape),
-        code=F.get_4bit_type(packing.kind, device=stored.device),
+        code=_code_table(packing.kind, stored.device),
         blocksize=packing.block,
         quant_type=packing.kind,
         dtype=dtype,
     )
     return F.dequantize_4bit(codes.reshape(-1, 1), state)
+
+
+@functools.cache
+def _code_table(kind: str, device: torch.device) -> torch.Tensor:
+    """bitsandbytes' 16 values of a 4-bit format on ``device``: made once, not copied to a GPU at every read (a read
+    per expert and projection, in the forward, its recomputation and the backward)."""
+    import bitsandbytes.functional as F
+
+    return F.get_4bit_type(kind, device=device)
 
 
 class Dequantize(torch.nn.Module):

@@ -36,16 +36,16 @@ def is_expert_wise(module: torch.nn.Module) -> bool:
     return isinstance(module, _ExpertWise)
 
 
-def split_quantized_experts(model: torch.nn.Module) -> None:
-    """After transformers' expert parallelism split a quantized experts module's stored bytes by experts (their
-    names in its plan: moeflow.model.expert_lora.ep_plan), give the module its local expert count, as transformers
-    gives it to a module whose own tensors it splits."""
+def split_quantized_experts(model: torch.nn.Module, ep_size: int) -> None:
+    """Before transformers' expert parallelism splits a quantized experts module's stored bytes by experts (their
+    names in its plan: moeflow.model.expert_lora.ep_plan), give the module the count of experts each rank holds.
+    transformers sets it only when it splits a tensor of the module's own, and reads it when it installs the
+    module's token dispatch, which comes before it splits the stored bytes (a submodule's): a count left global
+    there sends every token to the first rank. Not read from a split tensor, whose rows FSDP may cut further."""
     for module in model.modules():
-        if not is_expert_wise(module):
-            continue
-        stored = next(iter(module.parametrizations.values())).original
-        if type(stored).__name__ == "DTensor":
-            module.num_experts = stored.to_local().shape[0]
+        if is_expert_wise(module):
+            experts = next(iter(module.parametrizations.values()))[0].packing.shape[0]
+            module.num_experts = experts // ep_size
             module._is_expert_parallel = True
 
 
@@ -68,12 +68,13 @@ def expert_wise_forward(
     with torch.no_grad():
         mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
         hit = torch.greater(mask[: self.num_experts].sum(dim=(-1, -2)), 0).nonzero()
+    project = _projections(self)
     first = "gate_up_proj" if self.has_gate else "up_proj"
     for expert in hit[:, 0].tolist():
         top_k_pos, token_idx = torch.where(mask[expert])
-        current = _project(self, first, expert, hidden_states[token_idx])
+        current = project[first](expert, hidden_states[token_idx])
         current = self._apply_gate(current) if self.has_gate else self.act_fn(current)
-        current = _project(self, "down_proj", expert, current)
+        current = project["down_proj"](expert, current)
         if self.has_post_expert_norm:
             current = self.post_expert_norm(current)
         current = current * top_k_weights[token_idx, top_k_pos, None]
@@ -81,23 +82,30 @@ def expert_wise_forward(
     return final
 
 
-def _project(module: torch.nn.Module, tensor: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-    chain = module.parametrizations[tensor]
-    dequantize = chain[0]  # moeflow.model.quantization.Dequantize
-    stored = chain.original
-    if type(stored).__name__ == "DTensor":  # split by experts (ep): this rank's rows, which its forward gets
-        stored = stored.to_local()
-    a = b = None
-    scaling = 0.0
-    adapted = expert_lora.adapted_tensors(module).get(tensor)
-    if adapted is not None:
-        a_name, b_name = expert_lora.factor_names(tensor)
-        a, b = module._parameters[a_name][expert], module._parameters[b_name][expert]
-        scaling = adapted[0]
-    out = _ExpertProjection.apply(x, stored[expert], a, b, dequantize, scaling, bool(module.is_transposed))
-    if module.has_bias:
-        out = out + getattr(module, f"{tensor}_bias")[expert]
+def _projections(module: torch.nn.Module) -> dict[str, functools.partial]:
+    """Each quantized tensor's projection of one expert's tokens, ``(expert, x) -> out``. Its adapter's factors are
+    cut into experts once a forward (``unbind``: one gradient for all the experts, not a whole factor's each)."""
+    out = {}
+    for tensor, chain in module.parametrizations.items():
+        stored = chain.original
+        if type(stored).__name__ == "DTensor":  # split by experts (ep): this rank's rows, which its forward gets
+            stored = stored.to_local()
+        a = b = None
+        scaling = 0.0
+        adapted = expert_lora.adapted_tensors(module).get(tensor)
+        if adapted is not None:
+            a, b = (module._parameters[name].unbind(0) for name in expert_lora.factor_names(tensor))
+            scaling = adapted[0]
+        bias = getattr(module, f"{tensor}_bias") if module.has_bias else None
+        transposed = bool(module.is_transposed)
+        out[tensor] = functools.partial(_project, stored, chain[0], a, b, scaling, transposed, bias)
     return out
+
+
+def _project(stored, dequantize, a, b, scaling, transposed, bias, expert: int, x: torch.Tensor) -> torch.Tensor:
+    a, b = (None, None) if a is None else (a[expert], b[expert])
+    out = _ExpertProjection.apply(x, stored[expert], a, b, dequantize, scaling, transposed)
+    return out if bias is None else out + bias[expert]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
