@@ -107,10 +107,10 @@ def _read(module: torch.nn.Module, tensor: str) -> torch.Tensor:
     return running[tensor] if running else module._parameters[tensor]
 
 
-@functools.cache
 def _adapted_class(cls: type, tensors: tuple[str, ...]) -> type:
     """``cls`` whose forward reads ``tensors`` adapted (each folded once per call: an eager experts loop reads
-    them once per expert)."""
+    them once per expert). Made for each module, never cached: a quantized module's class is parametrize's own for
+    that instance, whose properties hold the module (a cache would keep every model's weights alive)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.__dict__[_RUNNING] = {tensor: adapted_weight(self, tensor) for tensor in tensors}

@@ -53,8 +53,9 @@ class _ExpertWise:
     """Marks the classes :func:`run_expert_wise` makes."""
 
 
-@functools.cache
 def _expert_wise_class(cls: type) -> type:
+    """Made for each module, never cached: a quantized module's class is torch.nn.utils.parametrize's own for that
+    instance, whose properties hold the module, so a cache keyed by it would keep every model's weights alive."""
     return type(f"ExpertWise{cls.__name__}", (cls, _ExpertWise), {"forward": expert_wise_forward})
 
 
