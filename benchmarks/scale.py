@@ -102,7 +102,15 @@ def ensure_model(folder: Path, python: str) -> dict:
 
 
 def run_worker(
-    python: str, src: Path, model: Path, out: Path, world: int, strategy: str, shard_size: str, timeout_s: float
+    python: str,
+    src: Path,
+    model: Path,
+    out: Path,
+    world: int,
+    strategy: str,
+    shard_size: str,
+    timeout_s: float,
+    method: str = "full",
 ) -> dict:
     """One torchrun of the worker: its phases.json, or the error it ended with."""
     env = {
@@ -113,6 +121,7 @@ def run_worker(
     }
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), str(WORKER), "run"]
     cmd += [str(model), str(out), "--strategy", strategy, "--export-shard-size", shard_size]
+    cmd += ["--method", method]
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - started

@@ -87,13 +87,30 @@ TRAIN = {
     "grad_accum_steps": 1,
     "gradient_checkpointing": False,
 }
+# --method: (train section, model section, precision) over TRAIN and MODEL_SECTION. LoRA in bf16, as on a GPU: its
+# frozen base is held in bf16 (moeflow.loading.factory.Layout.weights_dtype); QLoRA's in NF4, with the gradient
+# checkpointing it requires (this tree only).
+METHODS = {
+    "full": ({}, {}, "fp32"),
+    "lora": ({"method": "lora", "lora": {"rank": 16}}, {}, "bf16"),
+    "qlora": (
+        {"method": "lora", "lora": {"rank": 16}, "gradient_checkpointing": True},
+        {"quantization": "nf4"},
+        "bf16",
+    ),
+}
+METHOD = "full"  # run()'s --method
 PHASES = ("load", "step", "checkpoint", "resume", "export")
 SAVE_SHARD_SIZE = "200MB"  # the saved model folder: HF-sharded, as a user's large model comes
 MIB = 2**20
 
 
 def model_section() -> dict:
-    return {**MODEL_SECTION, "config": {**MODEL_CONFIG, "vocab_size": VOCAB}}
+    return {**MODEL_SECTION, "config": {**MODEL_CONFIG, "vocab_size": VOCAB}, **METHODS[METHOD][1]}
+
+
+def precision() -> str:
+    return METHODS[METHOD][2]
 
 
 def packages() -> bool:
@@ -140,7 +157,7 @@ def train_settings():
     from moeflow.train.settings import TrainSettings
     from moeflow.workflow.keys import training
 
-    return typed(TrainSettings, training(TRAIN))
+    return typed(TrainSettings, training({**TRAIN, **METHODS[METHOD][0]}))
 
 
 def parallel_settings(strategy: str, world: int):
@@ -210,7 +227,7 @@ def _load(model_dir: Path, parallel, ranks, weights: bool):
     D = distributed()
     kwargs = {} if weights else {"weights": False}
     return D.load_for_training(
-        model_dir, model_section(), train_settings(), parallel, ranks, precision="fp32", **kwargs
+        model_dir, model_section(), train_settings(), parallel, ranks, precision=precision(), **kwargs
     )
 
 
@@ -234,6 +251,7 @@ def _trainer(model, world: int):
         two_document_rows(MICRO_BATCH * world, SEQ_LEN, VOCAB, cut=SEQ_LEN // 2),
         collate_fn=collate,
         seed=0,
+        **({"precision": precision()} if METHOD != "full" else {}),
     )
 
 
@@ -286,8 +304,15 @@ def _export(model, folder: Path, max_shard_size: str, rank: int) -> str:
     return "distributed.whole_model + modeling.save_final_model"
 
 
-def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
+def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str, method: str = "full") -> None:
+    global METHOD
+    METHOD = method
     torch.set_num_threads(1)
+    # what a train_model rank has loaded before its phases, its data's and its metrics log's libraries: the
+    # planner's runtime counts them (moeflow.plan.memory.CPU_RANK_RUNTIME_BYTES)
+    import datasets  # noqa: F401
+    from torch.utils import tensorboard  # noqa: F401
+
     D = distributed()
 
     ranks = D.init("cpu")
@@ -312,6 +337,7 @@ def run(model_dir: Path, out: Path, strategy: str, max_shard_size: str) -> None:
         report = {
             "world": world,
             "strategy": strategy,
+            "method": method,
             "design": "new" if new_design() else "old",
             "export": export_design,
             "resume_reads_base_weights": not skip_weights,
@@ -358,11 +384,12 @@ def main(argv: list[str]) -> None:
     r.add_argument("out", type=Path)
     r.add_argument("--strategy", choices=("fsdp", "ep"), default="fsdp")
     r.add_argument("--export-shard-size", default="200MB")
+    r.add_argument("--method", choices=tuple(METHODS), default="full")
     args = parser.parse_args(argv)
     if args.command == "build":
         build(args.model_dir)
     else:
-        run(args.model_dir, args.out, args.strategy, args.export_shard_size)
+        run(args.model_dir, args.out, args.strategy, args.export_shard_size, args.method)
 
 
 if __name__ == "__main__":

@@ -189,6 +189,28 @@ def results(workdir: Path) -> Path:
     return workdir / "results" / active_stack()
 
 
+PLAN_TOLERANCE = 0.15  # a phase's measured peak / the memory plan's figure for it, within 1 +- this (issue #38)
+
+
+def phases_against_plan(run: Path) -> list[tuple[str, int, int]]:
+    """A finished run's (phase, planned, measured) as the report card sets them side by side
+    (moeflow.workflow.report_card.phase_comparison); fails unless every phase of the plan was measured (warmup's
+    load, train_model's resume, steps, checkpoints and export) within ``PLAN_TOLERANCE``."""
+    from moeflow.plan.memory import PHASES
+    from moeflow.train.peak_memory import PHASE_PEAKS_FILE
+    from moeflow.workflow.report_card import phase_comparison
+
+    plan = json.loads((run / "plan.json").read_text())
+    measured = json.loads((run / "train" / PHASE_PEAKS_FILE).read_text())
+    assert set(measured["stages"]["warmup"]) >= {"load", "step"}, measured
+    assert set(measured["stages"]["train_model"]) == {"resume", "step", "checkpoint", "export"}, measured
+    rows = phase_comparison(plan, measured)
+    assert [phase for phase, _, _ in rows] == list(PHASES)
+    off = {phase: round(got / planned, 3) for phase, planned, got in rows if abs(got / planned - 1) > PLAN_TOLERANCE}
+    assert not off, f"{run}: measured / planned memory outside 1 +- {PLAN_TOLERANCE}: {off}"
+    return rows
+
+
 # --------------------------------------------------------------------------- a tokenized corpus and a saved tiny MoE
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE, only_on, results, scheduled_rules, snakemake, write_overlay
+from conftest import SMOKE, only_on, phases_against_plan, results, scheduled_rules, snakemake, write_overlay
 
 pytestmark = [
     pytest.mark.pipeline,
@@ -79,6 +79,7 @@ def test_an_esft_run_trains_only_its_selected_experts_and_a_top_p_change_reuses_
     experts, others = changed_experts(base, tuned)
     assert others == []  # routers, attention, norms, embeddings: bit-identical through warmup, training, export
     assert experts == {(layer["layer"], e) for layer in selection["layers"] for e in layer["selected"]}
+    phases_against_plan(res / "runs" / RUN)  # every phase within the memory plan's tolerance
 
     assert scheduled_rules(pipeline_copy, overlay(pipeline_copy, top_p=0.6), target=target) == {
         "esft_select",

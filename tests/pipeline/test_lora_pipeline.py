@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SERVE_PYTHON, SMOKE, only_on, results, scheduled_rules, snakemake, write_overlay
+from conftest import (
+    SERVE_PYTHON,
+    SMOKE,
+    only_on,
+    phases_against_plan,
+    results,
+    scheduled_rules,
+    snakemake,
+    write_overlay,
+)
 
 pytestmark = [
     pytest.mark.pipeline,
@@ -100,6 +109,7 @@ def test_a_lora_run_trains_merges_evaluates_and_reruns_only_its_training_on_a_lo
     assert report["method"] == "lora" and 0 < report["trainable"] < report["total"]
     full = json.loads((res / "runs" / FULL_RUN / "adapter" / REPORT_FILE).read_text())
     assert full["method"] == "full" and full["trainable"] == full["total"]
+    phases_against_plan(res / "runs" / LORA_RUN)  # QLoRA on 2 FSDP ranks: every phase within the plan's tolerance
 
     base_dir = pipeline_copy / json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     load = dict(local_files_only=True, torch_dtype=torch.float32)

@@ -1,17 +1,21 @@
-"""Measured peak RSS per phase and rank against the memory planner, on the benchmark model (issue #16).
+"""Measured peak RSS per phase and rank against the memory planner, on the benchmark model (issues #16, #38).
 
 benchmarks/scale_worker.py runs the phases that move the whole training state (load, a step, checkpoint,
 resume, export) under torchrun at 1, 2 and 4 gloo ranks with ``parallel.strategy: fsdp`` (FSDP1 on the
 pinned stack, FSDP2 on the current one) on its 238M-parameter qwen3_moe (fp32, AdamW, 2 x 64 tokens a rank),
 measuring each phase's peak RSS on every rank (the kernel's high-water mark, reset before the phase). For
-every phase and rank the measurement is within 30% of ``phase_memory``'s per-rank figure for that job
+every phase and rank the measurement is within 15% of ``phase_memory``'s per-rank figure for that job
 (``rank_bytes``: with ``hardware.device: cpu`` a rank's resident set). The model folder is saved once
 for the module; each run's checkpoint and export are deleted once read. Slow (a few minutes on 2 cores):
-the issue asks for this model at these world sizes, and at 4 ranks a rank's state (227 MiB of weights) must
-still stand out of the planned runtime (400-600 MiB). The five phases share one torchrun launch per world size,
+issue #16 asks for this model at these world sizes, and at 4 ranks a rank's state (227 MiB of weights) must
+still stand out of the planned runtime (500-630 MiB). The five phases share one torchrun launch per world size,
 and AdamW's moments come from a step on zero gradients rather than a training step before the measured one
 (issue #23: a rank's unmeasured first step cost as much CPU as the measured one, 18 of its 67 CPU seconds at 2
 ranks on pinned); the rest of the cost is the measured work, reported per rank and phase in ``cpu_seconds``.
+
+On the current stack LoRA (rank 16 on every target, bf16, no gradient checkpointing: peft's fold of the fused
+experts' adapters held for every layer, the planner's ``folded_experts``) and QLoRA (NF4, checkpointing) run at one
+rank too (``RUNS``, ``--method`` of the worker): their frozen base in bf16 or 4 bits, the adapters' state in fp32.
 
 The 4-rank runs are the pinned stack's only (FSDP1; the current stack's FSDP2 is measured at 1 and 2 ranks): they
 are the slowest part of the suite on 2 cores, and .ci/run runs both stacks' suites side by side on one machine
@@ -45,28 +49,33 @@ from benchmarks import scale_worker as W  # noqa: E402
 from benchmarks.scale import PHASES, WORKER, run_worker  # noqa: E402
 
 WORLDS = (1, 2, 4) if active_stack() == "pinned" else (1, 2)  # module docstring
-TOLERANCE = 0.30  # measured / planned within 1 +- this (the issue's acceptance)
+# (method, ranks): the full fine-tune at every world size; LoRA and QLoRA in bf16 at one rank, on the stack whose
+# experts are fused (peft's fold of their adapters) and that quantizes
+RUNS = [("full", world) for world in WORLDS] + ([("lora", 1), ("qlora", 1)] if active_stack() == "current" else [])
+TOLERANCE = 0.15  # measured / planned within 1 +- this (issue #38; #16 asked for 0.30)
 EXPORT_SHARD_SIZE = "50MB"  # several files; the 131 MB embedding and output layer get one each
 RUN_TIMEOUT_S = 1200
 MIB = 2**20
 
 
 @functools.cache  # both tests read it at every world size (the meta-device count is kept by moeflow.plan.counts)
-def planned_phases(world: int) -> dict:
-    """``phase_memory`` for the worker's job at ``world`` fsdp ranks of one node (Job's docstring)."""
+def planned_phases(world: int, method: str = "full") -> dict:
+    """``phase_memory`` for the worker's job (``--method``) at ``world`` fsdp ranks of one node (Job's docstring)."""
     shape, params, _ = count_parameters(W.model_section(), W.VOCAB)
     section = W.model_section()
+    train, model, precision = W.METHODS[method]
     job = Job(
-        precision="fp32",
-        method="full",
+        precision=precision,
+        method=train.get("method", "full"),
         micro_batch_size=W.MICRO_BATCH,
         seq_len=W.SEQ_LEN,
-        gradient_checkpointing=W.TRAIN["gradient_checkpointing"],
+        gradient_checkpointing={**W.TRAIN, **train}["gradient_checkpointing"],
         attn_implementation=section["attn_implementation"],
         device="cpu",
         num_devices=world,
         expert_parallel=False,
-        lora=typed(LoraSettings, {}),
+        lora=typed(LoraSettings, train.get("lora", {})),
+        quantization=model.get("quantization", "none"),
         loss_chunk_tokens=section["loss_chunk_tokens"],
         ranks_per_node=world,
     )
@@ -82,50 +91,51 @@ def benchmark_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def measured(benchmark_model, tmp_path_factory) -> dict[int, dict]:
-    """The worker's report per world size (fsdp), this tree's design."""
+def measured(benchmark_model, tmp_path_factory) -> dict[tuple[str, int], dict]:
+    """The worker's report per (method, world size) of ``RUNS`` (fsdp), this tree's design."""
     reports = {}
-    for world in WORLDS:
-        out = tmp_path_factory.mktemp(f"scale-{world}")
+    for method, world in RUNS:
+        out = tmp_path_factory.mktemp(f"scale-{method}-{world}")
         report = run_worker(
-            sys.executable, REPO / "src", benchmark_model, out, world, "fsdp", EXPORT_SHARD_SIZE, RUN_TIMEOUT_S
+            sys.executable, REPO / "src", benchmark_model, out, world, "fsdp", EXPORT_SHARD_SIZE, RUN_TIMEOUT_S, method
         )
         shutil.rmtree(out)
-        assert "error" not in report, f"the worker failed at {world} ranks:\n{report['error']}"
-        reports[world] = report
+        assert "error" not in report, f"the worker failed ({method}, {world} ranks):\n{report['error']}"
+        reports[method, world] = report
     return reports
 
 
-def ratio_table(measured: dict[int, dict]) -> tuple[list[str], list[tuple[int, str, int, float]]]:
-    """Markdown lines of measured / planned per world, phase and rank (with the plan's terms and the phase's CPU
-    seconds), and the ratios."""
+def ratio_table(measured: dict[tuple[str, int], dict]) -> tuple[list[str], list[tuple[str, int, str, int, float]]]:
+    """Markdown lines of measured / planned per method, world, phase and rank (with the plan's terms and the phase's
+    CPU seconds), and the ratios."""
     lines = [
-        "| ranks | phase | rank | measured MiB | planned MiB | ratio | planned terms (MiB) | CPU s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | ranks | phase | rank | measured MiB | planned MiB | ratio | planned terms (MiB) | CPU s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = []
-    for world, report in measured.items():
-        planned = planned_phases(world)
+    for (method, world), report in measured.items():
+        planned = planned_phases(world, method)
         for phase in PHASES:
             want = rank_bytes(planned[phase])
             terms = {k: v for side in ("device", "host") for k, v in planned[phase][side].items() if k != "total"}
             shown = ", ".join(f"{k} {v / MIB:,.0f}" for k, v in terms.items() if v)
             for rank, numbers in enumerate(report["ranks"]):
                 got, start = numbers[phase]["peak_rss_bytes"], numbers[phase]["start_rss_bytes"]
-                ratios.append((world, phase, rank, got / want))
+                ratios.append((method, world, phase, rank, got / want))
                 lines.append(
-                    f"| {world} | {phase} | {rank} | {got / MIB:,.0f} (start {start / MIB:,.0f})"
+                    f"| {method} | {world} | {phase} | {rank} | {got / MIB:,.0f} (start {start / MIB:,.0f})"
                     f" | {want / MIB:,.0f} | {got / want:.2f} | {shown} | {numbers[phase]['cpu_seconds']:.1f} |"
                 )
     return lines, ratios
 
 
-def test_measured_peak_rss_per_phase_and_rank_is_within_30_percent_of_the_plan(measured):
+def test_measured_peak_rss_per_phase_and_rank_is_within_15_percent_of_the_plan(measured):
     lines, ratios = ratio_table(measured)
     print("\n".join(lines))  # shown with pytest -s
-    off = [(w, p, r, round(x, 2)) for w, p, r, x in ratios if abs(x - 1) > TOLERANCE]
-    assert not off, "measured / planned peak RSS outside 1 +- 0.3 (ranks, phase, rank, ratio):\n" + "\n".join(
-        [repr(off), *lines]
+    off = [(m, w, p, r, round(x, 2)) for m, w, p, r, x in ratios if abs(x - 1) > TOLERANCE]
+    assert not off, (
+        f"measured / planned peak RSS outside 1 +- {TOLERANCE} (method, ranks, phase, rank, ratio):\n"
+        + "\n".join([repr(off), *lines])
     )
 
 
@@ -134,10 +144,10 @@ def test_between_steps_a_rank_holds_the_planned_resident_state(measured):
     AdamW's moments, within 20%: no gradient is left behind by the step (FSDP1 keeps each unit's flat gradient
     until the next forward unless the Trainer frees it: +1 local copy of the weights, 1.23-1.27x here)."""
     off = []
-    for world, report in measured.items():
-        want = rank_bytes(planned_phases(world)["checkpoint"])
+    for (method, world), report in measured.items():
+        want = rank_bytes(planned_phases(world, method)["checkpoint"])
         for rank, numbers in enumerate(report["ranks"]):
             ratio = numbers["checkpoint"]["start_rss_bytes"] / want
             if ratio > 1.2:
-                off.append((world, rank, round(ratio, 2)))
-    assert not off, f"RSS at the checkpoint's start over the planned resident state (ranks, rank, ratio): {off}"
+                off.append((method, world, rank, round(ratio, 2)))
+    assert not off, f"RSS at a checkpoint's start over the planned resident state (method, ranks, rank, ratio): {off}"

@@ -10,12 +10,12 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import SMOKE, active_stack, results, snakemake
+from conftest import SMOKE, active_stack, phases_against_plan, results, snakemake
 
 from moeflow.paper.inputs import read_train_log
 from moeflow.workflow import keys
 from moeflow.workflow.load import load, run_config
-from moeflow.workflow.report_card import CardFiles, RunFiles, render_card
+from moeflow.workflow.report_card import CardFiles, RunFiles, render_card, size
 
 pytestmark = pytest.mark.pipeline
 MIB = 2**20
@@ -28,11 +28,11 @@ def run_section(card: str, run: str) -> str:
 
 def table_rows(section: str) -> dict[str, list[str]]:
     """The loss table's rows by set name: targeted, base, fine-tuned, change, forgetting."""
+    table = re.search(r"^\| set \|.*?(?=^$)", section, flags=re.M | re.S).group(0)
     rows = {}
-    for line in section.splitlines():
+    for line in table.splitlines()[2:]:  # after the header and its rule
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0] not in ("set",) and not cells[0].startswith("---"):
-            rows[cells[0]] = cells[1:]
+        rows[cells[0]] = cells[1:]
     return rows
 
 
@@ -77,6 +77,18 @@ def test_the_card_states_the_finished_pipelines_own_numbers(smoke_pipeline):
     assert "routing gate after warmup" in moe and ": stable" in moe
     assert "a dense model (no router)" in run_section(card, "dense")
     assert f"Paper: `results/{active_stack()}/paper`" in card
+
+
+def test_every_phase_of_a_run_is_measured_and_within_the_plans_tolerance(smoke_pipeline):
+    """Issue #38: each phase's peak (every rank's, in warmup or train_model) within 1 +- 0.15 of the memory plan's
+    figure for it, as the card prints them, on both stacks."""
+    res = results(smoke_pipeline)
+    card = (res / "report_card.md").read_text()
+    for run in ("moe", "dense"):
+        section = run_section(card, run)
+        for phase, planned, peak in phases_against_plan(res / "runs" / run):
+            line = f"| {phase} | {size(planned)} | {size(peak)} | {peak / planned:.2f} |"
+            assert line in section, (line, section)
 
 
 def smoke_run_files(workdir: Path, run: str, **changes) -> RunFiles:

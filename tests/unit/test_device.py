@@ -17,7 +17,7 @@ from moeflow.parallel import gradients
 from moeflow.parallel.gradients import clip_grad_norm
 from moeflow.runtime import host_copies
 from moeflow.settings import typed
-from moeflow.train import metrics
+from moeflow.train.peak_memory import PhasePeaks
 from moeflow.train.settings import TrainSettings
 from moeflow.train.trainer import Trainer
 from moeflow.workflow.keys import training
@@ -160,14 +160,14 @@ def test_cuda_memory_reading_is_the_steps_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocator["peak"])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocator["allocated"])
-    cuda = torch.device("cuda")
+    peaks = PhasePeaks(torch.device("cuda"))
     readings = []
     for activations in (300, 100):
-        metrics.start_step_memory(cuda)
-        allocate(activations)  # the step's activations and gradients...
-        allocate(-activations)  # ...freed by the update and zero_grad
-        readings.append(metrics.step_memory_mib(cuda))
-    assert readings == [300, 100]
+        with peaks.measure("step"):
+            allocate(activations)  # the step's activations and gradients...
+            allocate(-activations)  # ...freed by the update and zero_grad
+        readings.append(peaks.last / 2**20)
+    assert readings == [300, 100] and peaks.bytes == {"step": 300 * 2**20}
 
 
 def test_host_tensors_go_to_a_gpu_through_pinned_memory():

@@ -55,6 +55,7 @@ import logging
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,11 +92,13 @@ class LoraConfigError(ValueError):
 
 
 def is_lora_model(model: Any) -> bool:
-    """True for a model wrapped by :func:`apply_lora` / :func:`load_adapter` (a peft PeftModel)."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is pinned in both stacks
+    """True for a model wrapped by :func:`apply_lora` / :func:`load_adapter` (a peft PeftModel). Without peft
+    imported no model is one: asking does not import it (134 MiB resident on the current stack, with the
+    bitsandbytes it imports), which a full fine-tune's rank would otherwise carry from its export on."""
+    if "peft" not in sys.modules:
         return False
+    from peft import PeftModel
+
     return isinstance(model, PeftModel)
 
 

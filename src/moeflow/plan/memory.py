@@ -55,7 +55,7 @@ buffers and the gathered layers of the backward pass are not all live at the sam
       output weight's gradient ``vocab x H x 4`` when the output layer trains (not with LoRA), and the
       per-token losses ``T x 4``;
     * runtime: a fixed overhead (the CUDA context with NCCL's and cuBLAS's buffers; on CPU the measured
-      resident set of a training rank's interpreter, torch, transformers and gloo: ``CPU_RANK_RUNTIME_BYTES``).
+      resident set of a training rank beside its model: ``CPU_RANK_RUNTIME_BYTES``, with peft's for LoRA).
     ``parallel.strategy: none`` on several ranks (``Job.replicated``): every rank holds all of it, unsharded.
 
 The phases (:func:`phase_memory`, per rank; the resident state is the parameters in fp32, ``PARAM_BYTES``,
@@ -97,7 +97,8 @@ adapter ``rank x (hidden + experts)``, and per routed expert gate/up/down on tra
 linear layers) or its fused gate_up ``rank x (hidden + 2 I_e)`` and down projection on transformers 5
 (``target_parameters``; GPT-OSS fuses on both), so the same config plans slightly differently per stack.
 Activations add, per adapted matrix a token passes through (k of the routed experts), the rank-r
-intermediate and, with dropout, a copy of the matrix's input. With ``model.quantization`` the decoder matrices are
+intermediate and, with dropout, a copy of the matrix's input; adapted fused experts over a base in the compute dtype
+add peft's dense fold of them (:func:`folded_experts_bytes`). With ``model.quantization`` the decoder matrices are
 held in 4 or 8 bits with their scales (gathered so under FSDP), and a layer's are dense while it runs, its fused
 experts one at a time (``dequantized_layer``). A full fine-tune is offered LoRA and QLoRA among
 moeflow.plan.proposals' configurations.
@@ -145,13 +146,16 @@ MUON_BUFFER_BYTES = 4  # Muon's one fp32 momentum buffer
 MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the weights are bf16
 
 
-# What a rank holds before its model: the CUDA context (with NCCL's and cuBLAS's buffers) on CUDA; on CPU the
-# resident set of a training rank's process, by transformers major version (the stack), measured as
-# /proc/self/status VmRSS after importing torch, transformers, the training loop, process group, checkpoint and
-# model-loading modules (then the flat train, distributed, checkpoint and modeling) and the qwen3_moe modelling
-# module and initialising a gloo group (docs/memory-plan.md): 597 MiB on the pinned stack (torch 2.3.1+cu121,
-# transformers 4.57.1), 403 MiB on the current one (torch 2.13 CPU, 5.24).
-CPU_RANK_RUNTIME_BYTES = {4: 600 * 2**20, 5: 405 * 2**20}
+# What a rank holds beside its model: the CUDA context (with NCCL's and cuBLAS's buffers) on CUDA; on CPU the
+# resident set of a training rank's process, by transformers major version (the stack): its interpreter, torch,
+# transformers, moeflow, the data's libraries, gloo, and what its first step leaves allocated. Measured as the
+# smoke pipeline's phase peaks (a model of a few MiB) less the plan's model terms, benchmarks/rank_runtime.py
+# (docs/memory-plan.md): 630 MiB in a step on the pinned stack (torch 2.3.1+cu121, transformers 4.57.1), 500 MiB on
+# the current one (torch 2.13 CPU, 5.24); the load, before any step, about 30 MiB less.
+CPU_RANK_RUNTIME_BYTES = {4: 630 * 2**20, 5: 500 * 2**20}
+
+# A LoRA rank's imports beside those: peft, and on the current stack the bitsandbytes it imports (measured as above).
+CPU_ADAPTER_RUNTIME_BYTES = {4: 15 * 2**20, 5: 60 * 2**20}
 
 
 CUDA_RUNTIME_BYTES = 1 * GIB
@@ -348,12 +352,28 @@ def memory_per_device(s: Shape, params: ParamCount, job: Job) -> dict[str, int]:
         "activations": activation_bytes(s, job),
         "attention_masks": attention_mask_bytes(s, job),
         "loss": loss_bytes(s, job),
-        "runtime": runtime_bytes(job.device),
+        "runtime": runtime_bytes(job.device, job.method),
     }
     if quantized_parameters(params, job.quantization):
         out["dequantized_layer"] = dequantized_layer(s, params) * width
+    elif job.method == "lora":
+        out["folded_experts"] = folded_experts_bytes(s, params, job)
     out["total"] = sum(out.values())
     return out
+
+
+def folded_experts_bytes(s: Shape, params: ParamCount, job: Job) -> int:
+    """LoRA on fused experts over a base in the compute dtype: peft's ``target_parameters`` (and under ``ep``
+    moeflow.model.expert_lora) fold ``W + B A`` into a dense copy of a layer's expert tensors at each forward, which
+    autograd keeps for the backward pass: every MoE layer's without gradient checkpointing, the recomputed one's with
+    it; under expert parallelism a rank's own experts. None over a quantized base (one expert at a time,
+    moeflow.model.quantized_experts) or where each expert is its own module (peft's ``nn.Linear`` adapters)."""
+    adapters = lora_count(s, job.lora)
+    if not adapters.fused_experts or not adapters.by_category["routed_experts"]:
+        return 0
+    layer = math.ceil(params.largest_layer_routed / (job.expert_ranks if job.expert_parallel else 1))
+    held = 1 if job.gradient_checkpointing else len(s.moe_layers)
+    return layer * held * WEIGHT_BYTES[job.precision]
 
 
 def dequantized_layer(s: Shape, params: ParamCount) -> int:
@@ -397,10 +417,13 @@ def gathered_unit(params: ParamCount, job: Job) -> int:
     return max(params.largest_layer_without_routed, params.moe_layer_without_routed + experts)
 
 
-def runtime_bytes(device: str) -> int:
-    """A rank's fixed overhead: the CUDA context, or on CPU the measured resident set of a training rank's
-    imports and gloo group on this stack (``CPU_RANK_RUNTIME_BYTES``)."""
-    return CUDA_RUNTIME_BYTES if device == "cuda" else CPU_RANK_RUNTIME_BYTES[compat.transformers_major()]
+def runtime_bytes(device: str, method: str = "full") -> int:
+    """A rank's fixed overhead: the CUDA context, or on CPU the measured resident set of a training rank on this
+    stack (``CPU_RANK_RUNTIME_BYTES``), with peft's for a LoRA rank (``CPU_ADAPTER_RUNTIME_BYTES``)."""
+    if device == "cuda":
+        return CUDA_RUNTIME_BYTES
+    major = compat.transformers_major()
+    return CPU_RANK_RUNTIME_BYTES[major] + (CPU_ADAPTER_RUNTIME_BYTES[major] if method == "lora" else 0)
 
 
 def trained_parameters(s: Shape, params: ParamCount, job: Job) -> tuple[int, int]:
@@ -502,14 +525,16 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     zero_gradients = math.ceil(trained * PARAM_BYTES / job.shard_ranks)
     whole = largest_held_tensor_bytes(params, job)
     owned = math.ceil(whole / job.shard_ranks)
-    runtime = {"runtime": runtime_bytes(job.device)}
+    runtime = {"runtime": runtime_bytes(job.device, job.method)}
     on_cuda = job.device == "cuda"
     # LoRA's export writes each adapted weight merged, into a tensor of its own beside the gathered one
     merged = {"merged_copy": whole} if job.method == "lora" else {}
     step = {k: v for k, v in memory_per_device(s, params, job).items() if k != "total"}
     # a quantized base's rows are read dense a few at a time and packed where they land (moeflow.parallel.rank_load)
     quantized_read = (
-        {"quantized_read": quantized_read_bytes(s, job)} if quantized_parameters(params, job.quantization) else {}
+        {"quantized_read": quantized_read_bytes(s, params, job)}
+        if quantized_parameters(params, job.quantization)
+        else {}
     )
     # phase: (device terms, host copies of device memory: only on CUDA)
     terms = {
@@ -536,11 +561,14 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     return out
 
 
-def quantized_read_bytes(s: Shape, job: Job) -> int:
-    """A quantized base's load buffer: its dense rows read at a time (``QUANTIZED_READ_BYTES``) and their packed
-    bytes."""
-    packed = quantized_bytes_per_element(job.quantization, s.hidden_size) / WEIGHT_BYTES[job.precision]
-    return math.ceil(QUANTIZED_READ_BYTES * (1 + packed))
+def quantized_read_bytes(s: Shape, params: ParamCount, job: Job) -> int:
+    """A quantized base's load buffer: its dense rows read at a time and their packed bytes. At most
+    ``QUANTIZED_READ_BYTES`` of rows, and never more than a rank holds of one tensor (bounded by a layer's share: a
+    small model's tensors are read whole in far less)."""
+    width = WEIGHT_BYTES[job.precision]
+    packed = quantized_bytes_per_element(job.quantization, s.hidden_size) / width
+    dense = min(QUANTIZED_READ_BYTES, math.ceil(params.largest_layer * width / job.shard_ranks))
+    return math.ceil(dense * (1 + packed))
 
 
 def with_total(terms: Mapping[str, int]) -> dict[str, int]:

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from moeflow.families.mtp import is_mtp_name, mtp_prefixes
@@ -64,21 +63,6 @@ class MetricsLog:
     def close(self) -> None:
         self.jsonl.close()
         self.writer.close()
-
-
-def start_step_memory(device: torch.device) -> None:
-    """Begin a step's memory reading: on CUDA, reset the allocator's peak (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def step_memory_mib(device: torch.device) -> float:
-    """A step's memory: on CUDA the allocator's peak since :func:`start_step_memory` (after the update the
-    activations and gradients are freed, so what is allocated then misses them); on CPU the process's
-    resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return psutil.Process().memory_info().rss / 2**20
 
 
 def active_parameters(model: torch.nn.Module) -> int:

@@ -59,9 +59,10 @@ from moeflow.train.losses import (
     real_token_positions,
     update_correction_bias,
 )
-from moeflow.train.metrics import MetricsLog, flop_bearing_parameters, start_step_memory, step_memory_mib
+from moeflow.train.metrics import MetricsLog, flop_bearing_parameters
 from moeflow.train.optimizers import build_optimizer
 from moeflow.train.param_groups import correction_biases, lr_factor, param_groups, set_learning_rate
+from moeflow.train.peak_memory import PhasePeaks, release_freed_memory
 from moeflow.train.settings import BalanceSettings, MtpSettings, TrainSettings
 
 log = logging.getLogger("moeflow.train.trainer")
@@ -184,6 +185,7 @@ class Trainer:
         checkpoint_dir: str | os.PathLike | None = None,
         step_hook: Callable[[int, torch.nn.Module], None] | None = None,
         expert_selection: Mapping[str, Any] | None = None,
+        peaks: PhasePeaks | None = None,
     ):
         if precision not in enum(PRECISIONS):
             raise TrainConfigError(f"config key 'precision': {precision!r}; use one of {', '.join(enum(PRECISIONS))}")
@@ -191,6 +193,8 @@ class Trainer:
         self.collate_fn, self.seed, self.precision, self.stage = collate_fn, seed, precision, stage
         self.eval_rows, self.step_hook = eval_rows, step_hook
         self.device = model_device(model)
+        # each phase's peak on this rank (step, checkpoint, resume), beside the memory plan's in the report card
+        self.peaks = peaks or PhasePeaks(self.device)
         self.log_dir = Path(log_dir) if log_dir else None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.rank, self.world = rank(), world_size()
@@ -238,12 +242,15 @@ class Trainer:
         """A full checkpoint at ``path`` (``moeflow.checkpoint.state.save_checkpoint``), plus ``extra_json``
         ({file name: object}). A collective: every rank calls it and writes its shards; it returns once the
         checkpoint is complete under its final name."""
-        C.save_checkpoint(path, self.model, self.optimizer, self.state(), self.history, extra_json)
+        release_freed_memory()  # the step's freed activations: not resident through the save
+        with self.peaks.measure("checkpoint"):
+            C.save_checkpoint(path, self.model, self.optimizer, self.state(), self.history, extra_json)
 
     def load(self, path: str | os.PathLike) -> None:
         """Continue from a full checkpoint (a resumable one, or the warmup stage's output), saved by any
         world size and layout. Every rank reads only its own shards; call it before the first step."""
-        state = C.load_checkpoint(path, self.model, self.optimizer)
+        with self.peaks.measure("resume"):
+            state = C.load_checkpoint(path, self.model, self.optimizer)
         self.step = int(state["step"])
         self.order.load_state_dict(state["data"])
         self.routing_guard.load_state_dict(state["routing_guard"])
@@ -286,6 +293,7 @@ class Trainer:
         import gc
 
         gc.collect()
+        release_freed_memory()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -327,18 +335,18 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         s = self.settings
         started = time.perf_counter()
-        start_step_memory(self.device)
-        factor = lr_factor(self.step, s.warmup_steps, s.steps, s.min_lr / s.lr if s.lr else 0.0)
-        set_learning_rate(self.optimizer, s.lr, factor)
-        summary = self.step_gradients()
-        if self.expert_mask is not None:  # before clipping: the unselected rows' gradients count in no norm
-            self.expert_mask.before_step(self.optimizer)
-        grad_norm = clip_grad_norm(self.model, s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
-        loss = summary["loss"]
-        G.check_finite({"loss": loss, "grad_norm": grad_norm}, self.step + 1)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        release_gradients(self.model)
+        with self.peaks.measure("step"):
+            factor = lr_factor(self.step, s.warmup_steps, s.steps, s.min_lr / s.lr if s.lr else 0.0)
+            set_learning_rate(self.optimizer, s.lr, factor)
+            summary = self.step_gradients()
+            if self.expert_mask is not None:  # before clipping: the unselected rows' gradients count in no norm
+                self.expert_mask.before_step(self.optimizer)
+            grad_norm = clip_grad_norm(self.model, s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
+            loss = summary["loss"]
+            G.check_finite({"loss": loss, "grad_norm": grad_norm}, self.step + 1)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            release_gradients(self.model)
         counts = torch.tensor(summary.get("counts", []), dtype=torch.float64)
         update_correction_bias(self.biases, counts, s.balance.bias_update_rate)
         self.step += 1
@@ -363,7 +371,7 @@ class Trainer:
             "flops_per_s": flops_per_s,
             # model-FLOP utilisation per device against train.peak_flops_per_s (None when unknown)
             "mfu": flops_per_s / (s.peak_flops_per_s * self.world) if s.peak_flops_per_s else None,
-            "memory_mib": step_memory_mib(self.device),
+            "memory_mib": self.peaks.last / 2**20,  # the step's peak (moeflow.train.peak_memory)
             "routing": [layer_health(load, e) for load, e in zip(summary.get("counts", []), entropy)],
         }
         record["alarms"] = self.routing_guard.observe(self.step, summary.get("counts", []), entropy, summary["ce"])
@@ -469,6 +477,7 @@ def train_stage(
     until: int | None = None,
     eval_rows: Sequence[Mapping[str, Any]] | None = None,
     expert_selection: Mapping[str, Any] | None = None,
+    peaks: PhasePeaks | None = None,
 ) -> Trainer:
     """Run one training stage: resume from its keyed checkpoint folder if one matches, else start
     (from ``start_from``, a full checkpoint, if given), train until ``until``. The caller writes its
@@ -487,6 +496,7 @@ def train_stage(
         log_dir=log_dir,
         checkpoint_dir=Path(checkpoint_root) / f"{stage.name}-{key}",
         expert_selection=expert_selection,
+        peaks=peaks,
     )
     if not trainer.resume() and start_from is not None:
         trainer.load(start_from)

@@ -2,8 +2,8 @@
 
 It is printed from the Snakefile's ``onsuccess`` and kept as ``results/<stack>/report_card.md``. Per run: the
 loss before and after fine-tuning on each evaluation set, routing health (dead experts, balance, the warmup
-gate's verdict), the memory plan's verdict against the measured peak, and where the model, the logs and the
-paper are.
+gate's verdict), the memory plan's verdict and each phase's plan against its measured peak, and where the model,
+the logs and the paper are.
 
 Rendered as plain text (Markdown that reads as it is in a terminal) from the files the stages wrote, never
 by running anything: a stage the run does not have (a dense run's router, HumanEval turned off, a target
@@ -21,11 +21,14 @@ from typing import Any
 
 from moeflow.paper.eval_results import pass_at_k
 from moeflow.paper.inputs import TrainLog, read_benchmark, read_train_log
+from moeflow.plan.memory import PHASES
 from moeflow.runtime.files import write_text
+from moeflow.train.peak_memory import PHASE_PEAKS_FILE
 
 # The targets that end with a card (Snakemake's default target is train).
 CARD_TARGETS = ("train", "paper")
 MIB = 2**20
+PLAN_TOLERANCE = 0.15  # a measured phase peak within 1 +- this of the memory plan's (issue #38)
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,41 @@ def memory_lines(files: RunFiles, log: TrainLog | None, src: Sources) -> list[st
     bench = src.benchmark(files.train_benchmark)
     if bench is not None and bench["max_rss_mib"] is not None:
         lines.append(f"- train_model job's peak RSS: {size(bench['max_rss_mib'] * MIB)}")
-    return lines
+    peaks_file = f"{files.train_logs}/{PHASE_PEAKS_FILE}"
+    measured = src.json(peaks_file)
+    if measured is None:
+        return [*lines, missing_line("measured memory per phase", peaks_file)]
+    lines += [
+        f"- each phase, planned per rank against the largest rank's peak in warmup or train_model (`{peaks_file}`; "
+        f"outside 1 +- {PLAN_TOLERANCE:g} is marked):",
+        "",
+        "| phase | planned | measured | measured / planned |",
+        "|---|---|---|---|",
+    ]
+    for phase, planned, peak in phase_comparison(plan, measured):
+        ratio = peak / planned
+        mark = "" if abs(ratio - 1) <= PLAN_TOLERANCE else " (outside)"
+        lines.append(f"| {phase} | {size(planned)} | {size(peak)} | {ratio:.2f}{mark} |")
+    return [*lines, ""]
+
+
+def phase_comparison(plan: Mapping[str, Any], measured: Mapping[str, Any]) -> list[tuple[str, int, int]]:
+    """(phase, planned bytes per rank, measured peak of the largest rank, in warmup or train_model) for every phase
+    of the plan that the run measured (moeflow.train.peak_memory). Planned: on CUDA the device's total, what the
+    allocator's peak is set beside; on the CPU the device and host sides together, the rank's resident set."""
+    peaks: dict[str, int] = {}
+    for stage in measured["stages"].values():
+        for phase, per_rank in stage.items():
+            peaks[phase] = max(peaks.get(phase, 0), *per_rank)
+    rows = []
+    for phase in PHASES:
+        planned = plan["phases"][phase]
+        if phase in peaks:
+            total = planned["device_bytes"]["total"]
+            if measured["device"] != "cuda":
+                total += planned["host_bytes"]["total"]
+            rows.append((phase, total, peaks[phase]))
+    return rows
 
 
 # --------------------------------------------------------------------------- tasks
