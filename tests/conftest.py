@@ -28,8 +28,8 @@ from moeflow.settings import REPO_ROOT
 set_offline()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Outputs a rerun does not reproduce byte for byte: measured seconds; an unseeded generator's state.
-NOT_REPRODUCED = ("timings.json", "rng.safetensors")
+# Outputs a rerun does not reproduce byte for byte: measured seconds and memory; an unseeded generator's state.
+NOT_REPRODUCED = ("timings.json", "phase_peaks.json", "rng.safetensors")
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "envs", "src", "tools", "profiles")
 
 

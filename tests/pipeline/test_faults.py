@@ -148,8 +148,9 @@ def test_warmup_killed_after_a_checkpoint_resumes_to_the_same_weights_and_losses
     rerun = files_of(folder)
     assert rerun.keys() == reference.keys()
     # Bit-identical weights, optimizer state, losses and routing report. Not compared: timings.json (measured
-    # seconds) and rng.safetensors (the trainer does not seed torch's global generator, whose seed differs in
-    # every process; nothing in these steps draws from it, so the losses do not depend on it).
+    # seconds), phase_peaks.json (measured memory) and rng.safetensors (the trainer does not seed torch's global
+    # generator, whose seed differs in every process; nothing in these steps draws from it, so the losses do not
+    # depend on it).
     assert [name for name in reference if name not in NOT_REPRODUCED and rerun[name] != reference[name]] == []
     state = json.loads(rerun["trainer_state.json"])
     assert [r["step"] for r in state["history"] if r["kind"] == "train"] == [1, 2, 3, 4]

@@ -366,13 +366,14 @@ def folded_experts_bytes(s: Shape, params: ParamCount, job: Job) -> int:
     """LoRA on fused experts over a base in the compute dtype: peft's ``target_parameters`` (and under ``ep``
     moeflow.model.expert_lora) fold ``W + B A`` into a dense copy of a layer's expert tensors at each forward, which
     autograd keeps for the backward pass: every MoE layer's without gradient checkpointing, the recomputed one's with
-    it; under expert parallelism a rank's own experts. None over a quantized base (one expert at a time,
+    it; and the backward pass builds the folded tensor's gradient, as large, for the factors' gradients: one more
+    layer's. Under expert parallelism a rank's own experts. None over a quantized base (one expert at a time,
     moeflow.model.quantized_experts) or where each expert is its own module (peft's ``nn.Linear`` adapters)."""
     adapters = lora_count(s, job.lora)
     if not adapters.fused_experts or not adapters.by_category["routed_experts"]:
         return 0
     layer = math.ceil(params.largest_layer_routed / (job.expert_ranks if job.expert_parallel else 1))
-    held = 1 if job.gradient_checkpointing else len(s.moe_layers)
+    held = (1 if job.gradient_checkpointing else len(s.moe_layers)) + 1  # the copies kept, and one's gradient
     return layer * held * WEIGHT_BYTES[job.precision]
 
 

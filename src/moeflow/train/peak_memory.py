@@ -1,16 +1,15 @@
-"""A phase's peak memory on this rank, to set beside the memory planner's figure for it (moeflow.plan.memory).
-
-On CUDA the allocator's peak (``torch.cuda.max_memory_allocated``, reset before the phase): what the planner's
-device side counts. On CPU the process's resident set high-water mark (``VmHWM``), reset before the phase by
-writing 5 to ``/proc/self/clear_refs`` (Linux): the planner's whole figure for a CPU rank. Where the mark cannot be
-reset (not Linux), a phase's figure is the resident set at its end, a lower bound, rather than the peak of an
-earlier, larger phase.
+"""A phase's peak memory on this rank, to set beside the memory planner's figure for it (moeflow.plan.memory). On CUDA
+the allocator's peak (``torch.cuda.max_memory_allocated``, reset before the phase): what the planner's device side
+counts but its runtime (the CUDA context and the communication buffers, which the allocator never sees). On CPU the
+process's resident set high-water mark (``VmHWM``), reset before the phase by writing 5 to ``/proc/self/clear_refs``
+(Linux): the planner's whole figure for a CPU rank. Where the mark cannot be reset (not Linux), a phase's figure is
+the resident set at its end, a lower bound, rather than the peak of an earlier, larger phase.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,9 @@ if TYPE_CHECKING:  # torch is imported where CUDA is asked: the report card (the
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
 STATUS = Path("/proc/self/status")
-PHASE_PEAKS_FILE = "phase_peaks.json"  # train_model's, in the run's train logs: {"device", "bytes": by_phase(...)}
+# in the run's train logs, train_model's {"device", "stages": {stage: by_phase(...)}}; in warmup's checkpoint
+# {"device", "bytes": by_phase(...)}
+PHASE_PEAKS_FILE = "phase_peaks.json"
 RESET_HIGH_WATER_MARK = "5"  # proc(5): "Reset the peak resident set size ("high water mark") to the process's RSS"
 
 
@@ -53,7 +54,7 @@ def peak_bytes(device: torch.device, reset: bool = True) -> int:
     for line in STATUS.read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM line in {STATUS}")
+    return psutil.Process().memory_info().rss  # a kernel that reports no high-water mark: the resident set now
 
 
 def release_freed_memory() -> None:
@@ -61,11 +62,18 @@ def release_freed_memory() -> None:
     glibc keeps freed heap memory resident: after a step a CPU rank would hold its activations' room through the
     checkpoint and the export that follow, which do not need it, as resident set the host cannot use. Cheap where
     called (before a checkpoint, before the export), not per step, where the next step would fault it back in."""
-    libc = ctypes.util.find_library("c")
-    if libc:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` from the symbols already loaded (None elsewhere: macOS, musl)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 class PhasePeaks:

@@ -266,20 +266,23 @@ def memory_lines(files: RunFiles, log: TrainLog | None, src: Sources) -> list[st
 
 def phase_comparison(plan: Mapping[str, Any], measured: Mapping[str, Any]) -> list[tuple[str, int, int]]:
     """(phase, planned bytes per rank, measured peak of the largest rank, in warmup or train_model) for every phase
-    of the plan that the run measured (moeflow.train.peak_memory). Planned: on CUDA the device's total, what the
-    allocator's peak is set beside; on the CPU the device and host sides together, the rank's resident set."""
+    of the plan that the run measured (moeflow.train.peak_memory). Planned: on CUDA the device's total less its
+    runtime (the CUDA context, which the allocator's peak never holds); on the CPU the device and host sides together,
+    the rank's resident set."""
     peaks: dict[str, int] = {}
-    for stage in measured["stages"].values():
+    for stage in measured.get("stages", {}).values():
         for phase, per_rank in stage.items():
             peaks[phase] = max(peaks.get(phase, 0), *per_rank)
     rows = []
     for phase in PHASES:
-        planned = plan["phases"][phase]
-        if phase in peaks:
-            total = planned["device_bytes"]["total"]
-            if measured["device"] != "cuda":
-                total += planned["host_bytes"]["total"]
-            rows.append((phase, total, peaks[phase]))
+        if phase not in peaks or phase not in plan["phases"]:
+            continue
+        device, host = plan["phases"][phase]["device_bytes"], plan["phases"][phase]["host_bytes"]
+        if measured["device"] == "cuda":  # the allocator never sees the CUDA context the runtime term stands for
+            total = device["total"] - device.get("runtime", 0)
+        else:
+            total = device["total"] + host["total"]
+        rows.append((phase, total, peaks[phase]))
     return rows
 
 
