@@ -20,7 +20,8 @@ them); ``export`` (the final model: ``moeflow.export.save_final_model``, a colle
 it; else the old design, ``distributed.whole_model`` then ``modeling.save_final_model`` on rank 0).
 
 Per phase and rank: the peak RSS of the phase (the kernel's high-water mark reset through
-``/proc/self/clear_refs`` before the phase, ``VmHWM`` read after it), the RSS at its start, its seconds
+``/proc/self/clear_refs`` before the phase, ``VmHWM`` read after it), the RSS at its start (both less the
+file-backed pages, ``RssFile`` and ``RssShmem``, as moeflow.train.peak_memory measures), its seconds
 (barrier to barrier: the slowest rank's), this rank's CPU seconds (user + system) and the bytes this rank
 wrote (``write_bytes`` of ``/proc/self/io``).
 RSS measures what is live only if freed tensors go back to the kernel: the driver sets
@@ -34,6 +35,7 @@ measure both with the same file: it imports ``moeflow`` from PYTHONPATH (the dri
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import importlib.util
 import inspect
@@ -189,6 +191,20 @@ def _status_kib(key: str) -> int:
     raise KeyError(key)
 
 
+def _return_freed_heap() -> None:
+    """glibc's ``malloc_trim``: what earlier phases freed below the mmap threshold goes back to the system before a
+    phase, as train_model returns it before a checkpoint and the export (moeflow.train.peak_memory)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _file_backed_kib() -> int:
+    """The resident set's file-backed pages (shared libraries, mapped files): clean, and as large as the files' page
+    cache makes them, so left out of every figure (as moeflow.train.peak_memory leaves them out)."""
+    return _status_kib("RssFile") + _status_kib("RssShmem")
+
+
 def _write_bytes() -> int:
     for line in Path("/proc/self/io").read_text().splitlines():
         if line.startswith("write_bytes:"):
@@ -205,14 +221,15 @@ def measure(barrier: Callable[[], None], phase: Callable[[], object]) -> tuple[o
     """Run ``phase`` between two barriers; its peak RSS, start RSS, seconds, CPU seconds and bytes written on
     this rank."""
     gc.collect()
+    _return_freed_heap()
     barrier()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    start_rss, written = _status_kib("VmRSS") * 1024, _write_bytes()
+    start_rss, written = (_status_kib("VmRSS") - _file_backed_kib()) * 1024, _write_bytes()
     started, cpu = time.perf_counter(), _cpu_seconds()
     result = phase()
     barrier()
     return result, {
-        "peak_rss_bytes": _status_kib("VmHWM") * 1024,
+        "peak_rss_bytes": (_status_kib("VmHWM") - _file_backed_kib()) * 1024,
         "start_rss_bytes": start_rss,
         "seconds": time.perf_counter() - started,
         "cpu_seconds": _cpu_seconds() - cpu,

@@ -76,7 +76,8 @@ frozen ones included, and AdamW's two fp32 moments of the trained ones, both ove
     Each side (device, host) of a phase has its terms and a ``total``. On CUDA the host side also holds the
     host runtime per rank (``CUDA_HOST_RUNTIME_BYTES``: interpreter, torch, CUDA's host libraries); with
     ``hardware.device: cpu`` there is one memory: every term is on the device side, the runtime once,
-    nothing is staged, and :func:`rank_bytes` (device + host) is what the rank's peak RSS should be.
+    nothing is staged, and :func:`rank_bytes` (device + host) is what the rank's peak RSS should be, less its
+    file-backed pages (moeflow.train.peak_memory).
 
 ``parallel.cpu_offload`` (``Job.cpu_offload``: FSDP2's offload policy, also over one rank): on CUDA the sharded state
 (weights, gradients, optimizer; :func:`step_state`) is on the host side of the step, and the resident state, the
@@ -146,16 +147,17 @@ MUON_BUFFER_BYTES = 4  # Muon's one fp32 momentum buffer
 MASTER_WEIGHT_BYTES = {"fp32": 0, "bf16": 4}  # an fp32 master copy when the weights are bf16
 
 
-# What a rank holds beside its model: the CUDA context (with NCCL's and cuBLAS's buffers) on CUDA; on CPU the
-# resident set of a training rank's process, by transformers major version (the stack): its interpreter, torch,
-# transformers, moeflow, the data's libraries, gloo, and what its first step leaves allocated. Measured as the
-# smoke pipeline's phase peaks (a model of a few MiB) less the plan's model terms, benchmarks/rank_runtime.py
-# (docs/memory-plan.md): 630 MiB in a step on the pinned stack (torch 2.3.1+cu121, transformers 4.57.1), 500 MiB on
-# the current one (torch 2.13 CPU, 5.24); the load, before any step, about 30 MiB less.
-CPU_RANK_RUNTIME_BYTES = {4: 630 * 2**20, 5: 500 * 2**20}
+# What a rank holds beside its model: the CUDA context (with NCCL's and cuBLAS's buffers) on CUDA; on CPU a
+# training rank's own resident memory, by transformers major version (the stack): its interpreter, torch,
+# transformers, moeflow, the data's libraries, gloo, and what its first step leaves allocated, without the
+# file-backed pages (shared libraries' code: clean, and as large as the page cache makes them,
+# moeflow.train.peak_memory). Measured as the smoke pipeline's phase peaks (a model of a few MiB) less the plan's
+# model terms, benchmarks/rank_runtime.py (docs/memory-plan.md): 360 MiB in a step on the pinned stack (torch
+# 2.3.1+cu121, transformers 4.57.1), 335 MiB on the current one (torch 2.13 CPU, 5.24); the load about 10 MiB less.
+CPU_RANK_RUNTIME_BYTES = {4: 360 * 2**20, 5: 335 * 2**20}
 
 # A LoRA rank's imports beside those: peft, and on the current stack the bitsandbytes it imports (measured as above).
-CPU_ADAPTER_RUNTIME_BYTES = {4: 15 * 2**20, 5: 60 * 2**20}
+CPU_ADAPTER_RUNTIME_BYTES = {4: 15 * 2**20, 5: 55 * 2**20}
 
 
 CUDA_RUNTIME_BYTES = 1 * GIB
@@ -518,7 +520,7 @@ def phase_memory(s: Shape, params: ParamCount, job: Job) -> dict[str, dict[str, 
     On CUDA the host side holds the staging buffers and the host runtime (``CUDA_HOST_RUNTIME_BYTES``).
     With ``hardware.device: cpu`` there is one memory: everything is on the device side (the runtime once,
     the measured resident set of a rank), the host side is empty, and a rank's figure is
-    :func:`rank_bytes` (device + host: what its peak RSS should be)."""
+    :func:`rank_bytes` (device + host: what its peak RSS less its file-backed pages should be)."""
     state = resident_state(s, params, job)
     # a fresh optimizer's state is initialised by a step on zero gradients (torch.distributed.checkpoint's
     # private step, moeflow.checkpoint.pieces.init_optimizer_state) before the checkpoint's moments are read into it

@@ -1,9 +1,16 @@
-"""A phase's peak memory on this rank, to set beside the memory planner's figure for it (moeflow.plan.memory). On CUDA
-the allocator's peak (``torch.cuda.max_memory_allocated``, reset before the phase): what the planner's device side
-counts but its runtime (the CUDA context and the communication buffers, which the allocator never sees). On CPU the
-process's resident set high-water mark (``VmHWM``), reset before the phase by writing 5 to ``/proc/self/clear_refs``
-(Linux): the planner's whole figure for a CPU rank. Where the mark cannot be reset (not Linux), a phase's figure is
-the resident set at its end, a lower bound, rather than the peak of an earlier, larger phase.
+"""A phase's peak memory on this rank, to set beside the memory planner's figure for it (moeflow.plan.memory).
+
+On CUDA the allocator's peak (``torch.cuda.max_memory_allocated``, reset before the phase): what the planner's device
+side counts but its runtime (the CUDA context and the communication buffers, which the allocator never sees).
+
+On CPU the process's resident set high-water mark (``VmHWM``, reset before the phase by writing 5 to
+``/proc/self/clear_refs``, Linux) less its file-backed pages at the phase's end (``RssFile`` and ``RssShmem``: the
+shared libraries' code, memory-mapped files). Those pages are clean, the kernel drops them under pressure, and their
+count depends on how the files were cached, not on the job: the same imports hold 140 MiB of them from a venv
+installed long ago and 230 MiB from one installed a minute before (large page-cache folios), which alone moved a
+smoke run's phases by 20%. What remains is the rank's own memory, the planner's whole figure for a CPU rank. Where
+the mark cannot be reset (not Linux), a phase's figure is the resident set at its end, a lower bound, rather than
+the peak of an earlier, larger phase.
 """
 
 from __future__ import annotations
@@ -43,18 +50,19 @@ def reset_peak(device: torch.device) -> bool:
 
 
 def peak_bytes(device: torch.device, reset: bool = True) -> int:
-    """The peak since :func:`reset_peak` (CUDA: allocated bytes; CPU: the resident set's high-water mark, or
-    where it was not ``reset`` the resident set now)."""
+    """The peak since :func:`reset_peak` (CUDA: allocated bytes; CPU: the resident set's high-water mark less its
+    file-backed pages, or where it was not ``reset`` the resident set now)."""
     if device.type == "cuda":
         import torch
 
         return torch.cuda.max_memory_allocated(device)
     if not reset:
         return psutil.Process().memory_info().rss
-    for line in STATUS.read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return psutil.Process().memory_info().rss  # a kernel that reports no high-water mark: the resident set now
+    status = dict(line.split(":", 1) for line in STATUS.read_text().splitlines() if ":" in line)
+    kib = {key: int(status[key].split()[0]) for key in ("VmHWM", "RssFile", "RssShmem") if key in status}
+    if "VmHWM" not in kib:  # a kernel that reports no high-water mark: the resident set now
+        return psutil.Process().memory_info().rss
+    return (kib["VmHWM"] - kib.get("RssFile", 0) - kib.get("RssShmem", 0)) * 1024
 
 
 def release_freed_memory() -> None:
